@@ -1,0 +1,24 @@
+# The two commands a new user runs:
+#   make run    installs, writes the tiny checkpoint (first use) and serves it
+#   make test   installs everything and runs lint + the test suite (what CI runs)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TINY := models/tiny
+
+.PHONY: install run test
+$(PY):
+	python3 -m venv $(VENV)
+
+install: $(PY)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+
+$(TINY)/config.json: | install
+	$(PY) -m serving.tiny_model $(TINY)
+
+run: install $(TINY)/config.json
+	$(PY) -m serving.generate --model-path $(TINY)
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q

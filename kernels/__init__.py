@@ -1,0 +1,12 @@
+"""Kernel-shaped operations of the GLM-5.3-Flash model.
+
+Each module holds the plain-torch reference of one operation. The model calls these functions
+only, so a Triton implementation with the same signature can replace a reference without
+touching the model. Shapes use T = tokens in the batch, B = requests, H = heads.
+
+Hazard: the Hugging Face hub package `kernels` shares this import name. transformers probes it
+with find_spec plus a distribution-version check (it wants 0.16 <= version < 0.17); our
+distribution is `pdserve` with a version outside that window and this package has no
+`__version__`, so transformers treats hub kernels as absent. tests/test_kernels_name.py holds
+that line.
+"""

@@ -1,0 +1,131 @@
+"""Kimi Delta Attention (KDA): short causal conv and the gated delta-rule recurrence.
+
+State per request: conv state [C, K-1] (the last K-1 pre-conv inputs) and recurrent state
+[H, Dk, Dv] in float32. Both live in engine-owned tensors indexed by request row; these
+functions read and update them in place at `rows`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv_extend(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over a ragged batch, continuing from `conv_state[rows]`.
+
+    x: [T, C] new inputs, requests back to back with lengths `lens`; weight: [C, K].
+    conv_state: [R, C, K-1], updated in place to the last K-1 inputs of every request.
+    """
+    kernel = weight.shape[-1]
+    num_reqs, max_len = len(lens), max(lens)
+    chans = x.shape[-1]
+    # seq[b] = state ++ x_b ++ zero padding, laid out [B, C, K-1+max_len]
+    seq = x.new_zeros(num_reqs, chans, kernel - 1 + max_len, dtype=weight.dtype)
+    seq[:, :, : kernel - 1] = conv_state[rows].to(weight.dtype)
+    offset = 0
+    for b, n in enumerate(lens):
+        seq[b, :, kernel - 1 : kernel - 1 + n] = x[offset : offset + n].T.to(weight.dtype)
+        offset += n
+    out = F.silu(F.conv1d(seq, weight.unsqueeze(1), groups=chans))  # [B, C, max_len]
+    pieces = []
+    for b, n in enumerate(lens):
+        pieces.append(out[b, :, :n].T)
+        conv_state[rows[b]] = seq[b, :, n : n + kernel - 1].to(conv_state.dtype)
+    return torch.cat(pieces).to(x.dtype)
+
+
+def causal_conv_decode(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """One token per request. x: [B, C]; conv_state[rows] shifts by one. Graph-safe."""
+    seq = torch.cat([conv_state[rows].to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], dim=-1)
+    out = F.silu((seq * weight.unsqueeze(0)).sum(-1))
+    conv_state[rows] = seq[:, :, 1:].to(conv_state.dtype)
+    return out.to(x.dtype)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    # Matches FLA and transformers: x / sqrt(sum(x^2) + eps), not F.normalize.
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _delta_step(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """state [N,H,Dk,Dv]; q,k,g [N,H,Dk]; v [N,H,Dv]; beta [N,H]. All float32."""
+    state = state * g.exp().unsqueeze(-1)
+    kv_mem = (state * k.unsqueeze(-1)).sum(-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (state * q.unsqueeze(-1)).sum(-2)
+    return out, state
+
+
+def kda_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+) -> torch.Tensor:
+    """KDA over a ragged batch starting from `state[rows]` (updated in place).
+
+    q, k: [T, H, Dk] (l2-normalised here); v: [T, H, Dv]; g: [T, H, Dk] log-decay;
+    beta: [T, H]. Returns [T, H, Dv] in q's dtype.
+    """
+    out_dtype = q.dtype
+    heads, dk = q.shape[1], q.shape[2]
+    q = _l2norm(q.float()) * dk**-0.5
+    k = _l2norm(k.float())
+    v, g, beta = v.float(), g.float(), beta.float()
+    num_reqs, max_len = len(lens), max(lens)
+    starts = torch.tensor([0] + lens[:-1], device=q.device).cumsum(0)
+    lens_t = torch.tensor(lens, device=q.device)
+    s = state[rows].float()
+    out = torch.empty(q.shape[0], heads, v.shape[-1], device=q.device, dtype=torch.float32)
+    for t in range(max_len):
+        active = lens_t > t
+        idx = (starts + t).clamp(max=q.shape[0] - 1)
+        o_t, s_new = _delta_step(s, q[idx], k[idx], v[idx], g[idx], beta[idx])
+        s = torch.where(active.view(num_reqs, 1, 1, 1), s_new, s)
+        out[idx[active]] = o_t[active]
+    state[rows] = s.to(state.dtype)
+    return out.to(out_dtype)
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """One token per request (shapes as kda_extend with T = B). Graph-safe."""
+    dk = q.shape[-1]
+    o, s = _delta_step(
+        state[rows].float(),
+        _l2norm(q.float()) * dk**-0.5,
+        _l2norm(k.float()),
+        v.float(),
+        g.float(),
+        beta.float(),
+    )
+    state[rows] = s.to(state.dtype)
+    return o.to(q.dtype)

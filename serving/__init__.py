@@ -1,0 +1,1 @@
+"""The engine both worker roles share: config, model, memory, scheduling, HTTP front."""

@@ -1,0 +1,259 @@
+"""Model configuration: the text part of a GLM-5.3-Flash (`glm5_next`) checkpoint.
+
+`ModelConfig.from_dict` accepts what transformers writes for `glm5_next` (fields nested under
+`text_config`) and flat text-only configs. Everything the model cannot serve is refused here,
+at load time, with the offending field named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+KDA = "linear_attention"
+DSA = "deepseek_sparse_attention"
+LAYER_TYPES = (KDA, DSA)
+MLP_TYPES = ("dense", "sparse")
+INDEXER_TYPES = ("full", "shared")
+
+
+class ConfigError(ValueError):
+    """A checkpoint config this server cannot serve; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    indexer_types: tuple[str, ...]
+    # dense MLP / MoE
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    swiglu_limit: float
+    # MLA (NoPE)
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    # DSA indexer with kpool compression
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    index_kpool: int
+    index_kpool_always_select_tail: bool
+    # KDA
+    linear_num_heads: int
+    linear_head_dim: int
+    linear_conv_kernel_dim: int
+    linear_lower_bound: float | None
+    # mHC
+    hc_mult: int
+    hc_eps: float
+    hc_sinkhorn_iters: int
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 1048576
+    num_nextn_predict_layers: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ---- derived ----
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == KDA]
+
+    @property
+    def dsa_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == DSA]
+
+    @property
+    def indexer_layers(self) -> list[int]:
+        """DSA layers that run their own indexer (and so own index keys and a compression tail)."""
+        return [i for i in self.dsa_layers if self.indexer_types[i] == "full"]
+
+    @property
+    def index_select_pools(self) -> int:
+        return self.index_topk // self.index_kpool
+
+    @property
+    def index_width(self) -> int:
+        """Width of a top-k row: selected pools expanded to tokens, plus the open tail."""
+        tail = self.index_kpool - 1 if self.index_kpool_always_select_tail else 0
+        return self.index_topk + tail
+
+    @property
+    def kda_qkv_dim(self) -> int:
+        return self.linear_num_heads * self.linear_head_dim
+
+    # ---- construction ----
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        text = dict(raw.get("text_config") or raw)
+        for key in ("num_nextn_predict_layers", "eos_token_id", "pad_token_id"):
+            if key not in text and key in raw:
+                text[key] = raw[key]
+        n = _req(text, "num_hidden_layers", int)
+        layer_types = text.get("layer_types") or [KDA if i % 4 != 3 else DSA for i in range(n)]
+        layer_types = [DSA if t == "full_attention" else t for t in layer_types]
+        mlp_types = text.get("mlp_layer_types") or (
+            ["dense"] * min(3, n) + ["sparse"] * max(0, n - 3)
+        )
+        indexer_types = text.get("indexer_types")
+        if indexer_types is None:
+            pattern = text.get("index_topk_pattern")
+            if pattern is not None:
+                indexer_types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+            else:
+                freq = max(int(text.get("index_topk_freq", 1)), 1)
+                offset = int(text.get("index_skip_topk_offset", 2))
+                indexer_types = [
+                    "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)
+                ]
+        linear = text.get("linear_attn_config") or {}
+        lower_bound = linear.get("gate_lower_bound", text.get("linear_lower_bound", -5.0))
+        if lower_bound is None and linear.get("safe_gate", False):
+            lower_bound = -5.0
+        if int(text.get("qk_rope_head_dim", 0) or 0) != 0:
+            raise ConfigError(
+                f"qk_rope_head_dim={text['qk_rope_head_dim']}: only NoPE DSA layers "
+                "(qk_rope_head_dim=0) are supported"
+            )
+        if text.get("q_lora_rank") is None:
+            raise ConfigError("q_lora_rank is required for DSA layers")
+        eos = text.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        known = {f.name for f in fields(cls)}
+        return cls(
+            vocab_size=_req(text, "vocab_size", int),
+            hidden_size=_req(text, "hidden_size", int),
+            num_hidden_layers=n,
+            layer_types=tuple(layer_types),
+            mlp_layer_types=tuple(mlp_types),
+            indexer_types=tuple(indexer_types),
+            intermediate_size=int(text.get("intermediate_size", 12288)),
+            moe_intermediate_size=int(text.get("moe_intermediate_size", 2048)),
+            n_routed_experts=int(text.get("n_routed_experts", 288)),
+            n_shared_experts=int(text.get("n_shared_experts", 1)),
+            num_experts_per_tok=int(text.get("num_experts_per_tok", 8)),
+            n_group=int(text.get("n_group", 1) or 1),
+            topk_group=int(text.get("topk_group", 1) or 1),
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(text.get("routed_scaling_factor", 2.5)),
+            swiglu_limit=float(text.get("swiglu_limit", 10.0)),
+            num_attention_heads=int(text.get("num_attention_heads", 64)),
+            q_lora_rank=int(text["q_lora_rank"]),
+            kv_lora_rank=int(text.get("kv_lora_rank", 512)),
+            qk_nope_head_dim=int(text.get("qk_nope_head_dim", 256)),
+            v_head_dim=int(text.get("v_head_dim", 256)),
+            index_n_heads=int(text.get("index_n_heads", 32)),
+            index_head_dim=int(text.get("index_head_dim", 128)),
+            index_topk=int(text.get("index_topk", 2048)),
+            index_kpool=int(text.get("index_kpool", 16)),
+            index_kpool_always_select_tail=bool(text.get("index_kpool_always_select_tail", True)),
+            linear_num_heads=int(linear.get("num_heads", text.get("linear_num_heads", 64))),
+            linear_head_dim=int(linear.get("head_dim", text.get("linear_head_dim", 128))),
+            linear_conv_kernel_dim=int(
+                linear.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4))
+            ),
+            linear_lower_bound=None if lower_bound is None else float(lower_bound),
+            hc_mult=int(text.get("hc_mult", 4)),
+            hc_eps=float(text.get("hc_eps", 1e-6)),
+            hc_sinkhorn_iters=int(text.get("hc_sinkhorn_iters", 20)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 1048576)),
+            num_nextn_predict_layers=int(text.get("num_nextn_predict_layers", 0) or 0),
+            eos_token_ids=eos_ids,
+            pad_token_id=text.get("pad_token_id"),
+            extra={k: v for k, v in text.items() if k not in known},
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json in {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def _validate(self) -> None:
+        n = self.num_hidden_layers
+        for name in ("layer_types", "mlp_layer_types", "indexer_types"):
+            if len(getattr(self, name)) != n:
+                raise ConfigError(
+                    f"{name} has {len(getattr(self, name))} entries, num_hidden_layers is {n}"
+                )
+        for name, allowed in (
+            ("layer_types", LAYER_TYPES),
+            ("mlp_layer_types", MLP_TYPES),
+            ("indexer_types", INDEXER_TYPES),
+        ):
+            for i, value in enumerate(getattr(self, name)):
+                if value not in allowed:
+                    raise ConfigError(
+                        f"{name}[{i}]={value!r} is not supported (expected one of {allowed})"
+                    )
+        if self.index_kpool < 1:
+            raise ConfigError(f"index_kpool must be >= 1, got {self.index_kpool}")
+        if self.index_topk % self.index_kpool != 0:
+            raise ConfigError(
+                f"index_topk ({self.index_topk}) must be divisible by "
+                f"index_kpool ({self.index_kpool})"
+            )
+        if self.n_routed_experts % self.n_group != 0:
+            raise ConfigError(
+                f"n_routed_experts ({self.n_routed_experts}) must be divisible by "
+                f"n_group ({self.n_group})"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(
+                f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]"
+            )
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                f"n_routed_experts ({self.n_routed_experts})"
+            )
+        experts_per_group = self.n_routed_experts // self.n_group
+        if self.n_group > 1 and experts_per_group < 2:
+            raise ConfigError(
+                "n_group > 1 needs at least 2 experts per group (group score = top-2)"
+            )
+        # A shared layer reuses the selection of the nearest earlier full DSA layer.
+        seen_full = False
+        for i in self.dsa_layers:
+            if self.indexer_types[i] == "full":
+                seen_full = True
+            elif not seen_full:
+                raise ConfigError(
+                    f"indexer_types[{i}]='shared' but no earlier DSA layer runs a full indexer"
+                )
+        if self.num_nextn_predict_layers not in (0, 1):
+            raise ConfigError(
+                f"num_nextn_predict_layers={self.num_nextn_predict_layers}: only 0 or 1 supported"
+            )
+        if self.hc_mult < 1:
+            raise ConfigError(f"hc_mult must be >= 1, got {self.hc_mult}")
+
+
+def _req(d: dict[str, Any], key: str, typ: type) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"config is missing required field {key!r}")
+    try:
+        return typ(d[key])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config field {key!r}={d[key]!r} is not a valid {typ.__name__}") from exc

@@ -1,0 +1,74 @@
+"""What one model forward needs to know about its batch: the ragged layout and cache addresses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """A ragged batch: request b contributes lens[b] new tokens at positions starts[b]...
+
+    Tokens are flattened request after request. `token_slots` are the KV slots of the new tokens
+    (already written into req_to_token by the caller). `logit_index` selects which of the T
+    tokens produce logits.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    token_slots: torch.Tensor  # [T] int64
+    req_rows: torch.Tensor  # [B] int64 request-table rows
+    starts: torch.Tensor  # [B] int64 tokens already cached per request
+    lens: torch.Tensor  # [B] int64 new tokens per request
+    token_req: torch.Tensor  # [T] int64 batch index of each token
+    logit_index: torch.Tensor  # [N] int64 indices into T
+    req_to_token: torch.Tensor  # the request table (position -> KV slot per row)
+    starts_cpu: list[int]
+    lens_cpu: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request adds exactly one token: the graph-capturable path."""
+        return all(n == 1 for n in self.lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: list[int],
+        req_rows: list[int],
+        starts: list[int],
+        lens: list[int],
+        req_to_token: torch.Tensor,
+        logits: str = "last",
+    ) -> ForwardBatch:
+        """Build from host lists; `logits` is "last" (one per request) or "all"."""
+        device = req_to_token.device
+        positions = [s + i for s, n in zip(starts, lens) for i in range(n)]
+        token_req = [b for b, n in enumerate(lens) for _ in range(n)]
+        rows_t = torch.tensor(req_rows, dtype=torch.int64, device=device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        tok_req_t = torch.tensor(token_req, dtype=torch.int64, device=device)
+        if logits == "all":
+            logit_index = torch.arange(len(input_ids), device=device)
+        else:
+            ends = torch.tensor(lens, device=device).cumsum(0) - 1
+            logit_index = ends.to(torch.int64)
+        return cls(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            positions=pos_t,
+            token_slots=req_to_token[rows_t[tok_req_t], pos_t].to(torch.int64),
+            req_rows=rows_t,
+            starts=torch.tensor(starts, dtype=torch.int64, device=device),
+            lens=torch.tensor(lens, dtype=torch.int64, device=device),
+            token_req=tok_req_t,
+            logit_index=logit_index,
+            req_to_token=req_to_token,
+            starts_cpu=list(starts),
+            lens_cpu=list(lens),
+        )

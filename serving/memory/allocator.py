@@ -1,0 +1,58 @@
+"""Free lists for request rows and KV pages.
+
+Row 0 and page 0 are reserved padding: padded batch entries point at them, so nothing live
+is ever there. Double frees and foreign ids raise at once, since a leak or an alias here corrupts
+another request's cache silently.
+"""
+
+from __future__ import annotations
+
+
+class FreeList:
+    """Ids 1..capacity handed out lowest first (0 is the reserved padding id)."""
+
+    def __init__(self, capacity: int, what: str) -> None:
+        self.capacity = capacity
+        self.what = what
+        self._free = list(range(capacity, 0, -1))  # pop() yields the lowest id
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> frozenset[int]:
+        return frozenset(self._used)
+
+    def alloc(self, n: int = 1) -> list[int] | None:
+        """n ids, or None (nothing taken) when fewer than n are free."""
+        if n > len(self._free):
+            return None
+        ids = [self._free.pop() for _ in range(n)]
+        self._used.update(ids)
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            if i not in self._used:
+                raise RuntimeError(f"{self.what} {i} freed but not in use")
+            self._used.remove(i)
+            self._free.append(i)
+        self._free.sort(reverse=True)
+
+
+class PageAllocator(FreeList):
+    """KV pages of `page_size` slots; slot = page * page_size + offset."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        super().__init__(num_pages, "page")
+        self.page_size = page_size
+
+    @property
+    def num_slots(self) -> int:
+        """Slots in the token pools, padding page included."""
+        return (self.capacity + 1) * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)

@@ -1,0 +1,150 @@
+"""Engine-owned model caches: paged token pools and per-request hybrid state.
+
+Two kinds of buffers, indexed two ways:
+- token pool, indexed by KV slot (slot = page * page_size + offset): MLA latents per DSA layer,
+  pooled index keys per indexer layer (pool P of a request lives at slot_of(P*kpool) // kpool,
+  so page_size must be a multiple of kpool);
+- request state, indexed by request row: KDA conv and recurrent states, compression tails.
+
+Invariant: every request-row buffer has `request_rows(req_to_token)` rows, for the target and
+the draft alike. Never size one from max_running_requests: PD decode hands out rows beyond it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.config import KDA, ModelConfig
+
+
+def request_rows(req_to_token: torch.Tensor) -> int:
+    """The one place that says how many rows a request-indexed buffer has."""
+    return req_to_token.shape[0]
+
+
+@dataclass
+class KDALayerCache:
+    conv: torch.Tensor  # [rows, 3*H*Dk, K-1] pre-conv inputs of the last K-1 tokens
+    state: torch.Tensor  # [rows, H, Dk, Dv] float32
+
+
+@dataclass
+class DSALayerCache:
+    latent: torch.Tensor  # [slots, kv_lora_rank]
+    # Indexer layers only (None on "shared" layers):
+    index_keys: torch.Tensor | None  # [slots // kpool, D] pooled keys
+    tail_keys: torch.Tensor | None  # [rows, tail_slots, D] ring, position p at p % tail_slots
+    tail_gates: torch.Tensor | None  # [rows, tail_slots, D]
+
+    @property
+    def tail_slots(self) -> int:
+        assert self.tail_keys is not None
+        return self.tail_keys.shape[1]
+
+
+@dataclass
+class ModelCache:
+    req_to_token: torch.Tensor  # [rows, max_context] int64 slot of each position; row 0 = padding
+    layers: dict[int, KDALayerCache | DSALayerCache]
+
+    def kda(self, layer: int) -> KDALayerCache:
+        cache = self.layers[layer]
+        assert isinstance(cache, KDALayerCache)
+        return cache
+
+    def dsa(self, layer: int) -> DSALayerCache:
+        cache = self.layers[layer]
+        assert isinstance(cache, DSALayerCache)
+        return cache
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every buffer, named, for registration with a transfer engine and for tests."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for idx, cache in self.layers.items():
+            for name, value in vars(cache).items():
+                if isinstance(value, torch.Tensor):
+                    out.append((f"layer{idx}.{name}", value))
+        return out
+
+
+def tail_slots_for(config: ModelConfig, num_draft_tokens: int = 1) -> int:
+    """Ring size: the open pool (kpool-1) plus every token one forward can append.
+
+    A verify step appends `num_draft_tokens` tokens; the ring must keep the open pool's earlier
+    members while they are written, so rejected drafts cannot overwrite a live member.
+    """
+    return config.index_kpool - 1 + max(1, num_draft_tokens)
+
+
+def allocate_model_cache(
+    config: ModelConfig,
+    req_to_token: torch.Tensor,
+    num_slots: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    layers: list[int] | None = None,
+    layer_types: dict[int, str] | None = None,
+    num_draft_tokens: int = 1,
+) -> ModelCache:
+    """Allocate caches for `layers` (default: every target layer) of `config`.
+
+    `layer_types` overrides the kind per layer (the NextN draft is one DSA layer with an
+    indexer that lives past the target's layers).
+    """
+    if num_slots % config.index_kpool:
+        raise ValueError(f"num_slots={num_slots} must be a multiple of kpool={config.index_kpool}")
+    rows = request_rows(req_to_token)
+    layers = list(range(config.num_hidden_layers)) if layers is None else layers
+    kinds = layer_types or {i: config.layer_types[i] for i in layers}
+    tail = tail_slots_for(config, num_draft_tokens)
+    caches: dict[int, KDALayerCache | DSALayerCache] = {}
+    for i in layers:
+        if kinds[i] == KDA:
+            caches[i] = KDALayerCache(
+                conv=torch.zeros(
+                    rows,
+                    3 * config.kda_qkv_dim,
+                    config.linear_conv_kernel_dim - 1,
+                    dtype=dtype,
+                    device=device,
+                ),
+                state=torch.zeros(
+                    rows,
+                    config.linear_num_heads,
+                    config.linear_head_dim,
+                    config.linear_head_dim,
+                    dtype=torch.float32,
+                    device=device,
+                ),
+            )
+            continue
+        has_indexer = i >= config.num_hidden_layers or config.indexer_types[i] == "full"
+        d = config.index_head_dim
+        caches[i] = DSALayerCache(
+            latent=torch.zeros(num_slots, config.kv_lora_rank, dtype=dtype, device=device),
+            index_keys=(
+                torch.zeros(num_slots // config.index_kpool, d, dtype=dtype, device=device)
+                if has_indexer
+                else None
+            ),
+            tail_keys=torch.zeros(rows, tail, d, dtype=dtype, device=device)
+            if has_indexer
+            else None,
+            tail_gates=torch.zeros(rows, tail, d, dtype=dtype, device=device)
+            if has_indexer
+            else None,
+        )
+    return ModelCache(req_to_token=req_to_token, layers=caches)
+
+
+def reset_request_state(cache: ModelCache, rows: torch.Tensor) -> None:
+    """Zero the per-request state of new rows (KDA states start from zero; tails are empty)."""
+    for layer in cache.layers.values():
+        if isinstance(layer, KDALayerCache):
+            layer.conv[rows] = 0
+            layer.state[rows] = 0
+        elif layer.tail_keys is not None:
+            layer.tail_keys[rows] = 0
+            layer.tail_gates[rows] = 0

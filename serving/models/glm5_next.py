@@ -1,0 +1,90 @@
+"""GLM-5.3-Flash text model for serving: hybrid KDA / DSA layers with mHC residual streams.
+
+The hidden state is `hc_mult` parallel streams [T, hc, Hd]. Each layer collapses them for its
+attention and its MLP (HyperConnection), and spreads the sublayer output back. The head takes
+the mean of the streams, then RMSNorm, then lm_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from serving.config import KDA, ModelConfig
+from serving.forward_batch import ForwardBatch
+from serving.memory.cache import ModelCache
+from serving.models.dsa import DSAttention
+from serving.models.kda import KDAttention
+from serving.models.layers import HyperConnection, Linear, RMSNorm, make_mlp, param
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, V] float32 for batch.logit_index
+    hidden: torch.Tensor  # [T, Hd] stream mean before the final norm (the NextN draft's input)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = layer
+        self.is_kda = config.layer_types[layer] == KDA
+        if self.is_kda:
+            self.self_attn: nn.Module = KDAttention(config, dtype)
+        else:
+            self.self_attn = DSAttention(config, dtype, config.indexer_types[layer] == "full")
+        self.mlp = make_mlp(config, layer, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        cache: ModelCache,
+        selected: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        post, comb, x = self.attn_hc.collapse(streams)
+        x = self.input_layernorm(x)
+        if self.is_kda:
+            x = self.self_attn(x, batch, cache.kda(self.layer))
+        else:
+            x, selected = self.self_attn(x, batch, cache.dsa(self.layer), selected)
+        streams = HyperConnection.expand(x, streams, post, comb)
+        post, comb, x = self.ffn_hc.collapse(streams)
+        x = self.mlp(self.post_attention_layernorm(x))
+        return HyperConnection.expand(x, streams, post, comb), selected
+
+
+class Glm5NextForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[input_ids]  # vocab-parallel under TP: all-reduce after
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: pre-norm [N, Hd] -> float32 logits [N, V]."""
+        return self.lm_head(self.norm(hidden)).float()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
+        x = self.embed(batch.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        selected = None
+        for layer in self.layers:
+            streams, selected = layer(streams, batch, cache, selected)
+        hidden = streams.mean(dim=1)
+        return ForwardOutput(logits=self.logits(hidden[batch.logit_index]), hidden=hidden)

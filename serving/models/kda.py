@@ -1,0 +1,75 @@
+"""KDA (Kimi Delta Attention) layer: the linear-attention layers of GLM-5.3-Flash.
+
+Per-request state (conv + recurrent) lives in the engine's KDALayerCache, indexed by request row.
+Heads shard under TP: q/k/v/g_b/f_b column-parallel, o_proj row-parallel (all-reduce after).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import kda as kda_kernels
+from serving.config import ModelConfig
+from serving.forward_batch import ForwardBatch
+from serving.memory.cache import KDALayerCache
+from serving.models.layers import Linear, param
+
+
+class KDAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, heads, dim = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+        qkv = heads * dim
+        self.heads, self.dim = heads, dim
+        self.lower_bound = config.linear_lower_bound
+        self.q_proj = Linear(hidden, qkv, dtype)
+        self.k_proj = Linear(hidden, qkv, dtype)
+        self.v_proj = Linear(hidden, qkv, dtype)
+        # q, k, v depthwise conv kernels concatenated in that order; kept in float32.
+        self.conv_weight = param(3 * qkv, config.linear_conv_kernel_dim, dtype=torch.float32)
+        self.f_a_proj = Linear(hidden, dim, dtype)
+        self.f_b_proj = Linear(dim, qkv, dtype)
+        self.dt_bias = param(qkv, dtype=torch.float32)
+        self.A_log = param(heads, dtype=torch.float32)
+        self.b_proj = Linear(hidden, heads, dtype)
+        self.g_a_proj = Linear(hidden, dim, dtype)
+        self.g_b_proj = Linear(dim, qkv, dtype)
+        self.o_norm = param(dim, dtype=torch.float32)
+        self.norm_eps = config.rms_norm_eps
+        self.o_proj = Linear(qkv, hidden, dtype)
+
+    def _forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-channel log decay g [T, H, Dk] (float32)."""
+        g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias
+        g = g.view(-1, self.heads, self.dim)
+        rate = self.A_log.exp().view(1, self.heads, 1)
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * g)
+        return -rate * torch.nn.functional.softplus(g, threshold=20.0)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if batch.is_decode:
+            mixed = kda_kernels.causal_conv_decode(
+                mixed, self.conv_weight, cache.conv, batch.req_rows
+            )
+        else:
+            mixed = kda_kernels.causal_conv_extend(
+                mixed, self.conv_weight, cache.conv, batch.req_rows, batch.lens_cpu
+            )
+        q, k, v = (t.view(-1, self.heads, self.dim) for t in mixed.chunk(3, dim=-1))
+        g = self._forget_gate(x)
+        beta = torch.sigmoid(self.b_proj(x)).float()
+        if batch.is_decode:
+            o = kda_kernels.kda_decode(q, k, v, g, beta, cache.state, batch.req_rows)
+        else:
+            o = kda_kernels.kda_extend(
+                q, k, v, g, beta, cache.state, batch.req_rows, batch.lens_cpu
+            )
+        # gated RMSNorm per head, in float32
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm
+        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.heads, self.dim).float()
+        o = (of * torch.sigmoid(gate)).to(x.dtype).flatten(1)
+        return self.o_proj(o)

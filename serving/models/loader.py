@@ -1,0 +1,242 @@
+"""Load a glm5_next checkpoint (config.json + safetensors) into our modules.
+
+Accepts what transformers 5.17 `save_pretrained` writes for glm5_next (the original checkpoint
+naming: `model.language_model.layers.N.hc_attn_fn`, split `q_conv1d/k_conv1d/v_conv1d`,
+per-expert `mlp.experts.E.gate_proj.weight`) and flat text-only checkpoints (`model.layers...`).
+The NextN layer sits at `layers.{num_hidden_layers}`.
+
+Every parameter must be filled exactly; an unknown tensor, a missing one or a shape mismatch is
+an error that names it. Vision-tower tensors are skipped (this is the text path).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from serving.config import ModelConfig
+from serving.models.glm5_next import Glm5NextForCausalLM
+from serving.models.nextn import NextNDraft
+
+log = logging.getLogger(__name__)
+
+_SKIPPED = re.compile(r"^model\.visual\.|^visual\.")
+# DeepSeek-style NextN copies of the shared embedding / head: the draft uses the target's.
+_NEXTN_COPIES = re.compile(r"\.(embed_tokens\.weight|shared_head\.head\.weight)$")
+_RENAMES = (
+    (re.compile(r"\.hc_attn_(fn|base|scale)$"), r".attn_hc.\1"),
+    (re.compile(r"\.hc_ffn_(fn|base|scale)$"), r".ffn_hc.\1"),
+    (re.compile(r"\.self_attn\.o_norm\.weight$"), ".self_attn.o_norm"),
+    (re.compile(r"\.indexer\.k_norm\.(weight|bias)$"), r".indexer.k_norm_\1"),
+    (re.compile(r"\.shared_head\.norm\.weight$"), ".shared_head_norm.weight"),
+)
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_CONV = re.compile(r"\.self_attn\.([qkv])_conv1d\.weight$")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model config; the message names the tensor."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: a parameter, or one expert's rows of a stacked one."""
+
+    param: str
+    expert: int | None = None
+    rows: slice | None = None
+
+    def view(self, data: torch.Tensor) -> torch.Tensor:
+        if self.expert is not None:
+            data = data[self.expert]
+        return data if self.rows is None else data[self.rows]
+
+
+def resolve_dtype(name: str, model_dir: str | Path) -> torch.dtype:
+    """--dtype: auto (the checkpoint's own dtype, bfloat16 if unstated), bfloat16, float32."""
+    table = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if name == "auto":
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        text = raw.get("text_config") or {}
+        name = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or "bfloat16"
+    if name not in table:
+        raise CheckpointError(f"--dtype {name!r} is not supported (auto, bfloat16, float32)")
+    return table[name]
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"index lists shards that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _map_name(name: str, config: ModelConfig, load_draft: bool) -> tuple[str, Target] | None:
+    """Checkpoint name -> ("target"|"draft", Target), or None when skipped on purpose."""
+    if _SKIPPED.search(name):
+        return None
+    if name == "lm_head.weight":
+        return "target", Target("lm_head.weight")
+    for prefix in ("model.language_model.", "model."):
+        if name.startswith(prefix):
+            local = name[len(prefix) :]
+            break
+    else:
+        raise CheckpointError(f"unexpected tensor {name!r} (not under model. or lm_head)")
+    if local == "embed_tokens.weight":
+        return "target", Target("embed_tokens")
+    m = re.match(r"layers\.(\d+)\.(.*)$", local)
+    if m is None:
+        return "target", Target(local)
+    layer, rest = int(m.group(1)), "." + m.group(2)
+    role = "target"
+    if layer >= config.num_hidden_layers:
+        if layer > config.num_hidden_layers or config.num_nextn_predict_layers == 0:
+            raise CheckpointError(f"tensor {name!r} is beyond the model's layers")
+        if not load_draft or _NEXTN_COPIES.search(rest):
+            return None
+        role, prefix_out = "draft", ""
+    else:
+        prefix_out = f"layers.{layer}"
+    for pattern, repl in _RENAMES:
+        rest = pattern.sub(repl, rest)
+    if em := _EXPERT.search(rest):
+        expert, kind = int(em.group(1)), em.group(2)
+        base = rest[: em.start()] + ".mlp."
+        if kind == "down_proj":
+            return role, _target(f"{prefix_out}{base}w2", expert)
+        half = 0 if kind == "gate_proj" else 1
+        inter = config.moe_intermediate_size
+        rows = slice(half * inter, (half + 1) * inter)
+        return role, _target(f"{prefix_out}{base}w13", expert, rows)
+    if cm := _CONV.search(rest):
+        part = "qkv".index(cm.group(1))
+        qkv = config.kda_qkv_dim
+        param = f"{prefix_out}{rest[: cm.start()]}.self_attn.conv_weight"
+        return role, _target(param, rows=slice(part * qkv, (part + 1) * qkv))
+    return role, _target(prefix_out + rest)
+
+
+def _target(param: str, expert: int | None = None, rows: slice | None = None) -> Target:
+    return Target(param.lstrip("."), expert, rows)
+
+
+def load_weights(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    load_draft: bool = False,
+) -> tuple[Glm5NextForCausalLM, NextNDraft | None]:
+    """Build the target (and the NextN draft if asked) and fill them from the checkpoint."""
+    modules: dict[str, torch.nn.Module] = {"target": Glm5NextForCausalLM(config, dtype)}
+    if load_draft:
+        if config.num_nextn_predict_layers == 0:
+            raise CheckpointError("a NextN draft was requested but num_nextn_predict_layers is 0")
+        modules["draft"] = NextNDraft(config, dtype)
+    params = {role: dict(module.named_parameters()) for role, module in modules.items()}
+    filled: dict[tuple[str, str], int] = {}
+    for name, tensor in iter_tensors(model_dir):
+        mapped = _map_name(name, config, load_draft)
+        if mapped is None:
+            continue
+        role, target = mapped
+        param = params[role].get(target.param)
+        if param is None:
+            raise CheckpointError(f"unknown tensor {name!r} (no parameter {role}.{target.param})")
+        dst = target.view(param.data)
+        if target.param.endswith("conv_weight") and tensor.dim() == 3:
+            tensor = tensor.squeeze(1)  # depthwise conv1d weights are stored [C, 1, K]
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise CheckpointError(
+                f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                f"model expects {tuple(dst.shape)} ({role}.{target.param})"
+            )
+        dst.copy_(tensor.to(dst.dtype))
+        key = (role, target.param)
+        filled[key] = filled.get(key, 0) + dst.numel()
+    missing = [
+        f"{role}.{pname}"
+        for role, table in params.items()
+        for pname, p in table.items()
+        if filled.get((role, pname), 0) != p.numel()
+    ]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint tensors missing (or given twice) for: {', '.join(sorted(missing))}"
+        )
+    target_model = modules["target"].to(device).eval()
+    draft = modules.get("draft")
+    return target_model, (draft.to(device).eval() if draft is not None else None)
+
+
+_EXPORT_RENAMES = (
+    (re.compile(r"\.attn_hc\.(fn|base|scale)$"), r".hc_attn_\1"),
+    (re.compile(r"\.ffn_hc\.(fn|base|scale)$"), r".hc_ffn_\1"),
+    (re.compile(r"\.self_attn\.o_norm$"), ".self_attn.o_norm.weight"),
+    (re.compile(r"\.indexer\.k_norm_(weight|bias)$"), r".indexer.k_norm.\1"),
+    (re.compile(r"(^|\.)shared_head_norm\.weight$"), r"\1shared_head.norm.weight"),
+)
+
+
+def export_checkpoint(
+    config: ModelConfig, target: Glm5NextForCausalLM, draft: NextNDraft | None
+) -> dict[str, torch.Tensor]:
+    """The inverse of load_weights: our parameters under the glm5_next checkpoint names."""
+    prefix = "model.language_model."
+    out: dict[str, torch.Tensor] = {}
+    modules: list[tuple[str, torch.nn.Module]] = [("", target)]
+    if draft is not None:
+        modules.append((f"layers.{config.num_hidden_layers}.", draft))
+    for layer_prefix, module in modules:
+        for pname, p in module.named_parameters():
+            name = layer_prefix + pname
+            t = p.detach().cpu().contiguous()
+            if name == "lm_head.weight":
+                out[name] = t
+                continue
+            if name == "embed_tokens":
+                out[prefix + "embed_tokens.weight"] = t
+                continue
+            for pattern, repl in _EXPORT_RENAMES:
+                name = pattern.sub(repl, name)
+            if name.endswith(".self_attn.conv_weight"):
+                base = name[: -len("conv_weight")]
+                for part, chunk in zip("qkv", t.chunk(3)):
+                    out[f"{prefix}{base}{part}_conv1d.weight"] = chunk.unsqueeze(1).contiguous()
+            elif name.endswith(".mlp.w13"):
+                base = name[: -len("w13")]
+                for e in range(t.shape[0]):
+                    gate, up = t[e].chunk(2)
+                    out[f"{prefix}{base}experts.{e}.gate_proj.weight"] = gate.contiguous()
+                    out[f"{prefix}{base}experts.{e}.up_proj.weight"] = up.contiguous()
+            elif name.endswith(".mlp.w2"):
+                base = name[: -len("w2")]
+                for e in range(t.shape[0]):
+                    out[f"{prefix}{base}experts.{e}.down_proj.weight"] = t[e].contiguous()
+            else:
+                out[prefix + name] = t
+    return out

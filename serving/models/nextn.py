@@ -1,0 +1,58 @@
+"""The NextN / MTP layer used as the EAGLE draft.
+
+input  = eh_proj(cat(enorm(embed(next_token)), hnorm(target_hidden)))
+hidden = one DSA decoder layer (MLA + own indexer + MoE) with a plain residual, no mHC
+logits = lm_head(shared_head.norm(hidden))       embed and lm_head are the target's
+
+`target_hidden` is the target's stream mean before its final norm at the same position (for
+later draft steps: the draft's own pre-norm hidden). The layer index is num_hidden_layers, so its
+caches never collide with the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from serving.config import DSA, ModelConfig
+from serving.forward_batch import ForwardBatch
+from serving.memory.cache import ModelCache
+from serving.models.dsa import DSAttention
+from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+from serving.models.layers import Linear, RMSNorm, make_mlp
+
+
+class NextNDraft(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.layer = config.num_hidden_layers
+        self.enorm = RMSNorm(hidden, eps, dtype)
+        self.hnorm = RMSNorm(hidden, eps, dtype)
+        self.eh_proj = Linear(2 * hidden, hidden, dtype)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.self_attn = DSAttention(config, dtype, has_indexer=True)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.mlp = make_mlp(config, self.layer, dtype)
+        self.shared_head_norm = RMSNorm(hidden, eps, dtype)
+
+    @staticmethod
+    def layer_types(config: ModelConfig) -> dict[int, str]:
+        return {config.num_hidden_layers: DSA}
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        target: Glm5NextForCausalLM,
+        batch: ForwardBatch,
+        target_hidden: torch.Tensor,
+        cache: ModelCache,
+    ) -> ForwardOutput:
+        """batch.input_ids are the *next* tokens; target_hidden [T, Hd] aligns with them."""
+        e = self.enorm(target.embed(batch.input_ids))
+        x = self.eh_proj(torch.cat([e, self.hnorm(target_hidden.to(e.dtype))], dim=-1))
+        attn, _ = self.self_attn(self.input_layernorm(x), batch, cache.dsa(self.layer), None)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        logits = target.lm_head(self.shared_head_norm(x[batch.logit_index])).float()
+        return ForwardOutput(logits=logits, hidden=x)
