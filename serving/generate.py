@@ -2,7 +2,7 @@
 
     python -m serving.generate --model-path DIR --prompt "Hello" --max-new-tokens 16
 
-This drives the same model and caches the server uses, without the scheduler.
+This drives the same model, pools and runner the server uses, without the scheduler.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from serving.config import ModelConfig
-from serving.forward_batch import ForwardBatch
-from serving.memory.allocator import FreeList, PageAllocator
-from serving.memory.cache import ModelCache, allocate_model_cache, reset_request_state
+from serving.memory.pool import MemoryPool, PoolPlan
+from serving.model_runner import ModelRunner, StepInput
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 
 
@@ -28,7 +27,7 @@ class Sequence:
 
 
 class StepRunner:
-    """Owns the caches of one model; runs extend / decode steps for a set of sequences."""
+    """Runs extend / decode steps for a set of sequences over a private MemoryPool."""
 
     def __init__(
         self,
@@ -38,55 +37,31 @@ class StepRunner:
         page_size: int = 16,
         device: str = "cpu",
     ) -> None:
-        config = model.config
-        self.model, self.config, self.device = model, config, device
-        self.page_size = page_size
-        self.rows = FreeList(max_requests, "row")
-        self.pages = PageAllocator(max_requests * -(-max_context // page_size), page_size)
-        req_to_token = torch.zeros(max_requests + 1, max_context, dtype=torch.int64, device=device)
-        self.cache: ModelCache = allocate_model_cache(
-            config, req_to_token, self.pages.num_slots, model.dtype, device
+        pages = max_requests * -(-max_context // page_size)
+        plan = PoolPlan(
+            rows=max_requests, pages=pages, page_size=page_size, max_context=max_context
         )
+        self.pool = MemoryPool(model.config, plan, model.dtype, device)
+        self.runner = ModelRunner(model, self.pool)
 
     def add(self, prompt: list[int]) -> Sequence:
-        rows = self.rows.alloc(1)
-        if rows is None:
+        row = self.pool.alloc_row()
+        if row is None:
             raise RuntimeError("no free request row")
-        reset_request_state(self.cache, torch.tensor(rows, device=self.device))
-        return Sequence(row=rows[0], tokens=list(prompt))
+        return Sequence(row=row, tokens=list(prompt))
 
     def release(self, seq: Sequence) -> None:
-        self.pages.free(seq.pages)
-        self.rows.free([seq.row])
-        seq.pages.clear()
-
-    def _reserve(self, seq: Sequence, upto: int) -> None:
-        need = self.pages.pages_for(upto) - len(seq.pages)
-        if need > 0:
-            new = self.pages.alloc(need)
-            if new is None:
-                raise RuntimeError("out of KV pages")
-            for p in new:
-                first = len(seq.pages) * self.page_size
-                slots = torch.arange(self.page_size, device=self.device) + p * self.page_size
-                self.cache.req_to_token[seq.row, first : first + self.page_size] = slots
-                seq.pages.append(p)
+        self.pool.free_pages(seq.pages)
+        self.pool.free_row(seq.row)
 
     def step(self, seqs: list[Sequence], lens: list[int], logits: str = "last") -> ForwardOutput:
         """Feed the next `lens[i]` uncached tokens of each sequence."""
-        ids: list[int] = []
+        items = []
         for seq, n in zip(seqs, lens):
-            self._reserve(seq, seq.cached + n)
-            ids += seq.tokens[seq.cached : seq.cached + n]
-        batch = ForwardBatch.build(
-            ids,
-            [s.row for s in seqs],
-            [s.cached for s in seqs],
-            lens,
-            self.cache.req_to_token,
-            logits=logits,
-        )
-        out = self.model(batch, self.cache)
+            if not self.pool.grow(seq.row, seq.pages, seq.cached + n):
+                raise RuntimeError("out of KV pages")
+            items.append(StepInput(seq.row, seq.cached, seq.tokens[seq.cached : seq.cached + n]))
+        out = self.runner.forward(items, logits)
         for seq, n in zip(seqs, lens):
             seq.cached += n
         return out

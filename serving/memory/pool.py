@@ -1,0 +1,214 @@
+"""All serving memory in one place: the request table, its free lists and the model caches.
+
+    request table  req_to_token [rows + 1, max_context]   row 0 = padding (never handed out)
+    target caches  ModelCache over every target layer
+    draft caches   ModelCache over the NextN layer (same request table, same token allocator)
+
+rows = max_running_requests + decode_extra_slots. Every request-row buffer of the target and the
+draft is sized by `request_rows(req_to_token)` (memory/cache.py), the same function.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from serving.config import ModelConfig
+from serving.memory.allocator import FreeList, PageAllocator
+from serving.memory.cache import (
+    ModelCache,
+    allocate_model_cache,
+    reset_request_state,
+    tail_slots_for,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    rows: int  # usable request rows (running + extra slots)
+    pages: int  # usable KV pages (page 0 excluded)
+    page_size: int
+    max_context: int
+    with_draft: bool = False
+    num_draft_tokens: int = 1
+
+
+def token_bytes(config: ModelConfig, elem: int, with_draft: bool) -> int:
+    """Bytes of token-pool cache per token: MLA latents + pooled index keys (per kpool tokens)."""
+    latent_layers = len(config.dsa_layers) + int(with_draft)
+    index_layers = len(config.indexer_layers) + int(with_draft)
+    return (
+        latent_layers * config.kv_lora_rank * elem
+        + index_layers * config.index_head_dim * elem // config.index_kpool
+    )
+
+
+def row_bytes(config: ModelConfig, elem: int, tail_slots: int, with_draft: bool) -> int:
+    """Bytes of per-request state per row: KDA conv + recurrent state, compression tails."""
+    kda = len(config.kda_layers) * (
+        3 * config.kda_qkv_dim * (config.linear_conv_kernel_dim - 1) * elem
+        + config.linear_num_heads * config.linear_head_dim**2 * 4
+    )
+    tails = (len(config.indexer_layers) + int(with_draft)) * 2 * tail_slots
+    return kda + tails * config.index_head_dim * elem
+
+
+def plan_pool(
+    config: ModelConfig,
+    *,
+    rows: int,
+    max_context: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: str,
+    max_total_tokens: int | None,
+    mem_fraction_static: float,
+    weight_bytes: int,
+    with_draft: bool = False,
+    num_draft_tokens: int = 1,
+) -> PoolPlan:
+    """Size the token pool: --max-total-tokens if given; on CUDA what fits in
+    mem_fraction_static of device memory after weights and request state; on CPU 131072 tokens."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_token = token_bytes(config, elem, with_draft)
+    per_row = row_bytes(config, elem, tail_slots_for(config, num_draft_tokens), with_draft)
+    if max_total_tokens is None and device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        budget = int(total * mem_fraction_static) - weight_bytes - (rows + 1) * per_row
+        budget -= (rows + 1) * max_context * 8  # request table
+        if budget <= 0:
+            raise ValueError(
+                f"--mem-fraction-static {mem_fraction_static}: weights ({weight_bytes / 2**30:.1f}"
+                f" GiB) and request state leave no room for KV pages"
+            )
+        max_total_tokens = budget // per_token
+    elif max_total_tokens is None:
+        max_total_tokens = 131072
+    pages = max_total_tokens // page_size
+    if pages < 1:
+        raise ValueError(f"--max-total-tokens {max_total_tokens}: less than one page")
+    log.info(
+        "KV budget: %d tokens (%d B/token), %d request rows (%d B/row)",
+        pages * page_size,
+        per_token,
+        rows,
+        per_row,
+    )
+    return PoolPlan(rows, pages, page_size, max_context, with_draft, num_draft_tokens)
+
+
+class MemoryPool:
+    def __init__(
+        self, config: ModelConfig, plan: PoolPlan, dtype: torch.dtype, device: str
+    ) -> None:
+        if plan.page_size % config.index_kpool:
+            raise ValueError(
+                f"page size {plan.page_size} must be a multiple of index_kpool {config.index_kpool}"
+            )
+        self.config, self.plan, self.device = config, plan, device
+        self.req_to_token = torch.zeros(
+            plan.rows + 1, plan.max_context, dtype=torch.int64, device=device
+        )
+        self.rows = FreeList(plan.rows, "request row")
+        self.pages = PageAllocator(plan.pages, plan.page_size)
+        num_slots = self.pages.num_slots
+        self.target: ModelCache = allocate_model_cache(
+            config,
+            self.req_to_token,
+            num_slots,
+            dtype,
+            device,
+            num_draft_tokens=plan.num_draft_tokens,
+        )
+        self.draft: ModelCache | None = None
+        if plan.with_draft:
+            from serving.models.nextn import NextNDraft
+
+            self.draft = allocate_model_cache(
+                config,
+                self.req_to_token,
+                num_slots,
+                dtype,
+                device,
+                layers=[config.num_hidden_layers],
+                layer_types=NextNDraft.layer_types(config),
+                num_draft_tokens=plan.num_draft_tokens,
+            )
+
+    def caches(self) -> list[ModelCache]:
+        return [self.target] if self.draft is None else [self.target, self.draft]
+
+    def describe(self) -> str:
+        total = sum(t.numel() * t.element_size() for c in self.caches() for _, t in c.tensors())
+        total += self.req_to_token.numel() * self.req_to_token.element_size()
+        return (
+            f"request rows {self.plan.rows} (+1 padding), KV pages {self.plan.pages} x "
+            f"{self.plan.page_size} tokens = {self.plan.pages * self.plan.page_size} tokens, "
+            f"max context {self.plan.max_context}, draft caches {'yes' if self.draft else 'no'}, "
+            f"{total / 2**20:.1f} MiB allocated"
+        )
+
+    # ---- rows ----
+    def alloc_row(self) -> int | None:
+        got = self.rows.alloc(1)
+        if got is None:
+            return None
+        rows = torch.tensor(got, device=self.device)
+        for cache in self.caches():
+            reset_request_state(cache, rows)
+        return got[0]
+
+    def free_row(self, row: int) -> None:
+        self.rows.free([row])
+
+    # ---- pages ----
+    def grow(self, row: int, pages: list[int], num_tokens: int) -> bool:
+        """Give `row` enough pages for `num_tokens` positions; False (nothing taken) if short."""
+        need = self.pages.pages_for(num_tokens) - len(pages)
+        if need <= 0:
+            return True
+        if num_tokens > self.plan.max_context:
+            return False
+        new = self.pages.alloc(need)
+        if new is None:
+            return False
+        size = self.plan.page_size
+        start = len(pages) * size
+        slots = (
+            torch.tensor(new, device=self.device)[:, None] * size
+            + torch.arange(size, device=self.device)
+        ).flatten()
+        self.req_to_token[row, start : start + slots.numel()] = slots
+        pages.extend(new)
+        return True
+
+    def free_pages(self, pages: list[int]) -> None:
+        self.pages.free(pages)
+        pages.clear()
+
+    # ---- invariant ----
+    def check(self, owners: dict[str, tuple[int | None, list[int]]]) -> None:
+        """Every row and page is either free or owned by exactly one live request."""
+        rows_seen: dict[int, str] = {}
+        pages_seen: dict[int, str] = {}
+        for rid, (row, pages) in owners.items():
+            if row is not None:
+                if row in rows_seen:
+                    raise AssertionError(f"row {row} owned by {rows_seen[row]} and {rid}")
+                rows_seen[row] = rid
+            for p in pages:
+                if p in pages_seen:
+                    raise AssertionError(f"page {p} owned by {pages_seen[p]} and {rid}")
+                pages_seen[p] = rid
+        if set(rows_seen) != set(self.rows.used):
+            raise AssertionError(
+                f"rows in use {sorted(self.rows.used)} != rows owned {sorted(rows_seen)}"
+            )
+        if set(pages_seen) != set(self.pages.used):
+            leaked = sorted(set(self.pages.used) - set(pages_seen))
+            raise AssertionError(f"pages in use but unowned (leak): {leaked[:16]}")
+        log.debug("pool invariant holds: %d rows, %d pages live", len(rows_seen), len(pages_seen))

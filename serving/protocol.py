@@ -1,0 +1,148 @@
+"""Messages between the HTTP front and the scheduler process (ZMQ, pickled dataclasses).
+
+front --GenerateRequest / AbortRequest--> scheduler --BatchOutput--> front
+
+Every request is identified by `rid`, unique per sequence (a request with n > 1 becomes n
+sequences with rids "<id>-<i>"). The scheduler sends each sequence's new tokens as they are
+sampled and exactly one message with `finished=True` per rid, aborted or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SamplingError(ValueError):
+    """An invalid sampling parameter; the message names it (becomes an HTTP 400)."""
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        def bad(name: str, why: str) -> SamplingError:
+            return SamplingError(f"{name}: {why}")
+
+        if self.max_new_tokens < 0:
+            raise bad("max_tokens", f"must be >= 0, got {self.max_new_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise bad("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.min_new_tokens < 0 or self.min_new_tokens > max(self.max_new_tokens, 0):
+            raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_new_tokens}")
+        for t in self.stop_token_ids:
+            if not 0 <= t < vocab_size:
+                raise bad("stop_token_ids", f"{t} is outside the vocabulary [0, {vocab_size})")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise bad("seed", f"must be in [0, 2^63), got {self.seed}")
+
+
+@dataclass
+class GenerateRequest:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # PD disaggregation (filled by the router; unused by a plain worker)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+    reason: str = "client disconnected"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SequenceOutput:
+    rid: str
+    new_token_ids: list[int]
+    finished: bool = False
+    # {"type": "stop" | "length" | "abort", "matched": int | str | None, "message": str}
+    finish_reason: dict[str, Any] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class SchedulerStats:
+    running: int = 0
+    queued: int = 0
+    used_rows: int = 0
+    total_rows: int = 0
+    used_pages: int = 0
+    total_pages: int = 0
+    page_size: int = 0
+    retractions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+@dataclass
+class BatchOutput:
+    outputs: list[SequenceOutput]
+    stats: SchedulerStats | None = None
+
+
+@dataclass
+class SchedulerReady:
+    """First message from the scheduler: it loaded the model and can take requests."""
+
+    vocab_size: int
+    context_length: int
+    eos_token_ids: list[int]
+    max_running_requests: int
+    total_rows: int
+    total_pages: int
+    page_size: int
+    device: str
+    dtype: str
+
+
+@dataclass
+class SchedulerFailed:
+    """The scheduler could not start (or died); `message` is one line for the operator."""
+
+    message: str

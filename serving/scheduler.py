@@ -1,0 +1,345 @@
+"""Continuous batching: admission, chunked prefill, decode, retraction, finishing.
+
+One `step()` runs one forward: a prefill batch when there is prefill work that fits, else a
+decode batch over every running request. A request owns one request row and the pages that
+hold its tokens from admission until it finishes, is aborted or is retracted; all three return
+them at once.
+
+    waiting --admit (row + pages for the chunk)--> prefilling --last chunk--> running
+       ^                                                                        |
+       +------------- retract (decode out of pages: state freed, recomputed) ---+
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from serving.memory.pool import MemoryPool
+from serving.model_runner import ModelRunner, StepInput
+from serving.protocol import (
+    GenerateRequest,
+    SchedulerStats,
+    SequenceOutput,
+    TokenLogprob,
+)
+from serving.sampler import Sampler, SamplingState, make_generator
+
+log = logging.getLogger(__name__)
+
+# Tests set this to check the pool invariant after every step.
+CHECK_INVARIANTS = os.environ.get("PDSERVE_CHECK_INVARIANTS") == "1"
+
+
+@dataclass
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: int
+    max_prefill_tokens: int
+    context_length: int
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingState
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    row: int | None = None
+    pages: list[int] = field(default_factory=list)
+    cached: int = 0  # leading tokens of fill_ids whose KV/state is in the cache
+    finish_reason: dict[str, Any] | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.sampling.output_ids
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens the model consumes; the last sampled token is consumed by the next step."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def uncached(self) -> int:
+        return len(self.input_ids) + len(self.output_ids) - self.cached
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: MemoryPool,
+        sampler: Sampler,
+        config: SchedulerConfig,
+        eos_token_ids: frozenset[int],
+        detokenize=None,
+    ) -> None:
+        self.runner, self.pool, self.sampler, self.cfg = runner, pool, sampler, config
+        self.eos = eos_token_ids
+        self.detokenize = detokenize  # list[int] -> str, for stop strings
+        self.waiting: deque[Req] = deque()
+        self.prefilling: Req | None = None  # the one request part-way through chunked prefill
+        self.running: list[Req] = []
+        self.stats = SchedulerStats(
+            total_rows=pool.plan.rows, total_pages=pool.plan.pages, page_size=pool.plan.page_size
+        )
+        self._outputs: list[SequenceOutput] = []
+        # After a retraction, admit nothing new until a running request finishes: re-admitting
+        # at once would only retract again (thrash).
+        self._hold_admission = False
+
+    # ---- intake ----
+    def add(self, request: GenerateRequest) -> None:
+        p = request.sampling
+        state = SamplingState(
+            params=p,
+            prompt_ids=list(request.input_ids),
+            output_ids=[],
+            generator=make_generator(p.seed, self.pool.device),
+            eos_token_ids=self.eos,
+        )
+        req = Req(
+            request.rid,
+            list(request.input_ids),
+            state,
+            request.return_logprob,
+            request.top_logprobs_num,
+        )
+        n = len(req.input_ids)
+        if n == 0:
+            self._finish(req, {"type": "abort", "message": "empty prompt", "status": 400})
+        elif n + max(p.max_new_tokens, 1) > self.cfg.context_length:
+            self._finish(
+                req,
+                {
+                    "type": "abort",
+                    "status": 400,
+                    "message": f"prompt ({n} tokens) plus max_tokens ({p.max_new_tokens}) exceeds "
+                    f"the context length ({self.cfg.context_length})",
+                },
+            )
+        elif self.pool.pages.pages_for(n + 1) > self.pool.plan.pages:
+            self._finish(
+                req,
+                {
+                    "type": "abort",
+                    "status": 400,
+                    "message": f"prompt ({n} tokens) does not fit in the KV pool "
+                    f"({self.pool.plan.pages * self.pool.plan.page_size} tokens)",
+                },
+            )
+        elif p.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "matched": None})
+        else:
+            self.stats.prompt_tokens_total += n
+            self.waiting.append(req)
+
+    def abort(self, rid: str, reason: str = "aborted") -> None:
+        for req in self._live():
+            if req.rid == rid:
+                self._finish(req, {"type": "abort", "message": reason, "status": 499})
+                return
+
+    def _live(self) -> list[Req]:
+        live = list(self.waiting) + self.running
+        return live + ([self.prefilling] if self.prefilling else [])
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling)
+
+    @property
+    def pending_outputs(self) -> bool:
+        return bool(self._outputs)
+
+    # ---- one forward ----
+    def step(self) -> list[SequenceOutput]:
+        if self._run_prefill() is False and self.running:
+            self._run_decode()
+        self._refresh_stats()
+        if CHECK_INVARIANTS:
+            self.check_invariants()
+        out, self._outputs = self._outputs, []
+        return out
+
+    def _run_prefill(self) -> bool:
+        plan: list[tuple[Req, int]] = []
+        budget = self.cfg.max_prefill_tokens
+        if self.prefilling is not None:
+            req = self.prefilling
+            n = min(req.uncached, self.cfg.chunked_prefill_size, budget)
+            if not self.pool.grow(req.row, req.pages, req.cached + n):
+                return False  # decode frees pages as requests finish
+            plan.append((req, n))
+            budget -= n
+        while (
+            self.waiting
+            and not self._hold_admission
+            and budget > 0
+            and self.prefilling is None
+            and len(self.running) + len(plan) < self.cfg.max_running_requests
+        ):
+            req = self.waiting[0]
+            n = min(req.uncached, self.cfg.chunked_prefill_size, budget)
+            # keep one page per running request in reserve for its next decode tokens
+            reserve = len(self.running) + len(plan)
+            if self.pool.pages.num_free - self.pool.pages.pages_for(n + 1) < reserve:
+                break
+            row = self.pool.alloc_row()
+            if row is None:
+                break
+            req.row = row
+            if not self.pool.grow(row, req.pages, n):
+                self.pool.free_row(row)
+                req.row = None
+                break
+            self.waiting.popleft()
+            plan.append((req, n))
+            budget -= n
+            if n < req.uncached:
+                self.prefilling = req
+        if not plan:
+            return False
+        out = self.runner.forward(
+            [
+                StepInput(req.row, req.cached, req.fill_ids[req.cached : req.cached + n])
+                for req, n in plan
+            ]
+        )
+        done: list[tuple[Req, int]] = []
+        for i, (req, n) in enumerate(plan):
+            req.cached += n
+            if req.uncached == 0:
+                done.append((req, i))
+                if self.prefilling is req:
+                    self.prefilling = None
+        if done:
+            self._sample_and_advance([r for r, _ in done], out.logits[[i for _, i in done]])
+            self.running.extend(r for r, _ in done if r.finish_reason is None)
+        return True
+
+    def _run_decode(self) -> None:
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # retracted for an earlier request of this loop
+            while req.finish_reason is None and not self.pool.grow(
+                req.row, req.pages, req.cached + 1
+            ):
+                if not self._retract_one(keep=req):
+                    self._finish(
+                        req,
+                        {
+                            "type": "abort",
+                            "status": 503,
+                            "message": "out of KV cache memory while decoding",
+                        },
+                    )
+        batch = [r for r in self.running if r.finish_reason is None]
+        if not batch:
+            return
+        out = self.runner.forward([StepInput(r.row, r.cached, [r.fill_ids[-1]]) for r in batch])
+        for r in batch:
+            r.cached += 1
+        self._sample_and_advance(batch, out.logits)
+
+    def _retract_one(self, keep: Req) -> bool:
+        """Free the newest other running request; it is recomputed from its tokens later."""
+        for victim in reversed(self.running):
+            if victim is keep or victim.finish_reason is not None:
+                continue
+            self.running.remove(victim)
+            self._release(victim)
+            victim.cached = 0
+            self.waiting.appendleft(victim)
+            self._hold_admission = True
+            self.stats.retractions += 1
+            log.info("retracted %s (%d tokens) to free KV pages", victim.rid, len(victim.fill_ids))
+            return True
+        return False
+
+    # ---- results ----
+    def _sample_and_advance(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        want = [r.top_logprobs_num if r.return_logprob else -1 for r in reqs]
+        top = [max(w, 0) for w in want] if any(w >= 0 for w in want) else None
+        tokens, logprobs = self.sampler.sample(logits, [r.sampling for r in reqs], top)
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            req.output_ids.append(tok)
+            self.stats.generation_tokens_total += 1
+            lp = [logprobs[i]] if logprobs is not None and want[i] >= 0 else None
+            reason = self._finish_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason, new_tokens=[tok], logprobs=lp)
+            else:
+                self._outputs.append(self._output(req, [tok], lp))
+
+    def _finish_reason(self, req: Req, tok: int) -> dict[str, Any] | None:
+        p = req.sampling.params
+        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+            return {"type": "stop", "matched": tok}
+        if p.stop and self.detokenize is not None:
+            window = max(len(s) for s in p.stop) + 8
+            tail = self.detokenize(req.output_ids[-window:])
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "matched": None}
+        if len(req.fill_ids) >= self.cfg.context_length:
+            return {"type": "length", "matched": None}
+        return None
+
+    def _output(self, req: Req, tokens: list[int], logprobs=None) -> SequenceOutput:
+        return SequenceOutput(
+            rid=req.rid,
+            new_token_ids=tokens,
+            finished=req.finish_reason is not None,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            logprobs=logprobs,
+        )
+
+    def _finish(
+        self,
+        req: Req,
+        reason: dict[str, Any],
+        new_tokens: list[int] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+            self._hold_admission = False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.prefilling is req:
+            self.prefilling = None
+        self._release(req)
+        self._outputs.append(self._output(req, new_tokens or [], logprobs))
+
+    def _release(self, req: Req) -> None:
+        if req.pages:
+            self.pool.free_pages(req.pages)
+        if req.row is not None:
+            self.pool.free_row(req.row)
+            req.row = None
+
+    # ---- observability ----
+    def _refresh_stats(self) -> None:
+        s = self.stats
+        s.running = len(self.running)
+        s.queued = len(self.waiting) + int(self.prefilling is not None)
+        s.used_rows = len(self.pool.rows.used)
+        s.used_pages = len(self.pool.pages.used)
+
+    def check_invariants(self) -> None:
+        live = self._live()
+        self.pool.check({r.rid: (r.row, r.pages) for r in live})
+        for r in live:
+            assert r.finish_reason is None, f"{r.rid} finished but still queued"

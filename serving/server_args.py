@@ -1,0 +1,278 @@
+"""Server arguments: SGLang's flag names, one frozen dataclass, argparse built from it.
+
+Every flag of the seed's prefill and decode commands parses. A flag that cannot take effect on
+this machine or in this build fails at start-up with one line naming it (`ArgsError`), never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from serving.config import ModelConfig
+
+
+class ArgsError(ValueError):
+    """A flag that cannot take effect; the message starts with the flag."""
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str = field(metadata={"help": "checkpoint directory (config.json + safetensors)"})
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model id in the API (default: the model path)"}
+    )
+    tokenizer_path: str | None = field(default=None, metadata={"help": "default: model path"})
+    chat_template: str | None = field(
+        default=None, metadata={"help": "jinja file (default: the checkpoint's)"}
+    )
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dtype: str = field(default="auto", metadata={"choices": ["auto", "bfloat16", "float32"]})
+    device: str = field(default="auto", metadata={"choices": ["auto", "cuda", "cpu"]})
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"choices": ["auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2"]},
+    )
+    context_length: int | None = field(
+        default=None, metadata={"help": "max prompt + output tokens (default: the model's)"}
+    )
+    # memory
+    mem_fraction_static: float = field(
+        default=0.8, metadata={"help": "GPU: fraction of device memory for weights + caches"}
+    )
+    max_total_tokens: int | None = field(
+        default=None, metadata={"help": "token budget of the KV pools (CPU default 131072)"}
+    )
+    page_size: int = 64
+    max_running_requests: int | None = field(default=None, metadata={"help": "default 32"})
+    chunked_prefill_size: int = field(
+        default=8192, metadata={"help": "tokens per prefill chunk; a multiple of index_kpool"}
+    )
+    max_prefill_tokens: int = field(default=16384, metadata={"help": "tokens per prefill batch"})
+    # parallelism (one device today)
+    tp_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    dcp_size: int = 1
+    nccl_port: int | None = field(default=None, metadata={"help": "accepted; unused with one rank"})
+    # kernels
+    dsa_prefill_backend: str = field(
+        default="torch", metadata={"choices": ["torch", "tilelang", "flashmla_sparse"]}
+    )
+    dsa_decode_backend: str = field(
+        default="torch", metadata={"choices": ["torch", "tilelang", "flashmla_sparse"]}
+    )
+    moe_runner_backend: str = field(
+        default="auto", metadata={"choices": ["auto", "torch", "triton"]}
+    )
+    speculative_moe_runner_backend: str = field(
+        default="auto", metadata={"choices": ["auto", "torch", "triton"]}
+    )
+    disable_shared_experts_fusion: bool = field(
+        default=False, metadata={"help": "accepted; shared experts are never fused here"}
+    )
+    cuda_graph_backend_prefill: str = field(
+        default="disabled", metadata={"choices": ["disabled", "full"]}
+    )
+    cuda_graph_backend_decode: str = field(
+        default="auto",
+        metadata={"choices": ["auto", "disabled", "full"], "help": "auto: full on CUDA"},
+    )
+    cuda_graph_max_bs_decode: int = 32
+    disable_overlap_schedule: bool = field(
+        default=False, metadata={"help": "accepted; the scheduler does not overlap today"}
+    )
+    # speculative decoding
+    speculative_algorithm: str | None = field(default=None, metadata={"choices": [None, "EAGLE"]})
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    # PD disaggregation
+    disaggregation_mode: str = field(
+        default="null", metadata={"choices": ["null", "prefill", "decode"]}
+    )
+    disaggregation_transfer_backend: str = field(
+        default="mooncake", metadata={"choices": ["mooncake"]}
+    )
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_ib_device: str | None = None
+    disaggregation_decode_extra_slots: int | None = field(
+        default=None, metadata={"help": "default: 2 x max_running_requests when that is <= 32"}
+    )
+    # API
+    reasoning_parser: str | None = field(default=None, metadata={"choices": [None, "glm45"]})
+    tool_call_parser: str | None = field(default=None, metadata={"choices": [None, "glm47"]})
+    # process
+    skip_server_warmup: bool = False
+    watchdog_timeout: float = field(
+        default=300.0, metadata={"help": "kill the scheduler when one step takes longer (s)"}
+    )
+    random_seed: int = 0
+    log_level: str = field(default="info", metadata={"choices": ["debug", "info", "warning"]})
+    trust_remote_code: bool = field(default=False, metadata={"help": "accepted; no remote code"})
+    enable_metrics: bool = field(default=True, metadata={"help": "accepted; /metrics is on"})
+
+    # ---- derived ----
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @property
+    def running_limit(self) -> int:
+        return self.max_running_requests or 32
+
+    @property
+    def decode_extra_slots(self) -> int:
+        """SGLang's default: 2 x max_running_requests when that is set and <= 32, else 0."""
+        if self.disaggregation_mode != "decode":
+            return 0
+        if self.disaggregation_decode_extra_slots is not None:
+            return self.disaggregation_decode_extra_slots
+        mrr = self.max_running_requests
+        return 2 * mrr if mrr is not None and mrr <= 32 else 0
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def context_window(self, config: ModelConfig) -> int:
+        return self.context_length or config.max_position_embeddings
+
+    def validate_for_model(self, config: ModelConfig) -> None:
+        """Checks that need the checkpoint's config.json (no weights)."""
+        kp = config.index_kpool
+        if self.chunked_prefill_size % kp:
+            raise ArgsError(
+                f"--chunked-prefill-size {self.chunked_prefill_size}: must be a multiple of "
+                f"index_kpool ({kp})"
+            )
+        if self.page_size % kp:
+            raise ArgsError(
+                f"--page-size {self.page_size}: must be a multiple of index_kpool ({kp})"
+            )
+        if self.context_length and self.context_length > config.max_position_embeddings:
+            raise ArgsError(
+                f"--context-length {self.context_length}: the model supports at most "
+                f"{config.max_position_embeddings}"
+            )
+
+    # ---- checks that need no model ----
+    def validate(self) -> None:
+        """Raise ArgsError for the first flag that cannot take effect here."""
+        import torch
+
+        device = self.resolved_device()
+        num_devices = torch.cuda.device_count() if device == "cuda" else 1
+        if device == "cuda" and num_devices == 0:
+            raise ArgsError("--device cuda: no CUDA device is visible")
+        if not Path(self.model_path).is_dir():
+            raise ArgsError(f"--model-path {self.model_path}: not a directory")
+        for flag in ("tp_size", "ep_size"):
+            n = getattr(self, flag)
+            if n > num_devices:
+                raise ArgsError(
+                    f"--{_dash(flag)} {n}: needs {n} devices, this machine has {num_devices} "
+                    f"({device})"
+                )
+            if n > 1:
+                raise ArgsError(f"--{_dash(flag)} {n}: multi-device parallelism is not built yet")
+        for flag in ("pp_size", "dp_size", "dcp_size"):
+            if getattr(self, flag) != 1:
+                raise ArgsError(f"--{_dash(flag)} {getattr(self, flag)}: only 1 is supported")
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ArgsError(f"--kv-cache-dtype {self.kv_cache_dtype}: fp8 KV caches are not built")
+        for flag in ("dsa_prefill_backend", "dsa_decode_backend"):
+            _require_backend(flag, getattr(self, flag), device)
+        for flag in ("moe_runner_backend", "speculative_moe_runner_backend"):
+            _require_backend(flag, getattr(self, flag), device)
+        if self.cuda_graph_backend_decode == "full" and device != "cuda":
+            raise ArgsError(
+                f"--cuda-graph-backend-decode full: needs a CUDA device (this is {device})"
+            )
+        if self.cuda_graph_backend_prefill != "disabled":
+            raise ArgsError("--cuda-graph-backend-prefill full: prefill graphs are not built")
+        if self.cuda_graph_max_bs_decode < 1:
+            raise ArgsError("--cuda-graph-max-bs-decode: must be >= 1")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ArgsError(f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1)")
+        if self.running_limit < 1:
+            raise ArgsError("--max-running-requests: must be >= 1")
+        if self.page_size < 1 or self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
+            raise ArgsError("--page-size/--chunked-prefill-size/--max-prefill-tokens: must be >= 1")
+        if self.speculative_algorithm is not None:
+            raise ArgsError(
+                f"--speculative-algorithm {self.speculative_algorithm}: "
+                "speculative decoding is not built yet"
+            )
+        if self.disaggregation_mode != "null":
+            raise ArgsError(
+                f"--disaggregation-mode {self.disaggregation_mode}: PD workers are not built yet"
+            )
+
+    def use_decode_graphs(self) -> bool:
+        mode = self.cuda_graph_backend_decode
+        return mode == "full" or (mode == "auto" and self.resolved_device() == "cuda")
+
+    # ---- argparse ----
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        ap = argparse.ArgumentParser(
+            prog="python -m serving.launch_server",
+            description="Serve a GLM-5.3-Flash-style checkpoint (OpenAI-compatible HTTP API).",
+        )
+        for f in dataclasses.fields(cls):
+            flag = "--" + _dash(f.name)
+            meta = dict(f.metadata)
+            kwargs: dict[str, Any] = {"help": meta.get("help")}
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+            default = None if f.default is dataclasses.MISSING else f.default
+            if f.type in ("bool", bool):
+                ap.add_argument(flag, action="store_true", help=kwargs["help"])
+                continue
+            kwargs["type"] = _parse_type(f.type)
+            if default is dataclasses.MISSING or f.default is dataclasses.MISSING:
+                kwargs["required"] = True
+            else:
+                kwargs["default"] = default
+            ap.add_argument(flag, **kwargs)
+        return ap
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
+        return cls(**vars(cls.parser().parse_args(argv)))
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _parse_type(annotation: Any):
+    text = str(annotation)
+    if "int" in text and "str" not in text:
+        return int
+    if "float" in text:
+        return float
+    return lambda s: None if s in ("None", "none", "null") else s
+
+
+def _require_backend(flag: str, backend: str, device: str) -> None:
+    """Kernel families we have: the torch references (auto picks them)."""
+    if backend in ("torch", "auto"):
+        return
+    package = backend.split("_")[0]
+    why = "" if importlib.util.find_spec(package) else f"; the {package} package is not installed"
+    raise ArgsError(
+        f"--{_dash(flag)} {backend}: not available in this build (available: torch){why}"
+    )

@@ -1,0 +1,88 @@
+"""Memory pool: every request-row buffer is sized from the request table, target and draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.config import ModelConfig
+from serving.memory.cache import DSALayerCache, KDALayerCache, request_rows
+from serving.memory.pool import MemoryPool, PoolPlan
+
+ROW_BUFFERS = ("conv", "state", "tail_keys", "tail_gates")
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_ckpt):
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    # PD decode shape from the seed: 32 running + 64 extra slots, EAGLE with 2 draft tokens
+    plan = PoolPlan(
+        rows=32 + 64, pages=64, page_size=16, max_context=1024, with_draft=True, num_draft_tokens=2
+    )
+    return MemoryPool(config, plan, torch.float32, "cpu")
+
+
+def row_buffers(pool):
+    for which, cache in (("target", pool.target), ("draft", pool.draft)):
+        for name, t in cache.tensors():
+            if name.split(".")[-1] in ROW_BUFFERS:
+                yield f"{which}.{name}", t
+
+
+def test_every_row_buffer_has_request_table_rows(pool):
+    names = [n for n, _ in row_buffers(pool)]
+    assert any(n.startswith("draft.") and "tail_keys" in n for n in names), names
+    assert any(n.startswith("target.") and ".state" in n for n in names), names
+    for name, t in row_buffers(pool):
+        assert t.shape[0] == request_rows(pool.req_to_token) == 97, name
+
+
+def test_rows_1_to_96_write_and_read_back(pool):
+    """Rows up to max_running + extra are valid (the seed's crash was row 96 of 33)."""
+    for name, t in row_buffers(pool):
+        for row in (1, 33, 95, 96):
+            value = torch.full(t.shape[1:], float(row), dtype=t.dtype)
+            t[row] = value
+            assert torch.equal(t[row], value), (name, row)
+        t.zero_()
+
+
+def test_tail_ring_holds_open_pool_plus_draft_tokens(pool):
+    kpool = pool.config.index_kpool
+    for cache in pool.caches():
+        for layer in cache.layers.values():
+            if isinstance(layer, DSALayerCache) and layer.tail_keys is not None:
+                assert layer.tail_slots == kpool - 1 + 2
+
+
+def test_rows_are_reset_when_handed_out(pool):
+    rows = [pool.alloc_row() for _ in range(96)]
+    assert sorted(rows) == list(range(1, 97)) and pool.alloc_row() is None
+    for cache in pool.caches():
+        for layer in cache.layers.values():
+            if isinstance(layer, KDALayerCache):
+                layer.state[96] = 1.0
+    pool.free_row(96)
+    assert pool.alloc_row() == 96
+    for cache in pool.caches():
+        for layer in cache.layers.values():
+            if isinstance(layer, KDALayerCache):
+                assert not layer.state[96].any()
+    for r in rows:
+        pool.free_row(r)
+
+
+def test_invariant_check_catches_leaks_and_aliases(pool):
+    row = pool.alloc_row()
+    pages: list[int] = []
+    assert pool.grow(row, pages, 40) and len(pages) == 3
+    pool.check({"a": (row, pages)})
+    with pytest.raises(AssertionError, match="leak"):
+        pool.check({"a": (row, pages[:1])})
+    with pytest.raises(AssertionError, match="owned by"):
+        pool.check({"a": (row, pages), "b": (None, pages[:1])})
+    pool.free_pages(pages)
+    pool.free_row(row)
+    pool.check({})
+    with pytest.raises(RuntimeError, match="freed but not in use"):
+        pool.free_row(row)
