@@ -25,6 +25,7 @@ class ForwardBatch:
     token_req: torch.Tensor  # [T] int64 batch index of each token
     logit_index: torch.Tensor  # [N] int64 indices into T
     req_to_token: torch.Tensor  # the request table (position -> KV slot per row)
+    max_seq_len: int  # bound on start + len over the batch (static under CUDA graphs)
     starts_cpu: list[int]
     lens_cpu: list[int]
 
@@ -69,6 +70,7 @@ class ForwardBatch:
             token_req=tok_req_t,
             logit_index=logit_index,
             req_to_token=req_to_token,
+            max_seq_len=max(s + n for s, n in zip(starts, lens)),
             starts_cpu=list(starts),
             lens_cpu=list(lens),
         )

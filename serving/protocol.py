@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+SHUTDOWN = "shutdown"  # front -> scheduler: finish up and exit
+
 
 class SamplingError(ValueError):
     """An invalid sampling parameter; the message names it (becomes an HTTP 400)."""
@@ -37,7 +39,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Temperatures this small overflow the logits; vLLM draws the same line.
+        return self.temperature < 1e-5 or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
         def bad(name: str, why: str) -> SamplingError:
@@ -98,7 +101,8 @@ class SequenceOutput:
     rid: str
     new_token_ids: list[int]
     finished: bool = False
-    # {"type": "stop" | "length" | "abort", "matched": int | str | None, "message": str}
+    # {"type": "stop" | "length" | "abort", "matched": int | str | None,
+    #  and for aborts "message": str, "status": int (the HTTP status the front answers with)}
     finish_reason: dict[str, Any] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -12,9 +12,8 @@ import threading
 import time
 import traceback
 
-import zmq
-
 from serving.protocol import (
+    SHUTDOWN,
     AbortRequest,
     BatchOutput,
     GenerateRequest,
@@ -25,7 +24,6 @@ from serving.protocol import (
 from serving.server_args import ServerArgs
 
 log = logging.getLogger("pdserve.scheduler")
-SHUTDOWN = "shutdown"
 
 
 def build_engine(args: ServerArgs):
@@ -128,6 +126,8 @@ class Watchdog:
 
 
 def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
+    import zmq
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s"
     )

@@ -264,7 +264,9 @@ def _parse_type(annotation: Any):
         return int
     if "float" in text:
         return float
-    return lambda s: None if s in ("None", "none", "null") else s
+    if "None" in text:  # optional strings: "none"/"null" on the command line mean unset
+        return lambda s: None if s.lower() in ("none", "null") else s
+    return str
 
 
 def _require_backend(flag: str, backend: str, device: str) -> None:

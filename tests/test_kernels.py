@@ -103,3 +103,18 @@ def test_sparse_mla_matches_dense_masked_attention():
         mask[i, slots[i][slots[i] >= 0]] = 0
     probs = torch.softmax(torch.einsum("nhr,sr->nhs", q, latent) * 0.3 + mask[:, None], -1)
     torch.testing.assert_close(out, torch.einsum("nhs,sr->nhr", probs, latent))
+
+
+def test_dense_experts_equal_sparse_experts():
+    from kernels import moe
+
+    torch.manual_seed(0)
+    t, e, h, i = 7, 6, 16, 8
+    x = torch.randn(t, h)
+    w13, w2 = torch.randn(e, 2 * i, h) * 0.3, torch.randn(e, h, i) * 0.3
+    gate = torch.randn(e, h)
+    weights, ids = moe.route(x, gate, torch.zeros(e), 2, 2, 1, True, 2.5)
+    torch.testing.assert_close(
+        moe.experts_dense(x, w13, w2, weights, ids, 10.0),
+        moe.experts(x, w13, w2, weights, ids, 10.0),
+    )

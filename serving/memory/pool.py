@@ -182,7 +182,8 @@ class MemoryPool:
             torch.tensor(new, device=self.device)[:, None] * size
             + torch.arange(size, device=self.device)
         ).flatten()
-        self.req_to_token[row, start : start + slots.numel()] = slots
+        end = min(start + slots.numel(), self.plan.max_context)  # the last page may overhang
+        self.req_to_token[row, start:end] = slots[: end - start]
         pages.extend(new)
         return True
 

@@ -117,7 +117,7 @@ class Indexer(nn.Module):
 
     def _select_decode(self, q, head_w, batch: ForwardBatch, cache: DSALayerCache):
         kp = self.kpool
-        max_pools = max(1, (max(s + 1 for s in batch.starts_cpu)) // kp)
+        max_pools = max(1, batch.max_seq_len // kp)
         pools = torch.arange(max_pools, device=q.device)
         dst = self._pool_slots(batch.req_to_token, batch.req_rows[:, None], pools[None, :])
         scores = idx_kernels.score_pools(q, head_w, cache.index_keys[dst], self.d**-0.5)

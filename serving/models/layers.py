@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import mhc as mhc_kernels
 from kernels import moe as moe_kernels
 from serving.config import ModelConfig
 
@@ -65,16 +66,8 @@ class HyperConnection(nn.Module):
         hc = self.hc
         flat = streams.flatten(1).float()
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        pre_w, post_w, comb_w = F.linear(flat, self.fn).split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
-        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
-        comb = comb_w.view(-1, hc, hc) * self.scale[2] + comb_b.view(hc, hc)
-        comb = torch.softmax(comb, dim=-1) + self.eps
-        comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        mix = F.linear(flat, self.fn)
+        pre, post, comb = mhc_kernels.mhc_mix(mix, self.base, self.scale, hc, self.iters, self.eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
         return post, comb, collapsed
 
@@ -135,8 +128,18 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
-        routed = moe_kernels.experts(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
+        experts = moe_kernels.experts_dense if _dense_experts(x) else moe_kernels.experts
+        routed = experts(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
         return routed + self.shared_experts(x)  # all-reduce point under TP/EP
+
+
+# On CUDA, batches this small (decode) use the sync-free dense expert path, eager or captured
+# alike, so CUDA graphs on and off compute the same thing.
+DENSE_EXPERTS_MAX_TOKENS = 64
+
+
+def _dense_experts(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS
 
 
 def make_mlp(config: ModelConfig, layer: int, dtype: torch.dtype) -> nn.Module:

@@ -1,0 +1,59 @@
+"""Token logprobs in the OpenAI chat, OpenAI completions and SGLang native shapes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from serving.protocol import TokenLogprob
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {
+                **entry(lp.token_id, lp.logprob),
+                "top_logprobs": [entry(token_id, logprob) for token_id, logprob in lp.top],
+            }
+            for lp in logprobs
+        ]
+    }
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob], text_offset: int
+) -> dict[str, Any]:
+    """`text_offset`: where the first token's text starts in the choice's text."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        tokens.append(token_text(tokenizer, lp.token_id))
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [
+            {token_text(tokenizer, token_id): logprob for token_id, logprob in lp.top}
+            for lp in logprobs
+        ],
+        "text_offset": offsets,
+    }
+
+
+def native_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "output_token_logprobs": [[lp.logprob, lp.token_id, None] for lp in logprobs],
+        "output_top_logprobs": [
+            [[logprob, token_id, None] for token_id, logprob in lp.top] for lp in logprobs
+        ],
+    }

@@ -1,0 +1,47 @@
+"""Request body of SGLang's native /generate."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class NativeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class NativeSamplingParams(NativeBody):
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+    sampling_seed: int | None = None
+
+
+class GenerateBody(NativeBody):
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSamplingParams | list[NativeSamplingParams] | None = None
+    stream: bool = False
+    rid: str | list[str] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+
+
+class AbortBody(NativeBody):
+    rid: str = ""
+    abort_all: bool = False

@@ -1,0 +1,58 @@
+"""Entry point: `python -m serving.launch_server --model-path DIR [SGLang flags]`.
+
+The main process runs the HTTP front (FastAPI + uvicorn); a spawned child runs the scheduler
+(model, pools, batching). They talk over two ZMQ ipc sockets in a private temp directory.
+SIGINT/SIGTERM drain in-flight requests, then both processes exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import shutil
+import sys
+import tempfile
+
+from serving.config import ConfigError, ModelConfig
+from serving.server_args import ArgsError, ServerArgs
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = ServerArgs.from_cli(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s front %(levelname)s %(message)s"
+    )
+    try:
+        args.validate()
+        args.validate_for_model(ModelConfig.from_pretrained(args.model_path))
+        from serving.engine_client import EngineClient, EngineUnavailable
+        from serving.http_server import create_app, serve
+        from serving.scheduler_process import run_scheduler
+
+        ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
+        to_scheduler, to_front = f"ipc://{ipc_dir}/scheduler", f"ipc://{ipc_dir}/front"
+        client = EngineClient(send_addr=to_scheduler, recv_addr=to_front)
+        app = create_app(args, client)
+    except (ArgsError, ConfigError) as exc:
+        sys.exit(f"error: {exc}")
+    scheduler = mp.get_context("spawn").Process(
+        target=run_scheduler,
+        args=(args, to_scheduler, to_front),
+        daemon=True,
+        name="pdserve-scheduler",
+    )
+    scheduler.start()
+    try:
+        asyncio.run(serve(app, args, client, scheduler))
+    except EngineUnavailable as exc:
+        sys.exit(f"error: scheduler failed: {exc}")
+    finally:
+        scheduler.join(timeout=10)
+        if scheduler.is_alive():
+            scheduler.kill()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+# The prefill and decode commands of the seed bug report (shared/seed/), verbatim.
+
+python3 -m sglang.launch_server \
+  --model-path "$MODEL_PATH" \
+  --served-model-name GLM-5.3-Flash \
+  --chat-template "$MODEL_PATH/chat_template.jinja" \
+  --tp-size 8 \
+  --ep-size 8 \
+  --pp-size 1 \
+  --dp-size 1 \
+  --dcp-size 1 \
+  --mem-fraction-static 0.70 \
+  --context-length 69632 \
+  --dsa-prefill-backend tilelang \
+  --dsa-decode-backend tilelang \
+  --kv-cache-dtype bf16 \
+  --cuda-graph-backend-prefill disabled \
+  --cuda-graph-backend-decode disabled \
+  --cuda-graph-max-bs-decode 32 \
+  --disable-shared-experts-fusion \
+  --reasoning-parser glm45 \
+  --tool-call-parser glm47 \
+  --skip-server-warmup \
+  --watchdog-timeout 600 \
+  --speculative-algorithm EAGLE \
+  --speculative-num-steps 1 \
+  --speculative-eagle-topk 1 \
+  --speculative-num-draft-tokens 2 \
+  --max-running-requests 32 \
+  --chunked-prefill-size 8192 \
+  --max-prefill-tokens 8192 \
+  --moe-runner-backend triton \
+  --speculative-moe-runner-backend triton \
+  --disaggregation-mode prefill \
+  --disaggregation-transfer-backend mooncake \
+  --disaggregation-ib-device "$IB_DEVICES" \
+  --host 0.0.0.0 \
+  --disable-overlap-schedule \
+  --disaggregation-bootstrap-port 28998 \
+  --port 32171 \
+  --nccl-port 22171
+
+python3 -m sglang.launch_server \
+  --model-path "$MODEL_PATH" \
+  --served-model-name GLM-5.3-Flash \
+  --chat-template "$MODEL_PATH/chat_template.jinja" \
+  --tp-size 8 \
+  --ep-size 8 \
+  --pp-size 1 \
+  --dp-size 1 \
+  --dcp-size 1 \
+  --mem-fraction-static 0.70 \
+  --context-length 69632 \
+  --dsa-prefill-backend tilelang \
+  --dsa-decode-backend tilelang \
+  --kv-cache-dtype bf16 \
+  --cuda-graph-backend-prefill disabled \
+  --cuda-graph-backend-decode full \
+  --cuda-graph-max-bs-decode 32 \
+  --disable-shared-experts-fusion \
+  --reasoning-parser glm45 \
+  --tool-call-parser glm47 \
+  --skip-server-warmup \
+  --watchdog-timeout 600 \
+  --speculative-algorithm EAGLE \
+  --speculative-num-steps 1 \
+  --speculative-eagle-topk 1 \
+  --speculative-num-draft-tokens 2 \
+  --max-running-requests 32 \
+  --chunked-prefill-size 8192 \
+  --max-prefill-tokens 8192 \
+  --moe-runner-backend triton \
+  --speculative-moe-runner-backend triton \
+  --disaggregation-mode decode \
+  --disaggregation-transfer-backend mooncake \
+  --disaggregation-ib-device "$IB_DEVICES" \
+  --host 0.0.0.0 \
+  --disaggregation-decode-extra-slots 64 \
+  --port 32172 \
+  --nccl-port 22172

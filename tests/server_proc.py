@@ -1,0 +1,82 @@
+"""Start the real server (`python -m serving.launch_server`) as a subprocess for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_path: Path, *flags: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"server-{self.port}.log"
+        env = dict(os.environ, PDSERVE_CHECK_INVARIANTS="1", PYTHONUNBUFFERED="1")
+        cmd = [
+            sys.executable,
+            "-m",
+            "serving.launch_server",
+            "--model-path",
+            str(model_path),
+            "--port",
+            str(self.port),
+            "--page-size",
+            "16",
+            *flags,
+        ]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy:\n{self.log_path.read_text()}")
+
+    def children(self) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def idle_pool(self, timeout: float = 10.0) -> dict:
+        """Wait until no request is live; returns the scheduler stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = httpx.get(self.url + "/server_info", timeout=5).json()["internal_states"][0]
+            idle = stats["running"] == 0 and stats["queued"] == 0
+            if idle and stats["used_rows"] == 0 and stats["used_pages"] == 0:
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pool not idle: {stats}")
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

@@ -1,0 +1,520 @@
+"""The HTTP front without a scheduler: detokenizer, stop strings, chat rendering, request
+validation (only the paths refused before anything reaches the scheduler), /health."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+
+from serving.api.chat_output import ChatOutputParser, prompt_opens_reasoning
+from serving.api.errors import describe_validation_errors
+from serving.chat import ChatTemplate, ChatTemplateError, load_chat_template, read_chat_template
+from serving.detokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    StreamingText,
+    partial_stop_len,
+    trim_at_stop,
+)
+from serving.engine_client import EngineClient
+from serving.http_server import create_app
+from serving.protocol import GenerateRequest, SchedulerReady, SequenceOutput
+from serving.server_args import ArgsError, ServerArgs
+from serving.tokenizer_build import CHAT_TEMPLATE_PATH, write_tokenizer_files
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
+    from fastapi.testclient import TestClient
+
+CONTEXT = 64
+VOCAB = 1024
+READY = SchedulerReady(
+    vocab_size=VOCAB,
+    context_length=CONTEXT,
+    eos_token_ids=[1001],
+    max_running_requests=4,
+    total_rows=5,
+    total_pages=16,
+    page_size=16,
+    device="cpu",
+    dtype="float32",
+)
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("front")
+    write_tokenizer_files(out)
+    config = {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def template() -> ChatTemplate:
+    return ChatTemplate(CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"))
+
+
+# ---- incremental detokenizer ----
+
+MULTIBYTE = "Emoji 🚀🙂☕👩‍💻🇯🇵, 中文 and café — “quotes” €"
+
+
+def test_split_multibyte_characters_never_yield_replacement(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False).ids
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([i]) for i in ids), "no character is split"
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([i]) for i in ids]
+    assert all(REPLACEMENT_CHAR not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == MULTIBYTE
+    assert detok.text == MULTIBYTE
+
+
+def test_held_tail_completes_across_add_calls_of_several_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(MULTIBYTE, add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add(ids[i : i + 3]) for i in range(0, len(ids), 3)]
+    assert all(REPLACEMENT_CHAR not in d for d in deltas)
+    assert "".join(deltas) == MULTIBYTE
+
+
+def test_flush_releases_an_incomplete_character(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("🚀", add_special_tokens=False).ids
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add(ids[:1]) == ""
+    assert REPLACEMENT_CHAR in detok.flush()
+
+
+def test_skip_special_tokens(tokenizer: Tokenizer) -> None:
+    text = "<|user|>hi<think>why</think>ok<|endoftext|>"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    skip, keep = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(tokenizer, False)
+    for i in ids:
+        skip.add([i])
+        keep.add([i])
+    assert skip.text == "hiwhyok"
+    assert keep.text == text
+
+
+# ---- stop strings ----
+
+
+def test_partial_stop_len() -> None:
+    assert partial_stop_len("hello wor", ["world"]) == 3
+    assert partial_stop_len("hello", ["world"]) == 0
+    assert partial_stop_len("abc", ["c", "bcd"]) == 2
+    assert partial_stop_len("xy STOP", ["STOP"]) == 4
+    assert partial_stop_len("anything", []) == 0
+
+
+def test_trim_at_stop() -> None:
+    assert trim_at_stop("a STOP b STOP", "STOP") == "a "
+    assert trim_at_stop("a STOP b STOP", "STOP", start=3) == "a STOP b "
+    assert trim_at_stop("no match", "STOP") == "no match"
+
+
+def _simulate(
+    tokenizer: Tokenizer, text: str, stop: list[str], no_stop_trim: bool = False
+) -> tuple[list[str], str]:
+    """Feed `text` token by token the way the scheduler streams it: finish on the token whose
+    decoded output first contains a stop string. Returns the deltas and the final text."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    stream = StreamingText(IncrementalDetokenizer(tokenizer), stop, no_stop_trim)
+    deltas = []
+    for n, token_id in enumerate(ids, 1):
+        decoded = tokenizer.decode(ids[:n])
+        matched = next((s for s in stop if s in decoded), None)
+        reason = None if matched is None else {"type": "stop", "matched": matched}
+        if reason is None and n == len(ids):
+            reason = {"type": "length", "matched": None}
+        deltas.append(stream.push([token_id], reason))
+        if reason is not None:
+            break
+    return deltas, stream.text
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("The answer is 42.\nUser: more text", ["\nUser:"], "The answer is 42."),
+        ("Hello world, STOP here", ["STOP", "world, X"], "Hello world, "),
+        ("Café 🚀 done", ["🚀"], "Café "),
+        ("nothing to stop here", ["zzz"], "nothing to stop here"),
+    ],
+)
+def test_streaming_never_leaks_a_partial_stop_string(
+    tokenizer: Tokenizer, text: str, stop: list[str], expected: str
+) -> None:
+    deltas, final = _simulate(tokenizer, text, stop)
+    assert final == expected == "".join(deltas)
+    emitted = ""
+    for delta in deltas:
+        emitted += delta
+        assert expected.startswith(emitted)
+        assert REPLACEMENT_CHAR not in delta
+
+
+def test_streaming_holds_back_a_possible_stop_prefix(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("ab END", add_special_tokens=False).ids
+    stream = StreamingText(IncrementalDetokenizer(tokenizer), ["ENDING"])
+    text = "".join(stream.push([i]) for i in ids)
+    assert text == "ab "  # "END" may still become "ENDING"
+    assert stream.push([], {"type": "length", "matched": None}) == "END"
+
+
+def test_no_stop_trim_keeps_the_stop_string(tokenizer: Tokenizer) -> None:
+    deltas, final = _simulate(tokenizer, "Hello world, STOP here", ["STOP"], no_stop_trim=True)
+    assert final.startswith("Hello world, STOP") and "".join(deltas) == final
+
+
+def test_non_streaming_trim(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("one two. three", add_special_tokens=False).ids
+    stream = StreamingText(IncrementalDetokenizer(tokenizer), ["two"])
+    assert stream.push(ids, {"type": "stop", "matched": "two"}) == "one "
+
+
+def test_matched_stop_token_is_trimmed(tokenizer: Tokenizer) -> None:
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    ids = tokenizer.encode("hi", add_special_tokens=False).ids + [eos]
+    reason = {"type": "stop", "matched": eos}
+    kept = StreamingText(IncrementalDetokenizer(tokenizer, False))
+    assert kept.push(ids, reason) == "hi"
+    untrimmed = StreamingText(IncrementalDetokenizer(tokenizer, False), no_stop_trim=True)
+    assert untrimmed.push(ids, reason) == "hi<|endoftext|>"
+
+
+# ---- chat template ----
+
+
+def test_render_string_and_parts_content(template: ChatTemplate) -> None:
+    expected = "[gMASK]<sop><|system|>Be brief.<|user|>hi there<|assistant|><think>"
+    as_string = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi there"},
+    ]
+    as_parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+        },
+    ]
+    assert template.render(as_string) == expected
+    assert template.render(as_parts) == expected
+
+
+def test_render_refuses_non_text_parts(template: ChatTemplate) -> None:
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content\[0\].*image_url"):
+        template.render([{"role": "user", "content": [image]}])
+
+
+def test_render_unknown_role_is_a_template_error(template: ChatTemplate) -> None:
+    with pytest.raises(ChatTemplateError, match="unsupported message role: robot"):
+        template.render([{"role": "robot", "content": "beep"}])
+
+
+def test_render_tools_and_json_string_arguments(template: ChatTemplate) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    arguments = {"city": "Zürich", "days": 2}
+
+    def conversation(args: Any) -> list[dict[str, Any]]:
+        call = {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": args},
+        }
+        return [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ]
+
+    as_dict = template.render(conversation(arguments), tools=tools)
+    as_json = template.render(conversation(json.dumps(arguments)), tools=tools)
+    assert as_dict == as_json
+    assert '{"name": "get_weather", "parameters": {}}' in as_dict
+    assert "<arg_key>city</arg_key><arg_value>Zürich</arg_value>" in as_dict
+    assert "<arg_key>days</arg_key><arg_value>2</arg_value>" in as_dict
+    assert "<|observation|><tool_response>sunny</tool_response>" in as_dict
+    with pytest.raises(ChatTemplateError, match=r"tool_calls\[0\]\.function\.arguments"):
+        template.render(conversation("{not json"), tools=tools)
+
+
+def test_enable_thinking_false(template: ChatTemplate) -> None:
+    assert template.render(USER_HI).endswith("<|assistant|><think>")
+    assert template.render(USER_HI, enable_thinking=False).endswith("<|assistant|></think>")
+
+
+def test_continue_final_message(template: ChatTemplate) -> None:
+    messages = [*USER_HI, {"role": "assistant", "content": "Hello, I am"}]
+    prompt = template.render(messages, add_generation_prompt=False, continue_final_message=True)
+    assert prompt.endswith("<|assistant|></think>Hello, I am")
+
+
+def test_template_sources(model_dir: Path, tmp_path: Path) -> None:
+    assert read_chat_template(model_dir) == CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    override = tmp_path / "t.jinja"
+    override.write_text("{{ messages[0].content }}")
+    assert load_chat_template(model_dir, override=str(override)).render(USER_HI) == "hi"
+    with pytest.raises(ArgsError, match="--chat-template"):
+        read_chat_template(model_dir, override=str(tmp_path / "missing.jinja"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "X{{ 1 }}"}))
+    assert read_chat_template(tmp_path) == "X{{ 1 }}"
+    assert read_chat_template(tmp_path / "nowhere") is None
+
+
+def test_rendered_prompt_tokenizes_without_added_specials(
+    template: ChatTemplate, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode(template.render(USER_HI), add_special_tokens=False).ids
+    gmask, sop = tokenizer.token_to_id("[gMASK]"), tokenizer.token_to_id("<sop>")
+    assert ids[:2] == [gmask, sop] and ids.count(gmask) == 1
+
+
+# ---- chat output parsing (reasoning, tool calls) ----
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
+REPLY = (
+    "Need weather.</think>Let me check."
+    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>42</arg_value>"
+    "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
+)
+
+
+@pytest.mark.parametrize("piece", [1, 3, len(REPLY)])
+def test_chat_output_parser_streams_like_one_shot(piece: int) -> None:
+    parser = ChatOutputParser(reasoning=True, starts_in_reasoning=True, tools=TOOLS)
+    reasoning, content, calls = "", "", []
+    for i in range(0, len(REPLY), piece):
+        delta = parser.feed(REPLY[i : i + piece], final=i + piece >= len(REPLY))
+        reasoning, content = reasoning + delta.reasoning, content + delta.content
+        calls += delta.tool_calls
+    assert (reasoning, content) == ("Need weather.", "Let me check.")
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "42", "days": 2}
+
+
+def test_chat_output_parser_without_parsers_passes_text_through() -> None:
+    parser = ChatOutputParser(reasoning=False, starts_in_reasoning=True, tools=None)
+    assert parser.feed(REPLY, final=True).content == REPLY
+
+
+def test_prompt_opens_reasoning(template: ChatTemplate) -> None:
+    assert prompt_opens_reasoning(template.render(USER_HI))
+    assert not prompt_opens_reasoning(template.render(USER_HI, enable_thinking=False))
+
+
+# ---- HTTP: requests refused before the scheduler ----
+
+
+class ReadyClient(EngineClient):
+    """Ready, and fails the test if any request reaches the scheduler."""
+
+    def __init__(self) -> None:
+        super().__init__("ipc:///unused-send", "ipc:///unused-recv")
+        self.mark_ready(READY)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[SequenceOutput]:
+        raise AssertionError(f"request {req.rid} reached the scheduler")
+        yield  # an async generator, like the real one
+
+
+@pytest.fixture(scope="module")
+def http(model_dir: Path) -> TestClient:
+    args = ServerArgs(model_path=str(model_dir), served_model_name="tiny")
+    return TestClient(create_app(args, ReadyClient()))
+
+
+def _error(response: Any, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["object"] == "error" and body["error"]["code"] == status
+    return body["error"]
+
+
+def _chat(http: TestClient, **fields: Any) -> Any:
+    return http.post("/v1/chat/completions", json={"messages": USER_HI, **fields})
+
+
+def test_malformed_json(http: TestClient) -> None:
+    for route in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        response = http.post(
+            route, content=b'{"messages": [', headers={"content-type": "application/json"}
+        )
+        assert _error(response, 400)["message"].startswith("malformed JSON body")
+
+
+def test_missing_and_mistyped_fields(http: TestClient) -> None:
+    error = _error(http.post("/v1/chat/completions", json={"model": "tiny"}), 400)
+    assert (error["message"], error["param"]) == ("messages: Field required", "messages")
+    assert error["type"] == "BadRequestError"
+    error = _error(_chat(http, temperature="hot"), 400)
+    assert error["param"] == "temperature" and error["message"].startswith("temperature: ")
+    error = _error(
+        http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]}), 400
+    )
+    assert error["message"].startswith("messages.0.content: ")
+    error = _error(_chat(http, stop=7), 400)
+    assert error["param"] == "stop"
+    error = _error(http.post("/v1/completions", json={"max_tokens": 3}), 400)
+    assert error["message"] == "prompt: Field required"
+    assert (
+        _error(http.post("/v1/chat/completions", json={"messages": []}), 400)["param"] == "messages"
+    )
+
+
+def test_unknown_model_is_404_and_the_path_is_accepted(http: TestClient, model_dir: Path) -> None:
+    error = _error(_chat(http, model="gpt-4"), 404)
+    assert error["type"] == "NotFoundError" and "gpt-4" in error["message"]
+    # The served name and the model path pass the model check and fail later, on temperature.
+    for name in ("tiny", str(model_dir)):
+        assert _error(_chat(http, model=name, temperature=-1), 400)["param"] == "temperature"
+
+
+def test_empty_prompts(http: TestClient) -> None:
+    assert (
+        _error(http.post("/v1/completions", json={"prompt": ""}), 400)["message"]
+        == "the prompt is empty"
+    )
+    assert _error(http.post("/v1/completions", json={"prompt": []}), 400)["param"] == "prompt"
+    assert (
+        _error(http.post("/generate", json={"text": ""}), 400)["message"] == "the prompt is empty"
+    )
+    assert _error(http.post("/generate", json={}), 400)["param"] == "text"
+
+
+def test_prompt_longer_than_the_context(http: TestClient) -> None:
+    long_text = "word " * (2 * CONTEXT)
+    error = _error(http.post("/v1/completions", json={"prompt": long_text}), 400)
+    assert f"the context length is {CONTEXT} tokens" in error["message"]
+    error = _error(_chat(http, messages=[{"role": "user", "content": long_text}]), 400)
+    assert "context length" in error["message"]
+    error = _error(http.post("/generate", json={"input_ids": list(range(CONTEXT))}), 400)
+    assert "context length" in error["message"]
+
+
+def test_prompt_plus_max_tokens_beyond_the_context(http: TestClient) -> None:
+    error = _error(_chat(http, max_tokens=CONTEXT), 400)
+    assert error["param"] == "max_tokens" and "context length" in error["message"]
+    error = _error(_chat(http, max_completion_tokens=CONTEXT), 400)
+    assert error["param"] == "max_tokens"
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": CONTEXT}}
+    assert _error(http.post("/generate", json=body), 400)["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ({"seed": -1}, "seed"),
+        ({"n": 0}, "n"),
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_bad_sampling_values(http: TestClient, fields: dict[str, Any], param: str) -> None:
+    error = _error(_chat(http, **fields), 400)
+    assert error["param"] == param and error["message"].startswith(param)
+
+
+def test_native_request_checks(http: TestClient) -> None:
+    both = {"text": "hi", "input_ids": [1, 2]}
+    assert _error(http.post("/generate", json=both), 400)["param"] == "text"
+    error = _error(http.post("/generate", json={"input_ids": [1, VOCAB]}), 400)
+    assert "outside the vocabulary" in error["message"]
+    body = {"text": "hi", "sampling_params": {"temperature": 101}}
+    assert _error(http.post("/generate", json=body), 400)["param"] == "temperature"
+    body = {"text": ["a", "b"], "sampling_params": [{}]}
+    assert _error(http.post("/generate", json=body), 400)["param"] == "sampling_params"
+
+
+def test_unknown_route_is_json_404(http: TestClient) -> None:
+    error = _error(http.get("/v2/nothing"), 404)
+    assert error["message"] == "GET /v2/nothing: no such route"
+    assert _error(http.get("/v1/chat/completions"), 405)["code"] == 405
+
+
+def test_describe_validation_errors() -> None:
+    errors = [
+        {
+            "type": "string_type",
+            "loc": ("body", "stop", "str"),
+            "msg": "Input should be a valid string",
+        },
+        {
+            "type": "list_type",
+            "loc": ("body", "stop", "list[str]"),
+            "msg": "Input should be a valid list",
+        },
+        {"type": "missing", "loc": ("body", "messages"), "msg": "Field required"},
+    ]
+    message, param = describe_validation_errors(errors)
+    assert param == "stop"
+    assert message == (
+        "stop: Input should be a valid string or Input should be a valid list; "
+        "messages: Field required"
+    )
+
+
+# ---- health and information routes ----
+
+
+def test_health_follows_the_scheduler(model_dir: Path) -> None:
+    client = EngineClient("ipc:///unused-send", "ipc:///unused-recv")
+    http = TestClient(create_app(ServerArgs(model_path=str(model_dir)), client))
+    assert _error(http.get("/health"), 503)["message"] == "scheduler is starting"
+    assert _error(_chat(http), 503)["message"] == "scheduler is starting"
+    client.mark_ready(READY)
+    assert http.get("/health").status_code == 200
+    client.begin_shutdown()
+    assert _error(http.get("/health"), 503)["message"] == "server is shutting down"
+    failed = EngineClient("ipc:///unused-send", "ipc:///unused-recv")
+    failed.fail("CUDA out of memory")
+    http = TestClient(create_app(ServerArgs(model_path=str(model_dir)), failed))
+    assert "CUDA out of memory" in _error(http.get("/health"), 503)["message"]
+
+
+def test_information_routes(http: TestClient, model_dir: Path) -> None:
+    card = http.get("/v1/models").json()["data"][0]
+    assert (card["id"], card["root"], card["max_model_len"]) == ("tiny", str(model_dir), CONTEXT)
+    info = http.get("/get_model_info").json()
+    assert info["model_type"] == "glm5_next" and info["is_generation"] is True
+    assert info["architectures"] == ["Glm5NextForConditionalGeneration"]
+    server = http.get("/server_info").json()
+    assert server["model_path"] == str(model_dir) and "version" in server
+    assert server["internal_states"] == [{}]
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200 and "pdserve:num_running_reqs" in metrics.text

@@ -1,0 +1,222 @@
+"""The real server on the tiny checkpoint, over real HTTP: equivalence, concurrency, bad input.
+
+The server runs with PDSERVE_CHECK_INVARIANTS=1 (the scheduler checks the pool invariant after
+every step and dies if it breaks) and every scenario ends with an idle, leak-free pool.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from serving.config import ModelConfig
+from serving.generate import StepRunner
+from serving.models.loader import load_weights
+from tests.server_proc import Server
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    srv = Server(
+        tiny_ckpt, "--context-length", str(CONTEXT), log_dir=tmp_path_factory.mktemp("logs")
+    )
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(autouse=True)
+def leak_free(request, server):
+    yield
+    server.idle_pool()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    model, _ = load_weights(tiny_ckpt, config, torch.float32)
+    return lambda prompt, n: StepRunner(model, 1, 512).greedy([prompt], n)[0]
+
+
+def prompt(seed: int, n: int | None = None) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    n = n or int(torch.randint(4, 100, (1,), generator=g))
+    return torch.randint(0, 1000, (n,), generator=g).tolist()
+
+
+def generate(url: str, ids: list[int], n: int, **extra) -> dict:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        **extra,
+    }
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_greedy_equals_step_by_step_model(server, reference):
+    for seed in range(3):
+        ids = prompt(seed)
+        out = generate(server.url, ids, 16)
+        assert out["output_ids"] == reference(ids, 16)
+        assert out["meta_info"]["completion_tokens"] == 16
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+
+
+def _stream_ids(url: str, ids: list[int], n: int, out: dict, key: int) -> None:
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+    last = None
+    with httpx.stream("POST", url + "/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                last = json.loads(line[6:])
+    out[key] = last["output_ids"]
+
+
+def test_16_concurrent_streams_match_one_at_a_time(server):
+    prompts = [prompt(100 + i) for i in range(16)]
+    alone = [generate(server.url, p, 12)["output_ids"] for p in prompts]
+    together: dict[int, list[int]] = {}
+    threads = [
+        threading.Thread(target=_stream_ids, args=(server.url, p, 12, together, i))
+        for i, p in enumerate(prompts)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [together[i] for i in range(16)] == alone
+
+
+def test_chunked_prefill_on_and_off_agree(server, tiny_ckpt, tmp_path):
+    chunked = Server(
+        tiny_ckpt,
+        "--context-length",
+        str(CONTEXT),
+        "--chunked-prefill-size",
+        "8",
+        "--max-prefill-tokens",
+        "24",
+        log_dir=tmp_path,
+    )
+    try:
+        for seed in (7, 8):
+            ids = prompt(seed, 90)
+            assert (
+                generate(chunked.url, ids, 10)["output_ids"]
+                == generate(server.url, ids, 10)["output_ids"]
+            )
+        chunked.idle_pool()
+    finally:
+        assert chunked.stop() == 0
+
+
+def test_openai_chat_and_completions(server):
+    chat = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 5,
+            "temperature": 0,
+        },
+        timeout=60,
+    ).json()
+    assert chat["object"] == "chat.completion"
+    assert chat["usage"]["completion_tokens"] <= 5
+    comp = httpx.post(
+        server.url + "/v1/completions",
+        json={
+            "prompt": "hello",
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    ).json()
+    assert comp["choices"][0]["finish_reason"] == "length"
+    assert comp["usage"]["completion_tokens"] == 4
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        timeout=60,
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["total_tokens"] > 0
+
+
+def test_info_endpoints(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"]
+    for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        assert httpx.get(server.url + path).status_code == 200, path
+    assert httpx.get(server.url + "/health_generate", timeout=30).status_code == 200
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("time_to_first_token", "inter_token", "num_running", "prompt_tokens"):
+        assert name in metrics, name
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", {"max_tokens": 3}, 400),
+    ("/v1/chat/completions", {"messages": "hi"}, 400),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "model": "nope"},
+        404,
+    ),
+    ("/v1/completions", {"prompt": ""}, 400),
+    ("/v1/completions", {"prompt": "word " * 400}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": CONTEXT + 10}, 400),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
+    ("/v1/completions", {"prompt": "hi", "top_p": 7}, 400),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, 400),
+    ("/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), BAD)
+def test_bad_input_gets_a_clear_error(server, path, body, status):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(
+        server.url + path, headers={"content-type": "application/json"}, timeout=30, **kw
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["code"] == status
+    assert generate(server.url, [5, 6, 7], 2)["output_ids"]  # still serving
+
+
+def test_client_disconnect_mid_stream_aborts(server):
+    body = {
+        "input_ids": prompt(3),
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 200, "ignore_eos": True},
+    }
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break  # leaving the block closes the connection
+    time.sleep(0.5)
+    stats = server.idle_pool()
+    assert stats["generation_tokens_total"] > 0
+    assert generate(server.url, [9, 9], 2)["output_ids"]
