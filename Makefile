@@ -1,5 +1,5 @@
 # The two commands a new user runs:
-#   make run    installs, writes the tiny checkpoint (first use) and serves it
+#   make run    installs, writes the tiny checkpoint (first use) and serves it on :30000
 #   make test   installs everything and runs lint + the test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,7 +17,7 @@ $(TINY)/config.json: | install
 	$(PY) -m serving.tiny_model $(TINY)
 
 run: install $(TINY)/config.json
-	$(PY) -m serving.generate --model-path $(TINY)
+	$(PY) -m serving.launch_server --model-path $(TINY) --served-model-name tiny --port 30000
 
 test: install
 	$(VENV)/bin/ruff check .

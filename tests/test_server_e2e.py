@@ -220,3 +220,26 @@ def test_client_disconnect_mid_stream_aborts(server):
     stats = server.idle_pool()
     assert stats["generation_tokens_total"] > 0
     assert generate(server.url, [9, 9], 2)["output_ids"]
+
+
+def test_seeded_sampling_is_reproducible_and_stop_strings_trim(server):
+    def complete(**kw) -> dict:
+        body = {"prompt": "The service returned", "max_tokens": 12, "ignore_eos": True, **kw}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    a = complete(temperature=1.0, seed=11)["choices"][0]["text"]
+    b = complete(temperature=1.0, seed=11)["choices"][0]["text"]
+    c = complete(temperature=1.0, seed=12, top_p=0.9, top_k=50, min_p=0.01,
+                 frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2)
+    assert a == b
+    assert c["choices"][0]["text"]
+    free = complete(temperature=0)["choices"][0]["text"]
+    stop = free[3:6]
+    assert stop and stop in free
+    cut = complete(temperature=0, stop=[stop])["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == free[: free.index(stop)]
+    two = complete(temperature=1.0, seed=3, n=2)
+    assert len(two["choices"]) == 2
