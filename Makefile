@@ -10,8 +10,9 @@ $(PY):
 	python3 -m venv $(VENV)
 
 install: $(PY)
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libibverbs1; }
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,cpu]"
 
 $(TINY)/config.json: | install
 	$(PY) -m serving.tiny_model $(TINY)

@@ -21,8 +21,11 @@ import httpx
 
 
 async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], n: int) -> dict:
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
     start = time.perf_counter()
     stamps: list[float] = []
     seen = 0
@@ -35,8 +38,11 @@ async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], n: in
             if count > seen:
                 stamps.append(time.perf_counter())
                 seen = count
-    return {"ttft": stamps[0] - start, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tokens": seen}
+    return {
+        "ttft": stamps[0] - start,
+        "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+        "tokens": seen,
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -46,11 +52,13 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> dict:
     rng = random.Random(0)
-    prompts = [[rng.randrange(0, args.vocab) for _ in range(args.input_len)]
-               for _ in range(args.requests)]
+    prompts = [
+        [rng.randrange(0, args.vocab) for _ in range(args.input_len)] for _ in range(args.requests)
+    ]
     sem = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
         async def bounded(ids: list[int]) -> dict:
             async with sem:
                 return await one_request(client, args.url, ids, args.output_len)
@@ -63,10 +71,13 @@ async def run(args: argparse.Namespace) -> dict:
     ttft = [r["ttft"] * 1000 for r in results]
     itl = [x * 1000 for r in results for x in r["itl"]]
     return {
-        "concurrency": args.concurrency, "requests": args.requests,
-        "input_len": args.input_len, "output_len": args.output_len,
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
         "output_tok_per_s": round(tokens / wall, 1),
-        "ttft_ms_mean": round(statistics.mean(ttft), 1), "ttft_ms_p99": round(pct(ttft, 0.99), 1),
+        "ttft_ms_mean": round(statistics.mean(ttft), 1),
+        "ttft_ms_p99": round(pct(ttft, 0.99), 1),
         "itl_ms_p50": round(pct(itl, 0.5), 2) if itl else None,
         "itl_ms_p99": round(pct(itl, 0.99), 2) if itl else None,
     }

@@ -34,11 +34,12 @@ def main(argv: list[str] | None = None) -> None:
         to_scheduler, to_front = f"ipc://{ipc_dir}/scheduler", f"ipc://{ipc_dir}/front"
         client = EngineClient(send_addr=to_scheduler, recv_addr=to_front)
         app = create_app(args, client)
+        make_role, bootstrap = pick_role(args)
     except (ArgsError, ConfigError) as exc:
         sys.exit(f"error: {exc}")
     scheduler = mp.get_context("spawn").Process(
         target=run_scheduler,
-        args=(args, to_scheduler, to_front),
+        args=(args, to_scheduler, to_front, make_role),
         daemon=True,
         name="pdserve-scheduler",
     )
@@ -51,7 +52,30 @@ def main(argv: list[str] | None = None) -> None:
         scheduler.join(timeout=10)
         if scheduler.is_alive():
             scheduler.kill()
+        if bootstrap is not None:
+            bootstrap.stop()
         shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def pick_role(args: ServerArgs):
+    """(role class for the scheduler process, bootstrap server) for --disaggregation-mode."""
+    if args.disaggregation_mode == "prefill":
+        from workers.bootstrap_server import BootstrapServer
+        from workers.prefill import PrefillRole
+
+        try:
+            bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+        except OSError as exc:
+            raise ArgsError(
+                f"--disaggregation-bootstrap-port {args.disaggregation_bootstrap_port}: {exc}"
+            ) from exc
+        bootstrap.start()
+        return PrefillRole, bootstrap
+    if args.disaggregation_mode == "decode":
+        from workers.decode import DecodeRole
+
+        return DecodeRole, None
+    return None, None
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ class SamplingParams:
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # At most one output constraint (serving/constrained.py): a JSON schema, a regex, or a
+    # grammar in GBNF or llguidance's Lark dialect.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:

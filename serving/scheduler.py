@@ -36,6 +36,49 @@ log = logging.getLogger(__name__)
 CHECK_INVARIANTS = os.environ.get("PDSERVE_CHECK_INVARIANTS") == "1"
 
 
+class Role:
+    """A worker role's plug into the batching loop. The plain worker uses this one as is;
+    workers/prefill.py and workers/decode.py override what differs for PD.
+
+    Invariant: a request the role holds (finished() returned True) keeps its row and pages
+    until the role calls Scheduler.release_held(); nothing else frees them.
+    """
+
+    scheduler: Scheduler
+
+    def attach(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def submit(self, request: GenerateRequest) -> None:
+        self.scheduler.add(request)
+
+    def abort(self, rid: str, reason: str) -> None:
+        self.scheduler.abort(rid, reason)
+
+    def poll(self) -> None:
+        """Called before every step: advance the role's own queues."""
+
+    def chunk_prefilled(self, req: Req) -> None:
+        """req.cached tokens of req are now in the cache (after every prefill chunk)."""
+
+    def finished(self, req: Req) -> bool:
+        """req just finished; True = the role holds its memory and reports it later."""
+        return False
+
+    @property
+    def busy(self) -> bool:
+        """Work outside the scheduler's queues (transfers in flight)."""
+        return False
+
+    def sockets(self) -> list:
+        """ZMQ sockets the process loop should wake up for."""
+        return []
+
+    def owned(self) -> list[Req]:
+        """Requests outside the scheduler's queues that own rows or pages (for the invariant)."""
+        return []
+
+
 @dataclass
 class SchedulerConfig:
     max_running_requests: int
@@ -55,6 +98,7 @@ class Req:
     pages: list[int] = field(default_factory=list)
     cached: int = 0  # leading tokens of fill_ids whose KV/state is in the cache
     finish_reason: dict[str, Any] | None = None
+    last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
 
     @property
     def output_ids(self) -> list[int]:
@@ -79,8 +123,11 @@ class Scheduler:
         config: SchedulerConfig,
         eos_token_ids: frozenset[int],
         detokenize=None,
+        role: Role | None = None,
     ) -> None:
         self.runner, self.pool, self.sampler, self.cfg = runner, pool, sampler, config
+        self.role = role or Role()
+        self.role.attach(self)
         self.eos = eos_token_ids
         self.detokenize = detokenize  # list[int] -> str, for stop strings
         self.waiting: deque[Req] = deque()
@@ -95,7 +142,7 @@ class Scheduler:
         self._hold_admission = False
 
     # ---- intake ----
-    def add(self, request: GenerateRequest) -> None:
+    def make_req(self, request: GenerateRequest) -> Req:
         p = request.sampling
         state = SamplingState(
             params=p,
@@ -104,46 +151,81 @@ class Scheduler:
             generator=make_generator(p.seed, self.pool.device),
             eos_token_ids=self.eos,
         )
-        req = Req(
+        return Req(
             request.rid,
             list(request.input_ids),
             state,
             request.return_logprob,
             request.top_logprobs_num,
         )
-        n = len(req.input_ids)
+
+    def admission_problem(self, req: Req) -> str | None:
+        """Why `req` can never run here, or None."""
+        n, p = len(req.input_ids), req.sampling.params
         if n == 0:
-            self._finish(req, {"type": "abort", "message": "empty prompt", "status": 400})
-        elif n + max(p.max_new_tokens, 1) > self.cfg.context_length:
-            self._finish(
-                req,
-                {
-                    "type": "abort",
-                    "status": 400,
-                    "message": f"prompt ({n} tokens) plus max_tokens ({p.max_new_tokens}) exceeds "
-                    f"the context length ({self.cfg.context_length})",
-                },
+            return "empty prompt"
+        if n + max(p.max_new_tokens, 1) > self.cfg.context_length:
+            return (
+                f"prompt ({n} tokens) plus max_tokens ({p.max_new_tokens}) exceeds the context "
+                f"length ({self.cfg.context_length})"
             )
-        elif self.pool.pages.pages_for(n + 1) > self.pool.plan.pages:
-            self._finish(
-                req,
-                {
-                    "type": "abort",
-                    "status": 400,
-                    "message": f"prompt ({n} tokens) does not fit in the KV pool "
-                    f"({self.pool.plan.pages * self.pool.plan.page_size} tokens)",
-                },
-            )
-        elif p.max_new_tokens == 0:
+        if self.pool.pages.pages_for(n + 1) > self.pool.plan.pages:
+            tokens = self.pool.plan.pages * self.pool.plan.page_size
+            return f"prompt ({n} tokens) does not fit in the KV pool ({tokens} tokens)"
+        return None
+
+    def add(self, request: GenerateRequest) -> None:
+        req = self.make_req(request)
+        problem = self.admission_problem(req)
+        if problem is not None:
+            self.reject(req, problem, 400)
+        elif request.sampling.max_new_tokens == 0:
             self._finish(req, {"type": "length", "matched": None})
         else:
-            self.stats.prompt_tokens_total += n
+            self.stats.prompt_tokens_total += len(req.input_ids)
             self.waiting.append(req)
 
-    def abort(self, rid: str, reason: str = "aborted") -> None:
+    def reject(self, req: Req, message: str, status: int = 400) -> None:
+        """Finish a request that never ran (or whose handoff failed) with an error."""
+        self._finish(req, {"type": "abort", "message": message, "status": status})
+
+    def adopt(self, req: Req, first_token: int, logprobs: list[TokenLogprob] | None) -> None:
+        """Take a request whose prompt is already in the cache (PD decode) and whose first token
+        was sampled elsewhere; it decodes from here on, like any running request."""
+        req.output_ids.append(first_token)
+        self.stats.prompt_tokens_total += len(req.input_ids)
+        self.stats.generation_tokens_total += 1
+        reason = self._finish_reason(req, first_token)
+        if reason is not None:
+            self._finish(req, reason, new_tokens=[first_token], logprobs=logprobs)
+        else:
+            self.running.append(req)
+            self._outputs.append(self._output(req, [first_token], logprobs))
+
+    def release_held(
+        self,
+        req: Req,
+        error: str | None = None,
+        status: int = 500,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
+        """The role is done with a request it held: free its memory and report it."""
+        if error is not None:
+            req.finish_reason = {"type": "abort", "message": error, "status": status}
+            tokens: list[int] = []
+        else:
+            tokens = req.output_ids[-1:]
+        self._release(req)
+        self._outputs.append(self._output(req, tokens, logprobs if error is None else None))
+
+    @property
+    def free_running_slots(self) -> int:
+        return self.cfg.max_running_requests - len(self.running)
+
+    def abort(self, rid: str, reason: str = "aborted", status: int = 499) -> None:
         for req in self._live():
             if req.rid == rid:
-                self._finish(req, {"type": "abort", "message": reason, "status": 499})
+                self._finish(req, {"type": "abort", "message": reason, "status": status})
                 return
 
     def _live(self) -> list[Req]:
@@ -215,6 +297,7 @@ class Scheduler:
         done: list[tuple[Req, int]] = []
         for i, (req, n) in enumerate(plan):
             req.cached += n
+            self.role.chunk_prefilled(req)
             if req.uncached == 0:
                 done.append((req, i))
                 if self.prefilling is req:
@@ -272,6 +355,7 @@ class Scheduler:
             req.output_ids.append(tok)
             self.stats.generation_tokens_total += 1
             lp = [logprobs[i]] if logprobs is not None and want[i] >= 0 else None
+            req.last_logprob = lp[0] if lp else None
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 self._finish(req, reason, new_tokens=[tok], logprobs=lp)
@@ -320,6 +404,8 @@ class Scheduler:
             self.waiting.remove(req)
         if self.prefilling is req:
             self.prefilling = None
+        if self.role.finished(req):
+            return
         self._release(req)
         self._outputs.append(self._output(req, new_tokens or [], logprobs))
 
@@ -340,6 +426,6 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         live = self._live()
-        self.pool.check({r.rid: (r.row, r.pages) for r in live})
+        self.pool.check({r.rid: (r.row, r.pages) for r in live + self.role.owned()})
         for r in live:
             assert r.finish_reason is None, f"{r.rid} finished but still queued"

@@ -26,8 +26,10 @@ from serving.server_args import ServerArgs
 log = logging.getLogger("pdserve.scheduler")
 
 
-def build_engine(args: ServerArgs):
-    """Model + pool + runner + sampler + scheduler for `args` (also used in-process by tests)."""
+def build_engine(args: ServerArgs, role=None):
+    """Model + pool + runner + sampler + scheduler for `args` (also used in-process by tests).
+
+    `role` plugs a worker role (workers/prefill.py, workers/decode.py) into the scheduler."""
     import torch
     from tokenizers import Tokenizer
 
@@ -81,6 +83,7 @@ def build_engine(args: ServerArgs):
         ),
         frozenset(config.eos_token_ids),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        role=role,
     )
     ready = SchedulerReady(
         vocab_size=config.vocab_size,
@@ -125,7 +128,8 @@ class Watchdog:
                 os._exit(1)
 
 
-def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
+def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=None) -> None:
+    """Process main. `make_role(args)` builds the worker role (None: a plain worker)."""
     import zmq
 
     logging.basicConfig(
@@ -137,7 +141,8 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
     send = ctx.socket(zmq.PUSH)
     send.connect(send_addr)
     try:
-        scheduler, ready = build_engine(args)
+        role = make_role(args) if make_role is not None else None
+        scheduler, ready = build_engine(args, role)
         if not args.skip_server_warmup:
             warmup(scheduler)
     except Exception as exc:  # report one line to the operator, the trace to the log
@@ -147,22 +152,26 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
         return
     send.send_pyobj(ready)
     watchdog = Watchdog(args.watchdog_timeout)
+    role = scheduler.role
     poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
+    for sock in [recv, *role.sockets()]:
+        poller.register(sock, zmq.POLLIN)
     while True:
-        timeout = 0 if scheduler.has_work else 100
-        while poller.poll(timeout):
+        events = dict(poller.poll(0 if scheduler.has_work else 50))
+        while events.get(recv) or recv.poll(0):
+            events.pop(recv, None)
             msg = recv.recv_pyobj()
             if msg == SHUTDOWN:
                 return
             if isinstance(msg, GenerateRequest):
-                scheduler.add(msg)
+                role.submit(msg)
             elif isinstance(msg, AbortRequest):
-                scheduler.abort(msg.rid, msg.reason)
-            timeout = 0
+                role.abort(msg.rid, msg.reason)
+        role.poll()
         if not scheduler.has_work and not scheduler.pending_outputs:
             continue
         watchdog.started = time.monotonic()
         outputs = scheduler.step()
         watchdog.started = None
-        send.send_pyobj(BatchOutput(outputs, scheduler.stats))
+        if outputs:
+            send.send_pyobj(BatchOutput(outputs, scheduler.stats))

@@ -216,9 +216,15 @@ class ServerArgs:
                 "speculative decoding is not built yet"
             )
         if self.disaggregation_mode != "null":
-            raise ArgsError(
-                f"--disaggregation-mode {self.disaggregation_mode}: PD workers are not built yet"
-            )
+            if importlib.util.find_spec("mooncake") is None:
+                raise ArgsError(
+                    f"--disaggregation-mode {self.disaggregation_mode}: the Mooncake transfer "
+                    "engine is not installed (pip install -e '.[cpu]' or '.[cuda13]')"
+                )
+            if self.disaggregation_decode_extra_slots is not None and (
+                self.disaggregation_decode_extra_slots < 0
+            ):
+                raise ArgsError("--disaggregation-decode-extra-slots: must be >= 0")
 
     def use_decode_graphs(self) -> bool:
         mode = self.cuda_graph_backend_decode

@@ -20,11 +20,39 @@ from serving.memory.allocator import FreeList, PageAllocator
 from serving.memory.cache import (
     ModelCache,
     allocate_model_cache,
+    request_rows,
     reset_request_state,
     tail_slots_for,
 )
 
 log = logging.getLogger(__name__)
+
+
+AUX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class AuxRows:
+    """What travels with a PD handoff besides KV and state, one row per request row.
+
+    ints:   bootstrap_room, first token, cached tokens, number of top logprobs
+    floats: first-token logprob, then its top logprobs; top_ids: their token ids
+    """
+
+    ints: torch.Tensor  # [rows, 4] int64
+    floats: torch.Tensor  # [rows, 1 + AUX_TOP_LOGPROBS] float32
+    top_ids: torch.Tensor  # [rows, AUX_TOP_LOGPROBS] int64
+
+    @classmethod
+    def allocate(cls, rows: int, device: str) -> AuxRows:
+        return cls(
+            ints=torch.zeros(rows, 4, dtype=torch.int64, device=device),
+            floats=torch.zeros(rows, 1 + AUX_TOP_LOGPROBS, dtype=torch.float32, device=device),
+            top_ids=torch.zeros(rows, AUX_TOP_LOGPROBS, dtype=torch.int64, device=device),
+        )
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [("aux.ints", self.ints), ("aux.floats", self.floats), ("aux.top_ids", self.top_ids)]
 
 
 @dataclass(frozen=True)
@@ -124,6 +152,7 @@ class MemoryPool:
             device,
             num_draft_tokens=plan.num_draft_tokens,
         )
+        self.aux = AuxRows.allocate(request_rows(self.req_to_token), device)
         self.draft: ModelCache | None = None
         if plan.with_draft:
             from serving.models.nextn import NextNDraft

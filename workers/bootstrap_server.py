@@ -1,0 +1,114 @@
+"""The prefill worker's bootstrap server: where decode workers find prefill scheduler ranks.
+
+PUT /route   a prefill rank registers {rank_ip, rank_port, page_size, kv_cache_dtype, ...}
+GET /route   ?prefill_dp_rank=&prefill_cp_rank=&target_tp_rank=&target_pp_rank= (all required)
+             all -1: cluster info; else {rank_ip, rank_port} of that rank; 503 until registered
+GET /health  200 (decode workers heartbeat this)
+
+Runs in the front process on --disaggregation-bootstrap-port (stdlib HTTP server, one thread
+per connection): it must answer even while the scheduler is busy with a long forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+log = logging.getLogger(__name__)
+
+QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+CLUSTER_KEYS = (
+    "attn_tp_size",
+    "attn_cp_size",
+    "dp_size",
+    "pp_size",
+    "page_size",
+    "kv_cache_dtype",
+    "layout",
+    "prefill_http_port",
+)
+
+
+class BootstrapServer:
+    def __init__(self, host: str, port: int) -> None:
+        self.ranks: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+        self.cluster: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        handler = type("Handler", (_Handler,), {"owner": self})
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, daemon=True, name="bootstrap-server"
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+        log.info("bootstrap server on %s:%d", *self.httpd.server_address[:2])
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def register(self, info: dict[str, Any]) -> None:
+        key = tuple(int(info.get(k, 0)) for k in ("dp_rank", "cp_rank", "tp_rank", "pp_rank"))
+        with self._lock:
+            self.ranks[key] = {"rank_ip": info["rank_ip"], "rank_port": int(info["rank_port"])}
+            self.cluster = {k: info.get(k) for k in CLUSTER_KEYS}
+        log.info("prefill rank %s registered at %s:%s", key, info["rank_ip"], info["rank_port"])
+
+    def lookup(self, query: dict[str, int]) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            if not self.ranks:
+                return 503, {"error": "no prefill rank has registered yet"}
+            if all(query[k] == -1 for k in QUERY):
+                return 200, dict(self.cluster)
+            key = tuple(query[k] for k in QUERY)
+            if key not in self.ranks:
+                return 404, {"error": f"no prefill rank {key}"}
+            return 200, dict(self.ranks[key])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: BootstrapServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("bootstrap: " + fmt, *args)
+
+    def _reply(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode() if not isinstance(body, bytes) else body
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        url = urlparse(self.path)
+        if url.path == "/health":
+            return self._reply(200, b"OK")
+        if url.path != "/route":
+            return self._reply(404, {"error": f"no route {url.path}"})
+        params = parse_qs(url.query)
+        missing = [k for k in QUERY if k not in params]
+        if missing:
+            return self._reply(400, {"error": f"missing query parameters: {', '.join(missing)}"})
+        try:
+            query = {k: int(params[k][0]) for k in QUERY}
+        except ValueError:
+            return self._reply(400, {"error": "query parameters must be integers"})
+        self._reply(*self.owner.lookup(query))
+
+    def do_PUT(self) -> None:  # noqa: N802
+        if urlparse(self.path).path != "/route":
+            return self._reply(404, {"error": "no such route"})
+        try:
+            info = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+            self.owner.register(info)
+        except (ValueError, KeyError, TypeError) as exc:
+            return self._reply(400, {"error": f"bad registration: {exc}"})
+        self._reply(200, {"status": "ok"})

@@ -1,0 +1,359 @@
+"""The decode worker's role: preallocate a request row, KV pages and the aux row for each request,
+send those destinations to its prefill worker, wait for the KV, commit the first token and decode.
+
+    submit -> Bootstrapping (find the prefill rank) -> WaitingForInput (wait for a row + pages)
+           -> Transferring (destinations sent) -> Success (aux checked) -> running
+           \\-> Failed: the client gets an error; row and pages are freed
+
+A request keeps the row it got here for its whole life, so rows up to max_running_requests +
+extra slots are live while only max_running_requests decode at once. Memory whose destinations
+were sent is reused only after prefill acknowledged an abort (or stopped, or a timeout): a late
+write must never land in another request's pages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from serving.protocol import GenerateRequest, TokenLogprob
+from serving.scheduler import Req, Role
+from serving.server_args import ServerArgs
+from workers.kv_endpoint import KVEndpoint
+from workers.kv_layout import layout_mismatch
+from workers.messages import FAKE_BOOTSTRAP_HOST, KVPoll, advance
+from workers.timeouts import Timeouts
+from workers.transfer_engine import advertise_host
+
+log = logging.getLogger("pdserve.decode")
+
+
+@dataclass
+class Transfer:
+    req: Req
+    room: int
+    bootstrap: str  # the prefill's bootstrap server, host:port
+    state: KVPoll
+    deadline: float = 0.0
+    rank: str | None = None  # the prefill scheduler rank's control address
+
+
+@dataclass
+class Quarantined:
+    """Memory of a failed room that a late write could still reach."""
+
+    holder: Req
+    rank: str | None
+    deadline: float
+
+
+class PrefillDirectory(threading.Thread):
+    """Looks prefill ranks up on their bootstrap servers and heartbeats those in use."""
+
+    def __init__(self, timeouts: Timeouts) -> None:
+        super().__init__(daemon=True, name="prefill-directory")
+        self.timeouts = timeouts
+        self.lookups: queue.Queue[str] = queue.Queue()
+        self.events: queue.Queue[tuple[str, str, object]] = queue.Queue()
+        self.watched: set[str] = set()
+        self._misses: dict[str, int] = {}
+
+    def run(self) -> None:
+        next_beat = time.monotonic() + self.timeouts.heartbeat_interval
+        while True:
+            try:
+                addr = self.lookups.get(timeout=max(0.0, next_beat - time.monotonic()))
+                self.events.put(self._lookup(addr))
+            except queue.Empty:
+                pass
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.timeouts.heartbeat_interval
+                for addr in list(self.watched):
+                    self._heartbeat(addr)
+
+    def _get(self, url: str) -> dict:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return json.loads(r.read() or b"{}")
+
+    def _lookup(self, addr: str) -> tuple[str, str, object]:
+        base = f"http://{addr}/route?"
+        try:
+            cluster = self._get(base + "&".join(f"{k}=-1" for k in _QUERY))
+            rank = self._get(base + "&".join(f"{k}=0" for k in _QUERY))
+        except (OSError, ValueError) as exc:
+            return "unreachable", addr, str(exc)
+        return "found", addr, {**cluster, "rank": f"{rank['rank_ip']}:{rank['rank_port']}"}
+
+    def _heartbeat(self, addr: str) -> None:
+        try:
+            urllib.request.urlopen(f"http://{addr}/health", timeout=2).read()
+            self._misses[addr] = 0
+        except OSError:
+            self._misses[addr] = self._misses.get(addr, 0) + 1
+            if self._misses[addr] >= self.timeouts.heartbeat_max_failures:
+                self._misses[addr] = 0
+                self.watched.discard(addr)
+                self.events.put(("dead", addr, None))
+
+
+_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+
+
+class DecodeRole(Role):
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.timeouts = Timeouts.from_env()
+        self.transfers: dict[int, Transfer] = {}  # by room, in arrival order
+        self.by_rid: dict[str, int] = {}
+        self.prefills: dict[str, dict] = {}  # bootstrap addr -> cluster info + rank
+        self.registered: set[str] = set()  # prefill ranks we sent our buffers to
+        self.quarantine: dict[int, Quarantined] = {}
+
+    def attach(self, scheduler) -> None:
+        super().attach(scheduler)
+        self.endpoint = KVEndpoint(
+            scheduler.pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
+        )
+        self.directory = PrefillDirectory(self.timeouts)
+        self.directory.start()
+
+    # ---- intake ----
+    def submit(self, request: GenerateRequest) -> None:
+        if request.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            self.scheduler.add(request)  # local prefill + decode (health checks)
+            return
+        req = self.scheduler.make_req(request)
+        room = request.bootstrap_room
+        if room is None or not request.bootstrap_host:
+            return self.scheduler.reject(
+                req,
+                "bootstrap_host and bootstrap_room are required in "
+                "PD mode (send requests through the router)",
+                400,
+            )
+        if room in self.transfers:
+            return self.scheduler.reject(req, f"bootstrap_room {room} is already in use", 400)
+        problem = self.scheduler.admission_problem(req)
+        if problem is not None:
+            return self.scheduler.reject(req, problem, 400)
+        port = request.bootstrap_port or self.args.disaggregation_bootstrap_port
+        addr = f"{request.bootstrap_host}:{port}"
+        t = Transfer(
+            req, room, addr, KVPoll.Bootstrapping, deadline=time.monotonic() + self.timeouts.waiting
+        )
+        self.transfers[room] = t
+        self.by_rid[req.rid] = room
+        if addr in self.prefills:
+            t.state = advance(t.state, KVPoll.WaitingForInput)
+        else:
+            self.directory.lookups.put(addr)
+
+    def abort(self, rid: str, reason: str) -> None:
+        room = self.by_rid.get(rid)
+        if room is None:
+            self.scheduler.abort(rid, reason)
+        else:
+            self._fail(self.transfers[room], f"aborted: {reason}", 499, tell_prefill=True)
+
+    # ---- the loop ----
+    def poll(self) -> None:
+        self._directory_events()
+        for msg in self.endpoint.receive():
+            handler = getattr(self, "_on_" + msg["kind"], None)
+            if handler is not None:
+                handler(msg)
+        self._preallocate()
+        self._commit()
+        now = time.monotonic()
+        for t in list(self.transfers.values()):
+            if t.state < KVPoll.Success and now > t.deadline:
+                self._fail(
+                    t,
+                    f"no KV from prefill {t.bootstrap} within {self.timeouts.waiting:.0f} s",
+                    504,
+                    tell_prefill=True,
+                )
+        for room, q in list(self.quarantine.items()):
+            if now > q.deadline:
+                log.warning("room %d: no abort ack from prefill; reusing its memory", room)
+                self._free(self.quarantine.pop(room).holder)
+
+    def _directory_events(self) -> None:
+        while True:
+            try:
+                kind, addr, payload = self.directory.events.get_nowait()
+            except queue.Empty:
+                return
+            waiting = [t for t in self.transfers.values() if t.bootstrap == addr]
+            if kind == "found":
+                mismatch = self._handshake_problem(payload)
+                if mismatch is None:
+                    self.prefills[addr] = payload
+                    self.directory.watched.add(addr)
+                for t in waiting:
+                    if mismatch is not None:
+                        self._fail(t, f"prefill/decode mismatch: {mismatch}", 502)
+                    else:
+                        t.state = advance(t.state, KVPoll.WaitingForInput)
+            elif kind == "unreachable":
+                for t in waiting:
+                    self._fail(
+                        t, f"cannot reach the prefill bootstrap server {addr}: {payload}", 503
+                    )
+            elif kind == "dead":
+                rank = (self.prefills.pop(addr, None) or {}).get("rank")
+                for t in waiting:
+                    self._fail(
+                        t,
+                        f"prefill at {addr} stopped answering its bootstrap /health",
+                        502,
+                        prefill_gone=True,
+                    )
+                for room, q in list(self.quarantine.items()):
+                    if q.rank == rank:  # a dead prefill writes nothing more
+                        self._free(self.quarantine.pop(room).holder)
+
+    def _handshake_problem(self, info: dict) -> str | None:
+        if info.get("page_size") != self.args.page_size:
+            return f"page size: prefill {info.get('page_size')}, decode {self.args.page_size}"
+        return layout_mismatch(self.endpoint.layout, info.get("layout") or [])
+
+    def _preallocate(self) -> None:
+        pool = self.scheduler.pool
+        for t in self.transfers.values():
+            if t.state != KVPoll.WaitingForInput:
+                continue
+            req = t.req
+            n = len(req.input_ids)
+            reserve = len(self.scheduler.running)
+            if pool.pages.num_free - pool.pages.pages_for(n + 1) < reserve:
+                return  # FIFO: later requests wait behind this one
+            row = pool.alloc_row()
+            if row is None:
+                return
+            req.row = row
+            if not pool.grow(row, req.pages, n):
+                pool.free_row(row)
+                req.row = None
+                return
+            info = self.prefills[t.bootstrap]
+            t.rank = info["rank"]
+            if t.rank not in self.registered:
+                self.endpoint.send(
+                    t.rank,
+                    "register",
+                    session=self.endpoint.engine.session_id,
+                    decode_addr=self.endpoint.addr,
+                    page_addrs=[b.addr for b in self.endpoint.page_buffers],
+                    row_addrs=[b.addr for b in self.endpoint.row_buffers],
+                    layout=self.endpoint.layout,
+                )
+                self.registered.add(t.rank)
+            self.endpoint.send(
+                t.rank,
+                "dest",
+                room=t.room,
+                session=self.endpoint.engine.session_id,
+                decode_addr=self.endpoint.addr,
+                pages=req.pages,
+                row=row,
+                prompt_len=n,
+            )
+            t.state = advance(t.state, KVPoll.Transferring)
+            t.deadline = time.monotonic() + self.timeouts.waiting
+
+    def _on_status(self, msg: dict) -> None:
+        t = self.transfers.get(msg["room"])
+        if t is None:
+            return
+        if msg["status"] == KVPoll.Success:
+            t.state = advance(t.state, KVPoll.Success)
+        else:
+            self._fail(
+                t,
+                f"prefill failed the handoff: {msg.get('message') or 'no reason'}",
+                502,
+                prefill_gone=True,
+            )
+
+    def _on_abort_ack(self, msg: dict) -> None:
+        q = self.quarantine.pop(msg["room"], None)
+        if q is not None:
+            self._free(q.holder)
+
+    def _commit(self) -> None:
+        """Successful transfers enter the running batch, oldest first, as slots free up."""
+        aux = self.scheduler.pool.aux
+        for t in list(self.transfers.values()):
+            if t.state != KVPoll.Success:
+                continue
+            if self.scheduler.free_running_slots <= 0:
+                return
+            req = t.req
+            room, first, _cached, ntop = aux.ints[req.row].tolist()
+            if room != t.room:
+                self._fail(
+                    t, f"handoff corrupted: aux row holds room {room}, expected {t.room}", 500
+                )
+                continue
+            logprobs = None
+            if req.return_logprob:
+                floats = aux.floats[req.row].tolist()
+                ids = aux.top_ids[req.row, :ntop].tolist()
+                logprobs = [TokenLogprob(first, floats[0], list(zip(ids, floats[1 : 1 + ntop])))]
+            aux.ints[req.row] = 0
+            del self.transfers[t.room]
+            del self.by_rid[req.rid]
+            req.cached = len(req.input_ids)
+            self.scheduler.adopt(req, first, logprobs)
+
+    # ---- failure ----
+    def _fail(
+        self,
+        t: Transfer,
+        message: str,
+        status: int,
+        tell_prefill: bool = False,
+        prefill_gone: bool = False,
+    ) -> None:
+        """Report `t` failed. Its memory is freed now, unless prefill may still write into it."""
+        log.warning("room %d (%s) failed: %s", t.room, t.req.rid, message)
+        self.transfers.pop(t.room, None)
+        self.by_rid.pop(t.req.rid, None)
+        req = t.req
+        if req.row is not None:
+            exposed = t.state >= KVPoll.Transferring and not prefill_gone
+            if exposed:
+                if tell_prefill and t.rank is not None:
+                    self.endpoint.send(t.rank, "abort", room=t.room, decode_addr=self.endpoint.addr)
+                holder = Req(
+                    f"{req.rid}#quarantined", [], req.sampling, row=req.row, pages=list(req.pages)
+                )
+                self.quarantine[t.room] = Quarantined(
+                    holder, t.rank, time.monotonic() + self.timeouts.abort_ack
+                )
+                req.row, req.pages = None, []
+        self.scheduler.reject(req, message, status)
+
+    def _free(self, holder: Req) -> None:
+        self.scheduler.pool.free_pages(holder.pages)
+        self.scheduler.pool.free_row(holder.row)
+        holder.row = None
+
+    # ---- scheduler hooks ----
+    def owned(self) -> list[Req]:
+        return [t.req for t in self.transfers.values() if t.req.row is not None] + [
+            q.holder for q in self.quarantine.values()
+        ]
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.transfers)
+
+    def sockets(self) -> list:
+        return [self.endpoint.pull]

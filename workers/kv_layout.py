@@ -1,0 +1,120 @@
+"""Which bytes a PD handoff moves, and how they are addressed on both sides.
+
+Page buffers (indexed by KV page): every DSA layer's latents and pooled index keys, target and
+draft. Page p of a buffer is one contiguous range, so a run of consecutive pages is one write.
+Row buffers (indexed by request row): KDA conv and recurrent states, compression tails, aux.
+
+The layout (names and per-item byte sizes, in order) must be identical on both sides; comparing
+it at the handshake catches a page-size, dtype, model or speculative-config mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.memory.pool import MemoryPool
+
+ROW_STATE = ("conv", "state", "tail_keys", "tail_gates")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    addr: int
+    item_bytes: int  # one page (page buffers) or one request row (row buffers)
+    items: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.item_bytes * self.items
+
+
+def _bytes_per_row(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size()
+
+
+def page_buffers(pool: MemoryPool) -> list[Buffer]:
+    size = pool.plan.page_size
+    out = []
+    for prefix, cache in (("target", pool.target), ("draft", pool.draft)):
+        if cache is None:
+            continue
+        for name, t in cache.tensors():
+            if name.endswith(".latent"):
+                per_page = size
+            elif name.endswith(".index_keys"):
+                per_page = size // pool.config.index_kpool
+            else:
+                continue
+            item = per_page * _bytes_per_row(t)
+            out.append(Buffer(f"{prefix}.{name}", t.data_ptr(), item, t.shape[0] // per_page))
+    return out
+
+
+def row_buffers(pool: MemoryPool) -> list[Buffer]:
+    out = []
+    for prefix, cache in (("target", pool.target), ("draft", pool.draft)):
+        if cache is None:
+            continue
+        for name, t in cache.tensors():
+            if name.split(".")[-1] in ROW_STATE:
+                out.append(Buffer(f"{prefix}.{name}", t.data_ptr(), _bytes_per_row(t), t.shape[0]))
+    for name, t in pool.aux.tensors():
+        out.append(Buffer(name, t.data_ptr(), _bytes_per_row(t), t.shape[0]))
+    return out
+
+
+def layout(pool: MemoryPool) -> list[list]:
+    """[name, item_bytes] of every buffer, in transfer order: the handshake fingerprint."""
+    return [[b.name, b.item_bytes] for b in page_buffers(pool) + row_buffers(pool)]
+
+
+def layout_mismatch(ours: list[list], theirs: list[list]) -> str | None:
+    """One line saying how two layouts differ, or None."""
+    if ours == theirs:
+        return None
+    mine, other = dict(map(tuple, ours)), dict(map(tuple, theirs))
+    for name in mine.keys() | other.keys():
+        if mine.get(name) != other.get(name):
+            return (
+                f"buffer {name}: {mine.get(name)} B per item here, {other.get(name)} B on the peer "
+                "(page size, KV dtype, model or speculative settings differ)"
+            )
+    return "buffer order differs"
+
+
+def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Merge (src page, dst page) pairs into runs contiguous on both sides: (src, dst, count)."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+Writes = tuple[list[int], list[int], list[int]]
+
+
+def page_writes(
+    local: list[Buffer], remote: list[int], src_pages: list[int], dst_pages: list[int]
+) -> Writes:
+    """Writes for pages src_pages -> dst_pages of every page buffer (remote = peer addresses)."""
+    srcs, dsts, lens = [], [], []
+    for buf, raddr in zip(local, remote):
+        for s, d, n in page_runs(src_pages, dst_pages):
+            srcs.append(buf.addr + s * buf.item_bytes)
+            dsts.append(raddr + d * buf.item_bytes)
+            lens.append(n * buf.item_bytes)
+    return srcs, dsts, lens
+
+
+def row_writes(local: list[Buffer], remote: list[int], src_row: int, dst_row: int) -> Writes:
+    return (
+        [b.addr + src_row * b.item_bytes for b in local],
+        [r + dst_row * b.item_bytes for b, r in zip(local, remote)],
+        [b.item_bytes for b in local],
+    )

@@ -1,0 +1,377 @@
+"""The prefill worker's role: wait for decode's destinations, prefill in chunks, ship each chunk's
+KV pages as it completes, then the request state rows and the aux row, and answer the HTTP
+request (one token) only after the transfer succeeded.
+
+Per room (SGLang's KVPoll, forward only):
+    Bootstrapping     the HTTP request is here; decode's destinations are not
+    WaitingForInput   destinations arrived; the request is queued in the scheduler
+    Transferring      at least one chunk is on its way
+    Success | Failed  decode is told; the request's memory is released and reported
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import torch
+
+from serving.protocol import GenerateRequest, SamplingParams
+from serving.scheduler import Req, Role
+from serving.server_args import ServerArgs
+from workers.kv_endpoint import KVEndpoint
+from workers.kv_layout import Writes, layout_mismatch, page_writes, row_writes
+from workers.messages import FAKE_BOOTSTRAP_HOST, KVPoll, advance
+from workers.timeouts import Timeouts
+from workers.transfer_engine import TransferError, advertise_host
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclass
+class Peer:
+    """A decode worker that registered with us."""
+
+    session: str
+    page_addrs: list[int]
+    row_addrs: list[int]
+    error: str | None  # layout mismatch: every room from this peer fails with it
+
+
+@dataclass
+class Room:
+    request: GenerateRequest
+    deadline: float
+    state: KVPoll = KVPoll.Bootstrapping
+    dest: dict | None = None
+    req: Req | None = None
+    sent_pages: int = 0
+    in_flight: int = 0  # transfer jobs queued or running
+    failure: str | None = None
+    abort_from: str | None = None  # decode asked to abort: ack once nothing is in flight
+
+
+@dataclass
+class Job:
+    room: int
+    session: str
+    writes: Writes
+    final: bool
+    error: str | None = field(default=None)
+
+
+class Sender(threading.Thread):
+    """Runs Mooncake writes off the scheduler thread, in order (a room's chunks stay ordered)."""
+
+    def __init__(self, endpoint: KVEndpoint) -> None:
+        super().__init__(daemon=True, name="kv-sender")
+        self.endpoint = endpoint
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.results: queue.Queue[Job] = queue.Queue()
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                self.endpoint.engine.write(job.session, *job.writes)
+            except TransferError as exc:
+                job.error = str(exc)
+            self.results.put(job)
+
+
+class PrefillRole(Role):
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.timeouts = Timeouts.from_env()
+        self.rooms: dict[int, Room] = {}
+        self.by_rid: dict[str, int] = {}
+        self.early_dest: dict[int, tuple[float, dict]] = {}  # dest that beat the HTTP request
+        self.peers: dict[str, Peer] = {}
+
+    def attach(self, scheduler) -> None:
+        super().attach(scheduler)
+        host = advertise_host(self.args.host)
+        self.endpoint = KVEndpoint(scheduler.pool, host, self.args.disaggregation_ib_device)
+        self.sender = Sender(self.endpoint)
+        self.sender.start()
+        self._register_with_bootstrap(host)
+
+    def _register_with_bootstrap(self, host: str) -> None:
+        info = {
+            "rank_ip": host,
+            "rank_port": self.endpoint.port,
+            "dp_rank": 0,
+            "cp_rank": 0,
+            "tp_rank": 0,
+            "pp_rank": 0,
+            "attn_tp_size": 1,
+            "attn_cp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "page_size": self.args.page_size,
+            "kv_cache_dtype": self.args.kv_cache_dtype,
+            "layout": self.endpoint.layout,
+            "prefill_http_port": self.args.port,
+        }
+        url = f"http://127.0.0.1:{self.args.disaggregation_bootstrap_port}/route"
+        body = json.dumps(info).encode()
+        for attempt in range(50):
+            try:
+                req = urllib.request.Request(
+                    url, data=body, method="PUT", headers={"content-type": "application/json"}
+                )
+                urllib.request.urlopen(req, timeout=5).read()
+                return
+            except OSError as exc:
+                if attempt == 49:
+                    raise RuntimeError(f"cannot register with the bootstrap server {url}") from exc
+                time.sleep(0.1)
+
+    # ---- intake ----
+    def submit(self, request: GenerateRequest) -> None:
+        one = SamplingParams(**{**vars(request.sampling), "max_new_tokens": 1, "min_new_tokens": 0})
+        request.sampling = one
+        if request.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            self.scheduler.add(request)  # local only (health checks): no peer, no transfer
+            return
+        room = request.bootstrap_room
+        if room is None:
+            return self._refuse(request, "bootstrap_room is required in PD mode", 400)
+        if room in self.rooms:
+            return self._refuse(request, f"bootstrap_room {room} is already in use", 400)
+        self.rooms[room] = Room(request, time.monotonic() + self.timeouts.bootstrap)
+        self.by_rid[request.rid] = room
+        early = self.early_dest.pop(room, None)
+        if early is not None:
+            self._on_dest(early[1])
+
+    def _refuse(self, request: GenerateRequest, message: str, status: int) -> None:
+        self.scheduler.reject(self.scheduler.make_req(request), message, status)
+
+    def abort(self, rid: str, reason: str) -> None:
+        room = self.by_rid.get(rid)
+        if room is not None and self.rooms[room].req is None:
+            self._fail(room, f"aborted: {reason}", status=499)
+            return
+        self.scheduler.abort(rid, reason)
+
+    # ---- the loop ----
+    def poll(self) -> None:
+        for msg in self.endpoint.receive():
+            handler = getattr(self, "_on_" + msg["kind"], None)
+            if handler is None:
+                log.warning("unknown control message %s", msg["kind"])
+            else:
+                handler(msg)
+        while True:
+            try:
+                job = self.sender.results.get_nowait()
+            except queue.Empty:
+                break
+            self._on_job_done(job)
+        now = time.monotonic()
+        for room_id, room in list(self.rooms.items()):
+            if room.state == KVPoll.Bootstrapping and now > room.deadline:
+                self._fail(
+                    room_id,
+                    f"decode sent no KV destinations within "
+                    f"{self.timeouts.bootstrap:.0f} s (is decode up?)",
+                    504,
+                )
+        for room_id, (t, _) in list(self.early_dest.items()):
+            if now - t > self.timeouts.bootstrap:
+                del self.early_dest[room_id]
+
+    def _on_register(self, msg: dict) -> None:
+        error = layout_mismatch(self.endpoint.layout, msg["layout"])
+        if error:
+            log.error("decode %s refused at handshake: %s", msg["decode_addr"], error)
+        self.peers[msg["decode_addr"]] = Peer(
+            msg["session"], msg["page_addrs"], msg["row_addrs"], error
+        )
+
+    def _on_dest(self, msg: dict) -> None:
+        room_id = msg["room"]
+        room = self.rooms.get(room_id)
+        if room is None:
+            self.early_dest[room_id] = (time.monotonic(), msg)
+            return
+        if room.dest is not None:
+            return
+        room.dest = msg
+        peer = self.peers.get(msg["decode_addr"])
+        n = len(room.request.input_ids)
+        if peer is None:
+            return self._fail(room_id, "decode sent destinations before registering", 502)
+        if peer.error:
+            return self._fail(room_id, f"prefill/decode mismatch: {peer.error}", 502)
+        if msg["prompt_len"] != n:
+            return self._fail(
+                room_id,
+                f"prompt length differs: prefill has {n} tokens, decode "
+                f"{msg['prompt_len']} (different tokenizer or chat template?)",
+                502,
+            )
+        room.state = advance(room.state, KVPoll.WaitingForInput)
+        self.scheduler.add(room.request)
+
+    def _on_abort(self, msg: dict) -> None:
+        room_id = msg["room"]
+        self.early_dest.pop(room_id, None)
+        room = self.rooms.get(room_id)
+        if room is None:
+            self.endpoint.send(msg["decode_addr"], "abort_ack", room=room_id)
+            return
+        room.abort_from = msg["decode_addr"]
+        room.failure = room.failure or "aborted by decode"
+        if room.req is None:
+            self._fail(room_id, "aborted by decode", 499)
+        elif room.req.finish_reason is None:
+            self.scheduler.abort(room.request.rid, "aborted by decode")
+        # else: held, its last write in flight; _on_job_done finishes it
+
+    # ---- scheduler hooks ----
+    def chunk_prefilled(self, req: Req) -> None:
+        room_id = self.by_rid.get(req.rid)
+        if room_id is None or req.uncached == 0:
+            return  # the last chunk ships with the state in finished()
+        room = self.rooms[room_id]
+        room.req = req
+        full_pages = req.cached // self.scheduler.pool.plan.page_size
+        if full_pages > room.sent_pages:
+            peer = self.peers[room.dest["decode_addr"]]
+            writes = page_writes(
+                self.endpoint.page_buffers,
+                peer.page_addrs,
+                req.pages[room.sent_pages : full_pages],
+                room.dest["pages"][room.sent_pages : full_pages],
+            )
+            self._ship(room_id, room, writes, final=False)
+            room.sent_pages = full_pages
+
+    def finished(self, req: Req) -> bool:
+        room_id = self.by_rid.get(req.rid)
+        if room_id is None:
+            return False
+        room = self.rooms[room_id]
+        room.req = req
+        if req.finish_reason["type"] == "abort" or room.failure:
+            room.failure = room.failure or req.finish_reason.get("message", "aborted")
+            self._notify_failed(room_id, room)
+            if room.in_flight:
+                return True  # pages may still be read by a queued write; release after it
+            self._forget(room_id)
+            return False
+        self._write_aux(req, room)
+        peer = self.peers[room.dest["decode_addr"]]
+        writes = page_writes(
+            self.endpoint.page_buffers,
+            peer.page_addrs,
+            req.pages[room.sent_pages :],
+            room.dest["pages"][room.sent_pages :],
+        )
+        rows = row_writes(self.endpoint.row_buffers, peer.row_addrs, req.row, room.dest["row"])
+        self._ship(room_id, room, tuple(a + b for a, b in zip(writes, rows)), final=True)
+        return True
+
+    def owned(self) -> list[Req]:
+        """Finished requests held until their transfer ends."""
+        return [
+            r.req
+            for r in self.rooms.values()
+            if r.req is not None and r.req.finish_reason is not None and r.req.row is not None
+        ]
+
+    @property
+    def busy(self) -> bool:
+        return any(r.in_flight for r in self.rooms.values())
+
+    def sockets(self) -> list:
+        return [self.endpoint.pull]
+
+    # ---- transfer ----
+    def _write_aux(self, req: Req, room: Room) -> None:
+        aux = self.scheduler.pool.aux
+        lp = req.last_logprob
+        top = lp.top if lp is not None else []
+        aux.ints[req.row] = torch.tensor(
+            [room.request.bootstrap_room, req.output_ids[-1], 0, len(top)], dtype=torch.int64
+        )
+        floats = [lp.logprob if lp is not None else 0.0] + [v for _, v in top]
+        aux.floats[req.row, : len(floats)] = torch.tensor(floats, dtype=torch.float32)
+        if top:
+            aux.top_ids[req.row, : len(top)] = torch.tensor([t for t, _ in top])
+
+    def _ship(self, room_id: int, room: Room, writes: Writes, final: bool) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the forward that wrote these pages must be done
+        room.state = advance(room.state, KVPoll.Transferring)
+        room.in_flight += 1
+        session = self.peers[room.dest["decode_addr"]].session
+        self.sender.jobs.put(Job(room_id, session, writes, final))
+
+    def _on_job_done(self, job: Job) -> None:
+        room = self.rooms.get(job.room)
+        if room is None:
+            return
+        room.in_flight -= 1
+        if job.error and room.failure is None:
+            room.failure = f"KV transfer to decode failed: {job.error}"
+            log.error("room %d: %s", job.room, room.failure)
+            self._notify_failed(job.room, room)
+        if job.final and room.failure is None:
+            room.state = advance(room.state, KVPoll.Success)
+            self.endpoint.send(
+                room.dest["decode_addr"],
+                "status",
+                room=job.room,
+                status=int(KVPoll.Success),
+                message="",
+            )
+            self.scheduler.release_held(room.req, logprobs=_as_list(room.req.last_logprob))
+            self._forget(job.room)
+        elif room.failure is not None and room.in_flight == 0 and room.req is not None:
+            if room.req.finish_reason is not None:  # held by finished(): report the failure now
+                self.scheduler.release_held(room.req, error=room.failure, status=502)
+                self._forget(job.room)
+            else:  # still in the scheduler: aborting it releases through finished()
+                self.scheduler.abort(room.request.rid, room.failure, status=502)
+
+    def _notify_failed(self, room_id: int, room: Room) -> None:
+        if room.state == KVPoll.Failed:
+            return
+        room.state = KVPoll.Failed
+        if room.dest is not None:
+            self.endpoint.send(
+                room.dest["decode_addr"],
+                "status",
+                room=room_id,
+                status=int(KVPoll.Failed),
+                message=room.failure or "",
+            )
+
+    def _fail(self, room_id: int, message: str, status: int) -> None:
+        """Fail a room whose request is not (or no longer) in the scheduler."""
+        room = self.rooms[room_id]
+        room.failure = message
+        log.warning("room %d (%s) failed: %s", room_id, room.request.rid, message)
+        self._notify_failed(room_id, room)
+        self._forget(room_id)
+        self.scheduler.reject(self.scheduler.make_req(room.request), message, status)
+
+    def _forget(self, room_id: int) -> None:
+        """The room is over and nothing of it is in flight."""
+        room = self.rooms.pop(room_id, None)
+        if room is not None:
+            self.by_rid.pop(room.request.rid, None)
+            if room.abort_from is not None:
+                self.endpoint.send(room.abort_from, "abort_ack", room=room_id)
+
+
+def _as_list(lp):
+    return [lp] if lp is not None else None

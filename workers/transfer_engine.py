@@ -1,0 +1,63 @@
+"""The Mooncake transfer engine, as the PD workers use it.
+
+One engine per worker process, P2P handshake metadata (no metadata server). Protocol: rdma when
+--disaggregation-ib-device names devices, else tcp. Every buffer the peer may write into is
+registered once at start-up; a write to an unregistered range fails on the target side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+log = logging.getLogger(__name__)
+
+
+def advertise_host(bind_host: str) -> str:
+    """The address peers reach this worker at: SGLANG_HOST_IP (as in SGLang), else the --host
+    it serves on, else this host's name resolved."""
+    explicit = os.environ.get("SGLANG_HOST_IP")
+    if explicit:
+        return explicit
+    if bind_host not in ("", "0.0.0.0", "::"):
+        return bind_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+class MooncakeEngine:
+    def __init__(self, host: str, ib_device: str | None) -> None:
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        from mooncake.engine import TransferEngine
+
+        self.protocol = "rdma" if ib_device else "tcp"
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(host, "P2PHANDSHAKE", self.protocol, ib_device or "")
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake initialize({host}, {self.protocol}, {ib_device or '-'}) returned {rc}"
+            )
+        self.session_id = f"{host}:{self.engine.get_rpc_port()}"
+        log.info("Mooncake engine up: session %s, protocol %s", self.session_id, self.protocol)
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        """(address, length) pairs of memory peers may write into."""
+        addrs, lens = [a for a, _ in regions], [n for _, n in regions]
+        rc = self.engine.batch_register_memory(addrs, lens)
+        if rc != 0:
+            raise TransferError(f"Mooncake batch_register_memory returned {rc}")
+
+    def write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        """One synchronous batch of writes into `session`'s registered memory."""
+        if not srcs:
+            return
+        rc = self.engine.batch_transfer_sync_write(session, srcs, dsts, lens)
+        if rc != 0:
+            raise TransferError(f"Mooncake write of {len(srcs)} pieces to {session} returned {rc}")
