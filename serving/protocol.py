@@ -120,6 +120,7 @@ class SchedulerStats:
     running: int = 0
     queued: int = 0
     used_rows: int = 0
+    peak_used_rows: int = 0  # highest request row handed out so far (PD extra slots in use)
     total_rows: int = 0
     used_pages: int = 0
     total_pages: int = 0

@@ -10,9 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
+import numpy as np
 import torch
 
+from serving.constrained import SequenceGrammar, has_constraint, load_tokenizer
 from serving.protocol import SamplingParams, TokenLogprob
 
 
@@ -25,6 +28,11 @@ class SamplingState:
     output_ids: list[int]  # tokens generated so far (the scheduler appends after sample())
     generator: torch.Generator | None  # created by make_generator(); None = the sampler's default
     eos_token_ids: frozenset[int]
+    grammar: SequenceGrammar | None = None  # the sampler's, for a constrained request
+
+    def grammar_finish_reason(self) -> dict[str, Any] | None:
+        """Why the output constraint ends the sequence now (None: it does not)."""
+        return self.grammar.finish_reason() if self.grammar is not None else None
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -70,10 +78,19 @@ def apply_penalties(
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str, seed: int = 0):
+    """`tokenizer_file` (the checkpoint's tokenizer.json) enables constrained decoding."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        seed: int = 0,
+        tokenizer_file: str | None = None,
+    ):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._tokenizer_file = tokenizer_file
 
     def sample(
         self,
@@ -94,14 +111,53 @@ class Sampler:
         # Columns past the vocabulary (a padded lm_head) must never be sampled.
         raw = logits[:, : self.vocab_size].float()
         adjusted = _adjusted_logits(raw, states)
+        grammars = self._grammars(states)
+        if grammars:
+            adjusted = self._mask_grammars(raw, adjusted, grammars)
         tokens = adjusted.argmax(dim=-1)  # first maximum: ties go to the lowest id
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if sampled:
             tokens[sampled] = self._draw(adjusted[sampled], [states[i] for i in sampled])
         token_ids = tokens.tolist()
+        for i, grammar in grammars.items():
+            grammar.advance(token_ids[i])
         if top_logprobs is None:
             return token_ids, None
         return token_ids, _logprobs(raw, tokens, token_ids, top_logprobs)
+
+    def _grammars(self, states: list[SamplingState]) -> dict[int, SequenceGrammar]:
+        """Row -> grammar of every constrained row, created on first use and caught up."""
+        grammars = {}
+        for i, s in enumerate(states):
+            if not has_constraint(s.params):
+                continue
+            if s.grammar is None:
+                tokenizer = None
+                if self._tokenizer_file is not None:
+                    eos = tuple(sorted(s.eos_token_ids))
+                    tokenizer = load_tokenizer(self._tokenizer_file, eos, self.vocab_size)
+                s.grammar = SequenceGrammar.compile(tokenizer, s.params)
+            s.grammar.catch_up(s.output_ids)
+            grammars[i] = s.grammar
+        return grammars
+
+    def _mask_grammars(
+        self, raw: torch.Tensor, adjusted: torch.Tensor, grammars: dict[int, SequenceGrammar]
+    ) -> torch.Tensor:
+        """-inf outside each grammar's allowed tokens (out of place; `raw` is never modified).
+        A row left with nothing (min_new_tokens banning the only way out) keeps the grammar's
+        tokens at their raw logits: the grammar wins."""
+        masks = {i: g.allowed(self.vocab_size) for i, g in grammars.items()}
+        rows = [i for i, mask in masks.items() if mask is not None]
+        if not rows:
+            return adjusted
+        allowed = torch.from_numpy(np.stack([masks[i] for i in rows])).to(raw.device)
+        masked = adjusted[rows].masked_fill(~allowed, float("-inf"))
+        dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
+        masked = torch.where(dead, raw[rows].masked_fill(~allowed, float("-inf")), masked)
+        out = adjusted.clone() if adjusted is raw else adjusted
+        out[rows] = masked
+        return out
 
     def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """One token id per row of `logits` (rows of non-greedy states)."""

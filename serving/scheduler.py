@@ -244,7 +244,7 @@ class Scheduler:
     def step(self) -> list[SequenceOutput]:
         if self._run_prefill() is False and self.running:
             self._run_decode()
-        self._refresh_stats()
+        self.refresh_stats()
         if CHECK_INVARIANTS:
             self.check_invariants()
         out, self._outputs = self._outputs, []
@@ -372,6 +372,8 @@ class Scheduler:
             for s in p.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
+        if (grammar_reason := req.sampling.grammar_finish_reason()) is not None:
+            return grammar_reason
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "matched": None}
         if len(req.fill_ids) >= self.cfg.context_length:
@@ -417,11 +419,12 @@ class Scheduler:
             req.row = None
 
     # ---- observability ----
-    def _refresh_stats(self) -> None:
+    def refresh_stats(self) -> None:
         s = self.stats
         s.running = len(self.running)
         s.queued = len(self.waiting) + int(self.prefilling is not None)
         s.used_rows = len(self.pool.rows.used)
+        s.peak_used_rows = max(s.peak_used_rows, max(self.pool.rows.used, default=0))
         s.used_pages = len(self.pool.pages.used)
 
     def check_invariants(self) -> None:

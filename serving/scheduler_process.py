@@ -6,6 +6,7 @@ says so, when its parent dies, or when one step outlives --watchdog-timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -153,6 +154,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
     send.send_pyobj(ready)
     watchdog = Watchdog(args.watchdog_timeout)
     role = scheduler.role
+    last_stats = None
     poller = zmq.Poller()
     for sock in [recv, *role.sockets()]:
         poller.register(sock, zmq.POLLIN)
@@ -168,10 +170,13 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
             elif isinstance(msg, AbortRequest):
                 role.abort(msg.rid, msg.reason)
         role.poll()
-        if not scheduler.has_work and not scheduler.pending_outputs:
-            continue
-        watchdog.started = time.monotonic()
-        outputs = scheduler.step()
-        watchdog.started = None
-        if outputs:
-            send.send_pyobj(BatchOutput(outputs, scheduler.stats))
+        if scheduler.has_work or scheduler.pending_outputs:
+            watchdog.started = time.monotonic()
+            outputs = scheduler.step()
+            watchdog.started = None
+        else:
+            outputs = []
+            scheduler.refresh_stats()
+        if outputs or scheduler.stats != last_stats:
+            last_stats = dataclasses.replace(scheduler.stats)
+            send.send_pyobj(BatchOutput(outputs, last_stats))

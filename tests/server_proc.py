@@ -20,11 +20,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_path: Path, *flags: str, log_dir: Path) -> None:
+    def __init__(
+        self, model_path: Path, *flags: str, log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
-        env = dict(os.environ, PDSERVE_CHECK_INVARIANTS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PDSERVE_CHECK_INVARIANTS="1", PYTHONUNBUFFERED="1", **(env or {}))
         cmd = [
             sys.executable,
             "-m",
@@ -57,6 +59,9 @@ class Server:
     def children(self) -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/server_info", timeout=5).json()["internal_states"][0]
 
     def idle_pool(self, timeout: float = 10.0) -> dict:
         """Wait until no request is live; returns the scheduler stats."""

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from serving.api.chat_output import ChatOutputParser, prompt_opens_reasoning
 from serving.api.errors import describe_validation_errors
 from serving.chat import ChatTemplate, ChatTemplateError, load_chat_template, read_chat_template
 from serving.detokenizer import (
@@ -285,50 +284,6 @@ def test_rendered_prompt_tokenizes_without_added_specials(
     assert ids[:2] == [gmask, sop] and ids.count(gmask) == 1
 
 
-# ---- chat output parsing (reasoning, tool calls) ----
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            },
-        },
-    }
-]
-REPLY = (
-    "Need weather.</think>Let me check."
-    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>42</arg_value>"
-    "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
-)
-
-
-@pytest.mark.parametrize("piece", [1, 3, len(REPLY)])
-def test_chat_output_parser_streams_like_one_shot(piece: int) -> None:
-    parser = ChatOutputParser(reasoning=True, starts_in_reasoning=True, tools=TOOLS)
-    reasoning, content, calls = "", "", []
-    for i in range(0, len(REPLY), piece):
-        delta = parser.feed(REPLY[i : i + piece], final=i + piece >= len(REPLY))
-        reasoning, content = reasoning + delta.reasoning, content + delta.content
-        calls += delta.tool_calls
-    assert (reasoning, content) == ("Need weather.", "Let me check.")
-    assert [c["function"]["name"] for c in calls] == ["get_weather"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "42", "days": 2}
-
-
-def test_chat_output_parser_without_parsers_passes_text_through() -> None:
-    parser = ChatOutputParser(reasoning=False, starts_in_reasoning=True, tools=None)
-    assert parser.feed(REPLY, final=True).content == REPLY
-
-
-def test_prompt_opens_reasoning(template: ChatTemplate) -> None:
-    assert prompt_opens_reasoning(template.render(USER_HI))
-    assert not prompt_opens_reasoning(template.render(USER_HI, enable_thinking=False))
-
-
 # ---- HTTP: requests refused before the scheduler ----
 
 
@@ -442,7 +397,7 @@ def test_prompt_plus_max_tokens_beyond_the_context(http: TestClient) -> None:
         ({"seed": -1}, "seed"),
         ({"n": 0}, "n"),
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ],
 )
 def test_bad_sampling_values(http: TestClient, fields: dict[str, Any], param: str) -> None:

@@ -231,8 +231,16 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_trim(server):
 
     a = complete(temperature=1.0, seed=11)["choices"][0]["text"]
     b = complete(temperature=1.0, seed=11)["choices"][0]["text"]
-    c = complete(temperature=1.0, seed=12, top_p=0.9, top_k=50, min_p=0.01,
-                 frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2)
+    c = complete(
+        temperature=1.0,
+        seed=12,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.01,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        repetition_penalty=1.2,
+    )
     assert a == b
     assert c["choices"][0]["text"]
     free = complete(temperature=0)["choices"][0]["text"]

@@ -29,6 +29,8 @@ CLUSTER_KEYS = (
     "page_size",
     "kv_cache_dtype",
     "layout",
+    "model",
+    "model_path",
     "prefill_http_port",
 )
 

@@ -25,7 +25,7 @@ from serving.protocol import GenerateRequest, TokenLogprob
 from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
-from workers.kv_layout import layout_mismatch
+from workers.kv_layout import layout_mismatch, model_fingerprint
 from workers.messages import FAKE_BOOTSTRAP_HOST, KVPoll, advance
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
@@ -219,6 +219,11 @@ class DecodeRole(Role):
                         self._free(self.quarantine.pop(room).holder)
 
     def _handshake_problem(self, info: dict) -> str | None:
+        if info.get("model") != model_fingerprint(self.scheduler.pool.config):
+            return (
+                f"model config differs: prefill serves {info.get('model_path')}, decode "
+                f"{self.args.model_path}"
+            )
         if info.get("page_size") != self.args.page_size:
             return f"page size: prefill {info.get('page_size')}, decode {self.args.page_size}"
         return layout_mismatch(self.endpoint.layout, info.get("layout") or [])

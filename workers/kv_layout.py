@@ -10,10 +10,14 @@ it at the handshake catches a page-size, dtype, model or speculative-config mism
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
 
+from serving.config import ModelConfig
 from serving.memory.pool import MemoryPool
 
 ROW_STATE = ("conv", "state", "tail_keys", "tail_gates")
@@ -69,6 +73,12 @@ def row_buffers(pool: MemoryPool) -> list[Buffer]:
 def layout(pool: MemoryPool) -> list[list]:
     """[name, item_bytes] of every buffer, in transfer order: the handshake fingerprint."""
     return [[b.name, b.item_bytes] for b in page_buffers(pool) + row_buffers(pool)]
+
+
+def model_fingerprint(config: ModelConfig) -> str:
+    """Short hash of the architecture (not the weights): both sides must serve the same model."""
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "extra"}
+    return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def layout_mismatch(ours: list[list], theirs: list[list]) -> str | None:

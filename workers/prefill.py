@@ -25,7 +25,13 @@ from serving.protocol import GenerateRequest, SamplingParams
 from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
-from workers.kv_layout import Writes, layout_mismatch, page_writes, row_writes
+from workers.kv_layout import (
+    Writes,
+    layout_mismatch,
+    model_fingerprint,
+    page_writes,
+    row_writes,
+)
 from workers.messages import FAKE_BOOTSTRAP_HOST, KVPoll, advance
 from workers.timeouts import Timeouts
 from workers.transfer_engine import TransferError, advertise_host
@@ -115,6 +121,8 @@ class PrefillRole(Role):
             "pp_size": 1,
             "page_size": self.args.page_size,
             "kv_cache_dtype": self.args.kv_cache_dtype,
+            "model": model_fingerprint(self.scheduler.pool.config),
+            "model_path": self.args.model_path,
             "layout": self.endpoint.layout,
             "prefill_http_port": self.args.port,
         }

@@ -47,10 +47,9 @@ def admin_router(ctx: FrontContext) -> APIRouter:
             return error_response(503, f"a one-token generation failed: {e.message}")
         return Response(status_code=200)
 
-    @router.get("/v1/models")
-    async def models() -> JSONResponse:
+    def model_card() -> dict:
         context = client.ready.context_length if client.ready else ctx.args.context_length
-        card = {
+        return {
             "id": ctx.model_name,
             "object": "model",
             "created": ctx.created,
@@ -58,7 +57,15 @@ def admin_router(ctx: FrontContext) -> APIRouter:
             "root": ctx.args.model_path,
             "max_model_len": context,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @router.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        ctx.check_model(model)
+        return JSONResponse(model_card())
 
     @router.get("/server_info")
     @router.get("/get_server_info")

@@ -8,12 +8,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llguidance
 from tokenizers import Tokenizer
 
 from serving.api.errors import APIError
+from serving.api.structured_output import GlmTokens
 from serving.chat import ChatTemplate, load_chat_template
+from serving.constrained import (
+    CONSTRAINT_FIELDS,
+    GrammarError,
+    check_grammar,
+    grammar_of,
+    load_tokenizer,
+)
 from serving.engine_client import EngineClient, EngineUnavailable
-from serving.protocol import SchedulerReady
+from serving.protocol import SamplingParams, SchedulerReady
 from serving.server_args import ArgsError, ServerArgs
 
 # generation_config.json fields that become sampling defaults (as SGLang and vLLM do)
@@ -24,7 +33,9 @@ _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 class FrontContext:
     args: ServerArgs
     client: EngineClient
+    tokenizer_file: Path
     tokenizer: Tokenizer
+    glm_tokens: GlmTokens | None
     chat_template: ChatTemplate | None
     model_config: dict[str, Any]
     sampling_defaults: dict[str, Any]
@@ -38,10 +49,13 @@ class FrontContext:
             flag = "--tokenizer-path" if args.tokenizer_path else "--model-path"
             raise ArgsError(f"{flag} {tokenizer_file.parent}: no tokenizer.json")
         generation = _read_json(model_dir / "generation_config.json")
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
         return cls(
             args=args,
             client=client,
-            tokenizer=Tokenizer.from_file(str(tokenizer_file)),
+            tokenizer_file=tokenizer_file,
+            tokenizer=tokenizer,
+            glm_tokens=GlmTokens.find(tokenizer),
             chat_template=load_chat_template(
                 args.model_path, args.tokenizer_path, args.chat_template
             ),
@@ -66,6 +80,20 @@ class FrontContext:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        ready = self.scheduler()
+        return load_tokenizer(str(self.tokenizer_file), tuple(sorted(ready.eos_token_ids)))
+
+    def check_constraint(self, sampling: SamplingParams) -> None:
+        """APIError 400 unless the request's output constraint compiles for this tokenizer."""
+        name = next((n for n in CONSTRAINT_FIELDS if getattr(sampling, n) is not None), None)
+        if name is None:
+            return
+        try:
+            check_grammar(grammar_of(sampling), self.grammar_tokenizer(), name)
+        except GrammarError as e:
+            raise APIError(400, str(e), name) from e
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -27,6 +27,9 @@ class NativeSamplingParams(NativeBody):
     n: int = 1
     seed: int | None = None
     sampling_seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateBody(NativeBody):

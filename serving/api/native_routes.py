@@ -124,6 +124,9 @@ def _sampling(
         min_new_tokens=p.min_new_tokens,
         skip_special_tokens=p.skip_special_tokens,
         no_stop_trim=p.no_stop_trim,
+        json_schema=p.json_schema,
+        regex=p.regex,
+        ebnf=p.ebnf,
     )
     fit_to_context(
         sampling,
@@ -133,6 +136,7 @@ def _sampling(
         ready.vocab_size,
         NATIVE_DEFAULT_MAX_NEW_TOKENS,
     )
+    ctx.check_constraint(sampling)
     return sampling
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class OpenBody(BaseModel):
@@ -17,8 +17,37 @@ class StreamOptions(OpenBody):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenBody):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(OpenBody):
-    type: str = "text"
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(OpenBody):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenBody):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenBody):
+    name: str
+
+
+class NamedToolChoice(OpenBody):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ContentPart(OpenBody):
@@ -58,7 +87,10 @@ class SamplingRequest(OpenBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     rid: str | None = None
     return_hidden_states: bool = False
     bootstrap_host: str | list[str] | None = None
@@ -71,8 +103,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
     separate_reasoning: bool = True
@@ -83,3 +116,6 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    json_schema: str | None = None

@@ -11,11 +11,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from serving.api.chat_output import ChatDelta, ChatOutputParser, prompt_opens_reasoning
+from serving.api.chat_output import ChatDelta, ChatOutputParser, parse_reply
 from serving.api.context import FrontContext
 from serving.api.errors import APIError
 from serving.api.logprobs import chat_logprobs, completion_logprobs
-from serving.api.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from serving.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingRequest,
+)
+from serving.api.reasoning import prompt_opens_reasoning
 from serving.api.responses import (
     SSE_DONE,
     event_stream,
@@ -33,6 +39,12 @@ from serving.api.sampling import (
     make_sampling,
 )
 from serving.api.sequences import Seq, collect, make_seqs, run_seqs
+from serving.api.structured_output import (
+    Constraint,
+    after_reasoning,
+    forced_tool_calls,
+    requested_constraint,
+)
 from serving.protocol import SamplingParams, SchedulerReady
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the room left
@@ -53,9 +65,10 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         check_top_logprobs(top, "top_logprobs")
         if top and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs true", "top_logprobs")
+        tools, forced = _tool_choice(ctx, body)
         prompt = ctx.chat_template.render(
             [m.model_dump(exclude_none=True) for m in body.messages],
-            tools=body.tools,
+            tools=tools,
             add_generation_prompt=not body.continue_final_message,
             continue_final_message=body.continue_final_message,
             **(body.chat_template_kwargs or {}),
@@ -68,9 +81,22 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         )
         sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None)
         reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
-        tools = body.tools if ctx.args.tool_call_parser and body.tool_choice != "none" else None
-        if reasoning or tools:
-            sampling.skip_special_tokens = False  # the parsers read the markup tokens
+        opens = prompt_opens_reasoning(prompt)
+        parsed_tools = tools if ctx.args.tool_call_parser else None
+        if ctx.args.reasoning_parser or parsed_tools:
+            sampling.skip_special_tokens = False  # the markup tokens stay in the text
+        constraint = requested_constraint(body.response_format, body.regex, body.ebnf, None)
+        if forced is not None:
+            if constraint is not None:
+                raise APIError(
+                    400,
+                    "tool_choice: cannot force a tool call and a response format at once",
+                    "tool_choice",
+                )
+            constraint = _forced_tool_calls(ctx, body, tools, forced, opens)
+        elif constraint is not None and reasoning and opens and ctx.glm_tokens is not None:
+            constraint = after_reasoning(constraint, ctx.glm_tokens)
+        _constrain(ctx, [sampling], constraint)
         rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
         seqs = make_seqs(
             ctx.tokenizer,
@@ -82,15 +108,19 @@ def openai_router(ctx: FrontContext) -> APIRouter:
             top_logprobs_num=top,
             **_bootstrap(body),
         )
-        opens = prompt_opens_reasoning(prompt)
-        parsers = [ChatOutputParser(reasoning, opens, tools) for _ in seqs]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(
-                _chat_stream(ctx, rid, seqs, parsers, body.stream_reasoning, include_usage)
+            parsers = [ChatOutputParser(reasoning, opens, parsed_tools) for _ in seqs]
+            stream = _chat_stream(
+                ctx, rid, seqs, parsers, body.stream_reasoning, include_usage, reasoning
             )
+            return event_stream(stream)
         await collect(request, ctx.client, seqs)
-        choices = [_chat_choice(ctx, seq, parser) for seq, parser in zip(seqs, parsers)]
+        choices, reasoning_tokens = [], 0
+        for seq in seqs:
+            reply = parse_reply(seq.text.text, reasoning, opens, parsed_tools)
+            choices.append(_chat_choice(ctx, seq, reply.reasoning, reply.content, reply.tool_calls))
+            reasoning_tokens += _reasoning_tokens(ctx, seq, reply.reasoned)
         return JSONResponse(
             {
                 "id": rid,
@@ -98,7 +128,7 @@ def openai_router(ctx: FrontContext) -> APIRouter:
                 "created": int(time.time()),
                 "model": ctx.model_name,
                 "choices": choices,
-                "usage": usage(seqs, body.n),
+                "usage": usage(seqs, body.n, reasoning_tokens if reasoning else None),
             }
         )
 
@@ -108,11 +138,23 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         _check_common(ctx, body)
         if body.logprobs is not None:
             check_top_logprobs(body.logprobs, "logprobs")
+            if body.echo:
+                raise APIError(
+                    400, "logprobs: prompt logprobs (echo with logprobs) are not supported", "echo"
+                )
+        if body.suffix is not None:
+            raise APIError(400, "suffix: not supported by this server", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of: only best_of == n is supported", "best_of")
         prompts = _completion_prompts(ctx, body.prompt, ready.vocab_size)
         samplings = [
             _sampling(ctx, body, ready, body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS)
             for ids in prompts
         ]
+        constraint = requested_constraint(
+            body.response_format, body.regex, body.ebnf, body.json_schema
+        )
+        _constrain(ctx, samplings, constraint)
         rid = body.rid or f"cmpl-{uuid.uuid4().hex}"
         seqs = make_seqs(
             ctx.tokenizer,
@@ -144,23 +186,36 @@ def openai_router(ctx: FrontContext) -> APIRouter:
     return router
 
 
-def _chat_choice(ctx: FrontContext, seq: Seq, parser: ChatOutputParser) -> dict[str, Any]:
-    parsed = parser.feed(seq.text.text, final=True)
-    calls = [{k: v for k, v in call.items() if k != "index"} for call in parsed.tool_calls]
+def _chat_choice(
+    ctx: FrontContext,
+    seq: Seq,
+    reasoning: str,
+    content: str,
+    tool_calls: list[dict[str, Any]],
+) -> dict[str, Any]:
     message = {
         "role": "assistant",
-        "content": parsed.content or (None if calls else ""),
-        "reasoning_content": parsed.reasoning or None,
-        "tool_calls": calls or None,
+        "content": content,  # "" rather than null with tool calls, as SGLang
+        "reasoning_content": reasoning or None,
+        "tool_calls": tool_calls or None,
     }
     logprobs = chat_logprobs(ctx.tokenizer, seq.logprobs) if seq.request.return_logprob else None
     return {
         "index": seq.index,
         "message": message,
         "logprobs": logprobs,
-        "finish_reason": finish_reason(seq, bool(calls)),
+        "finish_reason": finish_reason(seq, bool(tool_calls)),
         "matched_stop": matched_stop(seq),
     }
+
+
+def _reasoning_tokens(ctx: FrontContext, seq: Seq, reasoned: bool) -> int:
+    """Output tokens before `</think>` (all of them when the reply never left the reasoning)."""
+    if not reasoned:
+        return 0
+    end = ctx.glm_tokens.think_end if ctx.glm_tokens is not None else None
+    ids = seq.output_ids
+    return ids.index(end) if end in ids else len(ids)
 
 
 def _completion_choice(ctx: FrontContext, seq: Seq, echo: str) -> dict[str, Any]:
@@ -179,11 +234,64 @@ def _completion_choice(ctx: FrontContext, seq: Seq, echo: str) -> dict[str, Any]
 def _check_common(ctx: FrontContext, body: SamplingRequest) -> None:
     ctx.check_model(body.model)
     check_n(body.n)
-    kind = body.response_format.type if body.response_format else "text"
-    if kind != "text":
+    if body.logit_bias:
+        raise APIError(400, "logit_bias: not supported by this server", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+
+def _tool_choice(
+    ctx: FrontContext, body: ChatCompletionRequest
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(the tools the template shows and the parser knows, and what a call is forced to:
+    None = not forced, "" = any tool, else that function's name). As SGLang: tool_choice
+    "none" shows no tools, a named function shows only that one."""
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    if choice == "none":
+        return None, None
+    if not body.tools:
+        raise APIError(400, "tool_choice: needs tools", "tool_choice")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if choice == "auto":
+        return tools, None
+    if choice == "required":
+        return tools, ""
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
+    return named, name
+
+
+def _forced_tool_calls(
+    ctx: FrontContext,
+    body: ChatCompletionRequest,
+    tools: list[dict[str, Any]],
+    forced: str,
+    opens_reasoning: bool,
+) -> Constraint:
+    if ctx.args.tool_call_parser is None or ctx.glm_tokens is None:
         raise APIError(
-            400, f"response_format {kind!r} is not supported (only 'text')", "response_format"
+            400,
+            "tool_choice: forcing a tool call needs --tool-call-parser glm47 and GLM's markup "
+            "tokens in the tokenizer",
+            "tool_choice",
         )
+    return forced_tool_calls(
+        tools, forced or None, body.parallel_tool_calls, ctx.glm_tokens, opens_reasoning
+    )
+
+
+def _constrain(
+    ctx: FrontContext, samplings: list[SamplingParams], constraint: Constraint | None
+) -> None:
+    """Put the output constraint on each prompt's sampling parameters; 400 if it does not
+    compile."""
+    if constraint is None:
+        return
+    for sampling in samplings:
+        setattr(sampling, constraint.field, constraint.text)
+    ctx.check_constraint(samplings[0])
 
 
 def _sampling(
@@ -262,6 +370,7 @@ async def _chat_stream(
     parsers: list[ChatOutputParser],
     stream_reasoning: bool,
     include_usage: bool,
+    reasoning: bool,
 ) -> AsyncIterator[str]:
     head = {
         "id": rid,
@@ -275,6 +384,7 @@ async def _chat_stream(
         return sse({**head, "choices": [{"index": index, "delta": delta, **fields}]})
 
     held_reasoning = ["" for _ in seqs]  # stream_reasoning=False: sent whole, when it ends
+    reasoning_tokens = 0
     for seq in seqs:
         yield chunk(seq.index, {"role": "assistant", "content": ""})
     try:
@@ -301,6 +411,7 @@ async def _chat_stream(
                     yield chunk(seq.index, delta or {"content": ""}, logprobs=logprobs)
                 if seq.finished:
                     calls = parsers[seq.index].tool_call_count > 0
+                    reasoning_tokens += _reasoning_tokens(ctx, seq, parsers[seq.index].reasoned)
                     yield chunk(
                         seq.index,
                         {},
@@ -312,7 +423,8 @@ async def _chat_stream(
         yield SSE_DONE
         return
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(seqs, len(seqs))})
+        counts = usage(seqs, len(seqs), reasoning_tokens if reasoning else None)
+        yield sse({**head, "choices": [], "usage": counts})
     yield SSE_DONE
 
 

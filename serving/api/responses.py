@@ -54,11 +54,11 @@ def matched_stop(seq: Seq) -> int | str | None:
     return (seq.finish_reason or {}).get("matched")
 
 
-def usage(seqs: Sequence[Seq], n: int) -> dict[str, Any]:
+def usage(seqs: Sequence[Seq], n: int, reasoning_tokens: int | None = None) -> dict[str, Any]:
     """Each prompt counts once however many sequences (n) sampled from it."""
     prompt = sum(seq.prompt_tokens for seq in seqs if seq.index % n == 0)
     completion = sum(len(seq.output_ids) for seq in seqs)
-    return {
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
@@ -66,3 +66,6 @@ def usage(seqs: Sequence[Seq], n: int) -> dict[str, Any]:
             "cached_tokens": sum(seq.cached_tokens for seq in seqs if seq.index % n == 0)
         },
     }
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counts

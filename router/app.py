@@ -1,0 +1,273 @@
+"""The router's HTTP front: a plain ASGI app that uvicorn runs.
+
+    POST /v1/chat/completions, /v1/completions, /generate   -> router/dispatch.py
+    GET  /health, /liveness        the router itself is up (200)
+    GET  /readiness                200 when every role has a healthy worker, else 503
+    GET  /health_generate          a one-token generation on a healthy worker of each role
+    GET  /v1/models, /model_info, /get_model_info            a healthy worker's answer
+    GET  /server_info, /get_server_info                      that, plus {"router": state}
+    GET  /metrics                  Prometheus text
+Anything else: 404 (or 405) with an OpenAI-style error body.
+
+No web framework: the hot path is one dict lookup, one body read and the dispatcher, and the
+ASGI messages are written directly (a framework's routing and request objects would be most of
+the router's own CPU time per request).
+
+A generation request is watched for a client disconnect while it runs: the disconnect cancels
+the handler task, and the dispatcher's cleanup closes both upstream requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from router.admission import Admission
+from router.config import RouterConfig
+from router.dispatch import ClientSink, Dispatcher
+from router.errors import ClientError, error_body
+from router.health import HealthChecker
+from router.metrics import RouterMetrics
+from router.upstream import UpstreamError
+from router.workers import Worker, WorkerRegistry
+
+logger = logging.getLogger("router")
+
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+_FORWARDED = (b"authorization", b"x-request-id", b"traceparent", b"tracestate")
+_JSON = [(b"content-type", b"application/json")]
+
+Reply = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.registry = WorkerRegistry.from_config(config)
+        self.admission = Admission(
+            config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs
+        )
+        self.metrics = RouterMetrics(self.registry, self.admission)
+        self.dispatcher = Dispatcher(config, self.registry, self.metrics)
+        self.health = HealthChecker(config, self.registry)
+        self.roles = ("prefill", "decode") if config.pd_disaggregation else ("regular",)
+        self._get: dict[str, Callable[[], Awaitable[Reply]]] = {
+            "/health": self._alive,
+            "/liveness": self._alive,
+            "/readiness": self._readiness,
+            "/health_generate": self._health_generate,
+            "/v1/models": self._models,
+            "/model_info": self._model_info,
+            "/get_model_info": self._model_info,
+            "/server_info": self._server_info,
+            "/get_server_info": self._server_info,
+            "/metrics": self._metrics,
+        }
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path, method = scope["path"], scope["method"]
+            if path in GENERATION_ROUTES:
+                if method == "POST":
+                    await self._generate(scope, receive, send, path)
+                else:
+                    await _reply(send, _error(405, f"{method} is not allowed on {path} (POST)"))
+            elif (handler := self._get.get(path)) is not None:
+                if method == "GET":
+                    await _reply(send, await handler())
+                else:
+                    await _reply(send, _error(405, f"{method} is not allowed on {path} (GET)"))
+            else:
+                await _reply(send, _error(404, f"no route {method} {path}"))
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    # ---- generation ----
+    async def _generate(self, scope: dict[str, Any], receive: Any, send: Any, route: str) -> None:
+        t0 = time.perf_counter()
+        forwarded = b"content-type: application/json\r\n"
+        echo = []
+        declared = 0
+        for name, value in scope["headers"]:
+            if name in _FORWARDED:
+                forwarded += b"%s: %s\r\n" % (name, value)
+                if name == b"x-request-id":
+                    echo.append((name, value))
+            elif name == b"content-length":
+                declared = int(value) if value.isdigit() else 0
+        client = ClientSink(send, echo)
+        task = asyncio.current_task()
+        watcher = None
+        admitted = False
+        try:
+            raw = await self._read_body(receive, declared)
+            if raw is None:  # the client left while sending
+                client.gone = True
+                return
+            watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, task, client))
+            await self.admission.acquire()
+            admitted = True
+            await self.dispatcher.generate(route, raw, forwarded, client)
+        except ClientError as e:
+            if not client.started:
+                await client.error(e.status, e.message)
+        except asyncio.CancelledError:
+            if not client.gone:
+                raise
+            if hasattr(task, "uncancel"):
+                task.uncancel()  # type: ignore[union-attr]
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if admitted:
+                self.admission.release()
+            ttfb = client.first_byte_at - t0 if client.started else None
+            status = 499 if client.gone else client.status
+            self.metrics.observe(route, status, time.perf_counter() - t0, ttfb)
+
+    async def _read_body(self, receive: Any, declared: int) -> bytes | None:
+        limit = self.config.max_payload_size
+        if declared > limit:
+            raise ClientError(413, f"request body of {declared} bytes is over {limit}")
+        message = await receive()
+        body = message.get("body", b"")
+        if len(body) > limit:
+            raise ClientError(413, f"request body is over {limit} bytes")
+        if not message.get("more_body"):
+            return body if message["type"] == "http.request" else None
+        parts, size = [body], len(body)
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > limit:
+                raise ClientError(413, f"request body is over {limit} bytes")
+        return b"".join(parts)
+
+    # ---- everything else ----
+    async def _alive(self) -> Reply:
+        return 200, [], b""
+
+    async def _readiness(self) -> Reply:
+        healthy = {r: len(self.registry.healthy[r]) for r in self.roles}
+        total = {r: len(self.registry.by_role[r]) for r in self.roles}
+        ready = all(healthy.values())
+        body = {"status": "ready" if ready else "not ready", "healthy": healthy, "total": total}
+        return 200 if ready else 503, _JSON, json.dumps(body).encode()
+
+    async def _health_generate(self) -> Reply:
+        workers = []
+        for role in self.roles:
+            if not self.registry.healthy[role]:
+                return _error(503, self.registry.unavailable(role))
+            workers.append(self.registry.healthy[role][0])
+        results = await asyncio.gather(*(self._proxy(w, "/health_generate") for w in workers))
+        for w, (status, _, body) in zip(workers, results):
+            if status != 200:
+                return _error(503, f"{w.role} worker {w.url}: /health_generate answered {status}")
+        return 200, [], b""
+
+    async def _models(self) -> Reply:
+        worker = self._any_worker()
+        if worker is not None:
+            return await self._proxy(worker, "/v1/models")
+        if self.config.model_path:
+            card = {"id": self.config.model_path, "object": "model", "owned_by": "pdserve"}
+            return 200, _JSON, json.dumps({"object": "list", "data": [card]}).encode()
+        return _error(503, self._no_worker())
+
+    async def _model_info(self) -> Reply:
+        worker = self._any_worker()
+        if worker is None:
+            return _error(503, self._no_worker())
+        return await self._proxy(worker, "/model_info")
+
+    async def _server_info(self) -> Reply:
+        info: dict[str, Any] = {}
+        worker = self._any_worker()
+        if worker is not None:
+            status, _, body = await self._proxy(worker, "/server_info")
+            if status == 200:
+                info = json.loads(body)
+        info["router"] = self.state()
+        return 200, _JSON, json.dumps(info).encode()
+
+    async def _metrics(self) -> Reply:
+        return 200, [(b"content-type", b"text/plain; version=0.0.4")], self.metrics.text()
+
+    def state(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "mode": "pd" if c.pd_disaggregation else "plain",
+            "policies": {r: c.policy_for[r] for r in self.roles},
+            "workers": [
+                {
+                    "url": w.url,
+                    "role": w.role,
+                    "bootstrap_port": w.bootstrap_port,
+                    "healthy": w.healthy,
+                    "last_error": w.last_error,
+                    "in_flight": w.in_flight,
+                    "requests": w.requests,
+                    "failures": w.failures,
+                }
+                for w in self.registry.workers
+            ],
+            "active_requests": self.admission.active,
+            "queued_requests": len(self.admission.waiting),
+        }
+
+    def _any_worker(self) -> Worker | None:
+        for role in self.roles:  # prefill first in PD mode, as sglang-router does
+            if self.registry.healthy[role]:
+                return self.registry.healthy[role][0]
+        return None
+
+    def _no_worker(self) -> str:
+        return "; ".join(self.registry.unavailable(r) for r in self.roles)
+
+    async def _proxy(self, worker: Worker, path: str) -> Reply:
+        try:
+            status, body = await worker.pool.get(path, self.config.request_timeout_secs)
+        except UpstreamError as e:
+            return _error(502, f"{worker.role} worker {e}")
+        return status, _JSON, body
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.health.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.health.stop()
+                self.registry.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def _cancel_on_disconnect(receive: Any, task: asyncio.Task[Any], client: ClientSink):
+    """Cancel `task` if the client goes away before its response is complete. (uvicorn also
+    reports a disconnect once the response is complete; that one is not the client leaving.)"""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if not client.finished:
+        client.gone = True
+        task.cancel()
+
+
+def _error(status: int, message: str) -> Reply:
+    return status, _JSON, error_body(status, message)
+
+
+async def _reply(send: Any, reply: Reply) -> None:
+    status, headers, body = reply
+    headers = [*headers, (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

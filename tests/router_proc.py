@@ -1,0 +1,57 @@
+"""Start our router (`python -m router.launch_router`) as a subprocess for tests."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.server_proc import free_port
+
+
+class RouterProc:
+    def __init__(self, *flags: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"router-{self.port}.log"
+        cmd = [sys.executable, "-m", "router.launch_router", "--host", "127.0.0.1",
+               "--port", str(self.port), *flags]  # fmt: skip
+        self.log = open(self.log_path, "w")
+        self.started_at = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.serving_after = self._wait("/liveness", 10.0)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until every role has a healthy worker."""
+        self._wait("/readiness", timeout)
+
+    def state(self) -> dict:
+        return httpx.get(self.url + "/server_info", timeout=5).json()["router"]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def _wait(self, path: str, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return time.monotonic() - self.started_at
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"router {path} not 200:\n{self.log_path.read_text()}")

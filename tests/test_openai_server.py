@@ -1,0 +1,321 @@
+"""The OpenAI surface end to end: the real server, the official openai package as the client.
+
+The server runs the scripted checkpoint (tests/scripted_checkpoint.py): greedy decoding
+reasons "Hm", then calls `lookup` with ids [7, 8], so reasoning, tool calls, forced tool
+choice and structured output are exercised through the real scheduler, sampler and front,
+with the seed's `--reasoning-parser glm45 --tool-call-parser glm47`. The scenarios take a Peer
+and run unchanged against a router + PD pair in test_openai_pd.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from serving.chat import ChatTemplate, load_chat_template
+from tests.scripted_checkpoint import script_ids, write_scripted_checkpoint
+from tests.server_proc import Server
+
+MODEL = "GLM-5.3-Flash"
+CONTEXT = 1024
+WORKER_FLAGS = (
+    "--served-model-name",
+    MODEL,
+    "--reasoning-parser",
+    "glm45",
+    "--tool-call-parser",
+    "glm47",
+    "--context-length",
+    str(CONTEXT),
+)
+USER = [{"role": "user", "content": "Look up items 7 and 8."}]
+THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+CALL_MARKUP = "<tool_call>lookup<arg_key>ids</arg_key><arg_value>[7, 8]</arg_value></tool_call>"
+
+
+def lookup_tool(ids_type: str) -> dict[str, Any]:
+    properties = {"ids": {"type": ids_type}}
+    if ids_type == "array":
+        properties["ids"]["items"] = {"type": "integer"}
+    return {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Fetch items by id",
+            "parameters": {"type": "object", "properties": properties, "required": ["ids"]},
+        },
+    }
+
+
+SET_FLAG = {
+    "type": "function",
+    "function": {
+        "name": "set_flag",
+        "parameters": {
+            "type": "object",
+            "properties": {"on": {"type": "boolean"}},
+            "required": ["on"],
+        },
+    },
+}
+
+
+@dataclass
+class Peer:
+    """A client of a serving stack and what the tests need to predict its answers."""
+
+    client: openai.OpenAI
+    tokenizer: Tokenizer
+    template: ChatTemplate
+
+    def chat(self, **fields: Any) -> Any:
+        body = {"model": MODEL, "messages": USER, "max_tokens": 64, "temperature": 0, **fields}
+        return self.client.chat.completions.create(**body)
+
+    def prompt_tokens(self, messages: list[dict[str, Any]], tools: Any = None, **kw: Any) -> int:
+        prompt = self.template.render(messages, tools=tools, **kw)
+        return len(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+
+    def reply_tokens(self, thinking: bool = True) -> int:
+        """Output tokens of the script after the prompt's `<think>` (or `</think>`), eos too."""
+        chain = script_ids(self.tokenizer)
+        start = self.tokenizer.token_to_id("<think>" if thinking else "</think>")
+        return len(chain) - 1 - chain.index(start)
+
+
+def make_peer(url: str, checkpoint: Path) -> Peer:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    return Peer(client, tokenizer, load_chat_template(checkpoint))
+
+
+def stream_choices(stream: Any) -> dict[Any, dict[str, Any]]:
+    """Per choice index: reasoning, content, tool-call deltas, finish reasons; and "usage"."""
+    out: dict[Any, Any] = {}
+    for chunk in stream:
+        if not chunk.choices and chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            seen = out.setdefault(
+                choice.index, {"reasoning": "", "content": "", "deltas": [], "finish": []}
+            )
+            seen["reasoning"] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            seen["content"] += choice.delta.content or ""
+            seen["deltas"] += choice.delta.tool_calls or []
+            seen["finish"].append(choice.finish_reason)
+    return out
+
+
+# ---- scenarios ----
+
+
+def scenario_models(peer: Peer) -> None:
+    assert [m.id for m in peer.client.models.list().data] == [MODEL]
+    assert peer.client.models.retrieve(MODEL).id == MODEL
+
+
+def scenario_tool_call_round_trip(peer: Peer) -> None:
+    tools = [lookup_tool("array")]
+    first = peer.chat(tools=tools)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.model_extra["reasoning_content"] == "Hm"
+    assert choice.message.content == ""
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "lookup" and call.id
+    assert json.loads(call.function.arguments) == {"ids": [7, 8]}  # typed by the schema
+    assert first.usage.prompt_tokens == peer.prompt_tokens(USER, tools)
+    assert first.usage.completion_tokens == peer.reply_tokens()
+    assert first.usage.completion_tokens_details.reasoning_tokens == 2
+    history = [
+        *USER,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"7": "seven", "8": "eight"}'},
+    ]
+    second = peer.chat(tools=tools, messages=history)
+    assert second.usage.prompt_tokens == peer.prompt_tokens(history, tools)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert second.choices[0].message.tool_calls[0].function.name == "lookup"
+
+
+def scenario_streamed_tool_call(peer: Peer) -> None:
+    stream = peer.chat(
+        tools=[lookup_tool("string")], stream=True, stream_options={"include_usage": True}
+    )
+    seen = stream_choices(stream)
+    choice = seen[0]
+    assert choice["reasoning"] == "Hm" and choice["content"] == ""
+    first, *rest = choice["deltas"]
+    assert (first.index, first.type, first.function.name) == (0, "function", "lookup")
+    assert first.id and all(d.id is None and d.function.name is None for d in rest)
+    fragments = [d.function.arguments for d in choice["deltas"]]
+    assert "".join(fragments) == '{"ids": "[7, 8]"}'  # a string parameter stays a string
+    assert len([f for f in fragments if f]) >= 3
+    assert choice["finish"][-1] == "tool_calls" and set(choice["finish"][:-1]) == {None}
+    assert seen["usage"].completion_tokens == peer.reply_tokens()
+
+
+def scenario_reasoning_split(peer: Peer) -> None:
+    on = peer.chat()
+    assert on.choices[0].message.model_extra["reasoning_content"] == "Hm"
+    assert on.choices[0].message.content == CALL_MARKUP  # no tools: the markup is text
+    assert on.usage.completion_tokens_details.reasoning_tokens == 2
+    off = peer.chat(extra_body=THINKING_OFF)
+    assert off.choices[0].message.model_extra.get("reasoning_content") is None
+    assert off.choices[0].message.content == CALL_MARKUP
+    assert off.usage.prompt_tokens == peer.prompt_tokens(USER, enable_thinking=False)
+    assert off.usage.completion_tokens == peer.reply_tokens(thinking=False)
+    streamed = stream_choices(peer.chat(stream=True))[0]
+    assert (streamed["reasoning"], streamed["content"]) == ("Hm", CALL_MARKUP)
+    joined = peer.chat(extra_body={"separate_reasoning": False}).choices[0].message
+    assert joined.content == "Hm</think>" + CALL_MARKUP
+
+
+def scenario_tool_choice(peer: Peer) -> None:
+    tools = [lookup_tool("array"), SET_FLAG]
+    named = {"type": "function", "function": {"name": "set_flag"}}
+    forced = peer.chat(tools=tools, tool_choice=named).choices[0]
+    (call,) = forced.message.tool_calls  # the model wanted `lookup`; the grammar says set_flag
+    assert call.function.name == "set_flag"
+    assert isinstance(json.loads(call.function.arguments)["on"], bool)
+    assert forced.message.model_extra["reasoning_content"] == "Hm"
+    assert forced.finish_reason == "tool_calls"
+    required = peer.chat(tools=tools, tool_choice="required", extra_body=THINKING_OFF)
+    assert required.choices[0].message.tool_calls[0].function.name == "lookup"
+    none = peer.chat(tools=tools, tool_choice="none").choices[0].message
+    assert none.tool_calls is None and none.content == CALL_MARKUP
+
+
+def scenario_response_format(peer: Peer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    choice = peer.chat(response_format=response_format).choices[0]
+    assert choice.message.model_extra["reasoning_content"] == "Hm"  # free until </think>
+    assert set(json.loads(choice.message.content)) == {"ok"}
+    assert choice.finish_reason == "stop"
+    plain = peer.chat(response_format={"type": "json_object"}, extra_body=THINKING_OFF)
+    assert plain.choices[0].message.content.startswith("{")
+
+
+def scenario_n_and_logprobs(peer: Peer) -> None:
+    tools = [lookup_tool("array")]
+    response = peer.chat(
+        tools=tools, n=2, temperature=1.0, seed=3, logprobs=True, top_logprobs=3, user="tester"
+    )
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice in response.choices:
+        assert choice.message.tool_calls[0].function.name == "lookup"
+        content = choice.logprobs.content
+        assert len(content) == peer.reply_tokens()
+        assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token for e in content)
+        assert all(-0.01 < e.logprob <= 0 for e in content)
+    assert response.usage.completion_tokens == 2 * peer.reply_tokens()
+    assert response.usage.prompt_tokens == peer.prompt_tokens(USER, tools)
+    seen = stream_choices(peer.chat(tools=tools, n=2, stream=True))
+    assert [seen[i]["finish"][-1] for i in (0, 1)] == ["tool_calls", "tool_calls"]
+
+
+def scenario_stop(peer: Peer) -> None:
+    cut = peer.chat(stop=["ids"]).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["matched_stop"] == "ids"
+    assert cut.message.content == "<tool_call>lookup<arg_key>"
+    streamed = stream_choices(peer.chat(stop="ids", stream=True))[0]
+    assert streamed["content"] == cut.message.content
+    short = peer.chat(max_completion_tokens=3)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+
+def scenario_completions(peer: Peer) -> None:
+    prompt = "[gMASK]<sop><|user|>hi<|assistant|><think>"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0}
+    raw = {"skip_special_tokens": False}
+    response = peer.client.completions.create(**body, logprobs=2, n=2, extra_body=raw)
+    expected = "Hm</think>" + CALL_MARKUP
+    assert [c.text for c in response.choices] == [expected, expected]
+    assert response.choices[0].finish_reason == "stop"
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.top_logprobs) == peer.reply_tokens()
+    assert "".join(logprobs.tokens[:-1]) == expected  # the last is the end-of-turn token
+    assert logprobs.text_offset[:2] == [0, len(logprobs.tokens[0])]
+    assert response.usage.completion_tokens == 2 * peer.reply_tokens()
+    assert response.usage.prompt_tokens == len(peer.tokenizer.encode(prompt).ids)
+    echo = peer.client.completions.create(**body, echo=True)
+    assert echo.choices[0].text.startswith(prompt)
+    chunks = list(
+        peer.client.completions.create(
+            **body, stream=True, stream_options={"include_usage": True}, extra_body=raw
+        )
+    )
+    assert "".join(c.text for chunk in chunks for c in chunk.choices) == expected
+    assert chunks[-1].usage.completion_tokens == peer.reply_tokens()
+    ids = peer.tokenizer.encode(prompt).ids
+    by_ids = peer.client.completions.create(**{**body, "prompt": ids}, extra_body=raw)
+    assert by_ids.choices[0].text == expected
+
+
+def scenario_errors(peer: Peer) -> None:
+    bad = [
+        {"temperature": -1},
+        {"n": 0},
+        {"logprobs": True, "top_logprobs": 21},
+        {"tool_choice": "required"},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+        {"max_tokens": CONTEXT},
+    ]
+    for fields in bad:
+        with pytest.raises(openai.BadRequestError):
+            peer.chat(**fields)
+    with pytest.raises(openai.NotFoundError):
+        peer.chat(model="gpt-4o")
+    with pytest.raises(openai.NotFoundError):
+        peer.client.completions.create(model="gpt-4o", prompt="hi")
+    with pytest.raises(openai.BadRequestError):
+        peer.client.completions.create(model=MODEL, prompt="hi", logprobs=9)
+
+
+SCENARIOS: list[Callable[[Peer], None]] = [
+    scenario_models,
+    scenario_tool_call_round_trip,
+    scenario_streamed_tool_call,
+    scenario_reasoning_split,
+    scenario_tool_choice,
+    scenario_response_format,
+    scenario_n_and_logprobs,
+    scenario_stop,
+    scenario_completions,
+    scenario_errors,
+]
+
+
+def scenario_id(scenario: Callable[[Peer], None]) -> str:
+    return scenario.__name__.removeprefix("scenario_")
+
+
+@pytest.fixture(scope="session")
+def scripted_ckpt(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_scripted_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("scripted"))
+
+
+@pytest.fixture(scope="module")
+def server(scripted_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+    srv = Server(scripted_ckpt, *WORKER_FLAGS, log_dir=tmp_path_factory.mktemp("logs"))
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=scenario_id)
+def test_single_worker(server: Server, scripted_ckpt: Path, scenario) -> None:
+    scenario(make_peer(server.url, scripted_ckpt))
+    server.idle_pool()

@@ -1,0 +1,282 @@
+"""PD disaggregation with real processes: a prefill and a decode worker, real HTTP, real ZMQ,
+the real Mooncake engine over loopback TCP. Greedy output through the pair equals the single
+worker's; failures end in clean errors; every row, page and aux row is free afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from tests.pd_pair import PDPair
+from tests.server_proc import Server
+
+pytest.importorskip("mooncake.engine")
+
+
+def greedy_body(ids: list[int], n: int) -> dict:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+
+
+def prompts() -> list[list[int]]:
+    """Short, longer than index_topk (32), not aligned to the page size (16) or kpool (4)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [3, 5, 17, 33, 47, 61, 70, 97, 113, 29, 41, 55]
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def single(tiny_ckpt, tmp_path_factory):
+    srv = Server(tiny_ckpt, log_dir=tmp_path_factory.mktemp("single"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_ckpt, tmp_path_factory):
+    p = PDPair(
+        tiny_ckpt,
+        tmp_path_factory.mktemp("pd"),
+        prefill_flags=("--chunked-prefill-size", "16", "--max-prefill-tokens", "48"),
+        decode_flags=("--max-running-requests", "4", "--disaggregation-decode-extra-slots", "8"),
+    )
+    yield p
+    p.stop()
+
+
+def test_pd_greedy_equals_single_worker_with_extra_slots(pair, single):
+    ps = prompts()
+    expected = [
+        httpx.post(single.url + "/generate", json=greedy_body(p, 10), timeout=60).json()[
+            "output_ids"
+        ]
+        for p in ps
+    ]
+    got: dict[int, dict] = {}
+
+    def run(i: int) -> None:
+        decode, prefill = pair.dispatch("/generate", greedy_body(ps[i], 10))
+        assert prefill.status_code == 200 and decode.status_code == 200, decode.text
+        assert prefill.json()["meta_info"]["completion_tokens"] == 1
+        got[i] = decode.json()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got[i]["output_ids"] for i in range(len(ps))] == expected
+    stats = pair.decode.stats()
+    assert stats["total_rows"] == 12
+    assert stats["peak_used_rows"] > 4, "rows beyond max_running_requests were never used"
+    pair.idle()
+
+
+def test_pd_chat_streaming_through_decode(pair, single):
+    body = {
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    want = httpx.post(single.url + "/v1/chat/completions", json=body, timeout=60).json()
+    decode, _ = pair.dispatch("/v1/chat/completions", body)
+    assert (
+        decode.json()["choices"][0]["message"]["content"]
+        == want["choices"][0]["message"]["content"]
+    )
+    room = pair.bootstrap()
+    full = {**body, **room, "stream": True}
+    res = {}
+
+    def prefill() -> None:
+        res["p"] = httpx.post(pair.prefill.url + "/v1/chat/completions", json=full, timeout=60)
+
+    t = threading.Thread(target=prefill)
+    t.start()
+    with httpx.stream("POST", pair.decode.url + "/v1/chat/completions", json=full, timeout=60) as r:
+        chunks = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    t.join()
+    assert chunks[-1] == "data: [DONE]"
+    text = "".join(
+        json.loads(c[6:])["choices"][0]["delta"].get("content") or ""
+        for c in chunks[:-1]
+        if json.loads(c[6:])["choices"]
+    )
+    assert text == want["choices"][0]["message"]["content"]
+    pair.idle()
+
+
+def test_missing_and_duplicate_rooms_are_refused(pair):
+    for srv in (pair.prefill, pair.decode):
+        r = httpx.post(srv.url + "/generate", json=greedy_body([1, 2, 3], 2), timeout=30)
+        assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
+    room = pair.bootstrap()
+    body = {**greedy_body([4, 5, 6], 2), **room}
+    first = {}
+    t = threading.Thread(
+        target=lambda: first.setdefault(
+            "r", httpx.post(pair.decode.url + "/generate", json=body, timeout=30)
+        )
+    )
+    t.start()
+    time.sleep(0.3)
+    dup = httpx.post(pair.decode.url + "/generate", json=body, timeout=30)
+    assert dup.status_code == 400 and "already in use" in dup.json()["error"]["message"]
+    httpx.post(pair.prefill.url + "/generate", json=body, timeout=30)
+    t.join()
+    assert first["r"].status_code == 200
+    pair.idle()
+
+
+def test_prefill_times_out_when_decode_never_sends_destinations(pair):
+    body = {**greedy_body(list(range(20)), 4), **pair.bootstrap()}
+    t0 = time.monotonic()
+    r = httpx.post(pair.prefill.url + "/generate", json=body, timeout=30)
+    assert r.status_code == 504, r.text
+    assert "decode sent no KV destinations" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 15
+    pair.idle()
+
+
+def test_client_disconnect_while_transfer_pending_frees_after_ack(pair):
+    """Decode got the request, prefill never did: the client leaves; decode aborts the room at
+    prefill and reuses the memory once prefill acknowledged (well before the ack timeout)."""
+    body = {**greedy_body(list(range(40)), 50), "stream": True, **pair.bootstrap()}
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", pair.decode.url + "/generate", json=body, timeout=1.5) as r:
+            for _ in r.iter_lines():
+                pass
+    t0 = time.monotonic()
+    pair.decode.idle_pool(timeout=10)
+    assert time.monotonic() - t0 < 10  # the ack timeout is 30 s
+    pair.idle()
+
+
+def test_prefill_death_fails_the_room_and_frees_decode(tiny_ckpt, tmp_path):
+    pd = PDPair(tiny_ckpt, tmp_path)
+    try:
+        body = {**greedy_body(list(range(30)), 5), **pd.bootstrap()}
+        res = {}
+        t = threading.Thread(
+            target=lambda: res.setdefault(
+                "r", httpx.post(pd.decode.url + "/generate", json=body, timeout=60)
+            )
+        )
+        t.start()
+        time.sleep(1.0)  # decode has looked prefill up and sent destinations
+        for pid in pd.prefill.children():
+            os.kill(pid, signal.SIGKILL)
+        pd.prefill.proc.send_signal(signal.SIGKILL)
+        t.join(timeout=60)
+        r = res["r"]
+        assert r.status_code in (502, 503), r.text
+        assert "prefill" in r.json()["error"]["message"]
+        pd.decode.idle_pool()
+        again = httpx.post(
+            pd.decode.url + "/generate",
+            json={**greedy_body([1, 2], 2), **pd.bootstrap()},
+            timeout=30,
+        )
+        assert again.status_code in (502, 503, 504)  # no prefill: a clean error, still serving
+        pd.decode.idle_pool()
+    finally:
+        pd.stop()
+
+
+def test_page_size_mismatch_is_refused_at_handshake(tiny_ckpt, tmp_path):
+    pd = PDPair(tiny_ckpt, tmp_path, decode_flags=("--page-size", "32"))
+    try:
+        decode, prefill = pd.dispatch("/generate", greedy_body(list(range(10)), 3))
+        assert decode.status_code == 502
+        assert "page size: prefill 16, decode 32" in decode.json()["error"]["message"]
+        assert prefill.status_code >= 400
+        pd.idle()
+    finally:
+        pd.stop()
+
+
+def test_seed_commands_start_and_serve(tiny_ckpt, tmp_path):
+    """The seed's prefill and decode flags (one device, our checkpoint; the kernel backends and
+    graph flags this CPU machine cannot honour swapped for ours) start and serve."""
+    common = (
+        "--served-model-name",
+        "GLM-5.3-Flash",
+        "--tp-size",
+        "1",
+        "--ep-size",
+        "1",
+        "--pp-size",
+        "1",
+        "--dp-size",
+        "1",
+        "--dcp-size",
+        "1",
+        "--mem-fraction-static",
+        "0.70",
+        "--context-length",
+        "4096",
+        "--kv-cache-dtype",
+        "auto",
+        "--cuda-graph-backend-prefill",
+        "disabled",
+        "--cuda-graph-backend-decode",
+        "disabled",
+        "--cuda-graph-max-bs-decode",
+        "32",
+        "--disable-shared-experts-fusion",
+        "--reasoning-parser",
+        "glm45",
+        "--tool-call-parser",
+        "glm47",
+        "--skip-server-warmup",
+        "--watchdog-timeout",
+        "600",
+        "--max-running-requests",
+        "32",
+        "--chunked-prefill-size",
+        "8192",
+        "--max-prefill-tokens",
+        "8192",
+        "--disaggregation-transfer-backend",
+        "mooncake",
+        "--disable-overlap-schedule",
+        "--nccl-port",
+        str(random.randint(20000, 30000)),
+    )
+    pd = PDPair(
+        tiny_ckpt,
+        tmp_path,
+        prefill_flags=common,
+        decode_flags=(*common, "--disaggregation-decode-extra-slots", "64"),
+    )
+    try:
+        body = {
+            "model": "GLM-5.3-Flash",
+            "temperature": 0,
+            "max_tokens": 16,
+            "stream": False,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "List three things to check when an HTTP service returns 503.",
+                }
+            ],
+        }
+        decode, prefill = pd.dispatch("/v1/chat/completions", body)
+        assert decode.status_code == 200, decode.text
+        assert decode.json()["usage"]["completion_tokens"] >= 1
+        assert pd.decode.stats()["total_rows"] == 32 + 64
+        pd.idle()
+    finally:
+        pd.stop()
