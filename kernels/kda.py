@@ -17,11 +17,14 @@ def causal_conv_extend(
     conv_state: torch.Tensor,
     rows: torch.Tensor,
     lens: list[int],
+    history: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU over a ragged batch, continuing from `conv_state[rows]`.
 
     x: [T, C] new inputs, requests back to back with lengths `lens`; weight: [C, K].
     conv_state: [R, C, K-1], updated in place to the last K-1 inputs of every request.
+    history: if given, receives [B, C, K-1+max_len] (old state ++ inputs), from which the conv
+    state after any position can be cut (speculative verify rolls back with it).
     """
     kernel = weight.shape[-1]
     num_reqs, max_len = len(lens), max(lens)
@@ -34,6 +37,8 @@ def causal_conv_extend(
         seq[b, :, kernel - 1 : kernel - 1 + n] = x[offset : offset + n].T.to(weight.dtype)
         offset += n
     out = F.silu(F.conv1d(seq, weight.unsqueeze(1), groups=chans))  # [B, C, max_len]
+    if history is not None:
+        history.append(seq)
     pieces = []
     for b, n in enumerate(lens):
         pieces.append(out[b, :, :n].T)
@@ -82,11 +87,13 @@ def kda_extend(
     state: torch.Tensor,
     rows: torch.Tensor,
     lens: list[int],
+    history: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """KDA over a ragged batch starting from `state[rows]` (updated in place).
 
     q, k: [T, H, Dk] (l2-normalised here); v: [T, H, Dv]; g: [T, H, Dk] log-decay;
-    beta: [T, H]. Returns [T, H, Dv] in q's dtype.
+    beta: [T, H]. Returns [T, H, Dv] in q's dtype. history: if given, receives the state after
+    every position, [B, max_len, H, Dk, Dv] float32 (for speculative rollback).
     """
     out_dtype = q.dtype
     heads, dk = q.shape[1], q.shape[2]
@@ -98,12 +105,17 @@ def kda_extend(
     lens_t = torch.tensor(lens, device=q.device)
     s = state[rows].float()
     out = torch.empty(q.shape[0], heads, v.shape[-1], device=q.device, dtype=torch.float32)
+    states = [] if history is not None else None
     for t in range(max_len):
         active = lens_t > t
         idx = (starts + t).clamp(max=q.shape[0] - 1)
         o_t, s_new = _delta_step(s, q[idx], k[idx], v[idx], g[idx], beta[idx])
         s = torch.where(active.view(num_reqs, 1, 1, 1), s_new, s)
         out[idx[active]] = o_t[active]
+        if states is not None:
+            states.append(s)
+    if states is not None:
+        history.append(torch.stack(states, dim=1))
     state[rows] = s.to(state.dtype)
     return out.to(out_dtype)
 

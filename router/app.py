@@ -13,8 +13,10 @@ No web framework: the hot path is one dict lookup, one body read and the dispatc
 ASGI messages are written directly (a framework's routing and request objects would be most of
 the router's own CPU time per request).
 
-A generation request is watched for a client disconnect while it runs: the disconnect cancels
-the handler task, and the dispatcher's cleanup closes both upstream requests.
+A generation request still running after WATCH_AFTER_S is watched for a client disconnect
+(most requests through a fast worker are over by then, and a timer is far cheaper than the
+watcher task): the disconnect cancels the handler task, and the dispatcher's cleanup closes
+both upstream requests. A client that leaves earlier is noticed at WATCH_AFTER_S.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 from router.admission import Admission
 from router.config import RouterConfig
 from router.dispatch import ClientSink, Dispatcher
-from router.errors import ClientError, error_body
+from router.errors import ClientError, error_body, error_message
 from router.health import HealthChecker
 from router.metrics import RouterMetrics
 from router.upstream import UpstreamError
@@ -38,6 +40,7 @@ from router.workers import Worker, WorkerRegistry
 logger = logging.getLogger("router")
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+WATCH_AFTER_S = 0.05  # a request over sooner never needs a disconnect watcher
 _FORWARDED = (b"authorization", b"x-request-id", b"traceparent", b"tracestate")
 _JSON = [(b"content-type", b"application/json")]
 
@@ -101,14 +104,15 @@ class RouterApp:
                 declared = int(value) if value.isdigit() else 0
         client = ClientSink(send, echo)
         task = asyncio.current_task()
-        watcher = None
+        watch: list[Any] = []  # the timer, then the watcher task
         admitted = False
         try:
             raw = await self._read_body(receive, declared)
             if raw is None:  # the client left while sending
                 client.gone = True
                 return
-            watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, task, client))
+            loop = asyncio.get_running_loop()
+            watch.append(loop.call_later(WATCH_AFTER_S, _watch, receive, task, client, watch))
             await self.admission.acquire()
             admitted = True
             await self.dispatcher.generate(route, raw, forwarded, client)
@@ -120,9 +124,16 @@ class RouterApp:
                 raise
             if hasattr(task, "uncancel"):
                 task.uncancel()  # type: ignore[union-attr]
+        except Exception as e:  # a bug here: the client still gets one clean error
+            logger.exception("%s failed", route)
+            message = f"router error: {type(e).__name__}: {e}"
+            if not client.started:
+                await client.error(500, message)
+            elif not client.finished:
+                await client.stream_error(500, message)
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for handle in watch:
+                handle.cancel()
             if admitted:
                 self.admission.release()
             ttfb = client.first_byte_at - t0 if client.started else None
@@ -170,7 +181,8 @@ class RouterApp:
         results = await asyncio.gather(*(self._proxy(w, "/health_generate") for w in workers))
         for w, (status, _, body) in zip(workers, results):
             if status != 200:
-                return _error(503, f"{w.role} worker {w.url}: /health_generate answered {status}")
+                why = f"/health_generate answered {status}: {error_message(body)}"
+                return _error(503, f"{w.role} worker {w.url}: {why}")
         return 200, [], b""
 
     async def _models(self) -> Reply:
@@ -250,6 +262,10 @@ class RouterApp:
                 self.registry.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _watch(receive: Any, task: asyncio.Task[Any], client: ClientSink, watch: list[Any]) -> None:
+    watch.append(asyncio.ensure_future(_cancel_on_disconnect(receive, task, client)))
 
 
 async def _cancel_on_disconnect(receive: Any, task: asyncio.Task[Any], client: ClientSink):

@@ -99,7 +99,9 @@ class Dispatcher:
         roles = ("prefill", "decode") if self.pd else ("regular",)
         self.policies = {r: create_policy(config.policy_for[r], config) for r in roles}
         self.needs_text = any(p.needs_text for p in self.policies.values())
-        self.roles = {w.url: ("" if w.role == "regular" else w.role + " ") for w in registry.workers}
+        self.roles = {
+            w.url: ("" if w.role == "regular" else w.role + " ") for w in registry.workers
+        }
 
     async def generate(self, route: str, raw: bytes, headers: bytes, client: ClientSink) -> None:
         """Answer one generation request through `client`; raises ClientError when the answer
@@ -147,7 +149,7 @@ class Dispatcher:
         prefill = self._pick("prefill", text)
         decode = self._pick("decode", text)
         inject_bootstrap(route, body, prefill)
-        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        data = json.dumps(body, separators=(",", ":")).encode()  # ASCII: lone surrogates pass
         p = prefill.start(b"POST", path, data, headers, self.timeout)
         d = decode.start(b"POST", path, data, headers, self.timeout)
         p.add_done_callback(partial(_prefill_ended, d))

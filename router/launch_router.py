@@ -11,7 +11,11 @@ probes succeed and answers 503 (naming why) while a role has no healthy worker.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -19,6 +23,18 @@ from router.app import RouterApp
 from router.config import RouterConfig
 
 GRACEFUL_SHUTDOWN_S = 10
+
+
+class _Server(uvicorn.Server):
+    """SIGINT/SIGTERM stop the server gracefully and the process exits 0 (uvicorn would
+    re-raise the signal once stopped, ending the process with -15)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        yield
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,16 +51,18 @@ def main(argv: list[str] | None = None) -> None:
     mode = "PD" if config.pd_disaggregation else "plain"
     workers = ", ".join(f"{w.role} {w.url}" for w in app.registry.workers)
     logging.getLogger("router").info("%s mode, workers: %s", mode, workers)
-    uvicorn.run(
+    uv = uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_level=level,
         access_log=False,
+        proxy_headers=False,  # the client address is not used; its middleware costs per request
         lifespan="on",
         server_header=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+    _Server(uv).run()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ health and load, read from the registry only when scraped (nothing on the reques
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,12 +35,19 @@ class RouterMetrics:
         )  # fmt: skip
         self.retries = Counter("router_retries", "Attempts after the first", registry=r)
         r.register(_State(workers, admission))
+        self._children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
 
     def observe(self, route: str, status: int, duration: float, ttfb: float | None) -> None:
-        self.requests.labels(route, str(status)).inc()
-        self.duration.labels(route).observe(duration)
+        children = self._children.get((route, status))
+        if children is None:  # labels() costs more than the update itself: look up once
+            children = (self.requests.labels(route, str(status)), self.duration.labels(route),
+                        self.ttfb.labels(route))  # fmt: skip
+            self._children[route, status] = children
+        requests, duration_h, ttfb_h = children
+        requests.inc()
+        duration_h.observe(duration)
         if ttfb is not None:
-            self.ttfb.labels(route).observe(ttfb)
+            ttfb_h.observe(ttfb)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -263,18 +263,18 @@ class _Conn(asyncio.Protocol):
         )
         self.busy = False
 
-    def _write_head_chunked(self) -> None:
-        self.transport.write(  # type: ignore[union-attr]
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n\r\n"
-        )
+    def _write_head_chunked(self, chunks: bytes = b"") -> None:
+        self.transport.write(_SSE_HEAD + chunks)  # type: ignore[union-attr]
 
     def _write_chunked(self, chunks: bytes) -> None:
-        self._write_head_chunked()
-        self.transport.write(chunks)  # type: ignore[union-attr]
+        self._write_head_chunked(chunks)
         self.busy = False
 
 
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    b"transfer-encoding: chunked\r\ncache-control: no-cache\r\n\r\n"
+)
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error"}
 
 
@@ -332,9 +332,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop
 
-        uvloop.run(serve())
+        run = uvloop.run
     except ImportError:
-        asyncio.run(serve())
+        run = asyncio.run
+    try:
+        run(serve())
     except KeyboardInterrupt:
         pass
 

@@ -234,13 +234,19 @@ class _Conn(asyncio.Protocol):
         self.pool._forget(self)
         resp, self.resp = self.resp, None
         if resp is not None:
-            if resp._has_head and resp.chunked and exc is None and not resp.header(
-                b"transfer-encoding"
+            if (
+                resp._has_head
+                and resp.chunked
+                and exc is None
+                and not resp.header(b"transfer-encoding")
             ):  # a body delimited by the end of the connection (HTTP/1.0 style)
                 resp._on_complete()
             else:
                 reason = "closed the connection" + (f" ({exc})" if exc else "")
                 resp.fail(Disconnected(self.pool.origin, reason))
+
+    def eof_received(self) -> None:
+        self.closed = True  # never handed out again; connection_lost follows
 
     def data_received(self, data: bytes) -> None:
         resp = self.resp

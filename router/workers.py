@@ -81,12 +81,13 @@ class Worker:
 
     def _ended(self, resp: Response) -> None:
         self.in_flight -= 1
-        if isinstance(resp.error, Aborted):
-            return
-        if resp.error is not None or resp.status >= 500:
-            self.failures += 1
-            if isinstance(resp.error, ConnectError):
-                self.mark_down(str(resp.error))
+        error = resp.error
+        if error is None:
+            self.failures += resp.status >= 500
+        elif getattr(error, "origin", None) == self.url:  # not the other side's, passed on
+            self.failures += not isinstance(error, Aborted)
+            if isinstance(error, ConnectError):
+                self.mark_down(str(error))
 
     def _set(self, healthy: bool, error: str) -> None:
         self.healthy = healthy

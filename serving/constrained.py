@@ -16,7 +16,6 @@ from functools import lru_cache
 from typing import Any
 
 import llguidance
-import numpy as np
 
 from serving.protocol import SamplingParams
 
@@ -94,17 +93,12 @@ class SequenceGrammar:
         for token in output_ids[self.consumed :]:
             self.advance(token)
 
-    def allowed(self, vocab_size: int) -> np.ndarray | None:
-        """[vocab_size] bool: the tokens the grammar accepts next; None once it has failed."""
+    def allowed(self) -> bytes | None:
+        """The tokens the grammar accepts next, one bit per token id (little-endian within each
+        byte); None once the grammar has failed."""
         if self._error is not None or self._matcher.is_error():
             return None
-        bits = np.unpackbits(
-            np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
-        ).astype(bool)
-        mask = np.zeros(vocab_size, dtype=bool)
-        n = min(vocab_size, bits.size)
-        mask[:n] = bits[:n]
-        return mask
+        return self._matcher.compute_bitmask()
 
     def advance(self, token: int) -> None:
         self.consumed += 1

@@ -26,8 +26,11 @@ class ForwardBatch:
     logit_index: torch.Tensor  # [N] int64 indices into T
     req_to_token: torch.Tensor  # the request table (position -> KV slot per row)
     max_seq_len: int  # bound on start + len over the batch (static under CUDA graphs)
+    # Speculative verify: KDA layers record {layer: [conv inputs, per-position states]} here so
+    # the state after the last accepted token can be restored (serving/speculative.py).
     starts_cpu: list[int]
     lens_cpu: list[int]
+    kda_history: dict[int, list[torch.Tensor]] | None = None
 
     @property
     def is_decode(self) -> bool:

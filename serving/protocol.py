@@ -126,6 +126,8 @@ class SchedulerStats:
     total_pages: int = 0
     page_size: int = 0
     retractions: int = 0
+    spec_verify_steps: int = 0  # per request: accept length = committed tokens / verify steps
+    spec_committed_tokens: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
 

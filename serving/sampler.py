@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
-import numpy as np
 import torch
 
 from serving.constrained import SequenceGrammar, has_constraint, load_tokenizer
@@ -147,11 +146,12 @@ class Sampler:
         """-inf outside each grammar's allowed tokens (out of place; `raw` is never modified).
         A row left with nothing (min_new_tokens banning the only way out) keeps the grammar's
         tokens at their raw logits: the grammar wins."""
-        masks = {i: g.allowed(self.vocab_size) for i, g in grammars.items()}
+        masks = {i: g.allowed() for i, g in grammars.items()}
         rows = [i for i, mask in masks.items() if mask is not None]
         if not rows:
             return adjusted
-        allowed = torch.from_numpy(np.stack([masks[i] for i in rows])).to(raw.device)
+        allowed = torch.stack([_unpack_bits(masks[i], self.vocab_size) for i in rows])
+        allowed = allowed.to(raw.device)
         masked = adjusted[rows].masked_fill(~allowed, float("-inf"))
         dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
         masked = torch.where(dead, raw[rows].masked_fill(~allowed, float("-inf")), masked)
@@ -178,6 +178,16 @@ class Sampler:
             if s.generator is not None:
                 picks[j : j + 1] = torch.multinomial(probs[j], 1, generator=s.generator)
         return picks
+
+
+def _unpack_bits(bitmask: bytes, size: int) -> torch.Tensor:
+    """[size] bool from one bit per entry, little-endian within each byte; missing bits are 0."""
+    packed = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
+    bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    out = torch.zeros(size, dtype=torch.bool)
+    n = min(size, bits.numel())
+    out[:n] = bits.flatten()[:n].bool()
+    return out
 
 
 def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

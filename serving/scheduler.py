@@ -29,6 +29,7 @@ from serving.protocol import (
     TokenLogprob,
 )
 from serving.sampler import Sampler, SamplingState, make_generator
+from serving.speculative import Eagle, Proposal
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class Req:
     cached: int = 0  # leading tokens of fill_ids whose KV/state is in the cache
     finish_reason: dict[str, Any] | None = None
     last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
+    draft_token: int = 0  # EAGLE: the draft's proposal for the token after the last one
 
     @property
     def output_ids(self) -> list[int]:
@@ -124,8 +126,12 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         detokenize=None,
         role: Role | None = None,
+        spec: Eagle | None = None,
     ) -> None:
         self.runner, self.pool, self.sampler, self.cfg = runner, pool, sampler, config
+        self.spec = spec
+        # positions a decode step writes: 1, or y + N drafts when speculating
+        self.tokens_per_decode = 1 if spec is None else spec.steps + 1
         self.role = role or Role()
         self.role.attach(self)
         self.eos = eos_token_ids
@@ -305,14 +311,35 @@ class Scheduler:
         if done:
             self._sample_and_advance([r for r, _ in done], out.logits[[i for _, i in done]])
             self.running.extend(r for r, _ in done if r.finish_reason is None)
+        if self.spec is not None:
+            self._extend_draft(plan, out.hidden)
         return True
+
+    def _extend_draft(self, plan: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
+        """Run the draft over the chunk just prefilled (its next tokens are known now: the
+        prompt, or for the last chunk the token just sampled). Released requests are skipped."""
+        offsets = [0]
+        for _, n in plan:
+            offsets.append(offsets[-1] + n)
+        keep = [i for i, (req, _) in enumerate(plan) if req.row is not None]
+        if not keep:
+            return
+        reqs = [plan[i][0] for i in keep]
+        starts = [req.cached - plan[i][1] for req, i in zip(reqs, keep)]
+        tokens = [req.fill_ids[s + 1 : req.cached + 1] for req, s in zip(reqs, starts)]
+        index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in keep])
+        proposals = self.spec.extend_draft(
+            [r.row for r in reqs], starts, tokens, hidden[index.to(hidden.device)]
+        )
+        for req, d in zip(reqs, proposals):
+            req.draft_token = d
 
     def _run_decode(self) -> None:
         for req in list(self.running):
             if req not in self.running:
                 continue  # retracted for an earlier request of this loop
             while req.finish_reason is None and not self.pool.grow(
-                req.row, req.pages, req.cached + 1
+                req.row, req.pages, req.cached + self.tokens_per_decode
             ):
                 if not self._retract_one(keep=req):
                     self._finish(
@@ -326,10 +353,32 @@ class Scheduler:
         batch = [r for r in self.running if r.finish_reason is None]
         if not batch:
             return
+        if self.spec is not None:
+            return self._run_speculative(batch)
         out = self.runner.forward([StepInput(r.row, r.cached, [r.fill_ids[-1]]) for r in batch])
         for r in batch:
             r.cached += 1
         self._sample_and_advance(batch, out.logits)
+
+    def _run_speculative(self, batch: list[Req]) -> None:
+        proposals = [Proposal(r.row, r.cached, r.fill_ids[-1], r.draft_token) for r in batch]
+        want = [r.top_logprobs_num if r.return_logprob else -1 for r in batch]
+        committed, logprobs = self.spec.step(proposals, [r.sampling for r in batch], want)
+        for req, prop, tokens, lps in zip(batch, proposals, committed, logprobs):
+            self.stats.spec_verify_steps += 1
+            self.stats.spec_committed_tokens += len(tokens)
+            req.cached += len(tokens)
+            req.draft_token = prop.draft_token
+            for j, tok in enumerate(tokens):
+                req.output_ids.append(tok)
+                self.stats.generation_tokens_total += 1
+                lp = [lps[j]] if lps is not None else None
+                req.last_logprob = lp[0] if lp else None
+                reason = self._finish_reason(req, tok)
+                if reason is not None:
+                    self._finish(req, reason, new_tokens=[tok], logprobs=lp)
+                    break
+                self._outputs.append(self._output(req, [tok], lp))
 
     def _retract_one(self, keep: Req) -> bool:
         """Free the newest other running request; it is recomputed from its tokens later."""

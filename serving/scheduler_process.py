@@ -45,7 +45,8 @@ def build_engine(args: ServerArgs, role=None):
     config = ModelConfig.from_pretrained(args.model_path)
     dtype = resolve_dtype(args.dtype, args.model_path)
     torch.manual_seed(args.random_seed)
-    model, _ = load_weights(args.model_path, config, dtype, device)
+    steps = args.speculative_steps
+    model, draft = load_weights(args.model_path, config, dtype, device, load_draft=steps > 0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_dtype = torch.bfloat16 if args.kv_cache_dtype in ("bf16", "bfloat16") else dtype
     context = args.context_window(config)
@@ -59,6 +60,8 @@ def build_engine(args: ServerArgs, role=None):
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
         weight_bytes=weight_bytes,
+        with_draft=steps > 0,
+        num_draft_tokens=steps + 1,
     )
     pool = MemoryPool(config, plan, kv_dtype, device)
     log.info(
@@ -72,19 +75,26 @@ def build_engine(args: ServerArgs, role=None):
     runner = ModelRunner(model, pool)
     if args.use_decode_graphs():
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)
+    sampler = Sampler(config.vocab_size, device, args.random_seed)
+    spec = None
+    if steps > 0:
+        from serving.speculative import Eagle, SpecConfig
+
+        spec = Eagle(model, draft, pool, sampler, SpecConfig(steps))
     tokenizer = Tokenizer.from_file(
         os.path.join(args.tokenizer_path or args.model_path, "tokenizer.json")
     )
     scheduler = Scheduler(
         runner,
         pool,
-        Sampler(config.vocab_size, device, args.random_seed),
+        sampler,
         SchedulerConfig(
             args.running_limit, args.chunked_prefill_size, args.max_prefill_tokens, context
         ),
         frozenset(config.eos_token_ids),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
         role=role,
+        spec=spec,
     )
     ready = SchedulerReady(
         vocab_size=config.vocab_size,
@@ -159,7 +169,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
     for sock in [recv, *role.sockets()]:
         poller.register(sock, zmq.POLLIN)
     while True:
-        events = dict(poller.poll(0 if scheduler.has_work else 50))
+        events = dict(poller.poll(0 if scheduler.has_work else 2 if role.busy else 50))
         while events.get(recv) or recv.poll(0):
             events.pop(recv, None)
             msg = recv.recv_pyobj()

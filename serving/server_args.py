@@ -161,6 +161,11 @@ class ServerArgs:
             raise ArgsError(
                 f"--page-size {self.page_size}: must be a multiple of index_kpool ({kp})"
             )
+        if self.speculative_algorithm and config.num_nextn_predict_layers < 1:
+            raise ArgsError(
+                f"--speculative-algorithm {self.speculative_algorithm}: the checkpoint has no "
+                "NextN layer (num_nextn_predict_layers is 0)"
+            )
         if self.context_length and self.context_length > config.max_position_embeddings:
             raise ArgsError(
                 f"--context-length {self.context_length}: the model supports at most "
@@ -211,10 +216,7 @@ class ServerArgs:
         if self.page_size < 1 or self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ArgsError("--page-size/--chunked-prefill-size/--max-prefill-tokens: must be >= 1")
         if self.speculative_algorithm is not None:
-            raise ArgsError(
-                f"--speculative-algorithm {self.speculative_algorithm}: "
-                "speculative decoding is not built yet"
-            )
+            self._validate_speculative()
         if self.disaggregation_mode != "null":
             if importlib.util.find_spec("mooncake") is None:
                 raise ArgsError(
@@ -225,6 +227,26 @@ class ServerArgs:
                 self.disaggregation_decode_extra_slots < 0
             ):
                 raise ArgsError("--disaggregation-decode-extra-slots: must be >= 0")
+
+    def _validate_speculative(self) -> None:
+        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
+        drafts = self.speculative_num_draft_tokens
+        if steps is None or not 1 <= steps <= 8:
+            raise ArgsError(f"--speculative-num-steps {steps}: EAGLE needs 1..8 draft steps")
+        if topk not in (None, 1):
+            raise ArgsError(
+                f"--speculative-eagle-topk {topk}: only chain drafts (topk 1) are supported"
+            )
+        if drafts is not None and drafts != steps + 1:
+            raise ArgsError(
+                f"--speculative-num-draft-tokens {drafts}: with topk 1 it must be "
+                f"--speculative-num-steps + 1 = {steps + 1}"
+            )
+
+    @property
+    def speculative_steps(self) -> int:
+        """Draft steps per decode step (0: no speculation)."""
+        return (self.speculative_num_steps or 0) if self.speculative_algorithm else 0
 
     def use_decode_graphs(self) -> bool:
         mode = self.cuda_graph_backend_decode

@@ -43,7 +43,11 @@ def script_ids(tokenizer: Tokenizer) -> list[int]:
     ids: list[int] = []
     for piece in SCRIPT:
         special = tokenizer.token_to_id(piece)
-        ids += [special] if special is not None else tokenizer.encode(piece, add_special_tokens=False).ids
+        ids += (
+            [special]
+            if special is not None
+            else tokenizer.encode(piece, add_special_tokens=False).ids
+        )
     return ids
 
 
@@ -61,8 +65,10 @@ def write_scripted_checkpoint(tiny_dir: Path, out_dir: Path) -> Path:
         raise ValueError(f"a token repeats in the script {chain}; the chain is first-order")
     embed = tensors[PREFIX + "embed_tokens.weight"].float()
     hidden = embed[sources]
-    hidden = tensors[PREFIX + "norm.weight"].float() * hidden * torch.rsqrt(
-        hidden.pow(2).mean(-1, keepdim=True)
+    hidden = (
+        tensors[PREFIX + "norm.weight"].float()
+        * hidden
+        * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True))
     )
     target = torch.zeros(len(sources), embed.shape[0])
     target[torch.arange(len(sources)), torch.tensor(chain[1:])] = MARGIN

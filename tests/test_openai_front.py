@@ -62,11 +62,11 @@ TOOLS = [
     },
 ]
 CALLS = (
-    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris \"centre\"</arg_value>"
+    '<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris "centre"</arg_value>'
     "<arg_key>days</arg_key><arg_value>3</arg_value>"
     "<arg_key>ratio</arg_key><arg_value>0.5</arg_value>"
     "<arg_key>alerts</arg_key><arg_value>true</arg_value>"
-    "<arg_key>options</arg_key><arg_value>{\"unit\": \"C\", \"detail\": [1, 2]}</arg_value>"
+    '<arg_key>options</arg_key><arg_value>{"unit": "C", "detail": [1, 2]}</arg_value>'
     "<arg_key>hours</arg_key><arg_value>[9, 12]</arg_value></tool_call>"
     "<tool_call>get_time<arg_key>tz</arg_key><arg_value>Europe/Paris</arg_value></tool_call>"
 )
@@ -93,6 +93,7 @@ class ScriptedEngine(EngineClient):
         self.tokenizer = tokenizer
         self.eos = tokenizer.token_to_id("<|observation|>")
         self.reply = REPLY
+        self.refusal: str | None = None  # abort with this 400 message after the first token
         self.requests: list[GenerateRequest] = []
 
     def reply_ids(self) -> list[int]:
@@ -105,7 +106,9 @@ class ScriptedEngine(EngineClient):
             text = self.tokenizer.decode(ids[: i + 1], skip_special_tokens=False)
             stop = next((s for s in req.sampling.stop if s in text), None)
             reason = None
-            if token == self.eos:
+            if self.refusal is not None:
+                reason = {"type": "abort", "status": 400, "message": self.refusal}
+            elif token == self.eos:
                 reason = {"type": "stop", "matched": token}
             elif stop is not None:
                 reason = {"type": "stop", "matched": stop}
@@ -177,6 +180,7 @@ def client(model_dir: Path, engine: ScriptedEngine) -> openai.OpenAI:
 @pytest.fixture(autouse=True)
 def default_reply(engine: ScriptedEngine) -> None:
     engine.reply = REPLY
+    engine.refusal = None
 
 
 def chat(client: openai.OpenAI, **fields: Any) -> Any:
@@ -531,3 +535,14 @@ def test_unknown_model_raises_not_found(client: openai.OpenAI) -> None:
         chat(client, model="gpt-4o")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="hi")
+
+
+def test_a_constraint_the_scheduler_refuses_is_an_error(
+    client: openai.OpenAI, engine: ScriptedEngine
+) -> None:
+    engine.refusal = "constrained decoding is not set up in the scheduler (no tokenizer)"
+    with pytest.raises(openai.BadRequestError, match="not set up"):
+        chat(client, response_format={"type": "json_object"})
+    chunks = chat(client, response_format={"type": "json_object"}, stream=True)
+    with pytest.raises(openai.APIError, match="not set up"):
+        list(chunks)

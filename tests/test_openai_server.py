@@ -118,7 +118,6 @@ def stream_choices(stream: Any) -> dict[Any, dict[str, Any]]:
 
 def scenario_models(peer: Peer) -> None:
     assert [m.id for m in peer.client.models.list().data] == [MODEL]
-    assert peer.client.models.retrieve(MODEL).id == MODEL
 
 
 def scenario_tool_call_round_trip(peer: Peer) -> None:
@@ -282,7 +281,7 @@ def scenario_errors(peer: Peer) -> None:
     with pytest.raises(openai.NotFoundError):
         peer.client.completions.create(model="gpt-4o", prompt="hi")
     with pytest.raises(openai.BadRequestError):
-        peer.client.completions.create(model=MODEL, prompt="hi", logprobs=9)
+        peer.client.completions.create(model=MODEL, prompt="hi", logprobs=21)
 
 
 SCENARIOS: list[Callable[[Peer], None]] = [
@@ -319,3 +318,10 @@ def server(scripted_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_single_worker(server: Server, scripted_ckpt: Path, scenario) -> None:
     scenario(make_peer(server.url, scripted_ckpt))
     server.idle_pool()
+
+
+def test_model_retrieve(server: Server, scripted_ckpt: Path) -> None:
+    client = make_peer(server.url, scripted_ckpt).client
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")

@@ -90,8 +90,9 @@ def test_any_split_of_the_stream_gives_the_same_result(reply: str) -> None:
 def test_whole_reply_parsing() -> None:
     reply = parse_reply(REPLIES[0], True, True, TOOLS)
     assert (reply.reasoning, reply.content) == ("Need the weather.", "Let me check. Done.")
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in
-            reply.tool_calls] == [
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.tool_calls
+    ] == [
         ("get_weather", {"city": 'Zürich "old town"\n', "days": 2}),
         ("ping", {}),
     ]
@@ -239,8 +240,9 @@ def test_forced_tool_calls_grammar(
     assert _accepts(grammar, tokenizer_file, eos, call + anything)
     assert not _accepts(grammar, tokenizer_file, eos, "plain text")
     single = forced_tool_calls(TOOLS, None, False, tokens, after_think=False)
-    assert not _accepts(grammar_of(SamplingParams(ebnf=single.text)), tokenizer_file, eos,
-                        call + call)
+    assert not _accepts(
+        grammar_of(SamplingParams(ebnf=single.text)), tokenizer_file, eos, call + call
+    )
 
 
 def test_constraints_after_reasoning(

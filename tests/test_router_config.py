@@ -28,7 +28,11 @@ def test_seed_router_command_parses():
     assert c.pd_disaggregation
     assert c.prefill == (("http://10.0.0.1:32171", 28998),)
     assert c.decode == ("http://10.0.0.2:32172",)
-    assert c.policy_for == {"prefill": "round_robin", "decode": "round_robin", "regular": "round_robin"}
+    assert c.policy_for == {
+        "prefill": "round_robin",
+        "decode": "round_robin",
+        "regular": "round_robin",
+    }
     assert (c.host, c.port, c.request_timeout_secs) == ("0.0.0.0", 30000, 1800.0)
     assert c.model_path == "/models/GLM-5.3-Flash"
 
@@ -58,7 +62,9 @@ def test_plain_mode_and_reliability_flags():
     assert (c.health_check_interval_secs, c.health_failure_threshold) == (0.5, 1)
     assert (c.max_retries, c.max_concurrent_requests, c.queue_size) == (2, 8, 4)
     assert c.prometheus_port == 29000 and c.max_payload_size == 1024
-    assert RouterConfig.from_cli(["--worker-urls", "http://a:1", "--disable-retries"]).max_retries == 0
+    assert (
+        RouterConfig.from_cli(["--worker-urls", "http://a:1", "--disable-retries"]).max_retries == 0
+    )
 
 
 @pytest.mark.parametrize(

@@ -160,7 +160,9 @@ def test_stream_is_relayed_before_prefill_answers(make):
     d.behaviour.chunks, d.behaviour.chunk_delay_s = 4, 0.05
     router = pd_router(make, [p], [d])
     t0 = time.monotonic()
-    with httpx.stream("POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}
+    ) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert time.monotonic() - t0 < 1.0, "waited for prefill before relaying decode"
@@ -228,7 +230,9 @@ def test_no_retry_once_streaming_began(make):
     p, d = make(stubs=2)
     d.behaviour.chunks, d.behaviour.cut_after_chunks = 5, 2
     router = pd_router(make, [p], [d])
-    with httpx.stream("POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}
+    ) as r:
         assert r.status_code == 200
         events = sse_events(r)
     assert len(events) == 4 and events[-1] == "[DONE]"
@@ -246,6 +250,18 @@ def test_connect_error_retries_elsewhere_and_takes_the_worker_out(make):
     dead = router.app.registry.by_url[d1.url]
     assert not dead.healthy and "cannot connect" in dead.last_error
     assert len(d0.generation_requests()) == 4
+
+
+def test_a_dead_prefill_is_taken_out_not_its_decode_partner(make):
+    p0, p1, d = make(stubs=3)
+    router = pd_router(make, [p0, p1], [d], "--health-check-interval-secs", "30")
+    p1.stop_thread()
+    for _ in range(4):
+        assert httpx.post(router.url + "/generate", json={"text": "x"}).status_code == 200
+    workers = router.app.registry.by_url
+    assert not workers[p1.url].healthy and workers[p1.url].failures == 1
+    assert workers[d.url].healthy and workers[d.url].failures == 0
+    assert router.app.registry.by_url[d.url].in_flight == 0
 
 
 def test_no_healthy_workers_is_503_at_once(make):
@@ -331,6 +347,11 @@ def test_bad_input(make):
     r = post("/v1/chat/completions", content=b'{"messages": [')
     assert r.status_code == 400 and "malformed JSON body" in r.json()["error"]["message"]
     assert post("/generate", content=b"[1, 2]").status_code == 400
+    r = post("/generate", content=b'{"text": "\\ud800 caf\xc3\xa9"}')  # a lone surrogate
+    assert r.status_code == 200
+    sent = d.generation_requests()[-1].body["text"]
+    assert sent == "\ud800 caf\u00e9"
+    d.seen.clear()
     r = post("/v1/completions", json={"prompt": "x" * 2000})
     assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError"
     big = (b"x" * 600 for _ in range(3))  # chunked upload: no content-length to check first
@@ -339,7 +360,8 @@ def test_bad_input(make):
     assert r.status_code == 404 and r.json()["error"]["message"] == "no route GET /v2/nothing"
     assert httpx.get(router.url + "/generate").status_code == 405
     assert post("/health").status_code == 405
-    assert p.generation_requests() == [] and d.generation_requests() == []
+    _until(lambda: len(p.generation_requests()) == 1)
+    assert d.generation_requests() == []
 
 
 def test_client_disconnect_cancels_both_upstream_requests(make):
@@ -347,7 +369,9 @@ def test_client_disconnect_cancels_both_upstream_requests(make):
     p.behaviour.delay_s = 5.0
     d.behaviour.chunks, d.behaviour.chunk_delay_s = 50, 0.1
     router = pd_router(make, [p], [d])
-    with httpx.stream("POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}
+    ) as r:
         next(r.iter_lines())
     _until(lambda: p.disconnects == 1 and d.disconnects == 1)
     _until(lambda: all(w.in_flight == 0 for w in router.app.registry.workers))

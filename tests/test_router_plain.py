@@ -108,6 +108,7 @@ def test_concurrent_requests(router):
 )
 def test_worker_errors_pass_through_unchanged(worker, router, path, body):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw["headers"] = {"content-type": "application/json"}
     direct = httpx.post(worker.url + path, timeout=30, **kw)
     routed = httpx.post(router.url + path, timeout=30, **kw)
     assert direct.status_code >= 400
@@ -133,7 +134,9 @@ def test_client_disconnect_aborts_the_workers_request(worker, router):
     worker.idle_pool()  # the worker aborted it: no rows or pages held
 
 
-def test_killed_worker_gives_clean_errors_then_rejoins(worker, router, tiny_ckpt, logs, monkeypatch):
+def test_killed_worker_gives_clean_errors_then_rejoins(
+    worker, router, tiny_ckpt, logs, monkeypatch
+):
     """Runs last in this module: it replaces the worker process."""
     body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:

@@ -177,7 +177,9 @@ def test_health_states():
     w.mark_down("cannot connect")
     assert not w.healthy and w.last_error == "cannot connect"
     assert changes == [True, False, True, False]
-    assert "0 healthy" in reg.unavailable("decode") and "cannot connect" in reg.unavailable("decode")
+    assert "0 healthy" in reg.unavailable("decode") and "cannot connect" in reg.unavailable(
+        "decode"
+    )
 
 
 # ---- admission ----

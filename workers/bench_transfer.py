@@ -72,8 +72,9 @@ def measure(config_raw: dict, dtype_name: str, lengths: list[int], repeats: int)
     engine = MooncakeEngine("127.0.0.1", None)
     pages, rows = page_buffers(pool), row_buffers(pool)
     source = torch.randint(0, 255, (raw_size(config, dtype),), dtype=torch.uint8)
-    engine.register([(b.addr, b.nbytes) for b in pages + rows] + [(source.data_ptr(),
-                                                                   source.numel())])
+    engine.register(
+        [(b.addr, b.nbytes) for b in pages + rows] + [(source.data_ptr(), source.numel())]
+    )
     out = []
     try:
         for n in lengths:

@@ -300,7 +300,7 @@ class DecodeRole(Role):
             if self.scheduler.free_running_slots <= 0:
                 return
             req = t.req
-            room, first, _cached, ntop = aux.ints[req.row].tolist()
+            room, first, _cached, ntop, draft_token = aux.ints[req.row].tolist()
             if room != t.room:
                 self._fail(
                     t, f"handoff corrupted: aux row holds room {room}, expected {t.room}", 500
@@ -315,6 +315,7 @@ class DecodeRole(Role):
             del self.transfers[t.room]
             del self.by_rid[req.rid]
             req.cached = len(req.input_ids)
+            req.draft_token = draft_token  # EAGLE: the draft's hidden came in aux.draft_hidden
             self.scheduler.adopt(req, first, logprobs)
 
     # ---- failure ----

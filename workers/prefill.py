@@ -98,6 +98,7 @@ class PrefillRole(Role):
         self.by_rid: dict[str, int] = {}
         self.early_dest: dict[int, tuple[float, dict]] = {}  # dest that beat the HTTP request
         self.peers: dict[str, Peer] = {}
+        self.to_ship: list[tuple[int, bool]] = []  # (room, final) recorded during the step
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
@@ -170,6 +171,7 @@ class PrefillRole(Role):
 
     # ---- the loop ----
     def poll(self) -> None:
+        self._ship_pending()
         for msg in self.endpoint.receive():
             handler = getattr(self, "_on_" + msg["kind"], None)
             if handler is None:
@@ -244,23 +246,13 @@ class PrefillRole(Role):
         # else: held, its last write in flight; _on_job_done finishes it
 
     # ---- scheduler hooks ----
+    # The hooks below only record what to ship: the step is not over when they run (the
+    # draft still extends over the chunk), so the writes go out from poll(), after the step.
     def chunk_prefilled(self, req: Req) -> None:
         room_id = self.by_rid.get(req.rid)
-        if room_id is None or req.uncached == 0:
-            return  # the last chunk ships with the state in finished()
-        room = self.rooms[room_id]
-        room.req = req
-        full_pages = req.cached // self.scheduler.pool.plan.page_size
-        if full_pages > room.sent_pages:
-            peer = self.peers[room.dest["decode_addr"]]
-            writes = page_writes(
-                self.endpoint.page_buffers,
-                peer.page_addrs,
-                req.pages[room.sent_pages : full_pages],
-                room.dest["pages"][room.sent_pages : full_pages],
-            )
-            self._ship(room_id, room, writes, final=False)
-            room.sent_pages = full_pages
+        if room_id is not None and req.uncached > 0:  # the last chunk ships in finished()
+            self.rooms[room_id].req = req
+            self.to_ship.append((room_id, False))
 
     def finished(self, req: Req) -> bool:
         room_id = self.by_rid.get(req.rid)
@@ -275,17 +267,33 @@ class PrefillRole(Role):
                 return True  # pages may still be read by a queued write; release after it
             self._forget(room_id)
             return False
-        self._write_aux(req, room)
-        peer = self.peers[room.dest["decode_addr"]]
-        writes = page_writes(
-            self.endpoint.page_buffers,
-            peer.page_addrs,
-            req.pages[room.sent_pages :],
-            room.dest["pages"][room.sent_pages :],
-        )
-        rows = row_writes(self.endpoint.row_buffers, peer.row_addrs, req.row, room.dest["row"])
-        self._ship(room_id, room, tuple(a + b for a, b in zip(writes, rows)), final=True)
+        self.to_ship.append((room_id, True))
         return True
+
+    def _ship_pending(self) -> None:
+        pending, self.to_ship = self.to_ship, []
+        for room_id, final in pending:
+            room = self.rooms.get(room_id)
+            if room is None or room.failure is not None:
+                continue
+            req, peer = room.req, self.peers[room.dest["decode_addr"]]
+            end = len(req.pages) if final else req.cached // self.scheduler.pool.plan.page_size
+            if end <= room.sent_pages and not final:
+                continue
+            writes = page_writes(
+                self.endpoint.page_buffers,
+                peer.page_addrs,
+                req.pages[room.sent_pages : end],
+                room.dest["pages"][room.sent_pages : end],
+            )
+            room.sent_pages = end
+            if final:
+                self._write_aux(req, room)
+                rows = row_writes(
+                    self.endpoint.row_buffers, peer.row_addrs, req.row, room.dest["row"]
+                )
+                writes = tuple(a + b for a, b in zip(writes, rows))
+            self._ship(room_id, room, writes, final=final)
 
     def owned(self) -> list[Req]:
         """Finished requests held until their transfer ends."""
@@ -297,7 +305,7 @@ class PrefillRole(Role):
 
     @property
     def busy(self) -> bool:
-        return any(r.in_flight for r in self.rooms.values())
+        return bool(self.to_ship) or any(r.in_flight for r in self.rooms.values())
 
     def sockets(self) -> list:
         return [self.endpoint.pull]
@@ -308,7 +316,8 @@ class PrefillRole(Role):
         lp = req.last_logprob
         top = lp.top if lp is not None else []
         aux.ints[req.row] = torch.tensor(
-            [room.request.bootstrap_room, req.output_ids[-1], 0, len(top)], dtype=torch.int64
+            [room.request.bootstrap_room, req.output_ids[-1], 0, len(top), req.draft_token],
+            dtype=torch.int64,
         )
         floats = [lp.logprob if lp is not None else 0.0] + [v for _, v in top]
         aux.floats[req.row, : len(floats)] = torch.tensor(floats, dtype=torch.float32)

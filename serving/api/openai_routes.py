@@ -65,7 +65,7 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         check_top_logprobs(top, "top_logprobs")
         if top and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs true", "top_logprobs")
-        tools, forced = _tool_choice(ctx, body)
+        tools, forced = _tool_choice(body)
         prompt = ctx.chat_template.render(
             [m.model_dump(exclude_none=True) for m in body.messages],
             tools=tools,
@@ -85,18 +85,7 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         parsed_tools = tools if ctx.args.tool_call_parser else None
         if ctx.args.reasoning_parser or parsed_tools:
             sampling.skip_special_tokens = False  # the markup tokens stay in the text
-        constraint = requested_constraint(body.response_format, body.regex, body.ebnf, None)
-        if forced is not None:
-            if constraint is not None:
-                raise APIError(
-                    400,
-                    "tool_choice: cannot force a tool call and a response format at once",
-                    "tool_choice",
-                )
-            constraint = _forced_tool_calls(ctx, body, tools, forced, opens)
-        elif constraint is not None and reasoning and opens and ctx.glm_tokens is not None:
-            constraint = after_reasoning(constraint, ctx.glm_tokens)
-        _constrain(ctx, [sampling], constraint)
+        _constrain(ctx, [sampling], _chat_constraint(ctx, body, tools, forced, reasoning, opens))
         rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
         seqs = make_seqs(
             ctx.tokenizer,
@@ -240,9 +229,7 @@ def _check_common(ctx: FrontContext, body: SamplingRequest) -> None:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
 
 
-def _tool_choice(
-    ctx: FrontContext, body: ChatCompletionRequest
-) -> tuple[list[dict[str, Any]] | None, str | None]:
+def _tool_choice(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
     """(the tools the template shows and the parser knows, and what a call is forced to:
     None = not forced, "" = any tool, else that function's name). As SGLang: tool_choice
     "none" shows no tools, a named function shows only that one."""
@@ -263,13 +250,27 @@ def _tool_choice(
     return named, name
 
 
-def _forced_tool_calls(
+def _chat_constraint(
     ctx: FrontContext,
     body: ChatCompletionRequest,
-    tools: list[dict[str, Any]],
-    forced: str,
+    tools: list[dict[str, Any]] | None,
+    forced: str | None,
+    reasoning: bool,
     opens_reasoning: bool,
-) -> Constraint:
+) -> Constraint | None:
+    """The reply's constraint: the forced tool call, or the requested format (after the
+    reasoning when the reply starts in it and the reasoning is split off)."""
+    constraint = requested_constraint(body.response_format, body.regex, body.ebnf, None)
+    if forced is None:
+        if constraint is not None and reasoning and opens_reasoning and ctx.glm_tokens:
+            return after_reasoning(constraint, ctx.glm_tokens)
+        return constraint
+    if constraint is not None:
+        raise APIError(
+            400,
+            "tool_choice: cannot force a tool call and a response format at once",
+            "tool_choice",
+        )
     if ctx.args.tool_call_parser is None or ctx.glm_tokens is None:
         raise APIError(
             400,

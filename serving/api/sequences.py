@@ -52,9 +52,11 @@ class Seq:
         return Update(self, text, out.logprobs or [])
 
     def error(self) -> APIError | None:
-        """A scheduler-side abort before any output token: the request failed."""
+        """A scheduler-side abort before any output token, or one refusing the request (400,
+        e.g. an output constraint the scheduler cannot apply): the request failed. Other aborts
+        after output keep the output, with finish_reason "abort"."""
         reason = self.finish_reason or {}
-        if reason.get("type") != "abort" or self.output_ids:
+        if reason.get("type") != "abort" or (self.output_ids and reason.get("status") != 400):
             return None
         message = reason.get("message") or "the request was aborted"
         return APIError(int(reason.get("status", 500)), message)
@@ -79,7 +81,9 @@ def make_seqs(
 
     A single rid names one sequence as is, several as "<rid>-<index>"; a list of rids (one per
     prompt) names each prompt's sequences "<rid>" or "<rid>-<i>". Any request field given as a
-    list (bootstrap_room of a batch) is taken per prompt.
+    list (bootstrap_room of a batch) is taken per prompt. The i-th sequence of a prompt gets
+    bootstrap_room + i (as SGLang): each PD handoff needs a room of its own, and the prefill
+    and decode workers derive the same ones.
     """
     for name, value in {"rid": rid, **request_fields}.items():
         if isinstance(value, list) and len(value) != len(prompts):
@@ -94,12 +98,13 @@ def make_seqs(
             else:
                 seq_rid = rid if len(prompts) * n == 1 else f"{rid}-{index}"
             params = for_sequence(sampling[p], i)
+            room = fields.get("bootstrap_room")
             detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
             request = GenerateRequest(
                 rid=seq_rid,
                 input_ids=ids,
                 sampling=params,
-                **fields,
+                **{**fields, "bootstrap_room": None if room is None else (room + i) % 2**63},
             )
             text = StreamingText(detokenizer, params.stop, params.no_stop_trim)
             seqs.append(Seq(index, request, text))

@@ -33,26 +33,29 @@ AUX_TOP_LOGPROBS = 20
 
 @dataclass
 class AuxRows:
-    """What travels with a PD handoff besides KV and state, one row per request row.
+    """Per-request-row extras that a PD handoff carries besides KV and state.
 
-    ints:   bootstrap_room, first token, cached tokens, number of top logprobs
-    floats: first-token logprob, then its top logprobs; top_ids: their token ids
+    ints:         bootstrap_room, first token, cached tokens, number of top logprobs, draft token
+    floats:       first-token logprob, then its top logprobs; top_ids: their token ids
+    draft_hidden: the NextN draft's hidden state at the last drafted position (EAGLE's stash)
     """
 
-    ints: torch.Tensor  # [rows, 4] int64
+    ints: torch.Tensor  # [rows, 5] int64
     floats: torch.Tensor  # [rows, 1 + AUX_TOP_LOGPROBS] float32
     top_ids: torch.Tensor  # [rows, AUX_TOP_LOGPROBS] int64
+    draft_hidden: torch.Tensor  # [rows, hidden] model dtype
 
     @classmethod
-    def allocate(cls, rows: int, device: str) -> AuxRows:
+    def allocate(cls, rows: int, hidden: int, dtype: torch.dtype, device: str) -> AuxRows:
         return cls(
-            ints=torch.zeros(rows, 4, dtype=torch.int64, device=device),
+            ints=torch.zeros(rows, 5, dtype=torch.int64, device=device),
             floats=torch.zeros(rows, 1 + AUX_TOP_LOGPROBS, dtype=torch.float32, device=device),
             top_ids=torch.zeros(rows, AUX_TOP_LOGPROBS, dtype=torch.int64, device=device),
+            draft_hidden=torch.zeros(rows, hidden, dtype=dtype, device=device),
         )
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [("aux.ints", self.ints), ("aux.floats", self.floats), ("aux.top_ids", self.top_ids)]
+        return [(f"aux.{name}", t) for name, t in vars(self).items()]
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,9 @@ class MemoryPool:
             device,
             num_draft_tokens=plan.num_draft_tokens,
         )
-        self.aux = AuxRows.allocate(request_rows(self.req_to_token), device)
+        self.aux = AuxRows.allocate(
+            request_rows(self.req_to_token), config.hidden_size, dtype, device
+        )
         self.draft: ModelCache | None = None
         if plan.with_draft:
             from serving.models.nextn import NextNDraft

@@ -51,7 +51,10 @@ class DecoderLayer(nn.Module):
         post, comb, x = self.attn_hc.collapse(streams)
         x = self.input_layernorm(x)
         if self.is_kda:
-            x = self.self_attn(x, batch, cache.kda(self.layer))
+            history = None
+            if batch.kda_history is not None:
+                history = batch.kda_history.setdefault(self.layer, [])
+            x = self.self_attn(x, batch, cache.kda(self.layer), history)
         else:
             x, selected = self.self_attn(x, batch, cache.dsa(self.layer), selected)
         streams = HyperConnection.expand(x, streams, post, comb)

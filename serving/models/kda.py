@@ -48,7 +48,14 @@ class KDAttention(nn.Module):
             return self.lower_bound * torch.sigmoid(rate * g)
         return -rate * torch.nn.functional.softplus(g, threshold=20.0)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KDALayerCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KDALayerCache,
+        history: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """history (extend only): receives [conv inputs, per-position states] for rollback."""
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if batch.is_decode:
             mixed = kda_kernels.causal_conv_decode(
@@ -56,7 +63,7 @@ class KDAttention(nn.Module):
             )
         else:
             mixed = kda_kernels.causal_conv_extend(
-                mixed, self.conv_weight, cache.conv, batch.req_rows, batch.lens_cpu
+                mixed, self.conv_weight, cache.conv, batch.req_rows, batch.lens_cpu, history
             )
         q, k, v = (t.view(-1, self.heads, self.dim) for t in mixed.chunk(3, dim=-1))
         g = self._forget_gate(x)
@@ -65,7 +72,7 @@ class KDAttention(nn.Module):
             o = kda_kernels.kda_decode(q, k, v, g, beta, cache.state, batch.req_rows)
         else:
             o = kda_kernels.kda_extend(
-                q, k, v, g, beta, cache.state, batch.req_rows, batch.lens_cpu
+                q, k, v, g, beta, cache.state, batch.req_rows, batch.lens_cpu, history
             )
         # gated RMSNorm per head, in float32
         of = o.float()

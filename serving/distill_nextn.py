@@ -1,0 +1,188 @@
+"""Distil the NextN draft layer on its own target's greedy outputs, so EAGLE speed-ups can be
+measured on checkpoints with random weights.
+
+    python -m serving.distill_nextn --model-path DIR --out DIR2 [--steps 300] [--device cuda]
+
+1. The target continues random prompts greedily (the text EAGLE will have to predict).
+2. One target forward over each sequence gives its pre-norm hidden states h_i.
+3. The draft is trained, through the same forward the server runs (caches included), to map
+   (embed(x_{i+1}), h_i) to x_{i+2} with cross-entropy; only the draft's weights change.
+4. DIR is copied to DIR2 with the new NextN tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from serving.config import ModelConfig
+from serving.forward_batch import ForwardBatch
+from serving.generate import StepRunner
+from serving.memory.pool import MemoryPool, PoolPlan
+from serving.models.loader import export_checkpoint, iter_tensors, load_weights
+from serving.models.nextn import NextNDraft
+
+
+def make_data(
+    runner: StepRunner, vocab: int, count: int, prompt_len: int, gen_len: int, seed: int
+) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [
+        torch.randint(0, min(vocab, 1000), (prompt_len,), generator=g).tolist()
+        for _ in range(count)
+    ]
+    out = []
+    for i in range(0, count, 16):
+        chunk = prompts[i : i + 16]
+        gens = runner.greedy(chunk, gen_len)
+        out += [p + c for p, c in zip(chunk, gens)]
+    return out
+
+
+def target_hidden(runner: StepRunner, seqs: list[list[int]]) -> list[torch.Tensor]:
+    hidden = []
+    for seq in seqs:
+        s = runner.add(seq)
+        # clone: a normal tensor (not an inference tensor) that autograd may save
+        hidden.append(runner.step([s], [len(seq)], logits="last").hidden.float().clone())
+        runner.release(s)
+    return hidden
+
+
+def train(
+    model_path: str,
+    out_dir: str,
+    steps: int,
+    device: str,
+    lr: float,
+    count: int,
+    prompt_len: int,
+    gen_len: int,
+    batch_size: int,
+    seed: int,
+) -> dict:
+    config = ModelConfig.from_pretrained(model_path)
+    target, draft = load_weights(model_path, config, torch.float32, device, load_draft=True)
+    page = max(16, config.index_kpool)
+    runner = StepRunner(
+        target, max_requests=16, max_context=prompt_len + gen_len + 16, page_size=page, device=device
+    )
+    t0 = time.perf_counter()
+    seqs = make_data(runner, config.vocab_size, count, prompt_len, gen_len, seed)
+    hiddens = target_hidden(runner, seqs)
+    data_s = time.perf_counter() - t0
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(
+        [p for p in draft.parameters() if p.is_floating_point()], lr=lr, weight_decay=0.0
+    )
+    length = len(seqs[0])
+    plan = PoolPlan(
+        rows=batch_size,
+        pages=batch_size * -(-length // page) + 1,
+        page_size=page,
+        max_context=length,
+        with_draft=True,
+    )
+    forward = NextNDraft.forward.__wrapped__  # the server's forward, with autograd on
+    g = torch.Generator().manual_seed(seed + 1)
+    losses = []
+    t1 = time.perf_counter()
+    for step in range(steps):
+        pool = MemoryPool(config, plan, torch.float32, device)
+        rows, pages = [], []
+        for _ in range(batch_size):
+            row = pool.alloc_row()
+            pg: list[int] = []
+            pool.grow(row, pg, length)
+            rows.append(row)
+            pages.append(pg)
+        pick = torch.randint(0, len(seqs), (batch_size,), generator=g).tolist()
+        # position i: input x_{i+1} with h_i, label x_{i+2}; positions 0 .. length-3
+        n = length - 2
+        ids = [t for i in pick for t in seqs[i][1 : 1 + n]]
+        labels = torch.tensor([t for i in pick for t in seqs[i][2 : 2 + n]], device=device)
+        hidden = torch.cat([hiddens[i][:n] for i in pick])
+        batch = ForwardBatch.build(
+            ids, rows, [0] * batch_size, [n] * batch_size, pool.req_to_token, logits="all"
+        )
+        out = forward(draft, target, batch, hidden, pool.draft)
+        weight = torch.ones(n, device=device)
+        weight[: prompt_len - 1] = 0.2  # random prompt tokens are unpredictable; focus on text
+        loss = (
+            F.cross_entropy(out.logits, labels, reduction="none").view(batch_size, n) * weight
+        ).sum() / (weight.sum() * batch_size)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"step {step}: loss {loss.item():.3f}", flush=True)
+    train_s = time.perf_counter() - t1
+    raw = json.loads((Path(model_path) / "config.json").read_text())
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[raw.get("dtype", "float32")]
+    out_path = Path(out_dir)
+    if out_path.resolve() != Path(model_path).resolve():
+        shutil.copytree(model_path, out_path, dirs_exist_ok=True)
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    new = export_checkpoint(config, target, draft)
+    prefix = f"model.language_model.layers.{config.num_hidden_layers}."
+    tensors = {name: t for name, t in iter_tensors(model_path)}
+    for name, t in new.items():
+        if name.startswith(prefix):
+            tensors[name] = t.to(tensors[name].dtype if name in tensors else dtype)
+    for shard in out_path.glob("*.safetensors"):
+        shard.unlink()
+    (out_path / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(out_path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    return {
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-10:]) / min(10, len(losses)),
+        "data_s": round(data_s, 1),
+        "train_s": round(train_s, 1),
+        "steps": steps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--sequences", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--gen-len", type=int, default=96)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    summary = train(
+        args.model_path,
+        args.out,
+        args.steps,
+        args.device,
+        args.lr,
+        args.sequences,
+        args.prompt_len,
+        args.gen_len,
+        args.batch_size,
+        args.seed,
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

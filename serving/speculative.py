@@ -1,0 +1,186 @@
+"""EAGLE speculative decoding with the NextN draft: chain drafts (top-k 1), one verify forward.
+
+Per request, between steps: y, the last committed token (position n, not yet in the target's
+cache); d1, the draft's proposal for position n+1; and the draft's hidden state at position n-1
+(pool.aux.draft_hidden[row], a request-row buffer that also travels in a PD handoff).
+
+One decode step over a batch:
+  1. draft steps k = 2..N at positions n+k-2: (embed(d_{k-1}), draft hidden) -> d_k
+  2. verify: the target runs [y, d1..dN] at positions n..n+N in one forward
+  3. accept: each position is sampled exactly as plain decoding would sample it (same penalties,
+     same generator); drafts are accepted while they equal the sampled token; the first
+     mismatch (or the token after dN) is the bonus. With deterministic drafts this is
+     rejection sampling with a one-hot proposal, so the output distribution is the target's.
+  4. roll back: KDA recurrent and conv states are restored to "after the last accepted token"
+     from the per-position history the verify forward recorded. Nothing else needs undoing:
+     latents, pooled keys and tail-ring slots of rejected positions are rewritten before anything
+     reads them (the ring holds kpool-1 + N+1 slots, so no live pool member is overwritten).
+  5. the draft extends over the accepted tokens with the target's verify hiddens -> next d1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.forward_batch import ForwardBatch
+from serving.memory.cache import ModelCache
+from serving.memory.pool import MemoryPool
+from serving.models.glm5_next import Glm5NextForCausalLM
+from serving.models.nextn import NextNDraft
+from serving.sampler import Sampler, SamplingState
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_steps: int
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.num_steps + 1
+
+
+@dataclass
+class Proposal:
+    """A request's share of a speculative step (host side)."""
+
+    row: int
+    position: int  # n: position of the last committed token y
+    token: int  # y
+    draft_token: int  # d1
+
+
+def restore_kda_states(
+    cache: ModelCache,
+    history: dict[int, list[torch.Tensor]],
+    rows: torch.Tensor,
+    last: torch.Tensor,
+) -> None:
+    """Set each row's KDA state to the one after chunk position last[b] (0-based)."""
+    for layer, (conv_inputs, states) in history.items():
+        kc = cache.kda(layer)
+        b = torch.arange(rows.numel(), device=rows.device)
+        kc.state[rows] = states[b, last].to(kc.state.dtype)
+        width = kc.conv.shape[-1]  # K-1 inputs ending at chunk position last[b]
+        idx = last[:, None] + 1 + torch.arange(width, device=rows.device)
+        idx = idx[:, None, :].expand(-1, conv_inputs.shape[1], -1)
+        kc.conv[rows] = conv_inputs.gather(2, idx).to(kc.conv.dtype)
+
+
+class Eagle:
+    def __init__(
+        self,
+        target: Glm5NextForCausalLM,
+        draft: NextNDraft,
+        pool: MemoryPool,
+        sampler: Sampler,
+        config: SpecConfig,
+    ) -> None:
+        assert pool.draft is not None, "the pool needs draft caches"
+        self.target, self.draft, self.pool, self.sampler = target, draft, pool, sampler
+        self.steps = config.num_steps
+
+    # ---- the draft over known tokens (after a prefill chunk, after a verify) ----
+    def extend_draft(
+        self,
+        rows: list[int],
+        starts: list[int],
+        next_tokens: list[list[int]],
+        target_hidden: torch.Tensor,
+    ) -> list[int]:
+        """Draft positions starts[b].. with inputs (next token, target hidden at the position).
+
+        target_hidden: [sum(len), H], requests back to back. Returns each request's proposal
+        for the position after its last one; stores the draft's hidden there in the stash."""
+        ids = [t for toks in next_tokens for t in toks]
+        batch = ForwardBatch.build(
+            ids, rows, starts, [len(t) for t in next_tokens], self.pool.req_to_token
+        )
+        out = self.draft(self.target, batch, target_hidden, self.pool.draft)
+        rows_t = batch.req_rows
+        self.pool.aux.draft_hidden[rows_t] = out.hidden[batch.logit_index].to(
+            self.pool.aux.draft_hidden.dtype
+        )
+        return out.logits.argmax(-1).tolist()
+
+    # ---- one decode step ----
+    def step(
+        self, proposals: list[Proposal], states: list[SamplingState], want: list[int]
+    ) -> tuple[list[list[int]], list[list | None]]:
+        """Returns per request the committed tokens (1..N+1) and their logprob entries.
+
+        want: per request, the number of top logprobs to return (-1: no logprobs)."""
+        n_steps = self.steps
+        rows = [p.row for p in proposals]
+        rows_t = torch.tensor(rows, device=self.pool.device)
+        chains = [[p.draft_token] for p in proposals]
+        hidden = self.pool.aux.draft_hidden[rows_t]
+        for k in range(2, n_steps + 1):
+            batch = ForwardBatch.build(
+                [c[-1] for c in chains],
+                rows,
+                [p.position + k - 2 for p in proposals],
+                [1] * len(rows),
+                self.pool.req_to_token,
+            )
+            out = self.draft(self.target, batch, hidden, self.pool.draft)
+            hidden = out.hidden
+            for c, t in zip(chains, out.logits.argmax(-1).tolist()):
+                c.append(t)
+        # verify
+        tokens = [[p.token, *c] for p, c in zip(proposals, chains)]
+        batch = ForwardBatch.build(
+            [t for seq in tokens for t in seq],
+            rows,
+            [p.position for p in proposals],
+            [n_steps + 1] * len(rows),
+            self.pool.req_to_token,
+            logits="all",
+        )
+        batch.kda_history = {}
+        out = self.target(batch, self.pool.target)
+        sampled, logprobs = self._sample_positions(out.logits, chains, states, want)
+        committed, last = [], []
+        for chain, samp in zip(chains, sampled):
+            a = 0
+            while a < n_steps and samp[a] == chain[a]:
+                a += 1
+            committed.append(chain[:a] + [samp[a]])
+            last.append(a)
+        last_t = torch.tensor(last, device=self.pool.device)
+        restore_kda_states(self.pool.target, batch.kda_history, rows_t, last_t)
+        # the draft catches up over the accepted tokens, using the verify's target hiddens
+        keep = torch.arange(n_steps + 1, device=self.pool.device)[None, :] <= last_t[:, None]
+        verify_hidden = out.hidden.view(len(rows), n_steps + 1, -1)[keep]
+        nxt = self.extend_draft(rows, [p.position for p in proposals], committed, verify_hidden)
+        for p, d in zip(proposals, nxt):
+            p.draft_token = d
+        return committed, [
+            None if lp is None else lp[: len(c)] for lp, c in zip(logprobs, committed)
+        ]
+
+    def _sample_positions(
+        self,
+        logits: torch.Tensor,
+        chains: list[list[int]],
+        states: list[SamplingState],
+        want: list[int],
+    ):
+        """Sample every verify position as plain decoding would, given the drafts before it."""
+        n = self.steps + 1
+        virtual = [
+            SamplingState(
+                s.params, s.prompt_ids, s.output_ids + chain[:j], s.generator, s.eos_token_ids
+            )
+            for s, chain in zip(states, chains)
+            for j in range(n)
+        ]
+        top = [max(w, 0) for w in want for _ in range(n)] if any(w >= 0 for w in want) else None
+        tokens, logprobs = self.sampler.sample(logits, virtual, top)
+        per_req = [tokens[b * n : (b + 1) * n] for b in range(len(chains))]
+        if logprobs is None:
+            return per_req, [None] * len(chains)
+        return per_req, [
+            logprobs[b * n : (b + 1) * n] if want[b] >= 0 else None for b in range(len(chains))
+        ]

@@ -1,0 +1,77 @@
+"""The OpenAI scenarios of test_openai_server.py against router + PD pair: our router in front of
+a prefill and a decode worker (Mooncake over loopback TCP), both started as the seed starts
+them, with `--reasoning-parser glm45 --tool-call-parser glm47`, on the scripted checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from serving.server_args import ArgsError, ServerArgs
+from tests.scripted_checkpoint import write_scripted_checkpoint
+from tests.test_openai_server import SCENARIOS, WORKER_FLAGS, make_peer, scenario_id
+
+
+def _pd_missing() -> str | None:
+    """Why the PD stack cannot run here, or None."""
+    if not (Path(__file__).resolve().parents[1] / "router" / "launch_router.py").is_file():
+        return "router/launch_router.py does not exist yet"
+    if importlib.util.find_spec("mooncake") is None:
+        return "the mooncake transfer engine is not installed"
+    argv = ["--model-path", str(Path(__file__).parent), "--disaggregation-mode", "prefill"]
+    try:
+        ServerArgs.from_cli(argv).validate()
+    except ArgsError as e:
+        if "not built" in str(e):
+            return f"PD workers are not built: {e}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_pd_missing() is not None, reason=str(_pd_missing()))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_scripted_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("scripted-pd"))
+
+
+@pytest.fixture(scope="module")
+def stack(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    from tests.pd_pair import PDPair
+    from tests.router_proc import RouterProc
+
+    logs = tmp_path_factory.mktemp("openai-pd")
+    pair = PDPair(checkpoint, logs, prefill_flags=WORKER_FLAGS, decode_flags=WORKER_FLAGS)
+    try:
+        router = RouterProc(
+            "--pd-disaggregation",
+            "--prefill",
+            pair.prefill.url,
+            str(pair.bootstrap_port),
+            "--decode",
+            pair.decode.url,
+            "--health-check-interval-secs",
+            "0.2",
+            "--health-success-threshold",
+            "1",
+            log_dir=logs,
+        )
+    except Exception:
+        pair.stop()
+        raise
+    try:
+        router.wait_ready()
+        yield router, pair
+    finally:
+        code = router.stop()
+        pair.stop()
+    assert code == 0
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=scenario_id)
+def test_router_and_pd_pair(stack, checkpoint: Path, scenario) -> None:
+    router, pair = stack
+    scenario(make_peer(router.url, checkpoint))
+    pair.idle()
