@@ -4,7 +4,8 @@
     python deploy/compose_command.py prefill --env-file deploy/pdserve.env --exec   # run it here
 
 Variables are interpolated as compose does it (${VAR}, ${VAR:-default}, ${VAR-default},
-${VAR:?message}, ${VAR?message}, $$), the shell's environment winning over the env file. Env
+${VAR:?message}, ${VAR?message}, $$; no nesting), the shell's environment winning over the env
+file. Env
 file lines are KEY=VALUE, taken literally (no quotes), `#` starts a comment line. `python3` in
 the command is the first python3 on PATH: a venv's when it is activated. Needs PyYAML.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 import yaml
 
 COMPOSE_FILE = Path(__file__).resolve().parent / "docker-compose.yml"
-_VAR = re.compile(r"\$(?:(\$)|\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(r"\$(?:(\$)|\{([^}$]*)\}|([A-Za-z_][A-Za-z0-9_]*)|)")
 _BRACED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])(.*))?", re.S)
 
 
@@ -49,6 +50,8 @@ def interpolate(text: str, env: dict[str, str]) -> str:
             return "$"
         if plain:
             return env.get(plain, "")
+        if braced is None:
+            raise ComposeError(f"{text!r}: a lone $ (write $$ for a literal one)")
         parts = _BRACED.fullmatch(braced)
         if parts is None:
             raise ComposeError(f"${{{braced}}}: unsupported substitution")
@@ -80,10 +83,13 @@ def load_service(
     name: str, env: dict[str, str], compose_file: Path = COMPOSE_FILE
 ) -> tuple[list[str], dict[str, str]]:
     """(command argv, environment) of service `name`, interpolated with `env`."""
-    services = yaml.safe_load(compose_file.read_text())["services"]
+    doc = yaml.safe_load(compose_file.read_text())
+    # The whole file, as compose does: a required variable is required by every service.
+    services = _resolve(doc["services"], env)
+    _resolve(doc.get("volumes") or {}, env)
     if name not in services:
         raise ComposeError(f"no service {name!r} (there are: {', '.join(services)})")
-    service = _resolve(services[name], env)
+    service = services[name]
     environment = service.get("environment") or {}
     if isinstance(environment, list):
         environment = dict(item.partition("=")[::2] for item in environment)

@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,7 +81,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-port", type=int, default=0, help="0: any free port")
     ap.add_argument("--prefill-args", default="", help="more launch_server flags, one string")
     ap.add_argument("--decode-args", default="", help="more launch_server flags, one string")
-    ap.add_argument("--max-tokens", type=int, default=1024, help="of the example request")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        help="of the example request (default: the seed's 1024; 32 for the tiny checkpoint, "
+        "whose random weights answer noise)",
+    )
     ap.add_argument("--log-dir", type=Path, help="default: a new directory under the temp dir")
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for health")
     ap.add_argument("--once", action="store_true", help="stop after printing the first answer")
@@ -100,13 +106,28 @@ def take_port(host: str, port: int, what: str) -> int:
         return s.getsockname()[1]
 
 
+def write_tiny() -> None:
+    """Into a scratch directory renamed into place, so an interrupted write leaves nothing."""
+    print(f"writing the tiny default checkpoint to {TINY} (first use) ...", flush=True)
+    TINY.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="tiny-", dir=TINY.parent))
+    try:
+        cmd = [sys.executable, "-m", "serving.tiny_model", str(scratch)]
+        if subprocess.run(cmd).returncode != 0:
+            raise StackError(f"could not write the tiny checkpoint to {TINY}")
+        try:
+            scratch.rename(TINY)
+        except OSError:
+            if not TINY.is_dir():  # else another launcher finished first
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def model_and_name(args: argparse.Namespace) -> tuple[Path, str]:
     if args.model_path is None:
-        if not (TINY / "config.json").is_file():
-            print(f"writing the tiny default checkpoint to {TINY} (first use) ...", flush=True)
-            cmd = [sys.executable, "-m", "serving.tiny_model", str(TINY)]
-            if subprocess.run(cmd).returncode != 0:
-                raise StackError(f"could not write the tiny checkpoint to {TINY}")
+        if not TINY.is_dir():
+            write_tiny()
         return TINY, args.served_model_name or "tiny"
     path = Path(args.model_path).resolve()
     if not (path / "config.json").is_file():
@@ -228,10 +249,11 @@ def example_request(router_url: str, name: str, max_tokens: int) -> tuple[str, d
         "stream": False,
     }
     url = f"{router_url}/v1/chat/completions"
-    text = json.dumps(body, indent=2).replace("\n", "\n  ")
+    fields = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in body.items())
+    data = shlex.quote("{\n" + fields + "\n  }")
     curl = (
         f'curl --fail-with-body --max-time 600 \\\n  "{url}" \\\n'
-        f"  -H 'Content-Type: application/json' \\\n  -d '{text}'"
+        f"  -H 'Content-Type: application/json' \\\n  -d {data}"
     )
     return curl, body
 
@@ -294,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print("waiting until all three are healthy ...", flush=True)
         wait_ready(procs, args.timeout, t0)
         router = procs[-1]
-        curl, body = example_request(router.url, name, args.max_tokens)
+        max_tokens = args.max_tokens or (32 if model == TINY else 1024)
+        curl, body = example_request(router.url, name, max_tokens)
         print(f"\nTry it (this is the request sent now):\n{curl}", flush=True)
         ask(router.url, body)
         if args.once:

@@ -10,8 +10,10 @@ have; both keep retries on), and measures against it:
   - time to first byte (TTFB), one request at a time, non-streaming and streaming chat requests;
     the same against the decode stub directly gives the router's added latency (p50, p99);
   - throughput: `--concurrency` keep-alive connections sending back to back for `--duration` s.
-Medians over the rounds are reported. The load generator is a raw protocol on httptools in this
-process; every process shares the machine's cores, as they would on one host.
+Medians over the rounds are reported. Once per run it also measures the CPU one upstream request
+costs a process with router/upstream.py and with httpx (the reason for the former). The load
+generator is a raw protocol on httptools in this process; every process shares the machine's
+cores, as they would on one host.
 """
 
 from __future__ import annotations
@@ -114,6 +116,40 @@ async def throughput(port: int, stream: bool, concurrency: int, duration: float)
     return done / elapsed
 
 
+async def upstream_cpu_us(port: int, n: int) -> dict[str, float]:
+    """CPU time of this process per sequential POST to the stub: our Pool vs httpx."""
+    import httpx
+
+    from router.upstream import Pool
+
+    body = json.dumps(BODY).encode()
+    pool = Pool("127.0.0.1", port)
+    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    async def ours() -> None:
+        resp = pool.request(b"POST", b"/v1/chat/completions", body, _JSON_HEADER, 30.0)
+        await resp.read()
+
+    async def theirs() -> None:
+        (await client.post(url, content=body, headers={"content-type": "application/json"})).read()
+
+    out = {}
+    for name, call in (("router/upstream.py", ours), ("httpx", theirs)):
+        for _ in range(200):
+            await call()
+        t0 = time.process_time()
+        for _ in range(n):
+            await call()
+        out[name] = (time.process_time() - t0) / n * 1e6
+    pool.close()
+    await client.aclose()
+    return out
+
+
+_JSON_HEADER = b"content-type: application/json\r\n"
+
+
 @dataclass
 class Run:
     name: str
@@ -194,6 +230,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     runs = _routers(f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}")
     direct = Run("direct to the decode stub", [], decode_port)
     try:
+        cpu = await upstream_cpu_us(decode_port, args.latency_requests)
         for r in range(args.rounds):
             direct.results.append(await measure(decode_port, args))
             for run in runs if r % 2 == 0 else runs[::-1]:
@@ -209,7 +246,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stubs.terminate()
         stubs.wait()
-    return report([direct, *runs], args)
+    print("\nCPU per upstream request (us, one at a time): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items()))  # fmt: skip
+    return {**report([direct, *runs], args), "upstream_cpu_us": cpu}
 
 
 def report(runs: list[Run], args: argparse.Namespace) -> dict[str, Any]:

@@ -30,14 +30,18 @@ from serving.models.loader import export_checkpoint, iter_tensors, load_weights
 from serving.models.nextn import NextNDraft
 
 
-def make_data(
-    runner: StepRunner, vocab: int, count: int, prompt_len: int, gen_len: int, seed: int
-) -> list[list[int]]:
+def training_prompts(vocab: int, count: int, prompt_len: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    prompts = [
+    return [
         torch.randint(0, min(vocab, 1000), (prompt_len,), generator=g).tolist()
         for _ in range(count)
     ]
+
+
+def make_data(
+    runner: StepRunner, vocab: int, count: int, prompt_len: int, gen_len: int, seed: int
+) -> list[list[int]]:
+    prompts = training_prompts(vocab, count, prompt_len, seed)
     out = []
     for i in range(0, count, 16):
         chunk = prompts[i : i + 16]

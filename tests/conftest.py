@@ -2,6 +2,30 @@ from __future__ import annotations
 
 import pytest
 
+DISTILL_PROMPT_LEN = 16
+
+
+@pytest.fixture(scope="session")
+def distilled_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with its NextN draft distilled on the target's greedy text."""
+    from serving.distill_nextn import train
+
+    out = tmp_path_factory.mktemp("distilled")
+    summary = train(
+        str(tiny_ckpt),
+        str(out),
+        steps=120,
+        device="cpu",
+        lr=3e-3,
+        count=16,
+        prompt_len=DISTILL_PROMPT_LEN,
+        gen_len=48,
+        batch_size=8,
+        seed=0,
+    )
+    assert summary["last_loss"] < summary["first_loss"]
+    return out
+
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):

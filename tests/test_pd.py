@@ -280,3 +280,65 @@ def test_seed_commands_start_and_serve(tiny_ckpt, tmp_path):
         pd.idle()
     finally:
         pd.stop()
+
+
+def test_pd_with_eagle_uses_rows_up_to_the_extra_slots(distilled_ckpt, tmp_path):
+    """The seed's configuration: EAGLE 1/1/2 on both sides, decode at 32 running + 64 extra
+    slots. Enough concurrent requests that rows near 96 are held while requests decode; every
+    request completes with the single worker's greedy tokens (speculation off)."""
+    from serving.distill_nextn import training_prompts
+
+    spec = (
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-num-steps",
+        "1",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "2",
+    )
+    ps = training_prompts(1024, 96, 16, seed=0)
+    single = Server(distilled_ckpt, log_dir=tmp_path)
+    try:
+        expected = [
+            httpx.post(single.url + "/generate", json=greedy_body(p, 8), timeout=120).json()[
+                "output_ids"
+            ]
+            for p in ps
+        ]
+    finally:
+        single.stop()
+    pd = PDPair(
+        distilled_ckpt,
+        tmp_path,
+        prefill_flags=spec,
+        decode_flags=(
+            *spec,
+            "--max-running-requests",
+            "32",
+            "--disaggregation-decode-extra-slots",
+            "64",
+        ),
+    )
+    try:
+        got: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            decode, _ = pd.dispatch("/generate", greedy_body(ps[i], 8), timeout=300)
+            assert decode.status_code == 200, decode.text
+            got[i] = decode.json()["output_ids"]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ps))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert [got.get(i) for i in range(len(ps))] == expected
+        stats = pd.decode.stats()
+        assert stats["total_rows"] == 96
+        assert stats["peak_used_rows"] >= 90, stats
+        assert stats["spec_committed_tokens"] > stats["spec_verify_steps"]  # drafts accepted
+        pd.idle()
+    finally:
+        pd.stop()

@@ -120,7 +120,7 @@ def test_routes_streaming_and_not(make, route, stream):
             assert events[-1] == "[DONE]" and len(events) == d.behaviour.chunks + 2
         else:
             assert "choices" in json.loads(r.read()) or route == "/generate"
-    assert len(p.generation_requests()) == len(d.generation_requests()) == 1
+    _until(lambda: len(p.generation_requests()) == len(d.generation_requests()) == 1)
 
 
 def test_batched_generate_gets_room_lists(make):

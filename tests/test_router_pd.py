@@ -186,7 +186,7 @@ def test_prefill_killed_mid_run_then_restarted(cluster, monkeypatch):
 
     def one(i: int) -> None:
         try:
-            results[i] = generate(cluster.url, list(range(3, 40 + i)), n=24)
+            results[i] = generate(cluster.url, list(range(3, 40 + i)), n=16)
         except httpx.HTTPError as e:
             results[i] = e
 
@@ -201,6 +201,7 @@ def test_prefill_killed_mid_run_then_restarted(cluster, monkeypatch):
         assert isinstance(r, httpx.Response), r
         assert r.status_code == 200 or r.json()["error"]["message"], r.text
     assert sum(r.status_code == 200 for r in results.values()) >= 4  # p0's share at least
+    # (in practice all 8: the ones on p1 fail before decode sends a byte, and are retried)
     _until(lambda: not _healthy(cluster)["p1"])
     before = cluster.counters()
     for i in range(4):  # new requests avoid the dead worker

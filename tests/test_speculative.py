@@ -1,0 +1,146 @@
+"""EAGLE speculative decoding with the NextN draft (in-process scheduler, tiny checkpoint).
+
+The draft is first distilled on its target's greedy text (serving/distill_nextn.py); prompts
+from that distribution get most drafts accepted, so accepted runs, rejections and kpool
+boundaries inside verify chunks are all exercised. Greedy output must equal plain decoding
+token for token; sampled output must follow the same distribution.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving import scheduler as scheduler_mod
+from serving.distill_nextn import training_prompts
+from serving.protocol import GenerateRequest, SamplingParams
+from serving.scheduler_process import build_engine
+from serving.server_args import ServerArgs
+from tests.conftest import DISTILL_PROMPT_LEN as PROMPT_LEN
+
+
+@pytest.fixture(autouse=True)
+def check_every_step(monkeypatch):
+    monkeypatch.setattr(scheduler_mod, "CHECK_INVARIANTS", True)
+
+
+@pytest.fixture(scope="module")
+def distilled(distilled_ckpt):
+    return distilled_ckpt
+
+
+def engine(path, steps: int = 0, *flags: str):
+    spec = (
+        [
+            "--speculative-algorithm",
+            "EAGLE",
+            "--speculative-num-steps",
+            str(steps),
+            "--speculative-num-draft-tokens",
+            str(steps + 1),
+        ]
+        if steps
+        else []
+    )
+    args = ServerArgs.from_cli(
+        ["--model-path", str(path), "--page-size", "16", "--skip-server-warmup", *spec, *flags]
+    )
+    args.validate()
+    return build_engine(args)[0]
+
+
+def run(sched, requests) -> dict[str, list[int]]:
+    for r in requests:
+        sched.add(r)
+    out: dict[str, list[int]] = {}
+    while sched.has_work:
+        for o in sched.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+    sched.check_invariants()
+    assert not sched.pool.rows.used and not sched.pool.pages.used
+    return out
+
+
+def prompts() -> list[list[int]]:
+    easy = training_prompts(1024, 6, PROMPT_LEN, seed=0)  # the draft knows these well
+    g = torch.Generator().manual_seed(99)
+    hard = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 37, 70)]
+    return easy + hard
+
+
+def greedy(i: int, p: list[int], n: int = 40) -> GenerateRequest:
+    return GenerateRequest(
+        f"r{i}", p, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+    )
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_greedy_with_speculation_equals_without(distilled, steps):
+    ps = prompts()
+    plain = run(engine(distilled), [greedy(i, p) for i, p in enumerate(ps)])
+    sched = engine(distilled, steps)
+    spec = run(sched, [greedy(i, p) for i, p in enumerate(ps)])
+    assert spec == plain
+    accept = sched.stats.spec_committed_tokens / sched.stats.spec_verify_steps
+    assert accept > 1.3, f"drafts were hardly accepted ({accept:.2f}): the test proves little"
+
+
+def chi_square_homogeneity(a: list[int], b: list[int]) -> tuple[float, float]:
+    """Statistic and its p = 1e-3 critical value; categories expected < 5 times are pooled."""
+    cats: dict[int, list[int]] = {}
+    for i, sample in enumerate((a, b)):
+        for t in sample:
+            cats.setdefault(t, [0, 0])[i] += 1
+    pooled, rare = [], [0, 0]
+    for na, nb in cats.values():
+        if (na + nb) / 2 < 5:
+            rare = [rare[0] + na, rare[1] + nb]
+        else:
+            pooled.append([na, nb])
+    if sum(rare):
+        pooled.append(rare)
+    stat = sum((n - (na + nb) / 2) ** 2 / ((na + nb) / 2) for na, nb in pooled for n in (na, nb))
+    k = max(len(pooled) - 1, 1)  # Wilson-Hilferty quantile, z(1 - 1e-3) = 3.09
+    critical = k * (1 - 2 / (9 * k) + 3.09 * (2 / (9 * k)) ** 0.5) ** 3
+    return stat, critical
+
+
+def test_rejection_sampling_keeps_the_target_distribution(distilled):
+    """The 2nd and 3rd sampled tokens (decided by verify: accepted draft or correction) follow
+    the same distribution with and without speculation (independent seeds, chi-square)."""
+    prompt = training_prompts(1024, 1, PROMPT_LEN, seed=0)[0]
+
+    def tokens(steps: int, seeds: range) -> list[list[int]]:
+        reqs = [
+            GenerateRequest(
+                f"s{s}",
+                prompt,
+                SamplingParams(max_new_tokens=3, temperature=1.0, top_k=4, seed=s, ignore_eos=True),
+            )
+            for s in seeds
+        ]
+        out = run(engine(distilled, steps), reqs)
+        return [out[f"s{s}"] for s in seeds]
+
+    plain = tokens(0, range(0, 400))
+    spec = tokens(2, range(10_000, 10_400))
+    for position in (1, 2):
+        stat, critical = chi_square_homogeneity(
+            [t[position] for t in plain], [t[position] for t in spec]
+        )
+        assert stat < critical, (position, stat, critical)
+
+
+def test_speculative_flags_are_validated(tiny_ckpt):
+    from serving.server_args import ArgsError
+
+    for flags, msg in (
+        (["--speculative-num-steps", "2", "--speculative-eagle-topk", "4"], "topk"),
+        (["--speculative-num-steps", "2", "--speculative-num-draft-tokens", "5"], "num-draft"),
+        ([], "--speculative-num-steps None"),
+    ):
+        args = ServerArgs.from_cli(
+            ["--model-path", str(tiny_ckpt), "--speculative-algorithm", "EAGLE", *flags]
+        )
+        with pytest.raises(ArgsError, match=msg):
+            args.validate()
