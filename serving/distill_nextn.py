@@ -76,7 +76,11 @@ def train(
     target, draft = load_weights(model_path, config, torch.float32, device, load_draft=True)
     page = max(16, config.index_kpool)
     runner = StepRunner(
-        target, max_requests=16, max_context=prompt_len + gen_len + 16, page_size=page, device=device
+        target,
+        max_requests=16,
+        max_context=prompt_len + gen_len + 16,
+        page_size=page,
+        device=device,
     )
     t0 = time.perf_counter()
     seqs = make_data(runner, config.vocab_size, count, prompt_len, gen_len, seed)

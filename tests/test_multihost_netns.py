@@ -10,6 +10,7 @@ clean errors while it is cut, and the same answers as before once it is back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -112,7 +113,8 @@ class Network:
 def _drop(name: str) -> None:
     """Kill what runs in namespace `name` (only this test starts processes there), delete it."""
     for pid in map(int, _ip("netns", "pids", name, check=False).stdout.split()):
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     _ip("netns", "del", name, check=False)
 
 
