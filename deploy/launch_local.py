@@ -55,8 +55,10 @@ class Proc:
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
     def describe(self) -> str:
-        pid = self.popen.pid if self.popen else "-"
-        return f"  {self.role:<8} {self.url:<24} {self.note:<16} pid {pid:<8} log {self.log_path}"
+        return (
+            f"  {self.role:<8} {self.url:<24} {self.note:<16} pid {self.popen.pid:<8} "
+            f"log {self.log_path}"
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
@@ -94,7 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def take_port(host: str, port: int, what: str) -> int:
-    """`port`, or a free one for 0; StackError if it is taken."""
+    """`port`, or a free one for 0; StackError if it is taken. Free now, not reserved: a process
+    that takes it before our worker does makes that worker fail to start, which is reported."""
     with socket.socket() as s:
         try:
             s.bind((host, port))
@@ -258,9 +261,17 @@ def example_request(router_url: str, name: str, max_tokens: int) -> tuple[str, d
     return curl, body
 
 
+def printable(text: str) -> str:
+    """Control characters escaped: a model's output must not drive the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
+
+
 def ask(router_url: str, body: dict) -> None:
     t0 = time.monotonic()
-    r = httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=600)
+    try:
+        r = httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=600)
+    except httpx.HTTPError as e:
+        raise StackError(f"the example request failed: {e!r}") from None
     if r.status_code != 200:
         raise StackError(f"the example request failed: {r.status_code} {r.text}")
     out = r.json()
@@ -270,7 +281,7 @@ def ask(router_url: str, body: dict) -> None:
         f"{choice['finish_reason']}, {time.monotonic() - t0:.1f} s):",
         flush=True,
     )
-    print(choice["message"]["content"], flush=True)
+    print(printable(choice["message"]["content"] or ""), flush=True)
 
 
 def stop(procs: list[Proc]) -> None:

@@ -241,6 +241,7 @@ class _Conn(asyncio.Protocol):
         self._write_head_chunked()
         for i in range(self._n()):
             if b.cut_after_chunks is not None and i >= b.cut_after_chunks:
+                self.busy = False  # the stub's own doing, not a disconnect
                 self.abort()
                 return
             if i and b.chunk_delay_s:

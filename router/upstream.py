@@ -288,7 +288,8 @@ class Pool:
         self.origin = origin or f"http://{host}:{port}"  # names the worker in errors
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set on first use
         self._idle: list[_Conn] = []
-        self._head = b"HTTP/1.1\r\nhost: %s:%d\r\n" % (host.encode(), port)
+        name = f"[{host}]" if ":" in host else host  # an IPv6 literal needs its brackets
+        self._head = b"HTTP/1.1\r\nhost: %s:%d\r\n" % (name.encode(), port)
 
     def request(
         self, method: bytes, path: bytes, body: bytes, headers: bytes, timeout: float

@@ -13,16 +13,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
-
-import llguidance
+from typing import TYPE_CHECKING, Any
 
 from serving.protocol import SamplingParams
+
+if TYPE_CHECKING:
+    import llguidance
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 # Compact JSON: with flexible whitespace a model can pad forever. Lenient: keywords llguidance
 # does not implement (e.g. "format") are ignored rather than refused.
 JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
+
+
+def _llguidance():
+    """Imported on first use: servers that never see a constraint do not need the library."""
+    import llguidance
+
+    return llguidance
 
 
 class GrammarError(ValueError):
@@ -44,10 +52,10 @@ def grammar_of(params: SamplingParams) -> str | None:
     name, text = given[0]
     try:
         if name == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+            return _llguidance().LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         if name == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(text)
-        return llguidance.grammar_from("ebnf", text)
+            return _llguidance().LLMatcher.grammar_from_regex(text)
+        return _llguidance().grammar_from("ebnf", text)
     except ValueError as e:
         raise GrammarError(f"{name}: {e}") from e
 
@@ -58,11 +66,13 @@ def load_tokenizer(
 ) -> llguidance.LLTokenizer:
     """The grammar engine's view of tokenizer.json (about a second for a 150k vocabulary)."""
     with open(tokenizer_file, encoding="utf-8") as f:
-        return llguidance.LLTokenizer(f.read(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        return _llguidance().LLTokenizer(
+            f.read(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
 
 
 def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer, name: str) -> None:
-    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    error = _llguidance().LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise GrammarError(f"{name}: {error}")
 
@@ -86,7 +96,7 @@ class SequenceGrammar:
             grammar = grammar_of(params)
         except GrammarError as e:
             return cls(None, str(e))
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = _llguidance().LLMatcher(tokenizer, grammar, log_level=0)
         return cls(matcher, matcher.get_error() or None)
 
     def catch_up(self, output_ids: Sequence[int]) -> None:

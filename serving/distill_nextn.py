@@ -26,7 +26,7 @@ from serving.config import ModelConfig
 from serving.forward_batch import ForwardBatch
 from serving.generate import StepRunner
 from serving.memory.pool import MemoryPool, PoolPlan
-from serving.models.loader import export_checkpoint, iter_tensors, load_weights
+from serving.models.loader import export_checkpoint, iter_tensors, load_weights, resolve_dtype
 from serving.models.nextn import NextNDraft
 
 
@@ -73,10 +73,12 @@ def train(
     seed: int,
 ) -> dict:
     config = ModelConfig.from_pretrained(model_path)
-    target, draft = load_weights(model_path, config, torch.float32, device, load_draft=True)
+    # The text comes from the target in the dtype it is served in: on random weights, bfloat16
+    # and float32 greedy continuations part ways within a few tokens.
+    served, _ = load_weights(model_path, config, resolve_dtype("auto", model_path), device)
     page = max(16, config.index_kpool)
     runner = StepRunner(
-        target,
+        served,
         max_requests=16,
         max_context=prompt_len + gen_len + 16,
         page_size=page,
@@ -86,6 +88,8 @@ def train(
     seqs = make_data(runner, config.vocab_size, count, prompt_len, gen_len, seed)
     hiddens = target_hidden(runner, seqs)
     data_s = time.perf_counter() - t0
+    del served, runner
+    target, draft = load_weights(model_path, config, torch.float32, device, load_draft=True)
     for p in draft.parameters():
         p.requires_grad_(True)
     opt = torch.optim.AdamW(

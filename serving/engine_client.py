@@ -94,6 +94,14 @@ class EngineMetrics:
         self.total_pages = gauge("total_pages", "KV pages")
         self.page_usage = gauge("page_usage", "Fraction of KV pages in use")
         self.retractions = gauge("num_retractions", "Requests retracted so far")
+        self.spec_accept_length = gauge(
+            "spec_accept_length",
+            "EAGLE: mean tokens committed per request per verify step (1 = no draft accepted)",
+        )
+        self.spec_acceptance_rate = gauge(
+            "spec_acceptance_rate", "EAGLE: accepted draft tokens / proposed draft tokens"
+        )
+        self.spec_num_steps = gauge("spec_num_steps", "EAGLE: draft tokens proposed per step")
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.running)
@@ -104,6 +112,11 @@ class EngineMetrics:
         self.total_pages.set(stats.total_pages)
         self.page_usage.set(stats.used_pages / stats.total_pages if stats.total_pages else 0.0)
         self.retractions.set(stats.retractions)
+        if stats.spec_verify_steps and stats.spec_num_steps:
+            accept = stats.spec_committed_tokens / stats.spec_verify_steps
+            self.spec_accept_length.set(accept)
+            self.spec_acceptance_rate.set((accept - 1) / stats.spec_num_steps)
+            self.spec_num_steps.set(stats.spec_num_steps)
 
     def observe_output(self, req: _Inflight, out: SequenceOutput, now: float) -> None:
         n = len(out.new_token_ids)

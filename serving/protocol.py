@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SHUTDOWN = "shutdown"  # front -> scheduler: finish up and exit
+# SGLang's bootstrap_host for a PD request that runs on one worker alone (health probes).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
 
 class SamplingError(ValueError):
@@ -128,6 +130,7 @@ class SchedulerStats:
     retractions: int = 0
     spec_verify_steps: int = 0  # per request: accept length = committed tokens / verify steps
     spec_committed_tokens: int = 0
+    spec_num_steps: int = 0  # draft tokens proposed per verify step (0: no speculation)
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
 

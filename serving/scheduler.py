@@ -140,7 +140,10 @@ class Scheduler:
         self.prefilling: Req | None = None  # the one request part-way through chunked prefill
         self.running: list[Req] = []
         self.stats = SchedulerStats(
-            total_rows=pool.plan.rows, total_pages=pool.plan.pages, page_size=pool.plan.page_size
+            total_rows=pool.plan.rows,
+            total_pages=pool.plan.pages,
+            page_size=pool.plan.page_size,
+            spec_num_steps=0 if spec is None else spec.steps,
         )
         self._outputs: list[SequenceOutput] = []
         # After a retraction, admit nothing new until a running request finishes: re-admitting

@@ -75,15 +75,14 @@ def build_engine(args: ServerArgs, role=None):
     runner = ModelRunner(model, pool)
     if args.use_decode_graphs():
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)
-    sampler = Sampler(config.vocab_size, device, args.random_seed)
+    tokenizer_file = os.path.join(args.tokenizer_path or args.model_path, "tokenizer.json")
+    sampler = Sampler(config.vocab_size, device, args.random_seed, tokenizer_file=tokenizer_file)
     spec = None
     if steps > 0:
         from serving.speculative import Eagle, SpecConfig
 
         spec = Eagle(model, draft, pool, sampler, SpecConfig(steps))
-    tokenizer = Tokenizer.from_file(
-        os.path.join(args.tokenizer_path or args.model_path, "tokenizer.json")
-    )
+    tokenizer = Tokenizer.from_file(tokenizer_file)
     scheduler = Scheduler(
         runner,
         pool,

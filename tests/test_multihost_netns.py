@@ -34,7 +34,7 @@ BODY = {
     "model": "tiny",
     "messages": [
         {"role": "user", "content": "List three things to check when an HTTP service returns 503."}
-    ],  # fmt: skip
+    ],
     "temperature": 0,
     "max_tokens": 8,
     "ignore_eos": True,
@@ -94,7 +94,8 @@ class Network:
     def port(role: str) -> str:
         return f"v{role}"
 
-    def cut(self, role: str, up: bool = False) -> None:
+    def link(self, role: str, up: bool) -> None:
+        """Plug `role`'s cable into the bridge, or pull it (its side sees no carrier)."""
         _ip("-n", self.switch, "link", "set", self.port(role), "up" if up else "down")
 
     def remove(self) -> None:
@@ -161,7 +162,7 @@ class Stack:
         self.logs = logs
         # python3 in the compose commands: this interpreter's (the venv's).
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-        self.env = {**os.environ, **deployment_env(model), "PATH": path, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **deployment_env(model), "PATH": path, "PYTHONUNBUFFERED": "1"}
         self.procs: dict[str, subprocess.Popen] = {}
         for role in PORTS:
             cmd = [sys.executable, str(REPO / "deploy" / "compose_command.py"), role, "--exec"]
@@ -171,7 +172,7 @@ class Stack:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    env=self.env,
+                    env=env,
                     cwd=REPO,
                 )
 
@@ -195,13 +196,13 @@ class Stack:
         assert head.startswith("STATUS"), f"client failed: {out}{err}"
         return int(head.split()[1]), lines
 
-    def wait_status(self, url: str, want: int, timeout: float) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
+    def wait_status(self, url: str, want: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             for role, p in self.procs.items():
                 assert p.poll() is None, f"{role} exited:\n{self.log(role)}"
             if self.call(url, timeout=2)[0] == want:
-                return time.monotonic() - t0
+                return
             time.sleep(0.5)
         raise AssertionError(f"{url} never answered {want}; router log:\n{self.log('router')}")
 
@@ -269,11 +270,10 @@ def sse_text(events: list[str]) -> str:
     return "".join(text_of(choice["delta"]) for choice in choices)
 
 
-def assert_openai_error(status: int, lines: list[str]) -> dict:
+def assert_openai_error(status: int, lines: list[str]) -> None:
     assert 500 <= status < 600, (status, lines)
     error = json.loads("\n".join(lines))["error"]
     assert error["message"] and error["code"] == status
-    return error
 
 
 def test_chat_across_namespaces_then_decode_cut_off_and_back(stack: Stack) -> None:
@@ -297,7 +297,7 @@ def test_chat_across_namespaces_then_decode_cut_off_and_back(stack: Stack) -> No
     for line in proc.stdout:
         lines.append(line.rstrip("\n"))
         if t_cut is None and sse_text(sse_events(lines[-1:])):
-            stack.net.cut("decode")
+            stack.net.link("decode", up=False)
             t_cut = time.monotonic()
     proc.wait(timeout=10)
     events = sse_events(lines)
@@ -315,7 +315,7 @@ def test_chat_across_namespaces_then_decode_cut_off_and_back(stack: Stack) -> No
     stack.wait_status(ROUTER + "/readiness", 503, timeout=30)
 
     # Back: the router admits decode again and the answers are what they were.
-    stack.net.cut("decode", up=True)
+    stack.net.link("decode", up=True)
     stack.wait_status(ROUTER + "/readiness", 200, timeout=60)
     status, lines = stack.call(CHAT, BODY)
     assert status == 200, lines

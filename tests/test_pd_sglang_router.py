@@ -60,22 +60,24 @@ def stack(tiny_ckpt, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    while time.monotonic() < deadline:
+    served = False
+    while not served and time.monotonic() < deadline:
         try:
-            if httpx.post(url + "/v1/chat/completions", json=body, timeout=5).status_code == 200:
-                break
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=5)
+            served = r.status_code == 200
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    else:
-        router.kill()
-        pytest.fail("sglang-router never served:\n" + (logs / "router.log").read_text())
-    yield url, pd, single
-    router.terminate()
-    router.wait(timeout=15)
-    log.close()
-    single.stop()
-    pd.stop()
+    try:
+        if not served:
+            pytest.fail("sglang-router never served:\n" + (logs / "router.log").read_text())
+        yield url, pd, single
+    finally:
+        router.terminate()
+        router.wait(timeout=15)
+        log.close()
+        single.stop()
+        pd.stop()
 
 
 BODY = {

@@ -13,7 +13,7 @@ import pytest
 
 from tests import server_proc
 from tests.router_proc import RouterProc
-from tests.server_proc import Server
+from tests.server_proc import Server, free_port
 
 CHAT = [{"role": "user", "content": "List three things to check when a service returns 503."}]
 
@@ -33,7 +33,8 @@ def worker(tiny_ckpt, logs):
 @pytest.fixture(scope="module")
 def router(worker, logs):
     proc = RouterProc("--worker-urls", worker.url, "--health-check-interval-secs", "0.2",
-                      "--health-success-threshold", "1", log_dir=logs)  # fmt: skip
+                      "--health-success-threshold", "1", "--prometheus-port", str(free_port()),
+                      log_dir=logs)  # fmt: skip
     proc.wait_ready()
     yield proc
     assert proc.stop() == 0
@@ -115,13 +116,16 @@ def test_worker_errors_pass_through_unchanged(worker, router, path, body):
     assert (routed.status_code, routed.json()) == (direct.status_code, direct.json())
 
 
-def test_router_level_errors(router):
+def test_router_level_errors(worker, router):
     r = httpx.get(router.url + "/v1/unknown")
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError"
     assert httpx.get(router.url + "/health_generate", timeout=60).status_code == 200
     for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
         assert httpx.get(router.url + path).status_code == 200, path
     assert "router_requests_total" in httpx.get(router.url + "/metrics").text
+    port = router.proc.args[router.proc.args.index("--prometheus-port") + 1]
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    assert f'router_worker_healthy{{role="regular",worker="{worker.url}"}} 1.0' in metrics
 
 
 def test_client_disconnect_aborts_the_workers_request(worker, router):

@@ -144,3 +144,33 @@ def test_speculative_flags_are_validated(tiny_ckpt):
         )
         with pytest.raises(ArgsError, match=msg):
             args.validate()
+
+
+def test_accept_length_is_reported_in_metrics(distilled, tmp_path):
+    import httpx
+
+    from tests.server_proc import Server
+
+    srv = Server(
+        distilled,
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-num-steps",
+        "2",
+        log_dir=tmp_path,
+    )
+    try:
+        body = {
+            "input_ids": training_prompts(1024, 1, PROMPT_LEN, seed=0)[0],
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        }
+        assert httpx.post(srv.url + "/generate", json=body, timeout=60).status_code == 200
+        srv.idle_pool()
+        metrics = httpx.get(srv.url + "/metrics").text
+        line = next(
+            ln for ln in metrics.splitlines() if ln.startswith("pdserve:spec_accept_length")
+        )
+        assert float(line.split()[-1]) > 1.0
+        assert "pdserve:spec_acceptance_rate" in metrics
+    finally:
+        srv.stop()

@@ -21,12 +21,12 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from serving.protocol import GenerateRequest, TokenLogprob
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, TokenLogprob
 from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint
-from workers.messages import FAKE_BOOTSTRAP_HOST, KVPoll, advance
+from workers.messages import KVPoll, advance
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
 

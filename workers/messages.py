@@ -15,8 +15,6 @@ import enum
 import json
 from typing import Any
 
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's: a request that runs locally, no peer (health checks)
-
 
 class KVPoll(enum.IntEnum):
     """SGLang's handoff states; a room only moves forward and Failed is final."""

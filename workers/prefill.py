@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serving.protocol import GenerateRequest, SamplingParams
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams
 from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
@@ -32,7 +32,7 @@ from workers.kv_layout import (
     page_writes,
     row_writes,
 )
-from workers.messages import FAKE_BOOTSTRAP_HOST, KVPoll, advance
+from workers.messages import KVPoll, advance
 from workers.timeouts import Timeouts
 from workers.transfer_engine import TransferError, advertise_host
 
@@ -127,7 +127,9 @@ class PrefillRole(Role):
             "layout": self.endpoint.layout,
             "prefill_http_port": self.args.port,
         }
-        url = f"http://127.0.0.1:{self.args.disaggregation_bootstrap_port}/route"
+        # the bootstrap server listens on --host (all interfaces when 0.0.0.0)
+        bind = self.args.host if self.args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        url = f"http://{bind}:{self.args.disaggregation_bootstrap_port}/route"
         body = json.dumps(info).encode()
         for attempt in range(50):
             try:

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from serving.api.context import FrontContext
 from serving.api.errors import APIError, error_response
 from serving.api.sequences import collect, make_seqs
-from serving.protocol import SamplingParams
+from serving.protocol import FAKE_BOOTSTRAP_HOST, SamplingParams
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -36,7 +36,10 @@ def admin_router(ctx: FrontContext) -> APIRouter:
             return error_response(503, client.state)
         ids = ctx.encode("ping", add_special_tokens=False) or [0]
         sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
-        seqs = make_seqs(ctx.tokenizer, f"health-{uuid.uuid4().hex}", [ids], [sampling], 1)
+        # PD workers run the probe locally: SGLang's fake bootstrap host means "no peer".
+        pd = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0}
+        local = pd if ctx.args.disaggregation_mode != "null" else {}
+        seqs = make_seqs(ctx.tokenizer, f"health-{uuid.uuid4().hex}", [ids], [sampling], 1, **local)
         try:
             await asyncio.wait_for(collect(request, client, seqs), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -75,7 +75,8 @@ class FrontContext:
         return self.client.ready
 
     def check_model(self, model: str | None) -> None:
-        if model and model not in (self.model_name, self.args.model_path):
+        # sglang-router fills in "unknown" when its client sent no model: treat it as omitted.
+        if model and model != "unknown" and model not in (self.model_name, self.args.model_path):
             raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
