@@ -7,6 +7,7 @@ touching the model. Shapes use T = tokens in the batch, B = requests, H = heads.
 Hazard: the Hugging Face hub package `kernels` shares this import name. transformers probes it
 with find_spec plus a distribution-version check (it wants 0.16 <= version < 0.17); our
 distribution is `pdserve` with a version outside that window and this package has no
-`__version__`, so transformers treats hub kernels as absent. tests/test_kernels_name.py holds
+`__version__`, so transformers treats hub kernels as absent.
+tests/test_nextn_and_tiny.py::test_transformers_ignores_our_kernels_package holds
 that line.
 """

@@ -46,8 +46,6 @@ class DecodeGraphs:
             positions=self.positions[:bs],
             token_slots=self.token_slots[:bs],
             req_rows=self.req_rows[:bs],
-            starts=self.positions[:bs],
-            lens=torch.ones(bs, dtype=torch.int64, device=self.pool.device),
             token_req=self.arange[:bs],
             logit_index=self.arange[:bs],
             starts_cpu=[0] * bs,

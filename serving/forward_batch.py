@@ -20,8 +20,6 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     token_slots: torch.Tensor  # [T] int64
     req_rows: torch.Tensor  # [B] int64 request-table rows
-    starts: torch.Tensor  # [B] int64 tokens already cached per request
-    lens: torch.Tensor  # [B] int64 new tokens per request
     token_req: torch.Tensor  # [T] int64 batch index of each token
     logit_index: torch.Tensor  # [N] int64 indices into T
     req_to_token: torch.Tensor  # the request table (position -> KV slot per row)
@@ -68,8 +66,6 @@ class ForwardBatch:
             positions=pos_t,
             token_slots=req_to_token[rows_t[tok_req_t], pos_t].to(torch.int64),
             req_rows=rows_t,
-            starts=torch.tensor(starts, dtype=torch.int64, device=device),
-            lens=torch.tensor(lens, dtype=torch.int64, device=device),
             token_req=tok_req_t,
             logit_index=logit_index,
             req_to_token=req_to_token,
