@@ -70,13 +70,12 @@ class StepRunner:
         """Greedy continuation of every prompt (prefill together, then decode together)."""
         seqs = [self.add(p) for p in prompts]
         try:
-            out = self.step(seqs, [len(s.tokens) for s in seqs])
+            lens = [len(s.tokens) for s in seqs]
             for _ in range(max_new_tokens):
+                out = self.step(seqs, lens)
                 for seq, tok in zip(seqs, out.logits.argmax(-1).tolist()):
                     seq.tokens.append(tok)
-                if _ == max_new_tokens - 1:
-                    break
-                out = self.step(seqs, [1] * len(seqs))
+                lens = [1] * len(seqs)
             return [s.tokens[len(p) :] for s, p in zip(seqs, prompts)]
         finally:
             for s in seqs:

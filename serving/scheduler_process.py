@@ -47,7 +47,8 @@ def build_engine(args: ServerArgs, role=None):
     torch.manual_seed(args.random_seed)
     steps = args.speculative_steps
     model, draft = load_weights(args.model_path, config, dtype, device, load_draft=steps > 0)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    modules = [model] if draft is None else [model, draft]
+    weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
     kv_dtype = torch.bfloat16 if args.kv_cache_dtype in ("bf16", "bfloat16") else dtype
     context = args.context_window(config)
     plan = plan_pool(

@@ -49,3 +49,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A checkpoint folder with the tiny tokenizer and a config, no weights: for the HTTP front."""
+    import json
+
+    from serving.tokenizer_build import write_tokenizer_files
+
+    out = tmp_path_factory.mktemp("front")
+    write_tokenizer_files(out)
+    config = {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))

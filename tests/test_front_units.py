@@ -25,7 +25,7 @@ from serving.engine_client import EngineClient
 from serving.http_server import create_app
 from serving.protocol import GenerateRequest, SchedulerReady, SequenceOutput
 from serving.server_args import ArgsError, ServerArgs
-from serving.tokenizer_build import CHAT_TEMPLATE_PATH, write_tokenizer_files
+from serving.tokenizer_build import CHAT_TEMPLATE_PATH
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
@@ -45,20 +45,6 @@ READY = SchedulerReady(
     dtype="float32",
 )
 USER_HI = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("front")
-    write_tokenizer_files(out)
-    config = {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"]}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")

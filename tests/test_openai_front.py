@@ -24,7 +24,6 @@ from serving.engine_client import EngineClient
 from serving.http_server import create_app
 from serving.protocol import GenerateRequest, SchedulerReady, SequenceOutput, TokenLogprob
 from serving.server_args import ServerArgs
-from serving.tokenizer_build import write_tokenizer_files
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
@@ -130,20 +129,6 @@ class ScriptedEngine(EngineClient):
             if reason is not None:
                 return
             await asyncio.sleep(0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("openai-front")
-    write_tokenizer_files(out)
-    config = {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"]}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")

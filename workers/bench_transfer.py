@@ -67,8 +67,9 @@ def measure(config_raw: dict, dtype_name: str, lengths: list[int], repeats: int)
     proc.start()
     session, page_addrs, row_addrs, scratch_addr = parent.recv()
     pool = pool_for(config, dtype)
-    for t in pool.target.tensors():
-        t[1].normal_() if t[1].is_floating_point() else None
+    for _, t in pool.target.tensors():
+        if t.is_floating_point():
+            t.normal_()  # real bytes, not zeros
     engine = MooncakeEngine("127.0.0.1", None)
     pages, rows = page_buffers(pool), row_buffers(pool)
     source = torch.randint(0, 255, (raw_size(config, dtype),), dtype=torch.uint8)
