@@ -23,16 +23,20 @@ def pool(tiny_ckpt):
 
 
 def row_buffers(pool):
+    """Every buffer indexed by request row: model state of target and draft, and the aux rows
+    (first token, logprobs, EAGLE's draft hidden stash)."""
     for which, cache in (("target", pool.target), ("draft", pool.draft)):
         for name, t in cache.tensors():
             if name.split(".")[-1] in ROW_BUFFERS:
                 yield f"{which}.{name}", t
+    yield from pool.aux.tensors()
 
 
 def test_every_row_buffer_has_request_table_rows(pool):
     names = [n for n, _ in row_buffers(pool)]
     assert any(n.startswith("draft.") and "tail_keys" in n for n in names), names
     assert any(n.startswith("target.") and ".state" in n for n in names), names
+    assert "aux.draft_hidden" in names, names
     for name, t in row_buffers(pool):
         assert t.shape[0] == request_rows(pool.req_to_token) == 97, name
 
@@ -40,10 +44,10 @@ def test_every_row_buffer_has_request_table_rows(pool):
 def test_rows_1_to_96_write_and_read_back(pool):
     """Rows up to max_running + extra are valid (the seed's crash was row 96 of 33)."""
     for name, t in row_buffers(pool):
-        for row in (1, 33, 95, 96):
-            value = torch.full(t.shape[1:], float(row), dtype=t.dtype)
-            t[row] = value
-            assert torch.equal(t[row], value), (name, row)
+        for row in range(1, 97):
+            t[row] = row
+        for row in range(1, 97):
+            assert torch.all(t[row] == row), (name, row)
         t.zero_()
 
 
