@@ -25,12 +25,15 @@ def kpool_compress(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -
 def score_pools(
     q: torch.Tensor, head_weights: torch.Tensor, pool_keys: torch.Tensor, softmax_scale: float
 ) -> torch.Tensor:
-    """q: [N, Hi, D]; head_weights: [N, Hi] (already times Hi^-0.5); pool_keys: [N or 1, P, D].
+    """q: [N, Hi, D]; head_weights: [N, Hi] (already times Hi^-0.5); pool_keys: [G, P, D].
 
+    Queries come in G equal groups, one per request (N = G * m); group g scores pool_keys[g].
     Returns [N, P] float32: sum_h w[n,h] * relu(scale * q[n,h] . k[p]).
     """
-    logits = torch.matmul(q.float(), pool_keys.float().transpose(-1, -2))  # [N, Hi, P]
-    logits = torch.relu(logits * softmax_scale)
+    groups, heads = pool_keys.shape[0], q.shape[1]
+    grouped = q.float().reshape(groups, -1, q.shape[-1])  # [G, m*Hi, D]
+    logits = torch.matmul(grouped, pool_keys.float().transpose(-1, -2))  # [G, m*Hi, P]
+    logits = torch.relu(logits * softmax_scale).view(q.shape[0], heads, -1)
     return torch.matmul(head_weights.float().unsqueeze(-2), logits).squeeze(-2)
 
 

@@ -46,6 +46,25 @@ def causal_conv_extend(
     return torch.cat(pieces).to(x.dtype)
 
 
+def causal_conv_uniform(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: torch.Tensor,
+    step_len: int,
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """causal_conv_extend for a batch where every request adds step_len tokens. Graph-safe."""
+    kernel, chans = weight.shape[-1], x.shape[-1]
+    new = x.view(-1, step_len, chans).transpose(1, 2).to(weight.dtype)
+    seq = torch.cat([conv_state[rows].to(weight.dtype), new], dim=-1)  # [B, C, K-1+L]
+    out = F.silu(F.conv1d(seq, weight.unsqueeze(1), groups=chans))  # [B, C, L]
+    if history is not None:
+        history.append(seq)
+    conv_state[rows] = seq[:, :, step_len : step_len + kernel - 1].to(conv_state.dtype)
+    return out.transpose(1, 2).reshape(-1, chans).to(x.dtype)
+
+
 def causal_conv_decode(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
@@ -118,6 +137,37 @@ def kda_extend(
         history.append(torch.stack(states, dim=1))
     state[rows] = s.to(state.dtype)
     return out.to(out_dtype)
+
+
+def kda_uniform(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    step_len: int,
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """kda_extend for a batch where every request adds step_len tokens. Graph-safe."""
+    heads, dk = q.shape[1], q.shape[2]
+
+    def per_req(t: torch.Tensor) -> torch.Tensor:  # [B*L, ...] -> [B, L, ...] float32
+        return t.float().view(-1, step_len, *t.shape[1:])
+
+    qs, ks = per_req(_l2norm(q.float()) * dk**-0.5), per_req(_l2norm(k.float()))
+    vs, gs, bs = per_req(v), per_req(g), per_req(beta)
+    s = state[rows].float()
+    outs, states = [], []
+    for t in range(step_len):
+        o_t, s = _delta_step(s, qs[:, t], ks[:, t], vs[:, t], gs[:, t], bs[:, t])
+        outs.append(o_t)
+        states.append(s)
+    if history is not None:
+        history.append(torch.stack(states, dim=1))
+    state[rows] = s.to(state.dtype)
+    return torch.stack(outs, dim=1).view(-1, heads, v.shape[-1]).to(q.dtype)
 
 
 def kda_decode(

@@ -1,6 +1,8 @@
-"""CUDA graphs for decode: one captured forward per batch size of a ladder.
+"""CUDA graphs for decode: captured programs per batch size of a ladder.
 
-Static buffers hold the batch metadata; a decode batch of n requests replays the graph of the
+DecodeGraphs: one target decode forward. SpecGraphs: EAGLE's two device programs per step
+(draft steps + verify; KDA roll-back + draft catch-up), with host-side acceptance in between.
+Static buffers hold the batch metadata; a batch of n requests replays the graphs of the
 smallest captured size >= n. Padding entries point at request row 0 and token slot 0, which the
 pools never hand out, so whatever the padding writes lands in reserved memory.
 """
@@ -14,13 +16,31 @@ import torch
 from serving.forward_batch import ForwardBatch
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+from serving.models.layers import DENSE_EXPERTS_MAX_TOKENS
+from serving.speculative import Eagle, Verified
 
 log = logging.getLogger(__name__)
 
 
-def batch_ladder(max_bs: int) -> list[int]:
+def batch_ladder(max_bs: int, tokens_per_req: int = 1) -> list[int]:
+    """Captured batch sizes up to max_bs, each holding at most DENSE_EXPERTS_MAX_TOKENS tokens."""
+    max_bs = max(1, min(max_bs, DENSE_EXPERTS_MAX_TOKENS // tokens_per_req))
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+def capture(fn, pool_handle):
+    """Warm fn up twice on a side stream, then capture it; returns (graph, fn's outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up allocator and kernels outside the graph
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool_handle):
+        out = fn()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -56,16 +76,7 @@ class DecodeGraphs:
 
     def _capture(self, bs: int, pool_handle) -> tuple[torch.cuda.CUDAGraph, ForwardOutput]:
         batch = self._batch(bs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up allocator and kernels outside the graph
-                self.model(batch, self.pool.target)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool_handle):
-            out = self.model(batch, self.pool.target)
-        return graph, out
+        return capture(lambda: self.model(batch, self.pool.target), pool_handle)
 
     def fits(self, bs: int) -> bool:
         return bs <= self.sizes[-1]
@@ -86,3 +97,67 @@ class DecodeGraphs:
         graph, out = self.graphs[bs]
         graph.replay()
         return ForwardOutput(logits=out.logits[:n].clone(), hidden=out.hidden[:n].clone())
+
+
+class SpecGraphs:
+    """Eagle.draft_and_verify and Eagle.roll_back_and_catch_up captured per batch size.
+
+    The second program reads the first's outputs (verify hiddens, KDA history) in place, so a
+    step replays both graphs of one size back to back."""
+
+    def __init__(self, eagle: Eagle, max_bs: int) -> None:
+        self.eagle = eagle
+        pool = eagle.pool
+        self.sizes = batch_ladder(max_bs, eagle.steps + 1)
+        self.max_seq_len = pool.plan.max_context
+        n, width = self.sizes[-1], eagle.steps + 1
+        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=pool.device)  # y, d1, n, row
+        self.committed = torch.zeros(n, width, dtype=torch.int64, device=pool.device)
+        self.last = torch.zeros(n, dtype=torch.int64, device=pool.device)
+        self.bs = 0  # the size draft_and_verify replayed; roll_back_and_catch_up follows it
+        self.graphs: dict[int, tuple] = {}
+        pool_handle = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):  # largest first: later ones reuse its memory
+            self.graphs[bs] = self._capture(bs, pool_handle)
+        log.info("captured EAGLE draft/verify CUDA graphs for batch sizes %s", self.sizes)
+
+    def _capture(self, bs: int, pool_handle):
+        tokens, drafts, positions, rows = (t[:bs] for t in self.inputs)
+        verify_graph, verified = capture(
+            lambda: self.eagle.draft_and_verify(tokens, drafts, positions, rows, self.max_seq_len),
+            pool_handle,
+        )
+        catch_up_graph, drafts_next = capture(
+            lambda: self.eagle.roll_back_and_catch_up(
+                verified, rows, positions, self.committed[:bs], self.last[:bs], self.max_seq_len
+            ),
+            pool_handle,
+        )
+        return verify_graph, verified, catch_up_graph, drafts_next
+
+    def fits(self, bs: int) -> bool:
+        return bs <= self.sizes[-1]
+
+    def _size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def draft_and_verify(self, host: torch.Tensor) -> Verified:
+        """host: [4, n] int64 (y, d1, position, row); padding entries are zeros (row 0)."""
+        n = host.shape[1]
+        self.bs = self._size(n)
+        self.inputs[:, : self.bs].zero_()
+        self.inputs[:, :n].copy_(host, non_blocking=True)
+        graph, verified, _, _ = self.graphs[self.bs]
+        graph.replay()
+        return verified
+
+    def roll_back_and_catch_up(self, committed: list[list[int]], last: list[int]) -> torch.Tensor:
+        n = len(last)
+        host = torch.tensor([row + [a] for row, a in zip(committed, last)], dtype=torch.int64)
+        self.committed[: self.bs].zero_()
+        self.last[: self.bs].zero_()
+        self.committed[:n].copy_(host[:, :-1], non_blocking=True)
+        self.last[:n].copy_(host[:, -1], non_blocking=True)
+        _, _, graph, drafts_next = self.graphs[self.bs]
+        graph.replay()
+        return drafts_next

@@ -29,11 +29,15 @@ class ForwardBatch:
     starts_cpu: list[int]
     lens_cpu: list[int]
     kda_history: dict[int, list[torch.Tensor]] | None = None
+    # Set when every request adds exactly step_len tokens (decode: 1; speculative verify and
+    # draft catch-up: N+1). Layers then take their graph-safe paths: no host syncs, no
+    # per-request Python loops, shapes fixed by (batch size, step_len).
+    step_len: int | None = None
 
     @property
     def is_decode(self) -> bool:
-        """Every request adds exactly one token: the graph-capturable path."""
-        return all(n == 1 for n in self.lens_cpu)
+        """Every request adds exactly one token."""
+        return self.step_len == 1 or all(n == 1 for n in self.lens_cpu)
 
     @property
     def num_tokens(self) -> int:
@@ -72,4 +76,38 @@ class ForwardBatch:
             max_seq_len=max(s + n for s, n in zip(starts, lens)),
             starts_cpu=list(starts),
             lens_cpu=list(lens),
+        )
+
+    @classmethod
+    def uniform(
+        cls,
+        input_ids: torch.Tensor,
+        req_rows: torch.Tensor,
+        starts: torch.Tensor,
+        step_len: int,
+        req_to_token: torch.Tensor,
+        max_seq_len: int,
+        logits: str = "all",
+    ) -> ForwardBatch:
+        """Every request adds step_len tokens at starts[b].., built from device tensors with
+        tensor ops only (capturable in a CUDA graph). input_ids: [B * step_len]."""
+        num_reqs = req_rows.shape[0]
+        offsets = torch.arange(step_len, device=req_rows.device)
+        positions = (starts[:, None] + offsets).flatten()
+        token_req = torch.arange(num_reqs, device=req_rows.device).repeat_interleave(step_len)
+        logit_index = torch.arange(num_reqs * step_len, device=req_rows.device)
+        if logits == "last":
+            logit_index = logit_index[step_len - 1 :: step_len]
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            token_slots=req_to_token[req_rows[token_req], positions],
+            req_rows=req_rows,
+            token_req=token_req,
+            logit_index=logit_index,
+            req_to_token=req_to_token,
+            max_seq_len=max_seq_len,
+            starts_cpu=[],
+            lens_cpu=[step_len] * num_reqs,
+            step_len=step_len,
         )

@@ -74,7 +74,7 @@ def build_engine(args: ServerArgs, role=None):
         pool.describe(),
     )
     runner = ModelRunner(model, pool)
-    if args.use_decode_graphs():
+    if args.use_decode_graphs() and steps == 0:  # with EAGLE, decode is Eagle.step
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)
     tokenizer_file = os.path.join(args.tokenizer_path or args.model_path, "tokenizer.json")
     sampler = Sampler(config.vocab_size, device, args.random_seed, tokenizer_file=tokenizer_file)
@@ -83,6 +83,8 @@ def build_engine(args: ServerArgs, role=None):
         from serving.speculative import Eagle, SpecConfig
 
         spec = Eagle(model, draft, pool, sampler, SpecConfig(steps))
+        if args.use_decode_graphs():
+            spec.enable_graphs(args.cuda_graph_max_bs_decode)
     tokenizer = Tokenizer.from_file(tokenizer_file)
     scheduler = Scheduler(
         runner,

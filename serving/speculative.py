@@ -15,7 +15,14 @@ One decode step over a batch:
      from the per-position history the verify forward recorded. Nothing else needs undoing:
      latents, pooled keys and tail-ring slots of rejected positions are rewritten before anything
      reads them (the ring holds kpool-1 + N+1 slots, so no live pool member is overwritten).
-  5. the draft extends over the accepted tokens with the target's verify hiddens -> next d1.
+  5. the draft catches up over the accepted tokens with the target's verify hiddens -> next d1.
+
+Steps 1-2 and 4-5 are tensor programs over uniform batches (every request N+1 tokens;
+ForwardBatch.uniform) with no host sync inside, so on CUDA each is captured once per batch size
+(serving/cuda_graph.py SpecGraphs); step 3 runs on the host between the two replays. The
+catch-up runs the draft over all N+1 verify positions and keeps the output at the last accepted
+one: draft latents, pooled keys and ring slots past it are rewritten before anything reads them,
+for the same reason as the target's. The draft has no KDA layer, so it has nothing to roll back.
 """
 
 from __future__ import annotations
@@ -39,6 +46,16 @@ class SpecConfig:
     @property
     def num_draft_tokens(self) -> int:
         return self.num_steps + 1
+
+
+@dataclass
+class Verified:
+    """What the draft-and-verify program leaves on the device (graph outputs under CUDA graphs)."""
+
+    chains: torch.Tensor  # [B, N] draft tokens d1..dN
+    logits: torch.Tensor  # [B*(N+1), V] target logits at positions n..n+N
+    hidden: torch.Tensor  # [B*(N+1), Hd] target hiddens there (the draft's catch-up input)
+    kda_history: dict[int, list[torch.Tensor]]
 
 
 @dataclass
@@ -80,8 +97,14 @@ class Eagle:
         assert pool.draft is not None, "the pool needs draft caches"
         self.target, self.draft, self.pool, self.sampler = target, draft, pool, sampler
         self.steps = config.num_steps
+        self.graphs = None  # SpecGraphs, set by enable_graphs
 
-    # ---- the draft over known tokens (after a prefill chunk, after a verify) ----
+    def enable_graphs(self, max_bs: int) -> None:
+        from serving.cuda_graph import SpecGraphs
+
+        self.graphs = SpecGraphs(self, max_bs)
+
+    # ---- the draft over known tokens (after a prefill chunk) ----
     def extend_draft(
         self,
         rows: list[int],
@@ -104,6 +127,53 @@ class Eagle:
         )
         return out.logits.argmax(-1).tolist()
 
+    # ---- the two device programs of a step (graph-captured on CUDA) ----
+    def draft_and_verify(
+        self,
+        tokens: torch.Tensor,
+        drafts: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        max_seq_len: int,
+    ) -> Verified:
+        """tokens (y), drafts (d1), positions (n), rows: [B]. Steps 1 and 2 of the module doc."""
+        r2t = self.pool.req_to_token
+        chain = [drafts]
+        hidden = self.pool.aux.draft_hidden[rows]
+        for k in range(2, self.steps + 1):
+            batch = ForwardBatch.uniform(chain[-1], rows, positions + k - 2, 1, r2t, max_seq_len)
+            out = self.draft(self.target, batch, hidden, self.pool.draft)
+            hidden = out.hidden
+            chain.append(out.logits.argmax(-1))
+        chains = torch.stack(chain, dim=1)
+        ids = torch.cat([tokens[:, None], chains], dim=1).flatten()
+        batch = ForwardBatch.uniform(ids, rows, positions, self.steps + 1, r2t, max_seq_len)
+        batch.kda_history = {}
+        out = self.target(batch, self.pool.target)
+        return Verified(chains, out.logits, out.hidden, batch.kda_history)
+
+    def roll_back_and_catch_up(
+        self,
+        verified: Verified,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        committed: torch.Tensor,
+        last: torch.Tensor,
+        max_seq_len: int,
+    ) -> torch.Tensor:
+        """Steps 4 and 5. committed: [B, N+1] committed tokens, padded after last[b] (the index
+        of the bonus token) with any token id. Returns the next d1 per request."""
+        n = self.steps + 1
+        restore_kda_states(self.pool.target, verified.kda_history, rows, last)
+        batch = ForwardBatch.uniform(
+            committed.flatten(), rows, positions, n, self.pool.req_to_token, max_seq_len
+        )
+        batch.logit_index = torch.arange(rows.shape[0], device=rows.device) * n + last
+        out = self.draft(self.target, batch, verified.hidden, self.pool.draft)
+        stash = self.pool.aux.draft_hidden
+        stash[rows] = out.hidden[batch.logit_index].to(stash.dtype)
+        return out.logits.argmax(-1)
+
     # ---- one decode step ----
     def step(
         self, proposals: list[Proposal], states: list[SamplingState], want: list[int]
@@ -111,36 +181,22 @@ class Eagle:
         """Returns per request the committed tokens (1..N+1) and their logprob entries.
 
         want: per request, the number of top logprobs to return (-1: no logprobs)."""
-        n_steps = self.steps
-        rows = [p.row for p in proposals]
-        rows_t = torch.tensor(rows, device=self.pool.device)
-        chains = [[p.draft_token] for p in proposals]
-        hidden = self.pool.aux.draft_hidden[rows_t]
-        for k in range(2, n_steps + 1):
-            batch = ForwardBatch.build(
-                [c[-1] for c in chains],
-                rows,
-                [p.position + k - 2 for p in proposals],
-                [1] * len(rows),
-                self.pool.req_to_token,
-            )
-            out = self.draft(self.target, batch, hidden, self.pool.draft)
-            hidden = out.hidden
-            for c, t in zip(chains, out.logits.argmax(-1).tolist()):
-                c.append(t)
-        # verify
-        tokens = [[p.token, *c] for p, c in zip(proposals, chains)]
-        batch = ForwardBatch.build(
-            [t for seq in tokens for t in seq],
-            rows,
-            [p.position for p in proposals],
-            [n_steps + 1] * len(rows),
-            self.pool.req_to_token,
-            logits="all",
+        n_steps, num = self.steps, len(proposals)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(num) else None
+        host = torch.tensor(
+            [[p.token for p in proposals], [p.draft_token for p in proposals]]
+            + [[p.position for p in proposals], [p.row for p in proposals]],
+            dtype=torch.int64,
         )
-        batch.kda_history = {}
-        out = self.target(batch, self.pool.target)
-        sampled, logprobs = self._sample_positions(out.logits, chains, states, want)
+        if graphs is not None:
+            verified = graphs.draft_and_verify(host)
+        else:
+            tokens, drafts, positions, rows = host.to(self.pool.device).unbind(0)
+            seq_len = max(p.position for p in proposals) + n_steps + 1
+            verified = self.draft_and_verify(tokens, drafts, positions, rows, seq_len)
+        chains = verified.chains[:num].tolist()
+        logits = verified.logits[: num * (n_steps + 1)]
+        sampled, logprobs = self._sample_positions(logits, chains, states, want)
         committed, last = [], []
         for chain, samp in zip(chains, sampled):
             a = 0
@@ -148,13 +204,19 @@ class Eagle:
                 a += 1
             committed.append(chain[:a] + [samp[a]])
             last.append(a)
-        last_t = torch.tensor(last, device=self.pool.device)
-        restore_kda_states(self.pool.target, batch.kda_history, rows_t, last_t)
-        # the draft catches up over the accepted tokens, using the verify's target hiddens
-        keep = torch.arange(n_steps + 1, device=self.pool.device)[None, :] <= last_t[:, None]
-        verify_hidden = out.hidden.view(len(rows), n_steps + 1, -1)[keep]
-        nxt = self.extend_draft(rows, [p.position for p in proposals], committed, verify_hidden)
-        for p, d in zip(proposals, nxt):
+        padded = [c + [0] * (n_steps + 1 - len(c)) for c in committed]
+        if graphs is not None:
+            drafts_next = graphs.roll_back_and_catch_up(padded, last)
+        else:
+            drafts_next = self.roll_back_and_catch_up(
+                verified,
+                rows,
+                positions,
+                torch.tensor(padded, device=self.pool.device),
+                torch.tensor(last, device=self.pool.device),
+                seq_len,
+            )
+        for p, d in zip(proposals, drafts_next[:num].tolist()):
             p.draft_token = d
         return committed, [
             None if lp is None else lp[: len(c)] for lp, c in zip(logprobs, committed)

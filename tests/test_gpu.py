@@ -1,4 +1,4 @@
-"""GPU checks (skipped without CUDA): bfloat16 parity, decode CUDA graphs equal eager."""
+"""GPU checks (skipped without CUDA): bfloat16 parity, decode and EAGLE CUDA graphs equal eager."""
 
 from __future__ import annotations
 
@@ -56,7 +56,9 @@ def test_bf16_on_cuda_tracks_transformers_and_fp32(tmp_path):
     assert agree >= oracle_agree - 0.05, (agree, oracle_agree)
 
 
-def _engine_tokens(ckpt, graphs: str) -> dict[str, list[int]]:
+def _engine_tokens(
+    ckpt, graphs: str, dtype: str = "bfloat16", extra: tuple[str, ...] = ()
+) -> tuple[dict[str, list[int]], dict]:
     args = ServerArgs.from_cli(
         [
             "--model-path",
@@ -64,7 +66,7 @@ def _engine_tokens(ckpt, graphs: str) -> dict[str, list[int]]:
             "--device",
             "cuda",
             "--dtype",
-            "bfloat16",
+            dtype,
             "--cuda-graph-backend-decode",
             graphs,
             "--cuda-graph-max-bs-decode",
@@ -72,6 +74,7 @@ def _engine_tokens(ckpt, graphs: str) -> dict[str, list[int]]:
             "--page-size",
             "16",
             "--skip-server-warmup",
+            *extra,
         ]
     )
     sched = build_engine(args)[0]
@@ -89,13 +92,33 @@ def _engine_tokens(ckpt, graphs: str) -> dict[str, list[int]]:
         for o in sched.step():
             out.setdefault(o.rid, []).extend(o.new_token_ids)
     sched.check_invariants()
-    return out
+    return out, sched.stats
 
 
 def test_decode_graphs_equal_eager(tiny_ckpt):
-    eager = _engine_tokens(tiny_ckpt, "disabled")
-    graphs = _engine_tokens(tiny_ckpt, "full")
+    eager, _ = _engine_tokens(tiny_ckpt, "disabled")
+    graphs, _ = _engine_tokens(tiny_ckpt, "full")
     assert graphs == eager
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, steps):
+    """Draft steps and verify captured per batch size give the tokens eager EAGLE gives, and
+    both give plain decoding's tokens (float32: no bf16 near-ties in the comparison)."""
+    spec = (
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-num-draft-tokens",
+        str(steps + 1),
+    )
+    plain, _ = _engine_tokens(distilled_ckpt, "full", "float32")
+    eager, _ = _engine_tokens(distilled_ckpt, "disabled", "float32", spec)
+    graphs, stats = _engine_tokens(distilled_ckpt, "full", "float32", spec)
+    assert graphs == eager
+    assert graphs == plain
+    assert stats.spec_committed_tokens > 1.2 * stats.spec_verify_steps, stats
 
 
 def test_triton_mhc_mix_matches_reference():

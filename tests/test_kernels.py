@@ -90,6 +90,32 @@ def test_conv_extend_equals_repeated_decode():
     torch.testing.assert_close(st1, st2)
 
 
+def test_uniform_kda_and_conv_equal_ragged_extend_with_history():
+    """The graph-safe uniform paths (speculative verify) = the ragged extend, history included."""
+    torch.manual_seed(0)
+    b, step, h, d, c, kk = 3, 4, 2, 8, 6, 4
+    q, k, v = (torch.randn(b * step, h, d) for _ in range(3))
+    g, beta = -torch.rand(b * step, h, d), torch.rand(b * step, h)
+    rows = torch.tensor([3, 1, 2])
+    init = torch.randn(4, h, d, d)
+    s1, s2 = init.clone(), init.clone()
+    hist1, hist2 = [], []
+    out1 = kda.kda_extend(q, k, v, g, beta, s1, rows, [step] * b, hist1)
+    out2 = kda.kda_uniform(q, k, v, g, beta, s2, rows, step, hist2)
+    torch.testing.assert_close(out1, out2)
+    torch.testing.assert_close(s1, s2)
+    torch.testing.assert_close(hist1[0], hist2[0])
+    x, w = torch.randn(b * step, c), torch.randn(c, kk)
+    st0 = torch.randn(4, c, kk - 1)
+    st1, st2 = st0.clone(), st0.clone()
+    hist1, hist2 = [], []
+    y1 = kda.causal_conv_extend(x, w, st1, rows, [step] * b, hist1)
+    y2 = kda.causal_conv_uniform(x, w, st2, rows, step, hist2)
+    torch.testing.assert_close(y1, y2)
+    torch.testing.assert_close(st1, st2)
+    torch.testing.assert_close(hist1[0], hist2[0])
+
+
 def test_sparse_mla_matches_dense_masked_attention():
     torch.manual_seed(0)
     n, h, r, s = 5, 3, 8, 20

@@ -44,9 +44,9 @@ class Indexer(nn.Module):
         k = F.layer_norm(self.wk(x), (self.d,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
         gates = F.linear(x, self.index_kpool_compress_gate)
         head_w = self.weights_proj(x).float() * self.heads**-0.5
-        if batch.is_decode:
-            self._write_decode(k, gates, batch, cache)
-            return self._select_decode(q, head_w, batch, cache)
+        if batch.is_decode or batch.step_len is not None:
+            self._write_tokens(k, gates, batch, cache)
+            return self._select_tokens(q, head_w, batch, cache)
         return self._extend(q, k, gates, head_w, batch, cache)
 
     def _pool_slots(self, req_to_token: torch.Tensor, row: torch.Tensor, pools: torch.Tensor):
@@ -98,9 +98,15 @@ class Indexer(nn.Module):
             offset += n
         return torch.cat(out)
 
-    def _write_decode(self, k, gates, batch: ForwardBatch, cache: DSALayerCache) -> None:
+    def _write_tokens(self, k, gates, batch: ForwardBatch, cache: DSALayerCache) -> None:
+        """Graph-safe write for batches of step_len tokens per request (decode, verify).
+
+        All of the step's keys enter the ring before any pool is compressed, so a pool that
+        closes mid-step finds its members. The ring holds kpool-1 + step_len slots, so this
+        step's writes never evict a member of a pool it still closes."""
         kp, ring = self.kpool, cache.tail_slots
-        rows, pos = batch.req_rows, batch.positions
+        assert batch.step_len is None or batch.step_len <= ring - kp + 1, "ring too small"
+        rows, pos = batch.req_rows[batch.token_req], batch.positions
         cache.tail_keys[rows, pos % ring] = k.to(cache.tail_keys.dtype)
         cache.tail_gates[rows, pos % ring] = gates.to(cache.tail_gates.dtype)
         members = (pos[:, None] - kp + 1 + torch.arange(kp, device=pos.device)) % ring
@@ -109,16 +115,17 @@ class Indexer(nn.Module):
             cache.tail_gates[rows[:, None], members],
             self.index_kpool_compress_ape,
         )
-        closes = (pos % kp == kp - 1).unsqueeze(-1)
-        dst = self._pool_slots(batch.req_to_token, rows, pos // kp)
-        cache.index_keys[dst] = torch.where(
-            closes, pooled.to(cache.index_keys.dtype), cache.index_keys[dst]
-        )
+        # Tokens that close no pool write to pooled-key row 0 (the padding page's), so two
+        # tokens of one request that share a pool never race on its row.
+        closes = pos % kp == kp - 1
+        dst = torch.where(closes, self._pool_slots(batch.req_to_token, rows, pos // kp), 0)
+        cache.index_keys[dst] = pooled.to(cache.index_keys.dtype)
 
-    def _select_decode(self, q, head_w, batch: ForwardBatch, cache: DSALayerCache):
+    def _select_tokens(self, q, head_w, batch: ForwardBatch, cache: DSALayerCache):
         kp = self.kpool
         max_pools = max(1, batch.max_seq_len // kp)
         pools = torch.arange(max_pools, device=q.device)
+        # one gather of pooled keys per request, shared by its step_len queries
         dst = self._pool_slots(batch.req_to_token, batch.req_rows[:, None], pools[None, :])
         scores = idx_kernels.score_pools(q, head_w, cache.index_keys[dst], self.d**-0.5)
         return idx_kernels.select_tokens(

@@ -55,11 +55,15 @@ class KDAttention(nn.Module):
         cache: KDALayerCache,
         history: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """history (extend only): receives [conv inputs, per-position states] for rollback."""
+        """history (multi-token batches): receives [conv inputs, per-position states]."""
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if batch.is_decode:
             mixed = kda_kernels.causal_conv_decode(
                 mixed, self.conv_weight, cache.conv, batch.req_rows
+            )
+        elif batch.step_len is not None:
+            mixed = kda_kernels.causal_conv_uniform(
+                mixed, self.conv_weight, cache.conv, batch.req_rows, batch.step_len, history
             )
         else:
             mixed = kda_kernels.causal_conv_extend(
@@ -70,6 +74,10 @@ class KDAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x)).float()
         if batch.is_decode:
             o = kda_kernels.kda_decode(q, k, v, g, beta, cache.state, batch.req_rows)
+        elif batch.step_len is not None:
+            o = kda_kernels.kda_uniform(
+                q, k, v, g, beta, cache.state, batch.req_rows, batch.step_len, history
+            )
         else:
             o = kda_kernels.kda_extend(
                 q, k, v, g, beta, cache.state, batch.req_rows, batch.lens_cpu, history

@@ -133,9 +133,10 @@ class MoE(nn.Module):
         return routed + self.shared_experts(x)  # all-reduce point under TP/EP
 
 
-# On CUDA, batches this small (decode) use the sync-free dense expert path, eager or captured
-# alike, so CUDA graphs on and off compute the same thing.
-DENSE_EXPERTS_MAX_TOKENS = 64
+# On CUDA, batches this small (decode, speculative verify) use the sync-free dense expert path,
+# eager or captured alike, so CUDA graphs on and off compute the same thing. It is also the
+# most tokens a captured forward may hold (the sorted path syncs with the host).
+DENSE_EXPERTS_MAX_TOKENS = 128
 
 
 def _dense_experts(x: torch.Tensor) -> bool:
