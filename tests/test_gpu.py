@@ -74,6 +74,8 @@ def _engine_tokens(
             "--page-size",
             "16",
             "--skip-server-warmup",
+            "--max-total-tokens",
+            "8192",  # several engines live in one test process
             *extra,
         ]
     )
