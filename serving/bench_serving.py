@@ -4,8 +4,12 @@
         --requests 32 --input-len 128 --output-len 64
 
 Each request is a streaming POST /generate with random token ids and ignore_eos, so every
-request produces exactly --output-len tokens. Reports output tokens/s over the whole run,
-mean/p50/p99 time to first token and inter-token latency.
+request produces exactly --output-len tokens. Reports output tokens/s over the whole run, time to
+first token (TTFT), time per output token (TPOT: per request (end - TTFT) / (tokens - 1), then
+averaged, as SGLang's bench_serving defines it), each request's decode-phase tokens/s (the
+inverse, averaged), and inter-token latency (ITL: the gaps between stream events that brought
+new tokens; with speculative decoding one event can bring several tokens, so TPOT is the
+figure to compare across configurations).
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], n: in
             if count > seen:
                 stamps.append(time.perf_counter())
                 seen = count
+    end = time.perf_counter()
     return {
         "ttft": stamps[0] - start,
+        "e2e": end - start,
         "itl": [b - a for a, b in zip(stamps, stamps[1:])],
         "tokens": seen,
     }
@@ -70,6 +76,10 @@ async def run(args: argparse.Namespace) -> dict:
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["ttft"] * 1000 for r in results]
     itl = [x * 1000 for r in results for x in r["itl"]]
+    # Decode phase of each request: after its first token, (tokens - 1) more.
+    decoding = [(r["e2e"] - r["ttft"], r["tokens"] - 1) for r in results if r["tokens"] > 1]
+    tpot = [1000 * t / n for t, n in decoding]
+    decode_rate = [n / t for t, n in decoding if t > 0]
     return {
         "concurrency": args.concurrency,
         "requests": args.requests,
@@ -78,6 +88,11 @@ async def run(args: argparse.Namespace) -> dict:
         "output_tok_per_s": round(tokens / wall, 1),
         "ttft_ms_mean": round(statistics.mean(ttft), 1),
         "ttft_ms_p99": round(pct(ttft, 0.99), 1),
+        "e2e_ms_mean": round(statistics.mean(r["e2e"] * 1000 for r in results), 1),
+        "tpot_ms": round(statistics.mean(tpot), 3) if tpot else None,
+        "tpot_ms_p50": round(pct(tpot, 0.5), 3) if tpot else None,
+        "decode_tok_per_s_per_req": round(statistics.mean(decode_rate), 1) if decode_rate else None,
+        "itl_ms_mean": round(statistics.mean(itl), 3) if itl else None,
         "itl_ms_p50": round(pct(itl, 0.5), 2) if itl else None,
         "itl_ms_p99": round(pct(itl, 0.99), 2) if itl else None,
     }
