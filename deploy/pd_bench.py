@@ -1,0 +1,332 @@
+"""Time per output token through the whole PD stack: prefill + decode + router as real
+processes (Mooncake over loopback TCP), loaded by serving.bench_serving through the router, for
+one or more sets of worker flags (e.g. without and with EAGLE).
+
+    # a bare CUDA machine, with .whl/ filled by deploy/gpu_wheels.sh:
+    python3 deploy/pd_bench.py --wheels .whl --build-checkpoint /tmp/bench --preset bench \\
+        --worker-args="--max-total-tokens 65536 --cuda-graph-backend-decode full" \\
+        --variant base= --variant eagle="--speculative-algorithm EAGLE \\
+            --speculative-num-steps 3 --speculative-num-draft-tokens 4" \\
+        --bench 1:4 --bench 16:32 --input-len 512 --output-len 128 --out "$OUT"
+    # any machine with the project installed (CPU: the tiny checkpoint):
+    python deploy/pd_bench.py --build-checkpoint /tmp/tinyck --preset tiny --build-device cpu \\
+        --variant base= --input-len 32 --output-len 16
+
+--wheels installs the wheels there into --site (pip --target, no index) and puts it on the
+workers' PYTHONPATH; Debian packages in WHEELS/deb provide the system libraries Mooncake's
+engine.so links, linked in only where the machine lacks them. Each variant: start the stack
+with --worker-args + the variant's flags on both workers, wait until all three are healthy, one
+bench_serving run per --bench CONCURRENCY:REQUESTS, read the decode worker's /metrics, stop the
+stack (router, decode, prefill; process groups killed when they do not exit). Writes
+OUT/results.json (rewritten after every run) and OUT/VARIANT/{prefill,decode,router}.log, then
+prints a table and the decode worker's speculative-decoding metric lines. Exit 1 if any variant
+failed (the error and its log tail are in results.json and printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import site
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from deploy.launch_local import (  # noqa: E402
+    Interrupted,
+    Proc,
+    StackError,
+    _interrupt,
+    build,
+    check_alive,
+    start,
+    stop,
+    wait_ready,
+)
+
+SPEC_METRICS = ("pdserve:spec_accept_length", "pdserve:spec_acceptance_rate")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python deploy/pd_bench.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = ap.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-path", type=Path, help="an existing checkpoint")
+    model.add_argument(
+        "--build-checkpoint",
+        type=Path,
+        metavar="DIR",
+        help="write serving.tiny_model's --preset checkpoint here (kept if DIR has one)",
+    )
+    ap.add_argument("--preset", default="bench", help="for --build-checkpoint (tiny | bench)")
+    ap.add_argument("--build-device", default="cuda", help="for --build-checkpoint")
+    ap.add_argument("--wheels", type=Path, help="install these wheels first (a bare GPU image)")
+    ap.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where --wheels go")
+    ap.add_argument(
+        "--worker-args",
+        default="",
+        help='flags for both workers in every variant (write --worker-args="--flag ...")',
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME=FLAGS",
+        help="a named set of extra flags for both workers (repeatable; default: base=)",
+    )
+    ap.add_argument(
+        "--bench",
+        action="append",
+        metavar="CONCURRENCY:REQUESTS",
+        help="one bench_serving run (repeatable; default: 1:4 and 16:32)",
+    )
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "pd_bench_out"))
+    ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for health")
+    ap.add_argument("--bench-timeout", type=float, default=600, help="seconds per bench run")
+    args = ap.parse_args(argv)
+    variants = args.variant or ["base="]
+    args.variants = []
+    for v in variants:
+        name, sep, flags = v.partition("=")
+        if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+            ap.error(f"--variant {v!r}: want NAME=FLAGS, NAME of letters, digits, - and _")
+        args.variants.append((name, flags))
+    args.benches = []
+    for b in args.bench or ["1:4", "16:32"]:
+        try:
+            c, n = (int(x) for x in b.split(":"))
+        except ValueError:
+            ap.error(f"--bench {b!r}: want CONCURRENCY:REQUESTS")
+        args.benches.append((c, n))
+    return args
+
+
+def install_wheels(wheels: Path, target: Path) -> None:
+    """The device README's one-liner, and the workers' PYTHONPATH (inherited by children)."""
+    found = sorted(str(w) for w in wheels.glob("*.whl"))
+    print(f"installing {len(found)} wheels from {wheels} into {target} ...", flush=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+        + ["--no-cache-dir", "--upgrade", "--target", str(target), *found],
+        check=True,
+    )
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{target}{os.pathsep}{path}" if path else str(target)
+
+
+def _not_found(lib: Path) -> list[str]:
+    out = subprocess.run(["ldd", str(lib)], capture_output=True, text=True).stdout
+    return sorted({ln.split()[0] for ln in out.splitlines() if "not found" in ln})
+
+
+def link_missing_libs(engine: Path, debs: Path, libdir: Path) -> list[str]:
+    """Make the system libraries `engine` links loadable: each soname the loader cannot find is
+    linked into libdir (put on LD_LIBRARY_PATH) from the Debian packages in `debs` or from the
+    CUDA runtime wheels next to torch. Libraries the machine has are left alone. Returns the
+    sonames still missing."""
+    root = libdir.parent / "debroot"
+    root.mkdir(parents=True, exist_ok=True)
+    for deb in sorted(debs.glob("*.deb")):
+        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    candidates: dict[str, Path] = {}
+    nvidia = [Path(p) / "nvidia" for p in site.getsitepackages()]
+    for base in [root, *nvidia]:
+        if base.is_dir():
+            for f in base.rglob("*.so*"):
+                candidates.setdefault(f.name, f)
+    libdir.mkdir(parents=True, exist_ok=True)
+    path = os.environ.get("LD_LIBRARY_PATH")
+    os.environ["LD_LIBRARY_PATH"] = f"{libdir}{os.pathsep}{path}" if path else str(libdir)
+    linked: list[str] = []
+    while True:  # each round can reveal what the newly linked libraries need
+        todo = [s for s in _not_found(engine) if s in candidates and s not in linked]
+        if not todo:
+            break
+        for soname in todo:
+            (libdir / soname).unlink(missing_ok=True)
+            (libdir / soname).symlink_to(candidates[soname].resolve())
+            linked.append(soname)
+    print(f"Mooncake engine.so: linked {linked or 'nothing'} into {libdir}", flush=True)
+    return _not_found(engine)
+
+
+def prepare_mooncake(args: argparse.Namespace) -> None:
+    engine = args.site / "mooncake" / "engine.so"
+    debs = args.wheels / "deb"
+    if engine.is_file() and debs.is_dir():
+        missing = link_missing_libs(engine, debs, args.site.parent / "pdserve-libs" / "lib")
+        if missing:
+            print(f"warning: engine.so still misses {missing}", flush=True)
+    probe = "import torch; from mooncake.engine import TransferEngine; print('mooncake ok')"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise StackError(f"mooncake.engine does not import:\n{r.stderr[-3000:]}")
+
+
+def checkpoint(args: argparse.Namespace) -> Path:
+    if args.model_path is not None:
+        if not (args.model_path / "config.json").is_file():
+            raise StackError(f"--model-path {args.model_path}: no config.json there")
+        return args.model_path.resolve()
+    out = args.build_checkpoint.resolve()
+    if not (out / "config.json").is_file():
+        t0 = time.monotonic()
+        cmd = [sys.executable, "-m", "serving.tiny_model", str(out), "--preset", args.preset]
+        subprocess.run([*cmd, "--device", args.build_device], check=True)
+        print(f"checkpoint written in {time.monotonic() - t0:.1f} s", flush=True)
+    return out
+
+
+def environment() -> dict:
+    probe = (
+        "import json, torch; c = torch.cuda.is_available(); print(json.dumps({'torch': "
+        "torch.__version__, 'device': torch.cuda.get_device_name() if c else 'cpu'}))"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    return json.loads(r.stdout) if r.returncode == 0 else {"probe_error": r.stderr[-500:]}
+
+
+def run_bench(args: argparse.Namespace, url: str, concurrency: int, requests: int) -> dict:
+    cmd = [sys.executable, "-m", "serving.bench_serving", "--url", url]
+    cmd += ["--concurrency", str(concurrency), "--requests", str(requests)]
+    cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+    except subprocess.TimeoutExpired:
+        raise StackError(
+            f"bench_serving at concurrency {concurrency}: over {args.bench_timeout} s"
+        ) from None
+    if r.returncode != 0:
+        raise StackError(f"bench_serving at concurrency {concurrency} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def spec_metrics(decode_url: str) -> dict[str, float]:
+    text = httpx.get(decode_url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("pdserve:spec_"):
+            out[name] = float(value)
+    return out
+
+
+def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, report: dict) -> None:
+    log_dir = args.out / name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    worker = f"{args.worker_args} {flags}"
+    ns = argparse.Namespace(
+        host="127.0.0.1",
+        port=0,
+        prefill_port=0,
+        bootstrap_port=0,
+        decode_port=0,
+        prefill_args=worker,
+        decode_args=worker,
+    )
+    procs: list[Proc] = build(ns, model, model.name, log_dir)
+    print(f"\n== {name}: workers get {shlex.split(worker)}", flush=True)
+    try:
+        t0 = time.monotonic()
+        for p in procs:
+            start(p)
+            print(p.describe(), flush=True)
+        wait_ready(procs, args.timeout, t0)
+        report["startup_s"][name] = round(time.monotonic() - t0, 1)
+        router, decode = procs[-1], procs[1]
+        for concurrency, requests in args.benches:
+            res = run_bench(args, router.url, concurrency, requests)
+            check_alive(procs)
+            report["runs"].append({"variant": name, "flags": flags, **res})
+            print(f"  {name} c={concurrency}: {json.dumps(res)}", flush=True)
+            write_report(args, report)
+        report["metrics"][name] = spec_metrics(decode.url)
+    except StackError as e:
+        tails = {p.role: p.log_tail(40) for p in procs if p.log_path.is_file()}
+        report["errors"][name] = {"error": str(e), "log_tails": tails}
+        print(f"\nerror in {name}: {e}", flush=True)
+        for role, tail in tails.items():
+            print(f"  -- {role} log, last lines:\n{tail}", flush=True)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        stop(procs)
+        write_report(args, report)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _interrupt)
+
+
+def write_report(args: argparse.Namespace, report: dict) -> None:
+    path = args.out / "results.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def summary(report: dict) -> None:
+    cols = ("concurrency", "requests", "output_tok_per_s", "ttft_ms_mean", "tpot_ms")
+    cols += ("tpot_ms_p50", "decode_tok_per_s_per_req", "itl_ms_mean", "itl_ms_p50")
+    print("\n" + " | ".join(("variant", *cols)), flush=True)
+    for run in report["runs"]:
+        print(" | ".join([run["variant"], *(str(run.get(c)) for c in cols)]), flush=True)
+    for name, err in report["errors"].items():
+        print(f"{name}: FAILED ({err['error'].splitlines()[0]})", flush=True)
+    print("\ndecode worker /metrics at the end of each variant:", flush=True)
+    for name, metrics in report["metrics"].items():
+        for metric in SPEC_METRICS:
+            print(f"  [{name}] {metric} {metrics.get(metric, 'absent')}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.chdir(REPO)  # the workers run `python -m serving.launch_server` from here
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "args": {k: str(v) for k, v in vars(args).items() if k not in ("variants", "benches")},
+        "runs": [],
+        "metrics": {},
+        "startup_s": {},
+        "errors": {},
+    }
+    t0 = time.monotonic()
+    try:
+        if args.wheels is not None:
+            install_wheels(args.wheels, args.site)
+            prepare_mooncake(args)
+        report["environment"] = environment()
+        print(f"environment: {report['environment']}", flush=True)
+        model = checkpoint(args)
+        for name, flags in args.variants:
+            run_variant(args, model, name, flags, report)
+    except Interrupted as e:
+        print(f"\n{e}: stopped.", flush=True)
+        report["errors"]["interrupted"] = {"error": str(e), "log_tails": {}}
+    except (StackError, subprocess.CalledProcessError) as e:
+        print(f"\nerror: {e}", flush=True)
+        report["errors"]["setup"] = {"error": str(e), "log_tails": {}}
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        report["total_s"] = round(time.monotonic() - t0, 1)
+        write_report(args, report)
+    summary(report)
+    print(f"\n{args.out / 'results.json'} ({report['total_s']} s in all)", flush=True)
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
