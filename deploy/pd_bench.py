@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import site
 import subprocess
@@ -139,8 +140,11 @@ def link_missing_libs(engine: Path, debs: Path, libdir: Path) -> list[str]:
     sonames still missing."""
     root = libdir.parent / "debroot"
     root.mkdir(parents=True, exist_ok=True)
-    for deb in sorted(debs.glob("*.deb")):
-        subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    if shutil.which("dpkg-deb") is None:
+        print("warning: no dpkg-deb here; the Debian packages are not unpacked", flush=True)
+    else:
+        for deb in sorted(debs.glob("*.deb")):
+            subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
     candidates: dict[str, Path] = {}
     nvidia = [Path(p) / "nvidia" for p in site.getsitepackages()]
     for base in [root, *nvidia]:
