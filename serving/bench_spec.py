@@ -2,9 +2,12 @@
 
     python -m serving.bench_spec --model-path DIR [--steps 0 1 3] [--batch-sizes 1 16]
 
-For each configuration: prompts of --prompt-len random tokens (not the distillation prompts),
---new-tokens greedy tokens each; ms per output token = decode wall time / tokens decoded after
-the first. Accept length = committed tokens per request per verify step (1 = nothing accepted).
+For each configuration: prompts of --prompt-len random tokens (seed 4242: new prompts, not the
+distillation prompts, unless --seen-prompts), --new-tokens greedy tokens each; ms per output
+token = decode wall time / tokens decoded after the first. Accept length = committed tokens per
+request per verify step (1 = nothing accepted); acceptance rate = accepted drafts / proposed
+drafts = (accept length - 1) / steps, as in the server's /metrics. One JSON line per
+configuration, then a summary line.
 """
 
 from __future__ import annotations
@@ -63,14 +66,14 @@ def measure(
     elapsed = time.perf_counter() - first
     per_req_tokens = (produced - base) / batch
     st = sched.stats
+    accept = st.spec_committed_tokens / st.spec_verify_steps if st.spec_verify_steps else None
     return {
         "spec_steps": steps,
         "batch": batch,
         "graphs": graphs,
         "ms_per_token": round(1000 * elapsed / per_req_tokens, 3),
-        "accept_length": round(st.spec_committed_tokens / st.spec_verify_steps, 3)
-        if st.spec_verify_steps
-        else None,
+        "accept_length": None if accept is None else round(accept, 3),
+        "acceptance_rate": None if accept is None else round((accept - 1) / steps, 3),
     }
 
 
@@ -103,6 +106,20 @@ def main() -> None:
             )
             rows.append(row)
             print(json.dumps(row), flush=True)
+    prompts = "seen (distillation) prompts" if args.seen_prompts else "new prompts"
+    print(
+        f"summary, {prompts}, {args.prompt_len} + {args.new_tokens} tokens: "
+        + "; ".join(
+            f"bs {r['batch']} steps {r['spec_steps']}: {r['ms_per_token']} ms/token"
+            + (
+                f", accept length {r['accept_length']}, acceptance rate {r['acceptance_rate']}"
+                if r["accept_length"] is not None
+                else ""
+            )
+            for r in rows
+        ),
+        flush=True,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
