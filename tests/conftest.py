@@ -7,21 +7,25 @@ DISTILL_PROMPT_LEN = 16
 
 @pytest.fixture(scope="session")
 def distilled_ckpt(tiny_ckpt, tmp_path_factory):
-    """The tiny checkpoint with its NextN draft distilled on the target's greedy text."""
+    """The tiny checkpoint with its lm_head refitted to a synthetic Markov language
+    (serving/fit_target_head.py) and its NextN draft distilled on that target's greedy choices
+    after random prompts: drafts are accepted on prompts the draft never saw."""
     from serving.distill_nextn import train
 
     out = tmp_path_factory.mktemp("distilled")
     summary = train(
         str(tiny_ckpt),
         str(out),
-        steps=120,
+        steps=200,
         device="cpu",
-        lr=3e-3,
-        count=16,
+        lr=5e-3,
+        count=256,
         prompt_len=DISTILL_PROMPT_LEN,
-        gen_len=48,
+        gen_len=32,
         batch_size=8,
         seed=0,
+        fit_target_head=True,
+        fit_tokens=65536,
     )
     assert summary["last_loss"] < summary["first_loss"]
     return out

@@ -1,9 +1,10 @@
 """EAGLE speculative decoding with the NextN draft (in-process scheduler, tiny checkpoint).
 
-The draft is first distilled on its target's greedy text (serving/distill_nextn.py); prompts
-from that distribution get most drafts accepted, so accepted runs, rejections and kpool
-boundaries inside verify chunks are all exercised. Greedy output must equal plain decoding
-token for token; sampled output must follow the same distribution.
+The checkpoint's target speaks a synthetic first-order language (its lm_head refitted by
+serving/fit_target_head.py) and its draft is distilled on that target (serving/distill_nextn.py
+--fit-target-head), so drafts are accepted on prompts the draft never saw: accepted runs,
+rejections and kpool boundaries inside verify chunks are all exercised. Greedy output must equal
+plain decoding token for token; sampled output must follow the same distribution.
 """
 
 from __future__ import annotations
@@ -61,11 +62,17 @@ def run(sched, requests) -> dict[str, list[int]]:
     return out
 
 
+def new_prompts(lengths: tuple[int, ...], seed: int = 99) -> list[list[int]]:
+    """Random prompts from the distillation's token range, none of them a distillation prompt."""
+    seen = training_prompts(1024, 256, PROMPT_LEN, seed=0)
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+    assert not any(p in seen for p in out)
+    return out
+
+
 def prompts() -> list[list[int]]:
-    easy = training_prompts(1024, 6, PROMPT_LEN, seed=0)  # the draft knows these well
-    g = torch.Generator().manual_seed(99)
-    hard = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (5, 37, 70)]
-    return easy + hard
+    return new_prompts((PROMPT_LEN,) * 6 + (5, 37, 70))
 
 
 def greedy(i: int, p: list[int], n: int = 40) -> GenerateRequest:
@@ -74,15 +81,18 @@ def greedy(i: int, p: list[int], n: int = 40) -> GenerateRequest:
     )
 
 
-@pytest.mark.parametrize("steps", [1, 2, 3])
-def test_greedy_with_speculation_equals_without(distilled, steps):
+# accept length on these new prompts: 1.78 / 2.26 / 2.73 (steps 1 / 2 / 3) with the fixture
+@pytest.mark.parametrize("steps, min_accept", [(1, 1.4), (2, 1.6), (3, 1.8)])
+def test_greedy_with_speculation_equals_without(distilled, steps, min_accept):
     ps = prompts()
     plain = run(engine(distilled), [greedy(i, p) for i, p in enumerate(ps)])
     sched = engine(distilled, steps)
     spec = run(sched, [greedy(i, p) for i, p in enumerate(ps)])
     assert spec == plain
     accept = sched.stats.spec_committed_tokens / sched.stats.spec_verify_steps
-    assert accept > 1.3, f"drafts were hardly accepted ({accept:.2f}): the test proves little"
+    assert accept > min_accept, (
+        f"drafts were hardly accepted ({accept:.2f}): the test proves little"
+    )
 
 
 def chi_square_homogeneity(a: list[int], b: list[int]) -> tuple[float, float]:
@@ -108,7 +118,7 @@ def chi_square_homogeneity(a: list[int], b: list[int]) -> tuple[float, float]:
 def test_rejection_sampling_keeps_the_target_distribution(distilled):
     """The 2nd and 3rd sampled tokens (decided by verify: accepted draft or correction) follow
     the same distribution with and without speculation (independent seeds, chi-square)."""
-    prompt = training_prompts(1024, 1, PROMPT_LEN, seed=0)[0]
+    prompt = new_prompts((PROMPT_LEN,), seed=5)[0]
 
     def tokens(steps: int, seeds: range) -> list[list[int]]:
         reqs = [
@@ -161,7 +171,7 @@ def test_accept_length_is_reported_in_metrics(distilled, tmp_path):
     )
     try:
         body = {
-            "input_ids": training_prompts(1024, 1, PROMPT_LEN, seed=0)[0],
+            "input_ids": new_prompts((PROMPT_LEN,), seed=6)[0],
             "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
         }
         assert httpx.post(srv.url + "/generate", json=body, timeout=60).status_code == 200
