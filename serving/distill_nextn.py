@@ -5,8 +5,8 @@ measured on checkpoints with random weights.
     python -m serving.distill_nextn --model-path DIR --out DIR2 --fit-target-head
 
 1. The target continues random prompts greedily (the text EAGLE will have to predict).
-2. One target forward over each sequence gives its pre-norm hidden states h_i (and, with
-   --labels target, its greedy choice at every position).
+2. Target forwards over the sequences (16 at a time) give their pre-norm hidden states h_i
+   (and, for --labels target, the target's greedy choice at every position).
 3. The draft is trained, through the same forward the server runs (caches included), to map
    (embed(x_{i+1}), h_i) to the label of position i+1 with cross-entropy; only the draft's
    weights change. Labels: `text` (default) the next token x_{i+2}, prompt positions weighted
