@@ -13,6 +13,20 @@ from pathlib import Path
 import httpx
 
 
+def eagle_flags(steps: int) -> list[str]:
+    """Server flags for EAGLE with `steps` chain draft steps (none for 0)."""
+    if not steps:
+        return []
+    return [
+        "--speculative-algorithm",
+        "EAGLE",
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-num-draft-tokens",
+        str(steps + 1),
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,6 +12,7 @@ from serving.protocol import GenerateRequest, SamplingParams
 from serving.scheduler_process import build_engine
 from serving.server_args import ServerArgs
 from tests.hf_oracle import build_oracle, text_config
+from tests.server_proc import eagle_flags
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,14 +108,7 @@ def test_decode_graphs_equal_eager(tiny_ckpt):
 def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, steps):
     """Draft steps and verify captured per batch size give the tokens eager EAGLE gives, and
     both give plain decoding's tokens (float32: no bf16 near-ties in the comparison)."""
-    spec = (
-        "--speculative-algorithm",
-        "EAGLE",
-        "--speculative-num-steps",
-        str(steps),
-        "--speculative-num-draft-tokens",
-        str(steps + 1),
-    )
+    spec = tuple(eagle_flags(steps))
     plain, _ = _engine_tokens(distilled_ckpt, "full", "float32")
     eager, _ = _engine_tokens(distilled_ckpt, "disabled", "float32", spec)
     graphs, stats = _engine_tokens(distilled_ckpt, "full", "float32", spec)

@@ -18,6 +18,7 @@ from serving.protocol import GenerateRequest, SamplingParams
 from serving.scheduler_process import build_engine
 from serving.server_args import ServerArgs
 from tests.conftest import DISTILL_PROMPT_LEN as PROMPT_LEN
+from tests.server_proc import eagle_flags
 
 
 @pytest.fixture(autouse=True)
@@ -31,20 +32,16 @@ def distilled(distilled_ckpt):
 
 
 def engine(path, steps: int = 0, *flags: str):
-    spec = (
-        [
-            "--speculative-algorithm",
-            "EAGLE",
-            "--speculative-num-steps",
-            str(steps),
-            "--speculative-num-draft-tokens",
-            str(steps + 1),
-        ]
-        if steps
-        else []
-    )
     args = ServerArgs.from_cli(
-        ["--model-path", str(path), "--page-size", "16", "--skip-server-warmup", *spec, *flags]
+        [
+            "--model-path",
+            str(path),
+            "--page-size",
+            "16",
+            "--skip-server-warmup",
+            *eagle_flags(steps),
+            *flags,
+        ]
     )
     args.validate()
     return build_engine(args)[0]
