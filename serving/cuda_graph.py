@@ -111,7 +111,7 @@ class SpecGraphs:
         self.sizes = batch_ladder(max_bs, eagle.steps + 1)
         self.max_seq_len = pool.plan.max_context
         n, width = self.sizes[-1], eagle.steps + 1
-        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=pool.device)  # y, d1, n, row
+        self.inputs = torch.zeros(3, n, dtype=torch.int64, device=pool.device)  # y, n, row
         self.committed = torch.zeros(n, width, dtype=torch.int64, device=pool.device)
         self.last = torch.zeros(n, dtype=torch.int64, device=pool.device)
         self.bs = 0  # the size draft_and_verify replayed; roll_back_and_catch_up follows it
@@ -122,18 +122,18 @@ class SpecGraphs:
         log.info("captured EAGLE draft/verify CUDA graphs for batch sizes %s", self.sizes)
 
     def _capture(self, bs: int, pool_handle):
-        tokens, drafts, positions, rows = (t[:bs] for t in self.inputs)
+        tokens, positions, rows = (t[:bs] for t in self.inputs)
         verify_graph, verified = capture(
-            lambda: self.eagle.draft_and_verify(tokens, drafts, positions, rows, self.max_seq_len),
+            lambda: self.eagle.draft_and_verify(tokens, positions, rows, self.max_seq_len),
             pool_handle,
         )
-        catch_up_graph, drafts_next = capture(
+        catch_up_graph, _ = capture(
             lambda: self.eagle.roll_back_and_catch_up(
                 verified, rows, positions, self.committed[:bs], self.last[:bs], self.max_seq_len
             ),
             pool_handle,
         )
-        return verify_graph, verified, catch_up_graph, drafts_next
+        return verify_graph, verified, catch_up_graph
 
     def fits(self, bs: int) -> bool:
         return bs <= self.sizes[-1]
@@ -142,22 +142,20 @@ class SpecGraphs:
         return next(s for s in self.sizes if s >= n)
 
     def draft_and_verify(self, host: torch.Tensor) -> Verified:
-        """host: [4, n] int64 (y, d1, position, row); padding entries are zeros (row 0)."""
+        """host: [3, n] int64 (y, position, row); padding entries are zeros (row 0)."""
         n = host.shape[1]
         self.bs = self._size(n)
-        self.inputs[:, : self.bs].zero_()
-        self.inputs[:, :n].copy_(host, non_blocking=True)
-        graph, verified, _, _ = self.graphs[self.bs]
+        padded = torch.zeros(3, self.bs, dtype=torch.int64)
+        padded[:, :n] = host
+        self.inputs[:, : self.bs].copy_(padded, non_blocking=True)
+        graph, verified, _ = self.graphs[self.bs]
         graph.replay()
         return verified
 
-    def roll_back_and_catch_up(self, committed: list[list[int]], last: list[int]) -> torch.Tensor:
-        n = len(last)
-        host = torch.tensor([row + [a] for row, a in zip(committed, last)], dtype=torch.int64)
-        self.committed[: self.bs].zero_()
-        self.last[: self.bs].zero_()
-        self.committed[:n].copy_(host[:, :-1], non_blocking=True)
-        self.last[:n].copy_(host[:, -1], non_blocking=True)
-        _, _, graph, drafts_next = self.graphs[self.bs]
+    def roll_back_and_catch_up(self, committed: list[list[int]], last: list[int]) -> None:
+        host = torch.zeros(self.bs, len(committed[0]) + 1, dtype=torch.int64)
+        host[: len(last)] = torch.tensor([row + [a] for row, a in zip(committed, last)])
+        self.committed[: self.bs].copy_(host[:, :-1], non_blocking=True)
+        self.last[: self.bs].copy_(host[:, -1], non_blocking=True)
+        _, _, graph = self.graphs[self.bs]
         graph.replay()
-        return drafts_next

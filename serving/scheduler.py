@@ -100,7 +100,6 @@ class Req:
     cached: int = 0  # leading tokens of fill_ids whose KV/state is in the cache
     finish_reason: dict[str, Any] | None = None
     last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
-    draft_token: int = 0  # EAGLE: the draft's proposal for the token after the last one
 
     @property
     def output_ids(self) -> list[int]:
@@ -331,11 +330,9 @@ class Scheduler:
         starts = [req.cached - plan[i][1] for req, i in zip(reqs, keep)]
         tokens = [req.fill_ids[s + 1 : req.cached + 1] for req, s in zip(reqs, starts)]
         index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in keep])
-        proposals = self.spec.extend_draft(
+        self.spec.extend_draft(
             [r.row for r in reqs], starts, tokens, hidden[index.to(hidden.device)]
         )
-        for req, d in zip(reqs, proposals):
-            req.draft_token = d
 
     def _run_decode(self) -> None:
         for req in list(self.running):
@@ -364,14 +361,13 @@ class Scheduler:
         self._sample_and_advance(batch, out.logits)
 
     def _run_speculative(self, batch: list[Req]) -> None:
-        proposals = [Proposal(r.row, r.cached, r.fill_ids[-1], r.draft_token) for r in batch]
+        proposals = [Proposal(r.row, r.cached, r.fill_ids[-1]) for r in batch]
         want = [r.top_logprobs_num if r.return_logprob else -1 for r in batch]
         committed, logprobs = self.spec.step(proposals, [r.sampling for r in batch], want)
-        for req, prop, tokens, lps in zip(batch, proposals, committed, logprobs):
+        for req, tokens, lps in zip(batch, committed, logprobs):
             self.stats.spec_verify_steps += 1
             self.stats.spec_committed_tokens += len(tokens)
             req.cached += len(tokens)
-            req.draft_token = prop.draft_token
             for j, tok in enumerate(tokens):
                 req.output_ids.append(tok)
                 self.stats.generation_tokens_total += 1

@@ -1,8 +1,10 @@
 """EAGLE speculative decoding with the NextN draft: chain drafts (top-k 1), one verify forward.
 
 Per request, between steps: y, the last committed token (position n, not yet in the target's
-cache); d1, the draft's proposal for position n+1; and the draft's hidden state at position n-1
-(pool.aux.draft_hidden[row], a request-row buffer that also travels in a PD handoff).
+cache); and, on the device in request-row buffers that also travel in a PD handoff, d1, the
+draft's proposal for position n+1 (pool.aux.ints[row, DRAFT_TOKEN]), and the draft's hidden
+state at position n-1 (pool.aux.draft_hidden[row]). Keeping d1 on the device means a step never
+waits for the draft: the host only reads the verify logits.
 
 One decode step over a batch:
   1. draft steps k = 2..N at positions n+k-2: (embed(d_{k-1}), draft hidden) -> d_k
@@ -33,7 +35,7 @@ import torch
 
 from serving.forward_batch import ForwardBatch
 from serving.memory.cache import ModelCache
-from serving.memory.pool import MemoryPool
+from serving.memory.pool import DRAFT_TOKEN, MemoryPool
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
 from serving.sampler import Sampler, SamplingState
@@ -65,7 +67,6 @@ class Proposal:
     row: int
     position: int  # n: position of the last committed token y
     token: int  # y
-    draft_token: int  # d1
 
 
 def restore_kda_states(
@@ -111,34 +112,34 @@ class Eagle:
         starts: list[int],
         next_tokens: list[list[int]],
         target_hidden: torch.Tensor,
-    ) -> list[int]:
+    ) -> None:
         """Draft positions starts[b].. with inputs (next token, target hidden at the position).
 
-        target_hidden: [sum(len), H], requests back to back. Returns each request's proposal
-        for the position after its last one; stores the draft's hidden there in the stash."""
+        target_hidden: [sum(len), H], requests back to back. Stores each request's proposal for
+        the position after its last one, and the draft's hidden there, in its aux row."""
         ids = [t for toks in next_tokens for t in toks]
         batch = ForwardBatch.build(
             ids, rows, starts, [len(t) for t in next_tokens], self.pool.req_to_token
         )
         out = self.draft(self.target, batch, target_hidden, self.pool.draft)
-        rows_t = batch.req_rows
-        self.pool.aux.draft_hidden[rows_t] = out.hidden[batch.logit_index].to(
-            self.pool.aux.draft_hidden.dtype
-        )
-        return out.logits.argmax(-1).tolist()
+        self._stash(batch.req_rows, out.hidden[batch.logit_index], out.logits)
+
+    def _stash(self, rows: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        aux = self.pool.aux
+        aux.draft_hidden[rows] = hidden.to(aux.draft_hidden.dtype)
+        aux.ints[rows, DRAFT_TOKEN] = logits.argmax(-1)
 
     # ---- the two device programs of a step (graph-captured on CUDA) ----
     def draft_and_verify(
         self,
         tokens: torch.Tensor,
-        drafts: torch.Tensor,
         positions: torch.Tensor,
         rows: torch.Tensor,
         max_seq_len: int,
     ) -> Verified:
-        """tokens (y), drafts (d1), positions (n), rows: [B]. Steps 1 and 2 of the module doc."""
+        """tokens (y), positions (n), rows: [B]. Steps 1 and 2 of the module doc."""
         r2t = self.pool.req_to_token
-        chain = [drafts]
+        chain = [self.pool.aux.ints[rows, DRAFT_TOKEN]]
         hidden = self.pool.aux.draft_hidden[rows]
         for k in range(2, self.steps + 1):
             batch = ForwardBatch.uniform(chain[-1], rows, positions + k - 2, 1, r2t, max_seq_len)
@@ -160,9 +161,9 @@ class Eagle:
         committed: torch.Tensor,
         last: torch.Tensor,
         max_seq_len: int,
-    ) -> torch.Tensor:
+    ) -> None:
         """Steps 4 and 5. committed: [B, N+1] committed tokens, padded after last[b] (the index
-        of the bonus token) with any token id. Returns the next d1 per request."""
+        of the bonus token) with any token id. Leaves the next d1 in the aux rows."""
         n = self.steps + 1
         restore_kda_states(self.pool.target, verified.kda_history, rows, last)
         batch = ForwardBatch.uniform(
@@ -170,9 +171,7 @@ class Eagle:
         )
         batch.logit_index = torch.arange(rows.shape[0], device=rows.device) * n + last
         out = self.draft(self.target, batch, verified.hidden, self.pool.draft)
-        stash = self.pool.aux.draft_hidden
-        stash[rows] = out.hidden[batch.logit_index].to(stash.dtype)
-        return out.logits.argmax(-1)
+        self._stash(rows, out.hidden[batch.logit_index], out.logits)
 
     # ---- one decode step ----
     def step(
@@ -184,16 +183,16 @@ class Eagle:
         n_steps, num = self.steps, len(proposals)
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(num) else None
         host = torch.tensor(
-            [[p.token for p in proposals], [p.draft_token for p in proposals]]
-            + [[p.position for p in proposals], [p.row for p in proposals]],
+            [[p.token for p in proposals], [p.position for p in proposals]]
+            + [[p.row for p in proposals]],
             dtype=torch.int64,
         )
         if graphs is not None:
             verified = graphs.draft_and_verify(host)
         else:
-            tokens, drafts, positions, rows = host.to(self.pool.device).unbind(0)
+            tokens, positions, rows = host.to(self.pool.device).unbind(0)
             seq_len = max(p.position for p in proposals) + n_steps + 1
-            verified = self.draft_and_verify(tokens, drafts, positions, rows, seq_len)
+            verified = self.draft_and_verify(tokens, positions, rows, seq_len)
         chains = verified.chains[:num].tolist()
         logits = verified.logits[: num * (n_steps + 1)]
         sampled, logprobs = self._sample_positions(logits, chains, states, want)
@@ -206,9 +205,9 @@ class Eagle:
             last.append(a)
         padded = [c + [0] * (n_steps + 1 - len(c)) for c in committed]
         if graphs is not None:
-            drafts_next = graphs.roll_back_and_catch_up(padded, last)
+            graphs.roll_back_and_catch_up(padded, last)
         else:
-            drafts_next = self.roll_back_and_catch_up(
+            self.roll_back_and_catch_up(
                 verified,
                 rows,
                 positions,
@@ -216,8 +215,6 @@ class Eagle:
                 torch.tensor(last, device=self.pool.device),
                 seq_len,
             )
-        for p, d in zip(proposals, drafts_next[:num].tolist()):
-            p.draft_token = d
         return committed, [
             None if lp is None else lp[: len(c)] for lp, c in zip(logprobs, committed)
         ]

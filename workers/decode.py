@@ -21,6 +21,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, TokenLogprob
 from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
@@ -300,7 +301,7 @@ class DecodeRole(Role):
             if self.scheduler.free_running_slots <= 0:
                 return
             req = t.req
-            room, first, _cached, ntop, draft_token = aux.ints[req.row].tolist()
+            room, first, _cached, ntop = aux.ints[req.row, :DRAFT_TOKEN].tolist()
             if room != t.room:
                 self._fail(
                     t, f"handoff corrupted: aux row holds room {room}, expected {t.room}", 500
@@ -311,11 +312,10 @@ class DecodeRole(Role):
                 floats = aux.floats[req.row].tolist()
                 ids = aux.top_ids[req.row, :ntop].tolist()
                 logprobs = [TokenLogprob(first, floats[0], list(zip(ids, floats[1 : 1 + ntop])))]
-            aux.ints[req.row] = 0
+            aux.ints[req.row, :DRAFT_TOKEN] = 0  # EAGLE's proposal stays: decode starts from it
             del self.transfers[t.room]
             del self.by_rid[req.rid]
             req.cached = len(req.input_ids)
-            req.draft_token = draft_token  # EAGLE: the draft's hidden came in aux.draft_hidden
             self.scheduler.adopt(req, first, logprobs)
 
     # ---- failure ----

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams
 from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
@@ -317,9 +318,9 @@ class PrefillRole(Role):
         aux = self.scheduler.pool.aux
         lp = req.last_logprob
         top = lp.top if lp is not None else []
-        aux.ints[req.row] = torch.tensor(
-            [room.request.bootstrap_room, req.output_ids[-1], 0, len(top), req.draft_token],
-            dtype=torch.int64,
+        # the DRAFT_TOKEN column is already current on the device (Eagle.extend_draft)
+        aux.ints[req.row, :DRAFT_TOKEN] = torch.tensor(
+            [room.request.bootstrap_room, req.output_ids[-1], 0, len(top)], dtype=torch.int64
         )
         floats = [lp.logprob if lp is not None else 0.0] + [v for _, v in top]
         aux.floats[req.row, : len(floats)] = torch.tensor(floats, dtype=torch.float32)

@@ -31,11 +31,16 @@ log = logging.getLogger(__name__)
 AUX_TOP_LOGPROBS = 20
 
 
+DRAFT_TOKEN = 4  # column of AuxRows.ints
+
+
 @dataclass
 class AuxRows:
     """Per-request-row extras that a PD handoff carries besides KV and state.
 
-    ints:         bootstrap_room, first token, cached tokens, number of top logprobs, draft token
+    ints:         bootstrap_room, first token, cached tokens, number of top logprobs, and at
+                  DRAFT_TOKEN EAGLE's current proposal d1 (written and read on the device by
+                  serving/speculative.py; the handoff carries it, so decode starts from it)
     floats:       first-token logprob, then its top logprobs; top_ids: their token ids
     draft_hidden: the NextN draft's hidden state at the last drafted position (EAGLE's stash)
     """
