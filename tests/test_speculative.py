@@ -17,6 +17,7 @@ from serving.distill_nextn import training_prompts
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.scheduler_process import build_engine
 from serving.server_args import ServerArgs
+from serving.speculative import Eagle
 from tests.conftest import DISTILL_PROMPT_LEN as PROMPT_LEN
 from tests.server_proc import eagle_flags
 
@@ -80,7 +81,16 @@ def greedy(i: int, p: list[int], n: int = 40) -> GenerateRequest:
 
 # accept length on these new prompts: 1.78 / 2.26 / 2.73 (steps 1 / 2 / 3) with the fixture
 @pytest.mark.parametrize("steps, min_accept", [(1, 1.4), (2, 1.6), (3, 1.8)])
-def test_greedy_with_speculation_equals_without(distilled, steps, min_accept):
+def test_greedy_with_speculation_equals_without(distilled, steps, min_accept, monkeypatch):
+    verified: list[tuple[int, int]] = []  # (position n of y, drafts accepted) per verify
+    real_step = Eagle.step
+
+    def recording_step(self, proposals, states, want):
+        committed, logprobs = real_step(self, proposals, states, want)
+        verified.extend((p.position, len(c) - 1) for p, c in zip(proposals, committed))
+        return committed, logprobs
+
+    monkeypatch.setattr(Eagle, "step", recording_step)
     ps = prompts()
     plain = run(engine(distilled), [greedy(i, p) for i, p in enumerate(ps)])
     sched = engine(distilled, steps)
@@ -89,6 +99,21 @@ def test_greedy_with_speculation_equals_without(distilled, steps, min_accept):
     accept = sched.stats.spec_committed_tokens / sched.stats.spec_verify_steps
     assert accept > min_accept, (
         f"drafts were hardly accepted ({accept:.2f}): the test proves little"
+    )
+    # The cases the KDA roll-back and the indexer's ring must survive: verify positions are
+    # n..n+steps, accepted ones n..n+a; a pool closes at positions p with p % kpool == kpool-1.
+    kp = sched.runner.model.config.index_kpool
+
+    def closes(lo: int, hi: int) -> bool:  # does a pool close at a position in lo..hi?
+        return any(p % kp == kp - 1 for p in range(lo, hi + 1))
+
+    accepted_across = [n for n, a in verified if closes(n, n + a - 1)]
+    rejected_after = [n for n, a in verified if a < steps and closes(n + a, n + a)]
+    rejected_closing = [n for n, a in verified if a < steps and closes(n + a + 1, n + steps)]
+    assert accepted_across and rejected_after and rejected_closing, (
+        len(accepted_across),
+        len(rejected_after),
+        len(rejected_closing),
     )
 
 
