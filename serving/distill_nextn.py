@@ -25,19 +25,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from serving.config import ModelConfig
 from serving.forward_batch import ForwardBatch
 from serving.generate import StepRunner
 from serving.memory.pool import MemoryPool, PoolPlan
-from serving.models.loader import export_checkpoint, iter_tensors, load_weights, resolve_dtype
+from serving.models.loader import (
+    export_checkpoint,
+    load_weights,
+    resolve_dtype,
+    rewrite_checkpoint,
+)
 from serving.models.nextn import NextNDraft
 
 GEN_BATCH = 64  # sequences continued together (the target forwards over them: 16 at a time)
@@ -179,27 +181,11 @@ def train(
         if step % 50 == 0 or step == steps - 1:
             print(f"step {step}: loss {loss.item():.3f}", flush=True)
     train_s = time.perf_counter() - t1
-    raw = json.loads((Path(model_path) / "config.json").read_text())
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[raw.get("dtype", "float32")]
-    out_path = Path(out_dir)
-    if out_path.resolve() != Path(model_path).resolve():
-        shutil.copytree(model_path, out_path, dirs_exist_ok=True)
     for p in draft.parameters():
         p.requires_grad_(False)
-    new = export_checkpoint(config, target, draft)
     prefix = f"model.language_model.layers.{config.num_hidden_layers}."
-    tensors = {name: t for name, t in iter_tensors(model_path)}
-    for name, t in new.items():
-        if name.startswith(prefix):
-            tensors[name] = t.to(tensors[name].dtype if name in tensors else dtype)
-    for shard in out_path.glob("*.safetensors"):
-        shard.unlink()
-    (out_path / "model.safetensors.index.json").unlink(missing_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        str(out_path / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    new = export_checkpoint(config, target, draft)
+    rewrite_checkpoint(model_path, out_dir, {n: t for n, t in new.items() if n.startswith(prefix)})
     summary = {
         "first_loss": losses[0],
         "last_loss": sum(losses[-10:]) / min(10, len(losses)),

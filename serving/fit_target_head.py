@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from serving.config import ModelConfig
 from serving.generate import StepRunner
 from serving.models.glm5_next import Glm5NextForCausalLM
-from serving.models.loader import checkpoint_files, load_weights, resolve_dtype
+from serving.models.loader import (
+    checkpoint_files,
+    load_weights,
+    resolve_dtype,
+    rewrite_checkpoint,
+)
 
 CHAIN_TOKENS = 1000  # bench_spec and the tests draw prompt tokens from [0, 1000)
 # W is scaled so that the median top logit over the fitting positions is TOP_LOGIT (a constant
@@ -126,25 +128,6 @@ def ridge_head(
     return torch.linalg.solve(gram, sums.T).T.float()  # gram is symmetric
 
 
-def rewrite_tensors(model_path: str, out_dir: str, new: dict[str, torch.Tensor]) -> None:
-    """Copy model_path to out_dir with `new` tensors replaced (shards that hold none untouched)."""
-    src, out = Path(model_path), Path(out_dir)
-    if out.resolve() != src.resolve():
-        shutil.copytree(src, out, dirs_exist_ok=True)
-    for path in checkpoint_files(src):
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-            if not any(n in new for n in names):
-                continue
-            meta = f.metadata()
-            tensors = {n: new[n] if n in new else f.get_tensor(n) for n in names}
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()},
-            str(out / path.name),
-            metadata=meta or {"format": "pt"},
-        )
-
-
 def fit_head(
     model_path: str,
     out_dir: str,
@@ -209,7 +192,7 @@ def fit_head(
     head = torch.zeros(config.vocab_size, config.hidden_size, dtype=stored[names["lm_head.weight"]])
     head[:n] = w.cpu().to(head.dtype)
     new = {name: head.to(stored[d]) for name, d in names.items()}
-    rewrite_tensors(model_path, out_dir, new)
+    rewrite_checkpoint(model_path, out_dir, new)
     return {
         "chain_tokens": n,
         "fit_tokens": int(x.shape[0]),

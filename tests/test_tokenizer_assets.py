@@ -11,6 +11,7 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer
 
+from serving.chat import _raise_exception, _tojson
 from serving.tokenizer_build import (
     CHAT_TEMPLATE_PATH,
     SPECIAL_TOKENS,
@@ -97,22 +98,6 @@ TOOL_CONVERSATION_TURNS = (
 )
 
 SYSTEM_USER = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
 
 
 def _template(fromjson: bool = False, **options: Any) -> jinja2.Template:

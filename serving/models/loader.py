@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from serving.config import ModelConfig
 from serving.models.glm5_next import Glm5NextForCausalLM
@@ -92,6 +94,34 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def rewrite_checkpoint(model_dir: str | Path, out_dir: str | Path, new: dict[str, torch.Tensor]):
+    """Copy model_dir to out_dir (may be the same) with the `new` tensors replaced, each stored
+    in the dtype of the tensor it replaces; shards that hold none of them are left as they are."""
+    src, out = Path(model_dir), Path(out_dir)
+    shards = {}
+    for path in checkpoint_files(src):
+        with safe_open(str(path), framework="pt") as f:
+            shards[path] = list(f.keys())
+    missing = set(new) - {n for names in shards.values() for n in names}
+    if missing:
+        raise CheckpointError(f"not in {model_dir}: {sorted(missing)}")
+    if out.resolve() != src.resolve():
+        shutil.copytree(src, out, dirs_exist_ok=True)
+    for path, names in shards.items():
+        if not any(n in new for n in names):
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            tensors = {n: f.get_tensor(n) for n in names}
+        for n in set(names) & set(new):
+            tensors[n] = new[n].to(tensors[n].dtype)
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(out / path.name),
+            metadata=meta or {"format": "pt"},
+        )
 
 
 def _map_name(name: str, config: ModelConfig, load_draft: bool) -> tuple[str, Target] | None:
