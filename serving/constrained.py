@@ -21,9 +21,14 @@ if TYPE_CHECKING:
     import llguidance
 
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
-# Compact JSON: with flexible whitespace a model can pad forever. Lenient: keywords llguidance
-# does not implement (e.g. "format") are ignored rather than refused.
-JSON_OPTIONS = {"whitespace_flexible": False, "lenient": True}
+# Whitespace between JSON tokens: none, one space, or one newline plus at most 16 spaces of
+# indent. That admits compact JSON, json.dumps' ", " and ": " (how GLM writes tool arguments:
+# a grammar that forbids that spacing pushes a forced call off the model's own distribution)
+# and pretty-printing up to 8 levels of 2-space indent, while every gap stays bounded, so a
+# model cannot pad whitespace forever (llguidance's flexible default, [ \t\n\r]+, would let
+# it). Lenient: keywords llguidance does not implement (e.g. "format") are ignored, not refused.
+JSON_WHITESPACE = "(?:[ ]|\n[ ]{0,16})?"
+JSON_OPTIONS = {"whitespace_pattern": JSON_WHITESPACE, "lenient": True}
 
 
 def _llguidance():

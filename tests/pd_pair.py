@@ -17,7 +17,9 @@ from tests.server_proc import Server, free_port
 
 FAST_TIMEOUTS = {
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "4",
-    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "20",
+    # A hang guard, not a budget: under CI load a request queued behind others at prefill can
+    # wait long for its KV. Dead peers are caught by the heartbeat and bootstrap timeouts.
+    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "240",
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5",
     "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
     "PDSERVE_DISAGGREGATION_ABORT_ACK_TIMEOUT": "30",
@@ -64,7 +66,7 @@ class PDPair:
             "bootstrap_room": random.getrandbits(63) if room is None else room,
         }
 
-    def dispatch(self, path: str, body: dict, timeout: float = 60) -> tuple[httpx.Response, ...]:
+    def dispatch(self, path: str, body: dict, timeout: float = 300) -> tuple[httpx.Response, ...]:
         """POST to both; returns (decode response, prefill response)."""
         full = {**body, **self.bootstrap()}
         out: dict[str, httpx.Response] = {}

@@ -74,8 +74,8 @@ def test_pd_greedy_equals_single_worker_with_extra_slots(pair, single):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
-    assert [got[i]["output_ids"] for i in range(len(ps))] == expected
+        t.join(timeout=360)  # a hang guard; each request's own limit is dispatch's timeout
+    assert [got[i]["output_ids"] if i in got else None for i in range(len(ps))] == expected
     stats = pair.decode.stats()
     assert stats["total_rows"] == 12
     assert stats["peak_used_rows"] > 4, "rows beyond max_running_requests were never used"
@@ -158,8 +158,8 @@ def test_client_disconnect_while_transfer_pending_frees_after_ack(pair):
             for _ in r.iter_lines():
                 pass
     t0 = time.monotonic()
-    pair.decode.idle_pool(timeout=10)
-    assert time.monotonic() - t0 < 10  # the ack timeout is 30 s
+    pair.decode.idle_pool(timeout=25)
+    assert time.monotonic() - t0 < 25  # the ack timeout is 30 s
     pair.idle()
 
 
@@ -333,7 +333,7 @@ def test_pd_with_eagle_uses_rows_up_to_the_extra_slots(distilled_ckpt, tmp_path)
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=300)
+            t.join(timeout=360)  # a hang guard; each request's own limit is dispatch's timeout
         assert [got.get(i) for i in range(len(ps))] == expected
         stats = pd.decode.stats()
         assert stats["total_rows"] == 96

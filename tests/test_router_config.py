@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -94,24 +94,25 @@ def test_bad_flags_exit_with_one_line(argv, message, capsys):
 
 def test_router_imports_neither_torch_nor_the_engine_and_starts_fast():
     code = (
-        "import sys, time; t = time.perf_counter(); import router.launch_router; "
-        "print(time.perf_counter() - t); "
+        "import sys, time; t = time.process_time(); import router.launch_router; "
+        "print(time.process_time() - t); "
         "bad = [m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'serving', 'workers', 'kernels', 'fastapi', 'httpx')]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     seconds, bad = out.stdout.splitlines()
     assert bad == "[]"
-    assert float(seconds) < 1.0
+    assert float(seconds) < 1.0  # CPU seconds: a loaded machine does not inflate them
 
 
 def test_help_lists_sglang_flag_names():
-    t = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(
         [sys.executable, "-m", "router.launch_router", "--help"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    assert time.perf_counter() - t < 5
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) < 5
     for flag in ("--pd-disaggregation", "--prefill URL [BOOTSTRAP_PORT ...]", "--decode URL",
                  "--worker-urls", "--prefill-policy", "--request-timeout-secs",
                  "--health-check-interval-secs", "--retry-max-retries", "--queue-size",

