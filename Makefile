@@ -18,7 +18,7 @@ install: $(PY)
 	$(PY) -m pip install -q -e ".[test,cpu]"
 
 $(TINY)/config.json: | install
-	$(PY) -m serving.tiny_model $(TINY)
+	$(PY) -m serving.tools.tiny_model $(TINY)
 
 run: install $(TINY)/config.json
 	$(PY) deploy/launch_local.py $(ARGS)

@@ -115,7 +115,7 @@ def write_tiny() -> None:
     TINY.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="tiny-", dir=TINY.parent))
     try:
-        cmd = [sys.executable, "-m", "serving.tiny_model", str(scratch)]
+        cmd = [sys.executable, "-m", "serving.tools.tiny_model", str(scratch)]
         if subprocess.run(cmd).returncode != 0:
             raise StackError(f"could not write the tiny checkpoint to {TINY}")
         try:

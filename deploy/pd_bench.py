@@ -1,6 +1,6 @@
 """Time per output token through the whole PD stack: prefill + decode + router as real
-processes (Mooncake over loopback TCP), loaded by serving.bench_serving through the router, for
-one or more sets of worker flags (e.g. without and with EAGLE).
+processes (Mooncake over loopback TCP), loaded by serving.tools.bench_serving through the
+router, for one or more sets of worker flags (e.g. without and with EAGLE).
 
     # a bare CUDA machine, with .whl/ filled by deploy/gpu_wheels.sh:
     python3 deploy/pd_bench.py --wheels .whl --build-checkpoint /tmp/bench --preset bench \\
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--build-checkpoint",
         type=Path,
         metavar="DIR",
-        help="write serving.tiny_model's --preset checkpoint here (kept if DIR has one)",
+        help="write serving.tools.tiny_model's --preset checkpoint here (kept if DIR has one)",
     )
     ap.add_argument("--preset", default="bench", help="for --build-checkpoint (tiny | bench)")
     ap.add_argument("--build-device", default="cuda", help="for --build-checkpoint")
@@ -188,7 +188,7 @@ def checkpoint(args: argparse.Namespace) -> Path:
     out = args.build_checkpoint.resolve()
     if not (out / "config.json").is_file():
         t0 = time.monotonic()
-        cmd = [sys.executable, "-m", "serving.tiny_model", str(out), "--preset", args.preset]
+        cmd = [sys.executable, "-m", "serving.tools.tiny_model", str(out), "--preset", args.preset]
         subprocess.run([*cmd, "--device", args.build_device], check=True)
         print(f"checkpoint written in {time.monotonic() - t0:.1f} s", flush=True)
     return out
@@ -204,7 +204,7 @@ def environment() -> dict:
 
 
 def run_bench(args: argparse.Namespace, url: str, concurrency: int, requests: int) -> dict:
-    cmd = [sys.executable, "-m", "serving.bench_serving", "--url", url]
+    cmd = [sys.executable, "-m", "serving.tools.bench_serving", "--url", url]
     cmd += ["--concurrency", str(concurrency), "--requests", str(requests)]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     try:

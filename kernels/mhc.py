@@ -30,7 +30,7 @@ def mhc_mix(
     mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if mix.is_cuda:
-        from kernels.triton_mhc import mhc_mix_triton
+        from kernels.triton.mhc import mhc_mix_triton
 
         return mhc_mix_triton(mix, base, scale, hc, iters, eps)
     return mhc_mix_reference(mix, base, scale, hc, iters, eps)

@@ -37,7 +37,7 @@ from router.metrics import RouterMetrics
 from router.upstream import UpstreamError
 from router.workers import Worker, WorkerRegistry
 
-logger = logging.getLogger("router")
+log = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
 WATCH_AFTER_S = 0.05  # a request over sooner never needs a disconnect watcher
@@ -125,7 +125,7 @@ class RouterApp:
             if hasattr(task, "uncancel"):
                 task.uncancel()  # type: ignore[union-attr]
         except Exception as e:  # a bug here: the client still gets one clean error
-            logger.exception("%s failed", route)
+            log.exception("%s failed", route)
             message = f"router error: {type(e).__name__}: {e}"
             if not client.started:
                 await client.error(500, message)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         start_http_server(config.prometheus_port, config.prometheus_host, app.metrics.registry)
     mode = "PD" if config.pd_disaggregation else "plain"
     workers = ", ".join(f"{w.role} {w.url}" for w in app.registry.workers)
-    logging.getLogger("router").info("%s mode, workers: %s", mode, workers)
+    logging.getLogger(__name__).info("%s mode, workers: %s", mode, workers)
     uv = uvicorn.Config(
         app,
         host=config.host,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from router.config import RouterConfig, check_url
 from router.upstream import Aborted, ConnectError, Pool, Response
 
-logger = logging.getLogger("router")
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "regular")
 
@@ -93,9 +93,9 @@ class Worker:
         self.healthy = healthy
         if healthy:
             self.ever_healthy = True
-            logger.info("%s worker %s is healthy", self.role, self.url)
+            log.info("%s worker %s is healthy", self.role, self.url)
         else:
-            logger.warning("%s worker %s left rotation: %s", self.role, self.url, error)
+            log.warning("%s worker %s left rotation: %s", self.role, self.url, error)
         self.on_change(self)
 
 

@@ -88,6 +88,12 @@ class ModelConfig:
         return [i for i in self.dsa_layers if self.indexer_types[i] == "full"]
 
     @property
+    def draft_layer_types(self) -> dict[int, str]:
+        """The NextN draft's one layer: a DSA layer with its own indexer, numbered after the
+        target's layers (its index in the checkpoint and in the draft's caches)."""
+        return {self.num_hidden_layers: DSA}
+
+    @property
     def index_select_pools(self) -> int:
         return self.index_topk // self.index_kpool
 

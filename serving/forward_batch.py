@@ -25,7 +25,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # the request table (position -> KV slot per row)
     max_seq_len: int  # bound on start + len over the batch (static under CUDA graphs)
     # Speculative verify: KDA layers record {layer: [conv inputs, per-position states]} here so
-    # the state after the last accepted token can be restored (serving/speculative.py).
+    # the state after the last accepted token can be restored (serving/speculative/eagle.py).
     starts_cpu: list[int]
     lens_cpu: list[int]
     kda_history: dict[int, list[torch.Tensor]] | None = None

@@ -21,14 +21,14 @@ from serving.server_args import ArgsError, ServerArgs
 def main(argv: list[str] | None = None) -> None:
     args = ServerArgs.from_cli(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s front %(levelname)s %(message)s"
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         args.validate()
         args.validate_for_model(ModelConfig.from_pretrained(args.model_path))
-        from serving.engine_client import EngineClient, EngineUnavailable
-        from serving.http_server import create_app, serve
-        from serving.scheduler_process import run_scheduler
+        from serving.engine.scheduler_process import run_scheduler
+        from serving.front.engine_client import EngineClient, EngineUnavailable
+        from serving.front.http_server import create_app, serve
 
         ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
         to_scheduler, to_front = f"ipc://{ipc_dir}/scheduler", f"ipc://{ipc_dir}/front"

@@ -10,7 +10,7 @@ sampled and exactly one message with `finished=True` per rid, aborted or not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 SHUTDOWN = "shutdown"  # front -> scheduler: finish up and exit
 # SGLang's bootstrap_host for a PD request that runs on one worker alone (health probes).
@@ -38,7 +38,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    # At most one output constraint (serving/constrained.py): a JSON schema, a regex, or a
+    # At most one output constraint (serving/executor/constrained.py): a JSON schema, a regex, or a
     # grammar in GBNF or llguidance's Lark dialect.
     json_schema: str | None = None
     regex: str | None = None
@@ -103,14 +103,44 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a sequence ended.
+
+    stop: a stop token (matched = its id), a stop string (matched = the string) or a completed
+    grammar (matched = None); length: max_new_tokens or the context; abort: the request failed or
+    was cancelled, `status` is the HTTP status the front answers with and `message` says why."""
+
+    kind: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    status: int = 200
+    message: str = ""
+
+    @classmethod
+    def stop(cls, matched: int | str | None = None) -> FinishReason:
+        return cls("stop", matched)
+
+    @classmethod
+    def length(cls) -> FinishReason:
+        return cls("length")
+
+    @classmethod
+    def abort(cls, message: str, status: int) -> FinishReason:
+        return cls("abort", status=status, message=message)
+
+    def to_json(self) -> dict[str, Any]:
+        """SGLang's meta_info.finish_reason."""
+        if self.kind == "abort":
+            return {"type": "abort", "message": self.message, "status_code": self.status}
+        return {"type": self.kind, "matched": self.matched}
+
+
 @dataclass
 class SequenceOutput:
     rid: str
     new_token_ids: list[int]
     finished: bool = False
-    # {"type": "stop" | "length" | "abort", "matched": int | str | None,
-    #  and for aborts "message": str, "status": int (the HTTP status the front answers with)}
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

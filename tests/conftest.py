@@ -8,9 +8,9 @@ DISTILL_PROMPT_LEN = 16
 @pytest.fixture(scope="session")
 def distilled_ckpt(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with its lm_head refitted to a synthetic Markov language
-    (serving/fit_target_head.py) and its NextN draft distilled on that target's greedy choices
+    (serving/tools/fit_target_head.py) and its NextN draft distilled on that target's greedy choices
     after random prompts: drafts are accepted on prompts the draft never saw."""
-    from serving.distill_nextn import train
+    from serving.tools.distill_nextn import train
 
     out = tmp_path_factory.mktemp("distilled")
     summary = train(
@@ -34,7 +34,7 @@ def distilled_ckpt(tiny_ckpt, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """The project's tiny default checkpoint, written once per test session."""
-    from serving.tiny_model import write_checkpoint
+    from serving.tools.tiny_model import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("tiny"))
 
@@ -60,7 +60,7 @@ def model_dir(tmp_path_factory):
     """A checkpoint folder with the tiny tokenizer and a config, no weights: for the HTTP front."""
     import json
 
-    from serving.tokenizer_build import write_tokenizer_files
+    from serving.tools.tokenizer_build import write_tokenizer_files
 
     out = tmp_path_factory.mktemp("front")
     write_tokenizer_files(out)

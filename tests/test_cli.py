@@ -83,23 +83,30 @@ def test_sigterm_drains_and_leaves_no_orphan(tiny_ckpt, tmp_path):
     srv = Server(tiny_ckpt, log_dir=tmp_path)
     children = srv.children()
     assert children, "the scheduler process should be a child of the front"
-    got: dict[str, object] = {}
+    got: dict[str, object] = {"lines": []}
+    streaming = threading.Event()
 
     def stream() -> None:
         body = {
             "input_ids": [5] * 20,
             "stream": True,
-            "sampling_params": {"max_new_tokens": 100000 // 1000, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": 24, "ignore_eos": True},
         }
         try:
             with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
-                got["lines"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+                for ln in r.iter_lines():
+                    if ln.startswith("data: "):
+                        got["lines"].append(ln)
+                        streaming.set()
         except httpx.HTTPError as exc:
             got["error"] = exc
+        streaming.set()
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(0.3)
+    # SIGTERM while the stream is running (not before it started); the rest of its 24 tokens
+    # fits in the drain window even on a loaded machine
+    assert streaming.wait(timeout=60)
     assert srv.stop() == 0
     t.join(timeout=30)
     lines = got.get("lines", [])

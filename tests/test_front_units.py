@@ -12,20 +12,25 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from serving.api.errors import describe_validation_errors
-from serving.chat import ChatTemplate, ChatTemplateError, load_chat_template, read_chat_template
-from serving.detokenizer import (
+from serving.front.api.errors import describe_validation_errors
+from serving.front.chat import (
+    ChatTemplate,
+    ChatTemplateError,
+    load_chat_template,
+    read_chat_template,
+)
+from serving.front.detokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
     StreamingText,
     partial_stop_len,
     trim_at_stop,
 )
-from serving.engine_client import EngineClient
-from serving.http_server import create_app
-from serving.protocol import GenerateRequest, SchedulerReady, SequenceOutput
+from serving.front.engine_client import EngineClient
+from serving.front.http_server import create_app
+from serving.protocol import FinishReason, GenerateRequest, SchedulerReady, SequenceOutput
 from serving.server_args import ArgsError, ServerArgs
-from serving.tokenizer_build import CHAT_TEMPLATE_PATH
+from serving.tools.tokenizer_build import CHAT_TEMPLATE_PATH
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Using `httpx` with `starlette.testclient`")
@@ -122,9 +127,9 @@ def _simulate(
     for n, token_id in enumerate(ids, 1):
         decoded = tokenizer.decode(ids[:n])
         matched = next((s for s in stop if s in decoded), None)
-        reason = None if matched is None else {"type": "stop", "matched": matched}
+        reason = None if matched is None else FinishReason.stop(matched)
         if reason is None and n == len(ids):
-            reason = {"type": "length", "matched": None}
+            reason = FinishReason.length()
         deltas.append(stream.push([token_id], reason))
         if reason is not None:
             break
@@ -157,7 +162,7 @@ def test_streaming_holds_back_a_possible_stop_prefix(tokenizer: Tokenizer) -> No
     stream = StreamingText(IncrementalDetokenizer(tokenizer), ["ENDING"])
     text = "".join(stream.push([i]) for i in ids)
     assert text == "ab "  # "END" may still become "ENDING"
-    assert stream.push([], {"type": "length", "matched": None}) == "END"
+    assert stream.push([], FinishReason.length()) == "END"
 
 
 def test_no_stop_trim_keeps_the_stop_string(tokenizer: Tokenizer) -> None:
@@ -168,13 +173,13 @@ def test_no_stop_trim_keeps_the_stop_string(tokenizer: Tokenizer) -> None:
 def test_non_streaming_trim(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("one two. three", add_special_tokens=False).ids
     stream = StreamingText(IncrementalDetokenizer(tokenizer), ["two"])
-    assert stream.push(ids, {"type": "stop", "matched": "two"}) == "one "
+    assert stream.push(ids, FinishReason.stop("two")) == "one "
 
 
 def test_matched_stop_token_is_trimmed(tokenizer: Tokenizer) -> None:
     eos = tokenizer.token_to_id("<|endoftext|>")
     ids = tokenizer.encode("hi", add_special_tokens=False).ids + [eos]
-    reason = {"type": "stop", "matched": eos}
+    reason = FinishReason.stop(eos)
     kept = StreamingText(IncrementalDetokenizer(tokenizer, False))
     assert kept.push(ids, reason) == "hi"
     untrimmed = StreamingText(IncrementalDetokenizer(tokenizer, False), no_stop_trim=True)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from serving.config import ModelConfig
-from serving.generate import StepRunner
+from serving.engine.scheduler_process import build_engine
 from serving.models.loader import load_weights
 from serving.protocol import GenerateRequest, SamplingParams
-from serving.scheduler_process import build_engine
 from serving.server_args import ServerArgs
+from serving.tools.generate import StepRunner
 from tests.hf_oracle import build_oracle, text_config
 from tests.server_proc import eagle_flags
 
@@ -119,7 +119,7 @@ def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, steps):
 
 def test_triton_mhc_mix_matches_reference():
     from kernels.mhc import mhc_mix_reference
-    from kernels.triton_mhc import mhc_mix_triton
+    from kernels.triton.mhc import mhc_mix_triton
 
     for hc, n in ((4, 1), (4, 300), (3, 17)):
         mix = torch.randn(n, (2 + hc) * hc, device="cuda")

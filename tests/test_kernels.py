@@ -6,8 +6,8 @@ import torch
 
 from kernels import indexer, kda, sparse_mla
 from serving.config import ModelConfig
-from serving.generate import StepRunner
 from serving.models.loader import load_weights
+from serving.tools.generate import StepRunner
 
 
 def test_ties_pick_the_lowest_pool_index():

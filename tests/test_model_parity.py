@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from serving.config import ModelConfig
-from serving.generate import StepRunner
 from serving.models.loader import load_weights
+from serving.tools.generate import StepRunner
 from tests.hf_oracle import build_oracle, oracle_logits, text_config
 
 pytest.importorskip("transformers")

@@ -10,11 +10,11 @@ import torch
 
 from serving.config import ModelConfig
 from serving.forward_batch import ForwardBatch
-from serving.generate import StepRunner
 from serving.memory.cache import allocate_model_cache
 from serving.models.loader import load_weights
 from serving.models.nextn import NextNDraft
-from serving.tiny_model import write_checkpoint
+from serving.tools.generate import StepRunner
+from serving.tools.tiny_model import write_checkpoint
 
 
 def _digest(path) -> str:
@@ -54,7 +54,7 @@ def _run_draft(config, target, draft, tokens, hidden):
         torch.float32,
         "cpu",
         layers=[config.num_hidden_layers],
-        layer_types=NextNDraft.layer_types(config),
+        layer_types=config.draft_layer_types,
     )
     batch = ForwardBatch.build(tokens, [1], [0], [len(tokens)], req_to_token, logits="all")
     return draft(target, batch, hidden, cache)
@@ -82,7 +82,7 @@ def test_generate_cli_runs_on_tiny(tiny_ckpt):
         [
             sys.executable,
             "-m",
-            "serving.generate",
+            "serving.tools.generate",
             "--model-path",
             str(tiny_ckpt),
             "--prompt",

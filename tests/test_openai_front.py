@@ -20,9 +20,15 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from serving.engine_client import EngineClient
-from serving.http_server import create_app
-from serving.protocol import GenerateRequest, SchedulerReady, SequenceOutput, TokenLogprob
+from serving.front.engine_client import EngineClient
+from serving.front.http_server import create_app
+from serving.protocol import (
+    FinishReason,
+    GenerateRequest,
+    SchedulerReady,
+    SequenceOutput,
+    TokenLogprob,
+)
 from serving.server_args import ServerArgs
 
 with warnings.catch_warnings():
@@ -106,13 +112,13 @@ class ScriptedEngine(EngineClient):
             stop = next((s for s in req.sampling.stop if s in text), None)
             reason = None
             if self.refusal is not None:
-                reason = {"type": "abort", "status": 400, "message": self.refusal}
+                reason = FinishReason.abort(self.refusal, 400)
             elif token == self.eos:
-                reason = {"type": "stop", "matched": token}
+                reason = FinishReason.stop(token)
             elif stop is not None:
-                reason = {"type": "stop", "matched": stop}
+                reason = FinishReason.stop(stop)
             elif i == len(ids) - 1:
-                reason = {"type": "length", "matched": None}
+                reason = FinishReason.length()
             logprobs = None
             if req.return_logprob:
                 top = [(token, -0.25), (token + 1, -2.0)][: req.top_logprobs_num]

@@ -19,7 +19,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
-from serving.chat import ChatTemplate, load_chat_template
+from serving.front.chat import ChatTemplate, load_chat_template
 from tests.scripted_checkpoint import script_ids, write_scripted_checkpoint
 from tests.server_proc import Server
 

@@ -16,22 +16,22 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from serving.api.chat_output import ChatOutputParser, parse_reply
-from serving.api.errors import APIError
-from serving.api.reasoning import prompt_opens_reasoning
-from serving.api.structured_output import (
+from serving.executor.constrained import GrammarError, grammar_of, load_tokenizer
+from serving.executor.sampler import Sampler, SamplingState
+from serving.front.api.chat_output import ChatOutputParser, parse_reply
+from serving.front.api.errors import APIError
+from serving.front.api.reasoning import prompt_opens_reasoning
+from serving.front.api.structured_output import (
     Constraint,
     GlmTokens,
     after_reasoning,
     forced_tool_calls,
     requested_constraint,
 )
-from serving.api.tool_calls import merge_tool_call_deltas, typed_value
-from serving.chat import ChatTemplate
-from serving.constrained import GrammarError, grammar_of, load_tokenizer
-from serving.protocol import SamplingParams
-from serving.sampler import Sampler, SamplingState
-from serving.tokenizer_build import CHAT_TEMPLATE_PATH, write_tokenizer_files
+from serving.front.api.tool_calls import merge_tool_call_deltas, typed_value
+from serving.front.chat import ChatTemplate
+from serving.protocol import FinishReason, SamplingParams
+from serving.tools.tokenizer_build import CHAT_TEMPLATE_PATH, write_tokenizer_files
 
 TOOLS = [
     {
@@ -308,7 +308,7 @@ def test_sampler_follows_a_json_schema(
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, json_schema=json.dumps(schema))
         ids, reason = _decode_constrained(params, tokenizer_file, eos)
-        assert reason == {"type": "stop", "matched": None}
+        assert reason == FinishReason.stop()
         value = json.loads(tokenizer.decode(ids))
         assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
 
@@ -326,7 +326,7 @@ def test_sampler_forces_tool_call_markup(
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, ebnf=forced.text)
         ids, reason = _decode_constrained(params, tokenizer_file, eos)
-        assert reason == {"type": "stop", "matched": None}
+        assert reason == FinishReason.stop()
         reply = parse_reply(tokenizer.decode(ids, skip_special_tokens=False), False, False, tools)
         (call,) = reply.tool_calls
         arguments = json.loads(call["function"]["arguments"])

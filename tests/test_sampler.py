@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
+from serving.executor.sampler import Sampler, SamplingState, apply_penalties, make_generator
 from serving.protocol import SamplingParams
-from serving.sampler import Sampler, SamplingState, apply_penalties, make_generator
 
 EOS = 5
 # chi-square critical values at p = 1e-3 by degrees of freedom

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving import scheduler as scheduler_mod
 from serving.config import ModelConfig
-from serving.generate import StepRunner
+from serving.engine import scheduler as scheduler_mod
+from serving.engine.scheduler_process import build_engine
 from serving.models.loader import load_weights
-from serving.protocol import GenerateRequest, SamplingParams
-from serving.scheduler_process import build_engine
+from serving.protocol import FinishReason, GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
+from serving.tools.generate import StepRunner
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +78,7 @@ def test_batched_greedy_equals_model_alone(tiny_ckpt, reference):
     got = run(engine(tiny_ckpt), [greedy(f"r{i}", p, 12) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         assert got[f"r{i}"][0] == reference(p, 12)
-        assert got[f"r{i}"][1]["type"] == "length"
+        assert got[f"r{i}"][1].kind == "length"
 
 
 def test_chunked_prefill_gives_same_tokens(tiny_ckpt):
@@ -109,7 +109,7 @@ def test_abort_frees_at_once(tiny_ckpt):
     sched.step()
     sched.abort("a")
     outs = sched.step()
-    assert any(o.rid == "a" and o.finished and o.finish_reason["type"] == "abort" for o in outs)
+    assert any(o.rid == "a" and o.finished and o.finish_reason.kind == "abort" for o in outs)
     sched.check_invariants()
     run(sched, [])
 
@@ -120,9 +120,9 @@ def test_rejections_are_immediate(tiny_ckpt):
         sched,
         [greedy("empty", [], 4), greedy("long", list(range(60)), 10), greedy("zero", [1, 2], 0)],
     )
-    assert got["empty"][1]["status"] == 400
-    assert "context length" in got["long"][1]["message"]
-    assert got["zero"] == ([], {"type": "length", "matched": None})
+    assert got["empty"][1].status == 400
+    assert "context length" in got["long"][1].message
+    assert got["zero"] == ([], FinishReason.length())
 
 
 def test_stop_conditions(tiny_ckpt, reference):
@@ -130,4 +130,4 @@ def test_stop_conditions(tiny_ckpt, reference):
     free = reference(p, 10)
     sched = engine(tiny_ckpt)
     got = run(sched, [greedy("tok", p, 10, stop_token_ids=[free[3]])])
-    assert got["tok"] == (free[: free.index(free[3]) + 1], {"type": "stop", "matched": free[3]})
+    assert got["tok"] == (free[: free.index(free[3]) + 1], FinishReason.stop(free[3]))

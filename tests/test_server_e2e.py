@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from serving.config import ModelConfig
-from serving.generate import StepRunner
 from serving.models.loader import load_weights
+from serving.tools.generate import StepRunner
 from tests.server_proc import Server
 
 CONTEXT = 256

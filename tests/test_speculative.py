@@ -1,10 +1,11 @@
 """EAGLE speculative decoding with the NextN draft (in-process scheduler, tiny checkpoint).
 
 The checkpoint's target speaks a synthetic first-order language (its lm_head refitted by
-serving/fit_target_head.py) and its draft is distilled on that target (serving/distill_nextn.py
---fit-target-head), so drafts are accepted on prompts the draft never saw: accepted runs,
-rejections and kpool boundaries inside verify chunks are all exercised. Greedy output must equal
-plain decoding token for token; sampled output must follow the same distribution.
+serving/tools/fit_target_head.py) and its draft is distilled on that target
+(serving/tools/distill_nextn.py --fit-target-head), so drafts are accepted on prompts the draft
+never saw: accepted runs, rejections and kpool boundaries inside verify chunks are all exercised.
+Greedy output must equal plain decoding token for token; sampled output must follow the same
+distribution.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving import scheduler as scheduler_mod
-from serving.distill_nextn import training_prompts
+from serving.engine import scheduler as scheduler_mod
+from serving.engine.scheduler_process import build_engine
 from serving.protocol import GenerateRequest, SamplingParams
-from serving.scheduler_process import build_engine
 from serving.server_args import ServerArgs
-from serving.speculative import Eagle
+from serving.speculative.eagle import Eagle
+from serving.tools.distill_nextn import training_prompts
 from tests.conftest import DISTILL_PROMPT_LEN as PROMPT_LEN
 from tests.server_proc import eagle_flags
 

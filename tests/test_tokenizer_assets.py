@@ -11,8 +11,8 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer
 
-from serving.chat import _raise_exception, _tojson
-from serving.tokenizer_build import (
+from serving.front.chat import _raise_exception, _tojson
+from serving.tools.tokenizer_build import (
     CHAT_TEMPLATE_PATH,
     SPECIAL_TOKENS,
     build_tokenizer,
@@ -135,7 +135,7 @@ def test_build_is_deterministic(tokenizer: Tokenizer) -> None:
     assert build_tokenizer(VOCAB_SIZE).to_str() == tokenizer.to_str()
     # A fresh single-threaded process gets new hash seeds and another split of the training work.
     script = (
-        "import sys; from serving.tokenizer_build import build_tokenizer; "
+        "import sys; from serving.tools.tokenizer_build import build_tokenizer; "
         f"sys.stdout.write(build_tokenizer({VOCAB_SIZE}).to_str())"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "RAYON_NUM_THREADS": "1"}

@@ -21,17 +21,17 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from serving.engine.request import Req, Role
 from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, TokenLogprob
-from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint
-from workers.messages import KVPoll, advance
+from workers.messages import Abort, AbortAck, Destination, KVPoll, Register, Status, advance
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
 
-log = logging.getLogger("pdserve.decode")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,20 +128,20 @@ class DecodeRole(Role):
         if request.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self.scheduler.add(request)  # local prefill + decode (health checks)
             return
-        req = self.scheduler.make_req(request)
         room = request.bootstrap_room
+        fail = self.scheduler.fail_request
         if room is None or not request.bootstrap_host:
-            return self.scheduler.reject(
-                req,
-                "bootstrap_host and bootstrap_room are required in "
-                "PD mode (send requests through the router)",
-                400,
+            message = (
+                "bootstrap_host and bootstrap_room are required in PD mode "
+                "(send requests through the router)"
             )
+            return fail(request, message, 400)
         if room in self.transfers:
-            return self.scheduler.reject(req, f"bootstrap_room {room} is already in use", 400)
-        problem = self.scheduler.admission_problem(req)
+            return fail(request, f"bootstrap_room {room} is already in use", 400)
+        problem = self.scheduler.admission_problem(request)
         if problem is not None:
-            return self.scheduler.reject(req, problem, 400)
+            return fail(request, problem, 400)
+        req = self.scheduler.make_req(request)
         port = request.bootstrap_port or self.args.disaggregation_bootstrap_port
         addr = f"{request.bootstrap_host}:{port}"
         t = Transfer(
@@ -165,9 +165,13 @@ class DecodeRole(Role):
     def poll(self) -> None:
         self._directory_events()
         for msg in self.endpoint.receive():
-            handler = getattr(self, "_on_" + msg["kind"], None)
-            if handler is not None:
-                handler(msg)
+            match msg:
+                case Status():
+                    self._on_status(msg)
+                case AbortAck():
+                    self._on_abort_ack(msg)
+                case _:
+                    log.warning("unexpected control message at decode: %s", msg)
         self._preallocate()
         self._commit()
         now = time.monotonic()
@@ -250,19 +254,16 @@ class DecodeRole(Role):
             info = self.prefills[t.bootstrap]
             t.rank = info["rank"]
             if t.rank not in self.registered:
-                self.endpoint.send(
-                    t.rank,
-                    "register",
+                register = Register(
                     session=self.endpoint.engine.session_id,
                     decode_addr=self.endpoint.addr,
                     page_addrs=[b.addr for b in self.endpoint.page_buffers],
                     row_addrs=[b.addr for b in self.endpoint.row_buffers],
                     layout=self.endpoint.layout,
                 )
+                self.endpoint.send(t.rank, register)
                 self.registered.add(t.rank)
-            self.endpoint.send(
-                t.rank,
-                "dest",
+            dest = Destination(
                 room=t.room,
                 session=self.endpoint.engine.session_id,
                 decode_addr=self.endpoint.addr,
@@ -270,25 +271,26 @@ class DecodeRole(Role):
                 row=row,
                 prompt_len=n,
             )
+            self.endpoint.send(t.rank, dest)
             t.state = advance(t.state, KVPoll.Transferring)
             t.deadline = time.monotonic() + self.timeouts.waiting
 
-    def _on_status(self, msg: dict) -> None:
-        t = self.transfers.get(msg["room"])
+    def _on_status(self, msg: Status) -> None:
+        t = self.transfers.get(msg.room)
         if t is None:
             return
-        if msg["status"] == KVPoll.Success:
+        if msg.status == KVPoll.Success:
             t.state = advance(t.state, KVPoll.Success)
         else:
             self._fail(
                 t,
-                f"prefill failed the handoff: {msg.get('message') or 'no reason'}",
+                f"prefill failed the handoff: {msg.message or 'no reason'}",
                 502,
                 prefill_gone=True,
             )
 
-    def _on_abort_ack(self, msg: dict) -> None:
-        q = self.quarantine.pop(msg["room"], None)
+    def _on_abort_ack(self, msg: AbortAck) -> None:
+        q = self.quarantine.pop(msg.room, None)
         if q is not None:
             self._free(q.holder)
 
@@ -336,7 +338,7 @@ class DecodeRole(Role):
             exposed = t.state >= KVPoll.Transferring and not prefill_gone
             if exposed:
                 if tell_prefill and t.rank is not None:
-                    self.endpoint.send(t.rank, "abort", room=t.room, decode_addr=self.endpoint.addr)
+                    self.endpoint.send(t.rank, Abort(t.room, self.endpoint.addr))
                 holder = Req(
                     f"{req.rid}#quarantined", [], req.sampling, row=req.row, pages=list(req.pages)
                 )
@@ -344,7 +346,9 @@ class DecodeRole(Role):
                     holder, t.rank, time.monotonic() + self.timeouts.abort_ack
                 )
                 req.row, req.pages = None, []
-        self.scheduler.reject(req, message, status)
+            else:
+                self._free(req)
+        self.scheduler.fail_request(req, message, status)
 
     def _free(self, holder: Req) -> None:
         self.scheduler.pool.free_pages(holder.pages)

@@ -37,7 +37,7 @@ class KVEndpoint:
             total / 2**20,
         )
 
-    def send(self, addr: str, kind: str, **fields) -> None:
+    def send(self, addr: str, msg: messages.ControlMessage) -> None:
         sock = self._push.get(addr)
         if sock is None:
             sock = self.ctx.socket(zmq.PUSH)
@@ -46,11 +46,11 @@ class KVEndpoint:
             sock.connect(f"tcp://{addr}")
             self._push[addr] = sock
         try:
-            sock.send(messages.encode(kind, **fields))
+            sock.send(messages.encode(msg))
         except zmq.Again:
-            log.warning("control message %s to %s timed out", kind, addr)
+            log.warning("control message %s to %s timed out", type(msg).__name__, addr)
 
-    def receive(self) -> list[dict]:
+    def receive(self) -> list[messages.ControlMessage]:
         out = []
         while True:
             try:

@@ -1,19 +1,22 @@
-"""The worker-to-worker control plane: KVPoll states and the JSON messages on ZMQ.
+"""The worker-to-worker control plane: KVPoll states and the typed messages on ZMQ.
 
-decode -> prefill   register  {session, decode_addr, page_addrs, row_addrs, layout}
-decode -> prefill   dest      {room, session, decode_addr, pages, row, prompt_len}
-decode -> prefill   abort     {room, decode_addr}
-prefill -> decode   status    {room, status, message}     status: KVPoll.Success / Failed
-prefill -> decode   abort_ack {room}
+decode -> prefill   Register     once per prefill rank: session, buffer addresses, layout
+decode -> prefill   Destination  per request: where its pages, state rows and aux row go
+decode -> prefill   Abort        the request ended at decode; prefill answers AbortAck
+prefill -> decode   Status       KVPoll.Success (everything landed) or KVPoll.Failed
+prefill -> decode   AbortAck     nothing of the room is in flight any more
 
-JSON, not pickle: these cross hosts, and a peer must never be able to run code here.
+The codec (encode/decode) is the only place that knows the wire form: JSON objects with a
+"kind", not pickle, since these cross hosts and a peer must never be able to run code here.
+decode() checks every field's name and type, so a handler never sees a malformed message.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
-from typing import Any
+from dataclasses import dataclass
 
 
 class KVPoll(enum.IntEnum):
@@ -34,12 +37,86 @@ def advance(current: KVPoll, new: KVPoll) -> KVPoll:
     return max(current, new)
 
 
-def encode(kind: str, **fields: Any) -> bytes:
-    return json.dumps({"kind": kind, **fields}, separators=(",", ":")).encode()
+@dataclass(frozen=True)
+class Register:
+    session: str  # the decode side's Mooncake session id
+    decode_addr: str  # its control socket, host:port
+    page_addrs: list[int]  # base address of every page buffer, in layout order
+    row_addrs: list[int]  # base address of every request-row buffer, in layout order
+    layout: list[list]  # [name, bytes per item] of every buffer (kv_layout.layout)
 
 
-def decode(raw: bytes) -> dict[str, Any]:
-    msg = json.loads(raw)
-    if not isinstance(msg, dict) or "kind" not in msg:
-        raise ValueError("control message without a kind")
-    return msg
+@dataclass(frozen=True)
+class Destination:
+    room: int
+    session: str
+    decode_addr: str
+    pages: list[int]
+    row: int
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    room: int
+    decode_addr: str
+
+
+@dataclass(frozen=True)
+class Status:
+    room: int
+    status: int  # KVPoll.Success or KVPoll.Failed
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class AbortAck:
+    room: int
+
+
+ControlMessage = Register | Destination | Abort | Status | AbortAck
+_KINDS: dict[str, type] = {
+    "register": Register,
+    "dest": Destination,
+    "abort": Abort,
+    "status": Status,
+    "abort_ack": AbortAck,
+}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
+_CHECKS = {"int": int, "str": str, "list[int]": list, "list[list]": list}
+
+
+def encode(msg: ControlMessage) -> bytes:
+    body = {"kind": _KIND_OF[type(msg)], **dataclasses.asdict(msg)}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> ControlMessage:
+    """The message in `raw`; ValueError naming what is wrong with it."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    kind = body.pop("kind", None)
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"unknown kind {kind!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if unknown := set(body) - set(fields):
+        raise ValueError(f"{kind}: unknown fields {sorted(unknown)}")
+    for name, f in fields.items():
+        if name not in body:
+            if f.default is dataclasses.MISSING:
+                raise ValueError(f"{kind}: missing field {name}")
+            continue
+        want = _CHECKS[f.type]
+        value = body[name]
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise ValueError(f"{kind}.{name}: expected {f.type}, got {type(value).__name__}")
+        if f.type == "list[int]" and not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ValueError(f"{kind}.{name}: expected a list of integers")
+    return cls(**body)

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from serving.engine.request import Req, Role
 from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams
-from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import (
@@ -33,11 +33,11 @@ from workers.kv_layout import (
     page_writes,
     row_writes,
 )
-from workers.messages import KVPoll, advance
+from workers.messages import Abort, AbortAck, Destination, KVPoll, Register, Status, advance
 from workers.timeouts import Timeouts
 from workers.transfer_engine import TransferError, advertise_host
 
-log = logging.getLogger("pdserve.prefill")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Room:
     request: GenerateRequest
     deadline: float
     state: KVPoll = KVPoll.Bootstrapping
-    dest: dict | None = None
+    dest: Destination | None = None
     req: Req | None = None
     sent_pages: int = 0
     in_flight: int = 0  # transfer jobs queued or running
@@ -97,7 +97,9 @@ class PrefillRole(Role):
         self.timeouts = Timeouts.from_env()
         self.rooms: dict[int, Room] = {}
         self.by_rid: dict[str, int] = {}
-        self.early_dest: dict[int, tuple[float, dict]] = {}  # dest that beat the HTTP request
+        self.early_dest: dict[
+            int, tuple[float, Destination]
+        ] = {}  # dest that beat the HTTP request
         self.peers: dict[str, Peer] = {}
         self.to_ship: list[tuple[int, bool]] = []  # (room, final) recorded during the step
 
@@ -153,17 +155,18 @@ class PrefillRole(Role):
             return
         room = request.bootstrap_room
         if room is None:
-            return self._refuse(request, "bootstrap_room is required in PD mode", 400)
+            return self.scheduler.fail_request(
+                request, "bootstrap_room is required in PD mode", 400
+            )
         if room in self.rooms:
-            return self._refuse(request, f"bootstrap_room {room} is already in use", 400)
+            return self.scheduler.fail_request(
+                request, f"bootstrap_room {room} is already in use", 400
+            )
         self.rooms[room] = Room(request, time.monotonic() + self.timeouts.bootstrap)
         self.by_rid[request.rid] = room
         early = self.early_dest.pop(room, None)
         if early is not None:
             self._on_dest(early[1])
-
-    def _refuse(self, request: GenerateRequest, message: str, status: int) -> None:
-        self.scheduler.reject(self.scheduler.make_req(request), message, status)
 
     def abort(self, rid: str, reason: str) -> None:
         room = self.by_rid.get(rid)
@@ -176,11 +179,15 @@ class PrefillRole(Role):
     def poll(self) -> None:
         self._ship_pending()
         for msg in self.endpoint.receive():
-            handler = getattr(self, "_on_" + msg["kind"], None)
-            if handler is None:
-                log.warning("unknown control message %s", msg["kind"])
-            else:
-                handler(msg)
+            match msg:
+                case Register():
+                    self._on_register(msg)
+                case Destination():
+                    self._on_dest(msg)
+                case Abort():
+                    self._on_abort(msg)
+                case _:
+                    log.warning("unexpected control message at prefill: %s", msg)
         while True:
             try:
                 job = self.sender.results.get_nowait()
@@ -200,16 +207,14 @@ class PrefillRole(Role):
             if now - t > self.timeouts.bootstrap:
                 del self.early_dest[room_id]
 
-    def _on_register(self, msg: dict) -> None:
-        error = layout_mismatch(self.endpoint.layout, msg["layout"])
+    def _on_register(self, msg: Register) -> None:
+        error = layout_mismatch(self.endpoint.layout, msg.layout)
         if error:
-            log.error("decode %s refused at handshake: %s", msg["decode_addr"], error)
-        self.peers[msg["decode_addr"]] = Peer(
-            msg["session"], msg["page_addrs"], msg["row_addrs"], error
-        )
+            log.error("decode %s refused at handshake: %s", msg.decode_addr, error)
+        self.peers[msg.decode_addr] = Peer(msg.session, msg.page_addrs, msg.row_addrs, error)
 
-    def _on_dest(self, msg: dict) -> None:
-        room_id = msg["room"]
+    def _on_dest(self, msg: Destination) -> None:
+        room_id = msg.room
         room = self.rooms.get(room_id)
         if room is None:
             self.early_dest[room_id] = (time.monotonic(), msg)
@@ -217,30 +222,30 @@ class PrefillRole(Role):
         if room.dest is not None:
             return
         room.dest = msg
-        peer = self.peers.get(msg["decode_addr"])
+        peer = self.peers.get(msg.decode_addr)
         n = len(room.request.input_ids)
         if peer is None:
             return self._fail(room_id, "decode sent destinations before registering", 502)
         if peer.error:
             return self._fail(room_id, f"prefill/decode mismatch: {peer.error}", 502)
-        if msg["prompt_len"] != n:
+        if msg.prompt_len != n:
             return self._fail(
                 room_id,
                 f"prompt length differs: prefill has {n} tokens, decode "
-                f"{msg['prompt_len']} (different tokenizer or chat template?)",
+                f"{msg.prompt_len} (different tokenizer or chat template?)",
                 502,
             )
         room.state = advance(room.state, KVPoll.WaitingForInput)
         self.scheduler.add(room.request)
 
-    def _on_abort(self, msg: dict) -> None:
-        room_id = msg["room"]
+    def _on_abort(self, msg: Abort) -> None:
+        room_id = msg.room
         self.early_dest.pop(room_id, None)
         room = self.rooms.get(room_id)
         if room is None:
-            self.endpoint.send(msg["decode_addr"], "abort_ack", room=room_id)
+            self.endpoint.send(msg.decode_addr, AbortAck(room_id))
             return
-        room.abort_from = msg["decode_addr"]
+        room.abort_from = msg.decode_addr
         room.failure = room.failure or "aborted by decode"
         if room.req is None:
             self._fail(room_id, "aborted by decode", 499)
@@ -263,8 +268,8 @@ class PrefillRole(Role):
             return False
         room = self.rooms[room_id]
         room.req = req
-        if req.finish_reason["type"] == "abort" or room.failure:
-            room.failure = room.failure or req.finish_reason.get("message", "aborted")
+        if req.finish_reason.kind == "abort" or room.failure:
+            room.failure = room.failure or req.finish_reason.message or "aborted"
             self._notify_failed(room_id, room)
             if room.in_flight:
                 return True  # pages may still be read by a queued write; release after it
@@ -279,7 +284,7 @@ class PrefillRole(Role):
             room = self.rooms.get(room_id)
             if room is None or room.failure is not None:
                 continue
-            req, peer = room.req, self.peers[room.dest["decode_addr"]]
+            req, peer = room.req, self.peers[room.dest.decode_addr]
             end = len(req.pages) if final else req.cached // self.scheduler.pool.plan.page_size
             if end <= room.sent_pages and not final:
                 continue
@@ -287,14 +292,12 @@ class PrefillRole(Role):
                 self.endpoint.page_buffers,
                 peer.page_addrs,
                 req.pages[room.sent_pages : end],
-                room.dest["pages"][room.sent_pages : end],
+                room.dest.pages[room.sent_pages : end],
             )
             room.sent_pages = end
             if final:
                 self._write_aux(req, room)
-                rows = row_writes(
-                    self.endpoint.row_buffers, peer.row_addrs, req.row, room.dest["row"]
-                )
+                rows = row_writes(self.endpoint.row_buffers, peer.row_addrs, req.row, room.dest.row)
                 writes = tuple(a + b for a, b in zip(writes, rows))
             self._ship(room_id, room, writes, final=final)
 
@@ -332,7 +335,7 @@ class PrefillRole(Role):
             torch.cuda.synchronize()  # the forward that wrote these pages must be done
         room.state = advance(room.state, KVPoll.Transferring)
         room.in_flight += 1
-        session = self.peers[room.dest["decode_addr"]].session
+        session = self.peers[room.dest.decode_addr].session
         self.sender.jobs.put(Job(room_id, session, writes, final))
 
     def _on_job_done(self, job: Job) -> None:
@@ -346,13 +349,7 @@ class PrefillRole(Role):
             self._notify_failed(job.room, room)
         if job.final and room.failure is None:
             room.state = advance(room.state, KVPoll.Success)
-            self.endpoint.send(
-                room.dest["decode_addr"],
-                "status",
-                room=job.room,
-                status=int(KVPoll.Success),
-                message="",
-            )
+            self.endpoint.send(room.dest.decode_addr, Status(job.room, int(KVPoll.Success)))
             self.scheduler.release_held(room.req, logprobs=_as_list(room.req.last_logprob))
             self._forget(job.room)
         elif room.failure is not None and room.in_flight == 0 and room.req is not None:
@@ -367,13 +364,8 @@ class PrefillRole(Role):
             return
         room.state = KVPoll.Failed
         if room.dest is not None:
-            self.endpoint.send(
-                room.dest["decode_addr"],
-                "status",
-                room=room_id,
-                status=int(KVPoll.Failed),
-                message=room.failure or "",
-            )
+            status = Status(room_id, int(KVPoll.Failed), room.failure or "")
+            self.endpoint.send(room.dest.decode_addr, status)
 
     def _fail(self, room_id: int, message: str, status: int) -> None:
         """Fail a room whose request is not (or no longer) in the scheduler."""
@@ -382,7 +374,7 @@ class PrefillRole(Role):
         log.warning("room %d (%s) failed: %s", room_id, room.request.rid, message)
         self._notify_failed(room_id, room)
         self._forget(room_id)
-        self.scheduler.reject(self.scheduler.make_req(room.request), message, status)
+        self.scheduler.fail_request(room.request, message, status)
 
     def _forget(self, room_id: int) -> None:
         """The room is over and nothing of it is in flight."""
@@ -390,7 +382,7 @@ class PrefillRole(Role):
         if room is not None:
             self.by_rid.pop(room.request.rid, None)
             if room.abort_from is not None:
-                self.endpoint.send(room.abort_from, "abort_ack", room=room_id)
+                self.endpoint.send(room.abort_from, AbortAck(room_id))
 
 
 def _as_list(lp):

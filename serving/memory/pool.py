@@ -40,7 +40,7 @@ class AuxRows:
 
     ints:         bootstrap_room, first token, cached tokens, number of top logprobs, and at
                   DRAFT_TOKEN EAGLE's current proposal d1 (written and read on the device by
-                  serving/speculative.py; the handoff carries it, so decode starts from it)
+                  serving/speculative/eagle.py; the handoff carries it, so decode starts from it)
     floats:       first-token logprob, then its top logprobs; top_ids: their token ids
     draft_hidden: the NextN draft's hidden state at the last drafted position (EAGLE's stash)
     """
@@ -165,8 +165,6 @@ class MemoryPool:
         )
         self.draft: ModelCache | None = None
         if plan.with_draft:
-            from serving.models.nextn import NextNDraft
-
             self.draft = allocate_model_cache(
                 config,
                 self.req_to_token,
@@ -174,7 +172,7 @@ class MemoryPool:
                 dtype,
                 device,
                 layers=[config.num_hidden_layers],
-                layer_types=NextNDraft.layer_types(config),
+                layer_types=config.draft_layer_types,
                 num_draft_tokens=plan.num_draft_tokens,
             )
 

@@ -14,10 +14,13 @@ from torch import nn
 
 from serving.config import KDA, ModelConfig
 from serving.forward_batch import ForwardBatch
+from serving.layers.linear import Linear, param
+from serving.layers.mhc import HyperConnection
+from serving.layers.mlp import make_mlp
+from serving.layers.norm import RMSNorm
 from serving.memory.cache import ModelCache
 from serving.models.dsa import DSAttention
 from serving.models.kda import KDAttention
-from serving.models.layers import HyperConnection, Linear, RMSNorm, make_mlp, param
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """KDA (Kimi Delta Attention) layer: the linear-attention layers of GLM-5.3-Flash.
 
-Per-request state (conv + recurrent) lives in the engine's KDALayerCache, indexed by request row.
+Projections, gates and the gated output norm; the stateful core (conv + delta rule over the
+request rows' states) is serving/layers/attention/kda.py.
 Heads shard under TP: q/k/v/g_b/f_b column-parallel, o_proj row-parallel (all-reduce after).
 """
 
@@ -9,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import kda as kda_kernels
 from serving.config import ModelConfig
 from serving.forward_batch import ForwardBatch
+from serving.layers.attention.kda import delta_rule, short_conv
+from serving.layers.linear import Linear, param
 from serving.memory.cache import KDALayerCache
-from serving.models.layers import Linear, param
 
 
 class KDAttention(nn.Module):
@@ -57,31 +58,11 @@ class KDAttention(nn.Module):
     ) -> torch.Tensor:
         """history (multi-token batches): receives [conv inputs, per-position states]."""
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        if batch.is_decode:
-            mixed = kda_kernels.causal_conv_decode(
-                mixed, self.conv_weight, cache.conv, batch.req_rows
-            )
-        elif batch.step_len is not None:
-            mixed = kda_kernels.causal_conv_uniform(
-                mixed, self.conv_weight, cache.conv, batch.req_rows, batch.step_len, history
-            )
-        else:
-            mixed = kda_kernels.causal_conv_extend(
-                mixed, self.conv_weight, cache.conv, batch.req_rows, batch.lens_cpu, history
-            )
+        mixed = short_conv(mixed, self.conv_weight, batch, cache, history)
         q, k, v = (t.view(-1, self.heads, self.dim) for t in mixed.chunk(3, dim=-1))
         g = self._forget_gate(x)
         beta = torch.sigmoid(self.b_proj(x)).float()
-        if batch.is_decode:
-            o = kda_kernels.kda_decode(q, k, v, g, beta, cache.state, batch.req_rows)
-        elif batch.step_len is not None:
-            o = kda_kernels.kda_uniform(
-                q, k, v, g, beta, cache.state, batch.req_rows, batch.step_len, history
-            )
-        else:
-            o = kda_kernels.kda_extend(
-                q, k, v, g, beta, cache.state, batch.req_rows, batch.lens_cpu, history
-            )
+        o = delta_rule(q, k, v, g, beta, batch, cache, history)
         # gated RMSNorm per head, in float32
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm

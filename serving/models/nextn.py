@@ -14,12 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from serving.config import DSA, ModelConfig
+from serving.config import ModelConfig
 from serving.forward_batch import ForwardBatch
+from serving.layers.linear import Linear
+from serving.layers.mlp import make_mlp
+from serving.layers.norm import RMSNorm
 from serving.memory.cache import ModelCache
 from serving.models.dsa import DSAttention
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
-from serving.models.layers import Linear, RMSNorm, make_mlp
 
 
 class NextNDraft(nn.Module):
@@ -35,10 +37,6 @@ class NextNDraft(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.mlp = make_mlp(config, self.layer, dtype)
         self.shared_head_norm = RMSNorm(hidden, eps, dtype)
-
-    @staticmethod
-    def layer_types(config: ModelConfig) -> dict[int, str]:
-        return {config.num_hidden_layers: DSA}
 
     @torch.inference_mode()
     def forward(

@@ -1,0 +1,92 @@
+"""A request inside the scheduler (Req), the scheduler's limits (SchedulerConfig) and the Role
+plug through which the PD roles (workers/) change what happens at intake, after a chunk and at
+the finish."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from serving.executor.sampler import SamplingState
+from serving.protocol import FinishReason, GenerateRequest, TokenLogprob
+
+if TYPE_CHECKING:
+    from serving.engine.scheduler import Scheduler
+
+
+class Role:
+    """A worker role's plug into the batching loop. The plain worker uses this one as is;
+    workers/prefill.py and workers/decode.py override what differs for PD.
+
+    Invariant: a request the role holds (finished() returned True) keeps its row and pages
+    until the role calls Scheduler.release_held(); nothing else frees them.
+    """
+
+    scheduler: Scheduler
+
+    def attach(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def submit(self, request: GenerateRequest) -> None:
+        self.scheduler.add(request)
+
+    def abort(self, rid: str, reason: str) -> None:
+        self.scheduler.abort(rid, reason)
+
+    def poll(self) -> None:
+        """Called before every step: advance the role's own queues."""
+
+    def chunk_prefilled(self, req: Req) -> None:
+        """req.cached tokens of req are now in the cache (after every prefill chunk)."""
+
+    def finished(self, req: Req) -> bool:
+        """req just finished; True = the role holds its memory and reports it later."""
+        return False
+
+    @property
+    def busy(self) -> bool:
+        """Work outside the scheduler's queues (transfers in flight)."""
+        return False
+
+    def sockets(self) -> list:
+        """ZMQ sockets the process loop should wake up for."""
+        return []
+
+    def owned(self) -> list[Req]:
+        """Requests outside the scheduler's queues that own rows or pages (for the invariant)."""
+        return []
+
+
+@dataclass
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: int
+    max_prefill_tokens: int
+    context_length: int
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingState
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    row: int | None = None
+    pages: list[int] = field(default_factory=list)
+    cached: int = 0  # leading tokens of fill_ids whose KV/state is in the cache
+    finish_reason: FinishReason | None = None
+    last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.sampling.output_ids
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Tokens the model consumes; the last sampled token is consumed by the next step."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def uncached(self) -> int:
+        return len(self.input_ids) + len(self.output_ids) - self.cached

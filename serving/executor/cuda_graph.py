@@ -1,0 +1,97 @@
+"""CUDA graphs for decode: captured programs per batch size of a ladder.
+
+DecodeGraphs: one target decode forward (EAGLE's programs: serving/speculative/graphs.py).
+Static buffers hold the batch metadata; a batch of n requests replays the graphs of the
+smallest captured size >= n. Padding entries point at request row 0 and token slot 0, which the
+pools never hand out, so whatever the padding writes lands in reserved memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from serving.forward_batch import ForwardBatch
+from serving.layers.mlp import DENSE_EXPERTS_MAX_TOKENS
+from serving.memory.pool import MemoryPool
+from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def batch_ladder(max_bs: int, tokens_per_req: int = 1) -> list[int]:
+    """Captured batch sizes up to max_bs, each holding at most DENSE_EXPERTS_MAX_TOKENS tokens."""
+    max_bs = max(1, min(max_bs, DENSE_EXPERTS_MAX_TOKENS // tokens_per_req))
+    sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
+    return sorted({s for s in sizes if s <= max_bs} | {max_bs})
+
+
+def capture(fn, pool_handle):
+    """Warm fn up twice on a side stream, then capture it; returns (graph, fn's outputs)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up allocator and kernels outside the graph
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool_handle):
+        out = fn()
+    return graph, out
+
+
+class DecodeGraphs:
+    def __init__(self, model: Glm5NextForCausalLM, pool: MemoryPool, max_bs: int) -> None:
+        self.model, self.pool = model, pool
+        self.sizes = batch_ladder(max_bs)
+        device = pool.device
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.token_slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.req_rows = torch.zeros(n, dtype=torch.int64, device=device)
+        self.arange = torch.arange(n, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ForwardOutput]] = {}
+        pool_handle = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):  # largest first: later ones reuse its memory
+            self.graphs[bs] = self._capture(bs, pool_handle)
+        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            token_slots=self.token_slots[:bs],
+            req_rows=self.req_rows[:bs],
+            token_req=self.arange[:bs],
+            logit_index=self.arange[:bs],
+            starts_cpu=[0] * bs,
+            lens_cpu=[1] * bs,
+            req_to_token=self.pool.req_to_token,
+            max_seq_len=self.pool.plan.max_context,
+        )
+
+    def _capture(self, bs: int, pool_handle) -> tuple[torch.cuda.CUDAGraph, ForwardOutput]:
+        batch = self._batch(bs)
+        return capture(lambda: self.model(batch, self.pool.target), pool_handle)
+
+    def fits(self, bs: int) -> bool:
+        return bs <= self.sizes[-1]
+
+    def replay(self, items) -> ForwardOutput:
+        n = len(items)
+        bs = next(s for s in self.sizes if s >= n)
+        pad = bs - n
+        rows = [it.row for it in items] + [0] * pad
+        starts = [it.start for it in items] + [0] * pad
+        host = torch.tensor(
+            [[it.token_ids[0] for it in items] + [0] * pad, starts, rows], dtype=torch.int64
+        ).to(self.pool.device, non_blocking=True)
+        self.input_ids[:bs].copy_(host[0])
+        self.positions[:bs].copy_(host[1])
+        self.req_rows[:bs].copy_(host[2])
+        self.token_slots[:bs].copy_(self.pool.req_to_token[host[2], host[1]])
+        graph, out = self.graphs[bs]
+        graph.replay()
+        return ForwardOutput(logits=out.logits[:n].clone(), hidden=out.hidden[:n].clone())

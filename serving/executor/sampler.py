@@ -1,0 +1,308 @@
+"""Batched token sampling: penalties, min_new_tokens, greedy / temperature-top_k-top_p-min_p.
+
+Per-row parameters may differ inside one batch. Every row's sampling distribution is computed
+with row-wise tensor ops in vocabulary order, and a seeded row draws only from its own
+generator, so its tokens do not depend on the other rows of the batch or its position in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from serving.executor.constrained import SequenceGrammar, has_constraint, load_tokenizer
+from serving.protocol import FinishReason, SamplingParams, TokenLogprob
+
+
+@dataclass
+class SamplingState:
+    """Per-sequence sampling state owned by the scheduler's request object."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # tokens generated so far (the scheduler appends after sample())
+    generator: torch.Generator | None  # created by make_generator(); None = the sampler's default
+    eos_token_ids: frozenset[int]
+    grammar: SequenceGrammar | None = None  # the sampler's, for a constrained request
+
+    def grammar_finish_reason(self) -> FinishReason | None:
+        """Why the output constraint ends the sequence now (None: it does not)."""
+        return self.grammar.finish_reason() if self.grammar is not None else None
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator for a request's seed (on the sampler's device), or None without a seed."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    repetition: Sequence[float],
+    frequency: Sequence[float],
+    presence: Sequence[float],
+) -> torch.Tensor:
+    """`logits` [B, V] penalised (out of place); every other argument has one entry per row.
+
+    repetition (HF/vLLM): a token seen in the prompt or the output has its logit divided by the
+    penalty when positive, multiplied when not. frequency / presence subtract f * count and
+    p * (count > 0), counting output tokens only.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    repeats = any(r != 1.0 for r in repetition)
+    additive = any(f != 0.0 for f in frequency) or any(p != 0.0 for p in presence)
+    if not (repeats or additive):
+        return logits
+    counts = _token_counts(output_ids, vocab, device)
+    if repeats:
+        seen = counts + _token_counts(prompt_ids, vocab, device)
+        rep = _column(repetition, logits.dtype, device)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen > 0, penalised, logits)
+    if additive:
+        logits = (
+            logits
+            - _column(frequency, logits.dtype, device) * counts
+            - _column(presence, logits.dtype, device) * (counts > 0)
+        )
+    return logits
+
+
+class Sampler:
+    """`tokenizer_file` (the checkpoint's tokenizer.json) enables constrained decoding."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        seed: int = 0,
+        tokenizer_file: str | None = None,
+    ):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._tokenizer_file = tokenizer_file
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        top_logprobs: list[int] | None = None,
+    ) -> tuple[list[int], list[TokenLogprob] | None]:
+        """logits: [B, V] float32 (B == len(states)), row i belongs to states[i].
+        Returns the sampled token ids (host ints) and, when top_logprobs is given (per-row number
+        of top alternatives, 0 = only the chosen token's logprob; None = no logprobs at all),
+        one TokenLogprob per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
+        if top_logprobs is not None and len(top_logprobs) != len(states):
+            raise ValueError(f"{len(top_logprobs)} top_logprobs entries for {len(states)} rows")
+        # Columns past the vocabulary (a padded lm_head) must never be sampled.
+        raw = logits[:, : self.vocab_size].float()
+        adjusted = _adjusted_logits(raw, states)
+        grammars = self._grammars(states)
+        if grammars:
+            adjusted = self._mask_grammars(raw, adjusted, grammars)
+        tokens = adjusted.argmax(dim=-1)  # first maximum: ties go to the lowest id
+        sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
+        if sampled:
+            tokens[sampled] = self._draw(adjusted[sampled], [states[i] for i in sampled])
+        token_ids = tokens.tolist()
+        for i, grammar in grammars.items():
+            grammar.advance(token_ids[i])
+        if top_logprobs is None:
+            return token_ids, None
+        return token_ids, _logprobs(raw, tokens, token_ids, top_logprobs)
+
+    def _grammars(self, states: list[SamplingState]) -> dict[int, SequenceGrammar]:
+        """Row -> grammar of every constrained row, created on first use and caught up."""
+        grammars = {}
+        for i, s in enumerate(states):
+            if not has_constraint(s.params):
+                continue
+            if s.grammar is None:
+                tokenizer = None
+                if self._tokenizer_file is not None:
+                    eos = tuple(sorted(s.eos_token_ids))
+                    tokenizer = load_tokenizer(self._tokenizer_file, eos, self.vocab_size)
+                s.grammar = SequenceGrammar.compile(tokenizer, s.params)
+            s.grammar.catch_up(s.output_ids)
+            grammars[i] = s.grammar
+        return grammars
+
+    def _mask_grammars(
+        self, raw: torch.Tensor, adjusted: torch.Tensor, grammars: dict[int, SequenceGrammar]
+    ) -> torch.Tensor:
+        """-inf outside each grammar's allowed tokens (out of place; `raw` is never modified).
+        A row left with nothing (min_new_tokens banning the only way out) keeps the grammar's
+        tokens at their raw logits: the grammar wins."""
+        masks = {i: g.allowed() for i, g in grammars.items()}
+        rows = [i for i, mask in masks.items() if mask is not None]
+        if not rows:
+            return adjusted
+        allowed = torch.stack([_unpack_bits(masks[i], self.vocab_size) for i in rows])
+        allowed = allowed.to(raw.device)
+        masked = adjusted[rows].masked_fill(~allowed, float("-inf"))
+        dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
+        masked = torch.where(dead, raw[rows].masked_fill(~allowed, float("-inf")), masked)
+        out = adjusted.clone() if adjusted is raw else adjusted
+        out[rows] = masked
+        return out
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """One token id per row of `logits` (rows of non-greedy states)."""
+        params = [s.params for s in states]
+        probs = _filtered_probs(
+            logits,
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+        )
+        picks = torch.empty(len(states), dtype=torch.long, device=logits.device)
+        shared = [j for j, s in enumerate(states) if s.generator is None]
+        if shared:
+            drawn = torch.multinomial(probs[shared], 1, generator=self._generator)
+            picks[shared] = drawn.squeeze(1)
+        for j, s in enumerate(states):
+            if s.generator is not None:
+                picks[j : j + 1] = torch.multinomial(probs[j], 1, generator=s.generator)
+        return picks
+
+
+def _unpack_bits(bitmask: bytes, size: int) -> torch.Tensor:
+    """[size] bool from one bit per entry, little-endian within each byte; missing bits are 0."""
+    packed = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
+    bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    out = torch.zeros(size, dtype=torch.bool)
+    n = min(size, bits.numel())
+    out[:n] = bits.flatten()[:n].bool()
+    return out
+
+
+def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+
+def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(ids), vocab] float32 occurrence counts, built with one scatter on the device."""
+    lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
+    flat = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.long)
+    row_of = torch.repeat_interleave(torch.arange(len(ids)), lengths)
+    counts = torch.zeros(len(ids), vocab, dtype=torch.float32, device=device)
+    counts.index_put_(
+        (row_of.to(device), flat.to(device)),
+        torch.ones(flat.numel(), dtype=torch.float32, device=device),
+        accumulate=True,
+    )
+    return counts
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _min_tokens_bans(states: Sequence[SamplingState]) -> tuple[list[int], list[int]]:
+    """(rows, ids) to forbid before min_new_tokens: stop tokens, and eos unless ignore_eos."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        if len(s.output_ids) >= s.params.min_new_tokens:
+            continue
+        banned = set(s.params.stop_token_ids)
+        if not s.params.ignore_eos:
+            banned |= s.eos_token_ids
+        rows += [i] * len(banned)
+        cols += banned
+    return rows, cols
+
+
+def _adjusted_logits(raw: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Penalties, then min_new_tokens bans; returns `raw` itself (never modified) if none apply."""
+    penalised = [i for i, s in enumerate(states) if _has_penalties(s.params)]
+    ban_rows, ban_cols = _min_tokens_bans(states)
+    if not penalised and not ban_rows:
+        return raw
+    out = raw.clone()
+    if penalised:
+        params = [states[i].params for i in penalised]
+        out[penalised] = apply_penalties(
+            out[penalised],
+            [states[i].prompt_ids for i in penalised],
+            [states[i].output_ids for i in penalised],
+            [p.repetition_penalty for p in params],
+            [p.frequency_penalty for p in params],
+            [p.presence_penalty for p in params],
+        )
+    if ban_rows:
+        index = torch.tensor([ban_rows, ban_cols], dtype=torch.long).to(raw.device)
+        out[index[0], index[1]] = float("-inf")
+    return out
+
+
+def _filtered_probs(
+    logits: torch.Tensor,
+    temperature: Sequence[float],
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+) -> torch.Tensor:
+    """Renormalised sampling distribution in vocabulary order: temperature, top_k, top_p, min_p."""
+    logits = logits / _column(temperature, logits.dtype, logits.device)
+    if any(k != -1 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _mask_top_k_top_p(logits, top_k, top_p)
+    if any(m > 0.0 for m in min_p):
+        logits = _mask_min_p(logits, min_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _mask_top_k_top_p(
+    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+) -> torch.Tensor:
+    """Keep the k largest, then the smallest prefix of those (renormalised) reaching top_p."""
+    vocab = logits.shape[1]
+    device = logits.device
+    # Stable sort: equal logits keep id order, so truncation at a tie is deterministic.
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=device)
+    p = _column(top_p, logits.dtype, device)
+    position = torch.arange(vocab, device=device).unsqueeze(0)
+    beyond_k = position >= k.unsqueeze(1)
+    probs = torch.softmax(ordered.masked_fill(beyond_k, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # p < 1 guard: a cumulative sum rounding past 1.0 must not cut an untruncated row.
+    drop = beyond_k | ((mass_before >= p) & (p < 1.0))
+    drop[:, 0] = False
+    return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
+
+
+def _mask_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """Drop tokens with prob < min_p * max_prob, i.e. logit < max_logit + log(min_p)."""
+    floor = logits.max(dim=-1, keepdim=True).values + torch.log(
+        _column(min_p, logits.dtype, logits.device)
+    )
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, token_ids: list[int], top_n: list[int]
+) -> list[TokenLogprob]:
+    """Logprobs of the raw model distribution (before penalties and temperature)."""
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+    wanted = [i for i, n in enumerate(top_n) if n > 0]
+    if wanted:
+        values, ids = logprobs[wanted].topk(min(max(top_n), raw.shape[1]), dim=-1)
+        for i, row_values, row_ids in zip(wanted, values.tolist(), ids.tolist()):
+            tops[i] = list(zip(row_ids[: top_n[i]], row_values[: top_n[i]]))
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]

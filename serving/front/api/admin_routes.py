@@ -1,0 +1,105 @@
+"""Health, model and server information, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from importlib.metadata import version
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from serving.front.api.context import FrontContext
+from serving.front.api.errors import APIError, error_response
+from serving.front.api.sequences import collect, make_seqs
+from serving.protocol import FAKE_BOOTSTRAP_HOST, SamplingParams
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+def admin_router(ctx: FrontContext) -> APIRouter:
+    router = APIRouter()
+    client = ctx.client
+
+    @router.get("/health")
+    async def health() -> Response:
+        if not client.is_ready:
+            return error_response(503, client.state)
+        return Response(status_code=200)
+
+    @router.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """A real one-token generation through the scheduler."""
+        if not client.is_ready:
+            return error_response(503, client.state)
+        ids = ctx.encode("ping", add_special_tokens=False) or [0]
+        sampling = SamplingParams(max_new_tokens=1, temperature=0.0)
+        # PD workers run the probe locally: SGLang's fake bootstrap host means "no peer".
+        pd = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0}
+        local = pd if ctx.args.disaggregation_mode != "null" else {}
+        seqs = make_seqs(ctx.tokenizer, f"health-{uuid.uuid4().hex}", [ids], [sampling], 1, **local)
+        try:
+            await asyncio.wait_for(collect(request, client, seqs), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response(
+                503, f"a one-token generation did not finish in {HEALTH_GENERATE_TIMEOUT_S:.0f} s"
+            )
+        except APIError as e:
+            return error_response(503, f"a one-token generation failed: {e.message}")
+        return Response(status_code=200)
+
+    def model_card() -> dict:
+        context = client.ready.context_length if client.ready else ctx.args.context_length
+        return {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "pdserve",
+            "root": ctx.args.model_path,
+            "max_model_len": context,
+        }
+
+    @router.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        ctx.check_model(model)
+        return JSONResponse(model_card())
+
+    @router.get("/server_info")
+    @router.get("/get_server_info")
+    async def server_info() -> JSONResponse:
+        stats = dataclasses.asdict(client.stats) if client.stats else {}
+        return JSONResponse(
+            {
+                **dataclasses.asdict(ctx.args),
+                "scheduler": dataclasses.asdict(client.ready) if client.ready else None,
+                "internal_states": [stats],
+                "version": version("pdserve"),
+            }
+        )
+
+    @router.get("/model_info")
+    @router.get("/get_model_info")
+    async def model_info() -> JSONResponse:
+        return JSONResponse(
+            {
+                "model_path": ctx.args.model_path,
+                "tokenizer_path": ctx.args.tokenizer_path or ctx.args.model_path,
+                "served_model_name": ctx.model_name,
+                "is_generation": True,
+                "disaggregation_mode": ctx.args.disaggregation_mode,
+                "model_type": ctx.model_config.get("model_type"),
+                "architectures": ctx.model_config.get("architectures", []),
+            }
+        )
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(client.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    return router

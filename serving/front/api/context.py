@@ -1,0 +1,101 @@
+"""What every route needs: server args, the engine client, tokenizer, template, model facts."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llguidance
+from tokenizers import Tokenizer
+
+from serving.executor.constrained import (
+    CONSTRAINT_FIELDS,
+    GrammarError,
+    check_grammar,
+    grammar_of,
+    load_tokenizer,
+)
+from serving.front.api.errors import APIError
+from serving.front.api.structured_output import GlmTokens
+from serving.front.chat import ChatTemplate, load_chat_template
+from serving.front.engine_client import EngineClient, EngineUnavailable
+from serving.protocol import SamplingParams, SchedulerReady
+from serving.server_args import ArgsError, ServerArgs
+
+# generation_config.json fields that become sampling defaults (as SGLang and vLLM do)
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class FrontContext:
+    args: ServerArgs
+    client: EngineClient
+    tokenizer_file: Path
+    tokenizer: Tokenizer
+    glm_tokens: GlmTokens | None
+    chat_template: ChatTemplate | None
+    model_config: dict[str, Any]
+    sampling_defaults: dict[str, Any]
+    created: int
+
+    @classmethod
+    def load(cls, args: ServerArgs, client: EngineClient) -> FrontContext:
+        model_dir = Path(args.model_path)
+        tokenizer_file = Path(args.tokenizer_path or args.model_path) / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            flag = "--tokenizer-path" if args.tokenizer_path else "--model-path"
+            raise ArgsError(f"{flag} {tokenizer_file.parent}: no tokenizer.json")
+        generation = _read_json(model_dir / "generation_config.json")
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        return cls(
+            args=args,
+            client=client,
+            tokenizer_file=tokenizer_file,
+            tokenizer=tokenizer,
+            glm_tokens=GlmTokens.find(tokenizer),
+            chat_template=load_chat_template(
+                args.model_path, args.tokenizer_path, args.chat_template
+            ),
+            model_config=_read_json(model_dir / "config.json"),
+            sampling_defaults={k: generation[k] for k in _GENERATION_DEFAULTS if k in generation},
+            created=int(time.time()),
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.args.model_name
+
+    def scheduler(self) -> SchedulerReady:
+        """The scheduler's facts; EngineUnavailable (503) unless it takes requests now."""
+        if not self.client.is_ready or self.client.ready is None:
+            raise EngineUnavailable(self.client.state)
+        return self.client.ready
+
+    def check_model(self, model: str | None) -> None:
+        # sglang-router fills in "unknown" when its client sent no model: treat it as omitted.
+        if model and model != "unknown" and model not in (self.model_name, self.args.model_path):
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def grammar_tokenizer(self) -> llguidance.LLTokenizer:
+        ready = self.scheduler()
+        return load_tokenizer(str(self.tokenizer_file), tuple(sorted(ready.eos_token_ids)))
+
+    def check_constraint(self, sampling: SamplingParams) -> None:
+        """APIError 400 unless the request's output constraint compiles for this tokenizer."""
+        name = next((n for n in CONSTRAINT_FIELDS if getattr(sampling, n) is not None), None)
+        if name is None:
+            return
+        try:
+            check_grammar(grammar_of(sampling), self.grammar_tokenizer(), name)
+        except GrammarError as e:
+            raise APIError(400, str(e), name) from e
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}

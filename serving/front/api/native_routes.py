@@ -1,0 +1,169 @@
+"""SGLang's native POST /generate and POST /abort_request."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from serving.front.api.context import FrontContext
+from serving.front.api.errors import APIError
+from serving.front.api.logprobs import native_logprobs
+from serving.front.api.native_protocol import AbortBody, GenerateBody, NativeSamplingParams
+from serving.front.api.responses import SSE_DONE, event_stream, sse, stream_error
+from serving.front.api.sampling import (
+    check_n,
+    check_prompt_ids,
+    check_top_logprobs,
+    fit_to_context,
+    make_sampling,
+)
+from serving.front.api.sequences import Seq, collect, make_seqs, run_seqs
+from serving.protocol import SamplingParams, SchedulerReady
+
+NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+
+
+def native_router(ctx: FrontContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/generate")
+    async def generate(body: GenerateBody, request: Request) -> Response:
+        ready = ctx.scheduler()
+        prompts, batched = _prompts(ctx, body, ready.vocab_size)
+        params = body.sampling_params or NativeSamplingParams()
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise APIError(
+                    400,
+                    f"sampling_params: {len(params)} entries for {len(prompts)} prompts",
+                    "sampling_params",
+                )
+        else:
+            params = [params] * len(prompts)
+        n = params[0].n
+        check_n(n)
+        if any(p.n != n for p in params):
+            raise APIError(400, "sampling_params.n: must be the same for every prompt", "n")
+        check_top_logprobs(body.top_logprobs_num, "top_logprobs_num")
+        samplings = [_sampling(ctx, p, ready, len(ids)) for p, ids in zip(params, prompts)]
+        seqs = make_seqs(
+            ctx.tokenizer,
+            body.rid or uuid.uuid4().hex,
+            prompts,
+            samplings,
+            n,
+            return_logprob=body.return_logprob,
+            top_logprobs_num=body.top_logprobs_num,
+            bootstrap_host=body.bootstrap_host,
+            bootstrap_port=body.bootstrap_port,
+            bootstrap_room=body.bootstrap_room,
+        )
+        many = batched or n > 1
+        if body.stream:
+            return event_stream(_stream(ctx, seqs, many))
+        await collect(request, ctx.client, seqs)
+        results = [_result(seq) for seq in seqs]
+        return JSONResponse(results if many else results[0])
+
+    @router.post("/abort_request")
+    async def abort_request(body: AbortBody) -> Response:
+        rids = [
+            rid
+            for rid in ctx.client.inflight_rids()
+            if body.abort_all or rid == body.rid or rid.startswith(f"{body.rid}-")
+        ]
+        for rid in rids:
+            ctx.client.abort(rid, "aborted by /abort_request")
+        return JSONResponse({"aborted": rids})
+
+    return router
+
+
+def _prompts(
+    ctx: FrontContext, body: GenerateBody, vocab_size: int
+) -> tuple[list[list[int]], bool]:
+    """Token ids of each prompt, and whether the request was a batch."""
+    if (body.text is None) == (body.input_ids is None):
+        raise APIError(400, "give exactly one of text and input_ids", "text")
+    if body.text is not None:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        prompts = [ctx.encode(text, add_special_tokens=True) for text in texts]
+        batched = isinstance(body.text, list)
+    else:
+        ids = body.input_ids
+        batched = bool(ids) and isinstance(ids[0], list)
+        prompts = [list(p) for p in ids] if batched else [list(ids)]
+    if not prompts:
+        raise APIError(400, "the batch is empty", "text" if body.text is not None else "input_ids")
+    for ids in prompts:
+        check_prompt_ids(ids, vocab_size, "input_ids")
+    return prompts, batched
+
+
+def _sampling(
+    ctx: FrontContext, p: NativeSamplingParams, ready: SchedulerReady, prompt_len: int
+) -> SamplingParams:
+    sampling = make_sampling(
+        ctx.sampling_defaults,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.sampling_seed if p.sampling_seed is not None else p.seed,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        repetition_penalty=p.repetition_penalty,
+        stop=p.stop,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+        min_new_tokens=p.min_new_tokens,
+        skip_special_tokens=p.skip_special_tokens,
+        no_stop_trim=p.no_stop_trim,
+        json_schema=p.json_schema,
+        regex=p.regex,
+        ebnf=p.ebnf,
+    )
+    fit_to_context(
+        sampling,
+        p.max_new_tokens,
+        prompt_len,
+        ready.context_length,
+        ready.vocab_size,
+        NATIVE_DEFAULT_MAX_NEW_TOKENS,
+    )
+    ctx.check_constraint(sampling)
+    return sampling
+
+
+def _result(seq: Seq) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": seq.request.rid,
+        "finish_reason": seq.finish_reason.to_json() if seq.finish_reason else None,
+        "prompt_tokens": seq.prompt_tokens,
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": seq.cached_tokens,
+    }
+    if seq.request.return_logprob:
+        meta.update(native_logprobs(seq.logprobs))
+    return {"text": seq.text.text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+
+async def _stream(ctx: FrontContext, seqs: list[Seq], many: bool) -> AsyncIterator[str]:
+    """Cumulative results, one event per update; batch items carry their "index"."""
+    try:
+        async with aclosing(run_seqs(ctx.client, seqs)) as updates:
+            async for update in updates:
+                seq = update.seq
+                if (error := seq.error()) is not None:
+                    yield stream_error(error)
+                    break
+                result = _result(seq)
+                yield sse({**result, "index": seq.index} if many else result)
+    except Exception as e:
+        yield stream_error(e)
+    yield SSE_DONE

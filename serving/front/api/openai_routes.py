@@ -1,0 +1,495 @@
+"""POST /v1/chat/completions and /v1/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from serving.front.api.chat_output import ChatDelta, ChatOutputParser, parse_reply
+from serving.front.api.context import FrontContext
+from serving.front.api.errors import APIError
+from serving.front.api.logprobs import chat_logprobs, completion_logprobs
+from serving.front.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    SamplingRequest,
+)
+from serving.front.api.reasoning import prompt_opens_reasoning
+from serving.front.api.responses import (
+    SSE_DONE,
+    event_stream,
+    finish_reason,
+    matched_stop,
+    sse,
+    stream_error,
+    usage,
+)
+from serving.front.api.sampling import (
+    check_n,
+    check_prompt_ids,
+    check_top_logprobs,
+    fit_to_context,
+    make_sampling,
+)
+from serving.front.api.sequences import Seq, collect, make_seqs, run_seqs
+from serving.front.api.structured_output import (
+    Constraint,
+    after_reasoning,
+    forced_tool_calls,
+    requested_constraint,
+)
+from serving.protocol import SamplingParams, SchedulerReady
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat defaults to the room left
+
+
+def openai_router(ctx: FrontContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        ready = ctx.scheduler()
+        _check_common(ctx, body)
+        if not body.messages:
+            raise APIError(400, "messages: must not be empty", "messages")
+        if ctx.chat_template is None:
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        top = body.top_logprobs or 0
+        check_top_logprobs(top, "top_logprobs")
+        if top and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs true", "top_logprobs")
+        tools, forced = _tool_choice(body)
+        prompt = ctx.chat_template.render(
+            [m.model_dump(exclude_none=True) for m in body.messages],
+            tools=tools,
+            add_generation_prompt=not body.continue_final_message,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+        ids = ctx.encode(prompt, add_special_tokens=False)
+        max_tokens = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
+        sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None)
+        reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
+        opens = prompt_opens_reasoning(prompt)
+        parsed_tools = tools if ctx.args.tool_call_parser else None
+        if ctx.args.reasoning_parser or parsed_tools:
+            sampling.skip_special_tokens = False  # the markup tokens stay in the text
+        _constrain(ctx, [sampling], _chat_constraint(ctx, body, tools, forced, reasoning, opens))
+        rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+        seqs = make_seqs(
+            ctx.tokenizer,
+            rid,
+            [ids],
+            [sampling],
+            body.n,
+            return_logprob=body.logprobs,
+            top_logprobs_num=top,
+            **_bootstrap(body),
+        )
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            parsers = [ChatOutputParser(reasoning, opens, parsed_tools) for _ in seqs]
+            stream = _chat_stream(
+                ctx, rid, seqs, parsers, body.stream_reasoning, include_usage, reasoning
+            )
+            return event_stream(stream)
+        await collect(request, ctx.client, seqs)
+        choices, reasoning_tokens = [], 0
+        for seq in seqs:
+            reply = parse_reply(seq.text.text, reasoning, opens, parsed_tools)
+            choices.append(_chat_choice(ctx, seq, reply.reasoning, reply.content, reply.tool_calls))
+            reasoning_tokens += _reasoning_tokens(ctx, seq, reply.reasoned)
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": ctx.model_name,
+                "choices": choices,
+                "usage": usage(seqs, body.n, reasoning_tokens if reasoning else None),
+            }
+        )
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        ready = ctx.scheduler()
+        _check_common(ctx, body)
+        if body.logprobs is not None:
+            check_top_logprobs(body.logprobs, "logprobs")
+            if body.echo:
+                raise APIError(
+                    400, "logprobs: prompt logprobs (echo with logprobs) are not supported", "echo"
+                )
+        if body.suffix is not None:
+            raise APIError(400, "suffix: not supported by this server", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of: only best_of == n is supported", "best_of")
+        prompts = _completion_prompts(ctx, body.prompt, ready.vocab_size)
+        samplings = [
+            _sampling(ctx, body, ready, body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS)
+            for ids in prompts
+        ]
+        constraint = requested_constraint(
+            body.response_format, body.regex, body.ebnf, body.json_schema
+        )
+        _constrain(ctx, samplings, constraint)
+        rid = body.rid or f"cmpl-{uuid.uuid4().hex}"
+        seqs = make_seqs(
+            ctx.tokenizer,
+            rid,
+            prompts,
+            samplings,
+            body.n,
+            return_logprob=body.logprobs is not None,
+            top_logprobs_num=body.logprobs or 0,
+            **_bootstrap(body),
+        )
+        echoes = [_echo(ctx, body, seq) for seq in seqs]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return event_stream(_completion_stream(ctx, rid, seqs, echoes, body.n, include_usage))
+        await collect(request, ctx.client, seqs)
+        choices = [_completion_choice(ctx, seq, echo) for seq, echo in zip(seqs, echoes)]
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": ctx.model_name,
+                "choices": choices,
+                "usage": usage(seqs, body.n),
+            }
+        )
+
+    return router
+
+
+def _chat_choice(
+    ctx: FrontContext,
+    seq: Seq,
+    reasoning: str,
+    content: str,
+    tool_calls: list[dict[str, Any]],
+) -> dict[str, Any]:
+    message = {
+        "role": "assistant",
+        "content": content,  # "" rather than null with tool calls, as SGLang
+        "reasoning_content": reasoning or None,
+        "tool_calls": tool_calls or None,
+    }
+    logprobs = chat_logprobs(ctx.tokenizer, seq.logprobs) if seq.request.return_logprob else None
+    return {
+        "index": seq.index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(seq, bool(tool_calls)),
+        "matched_stop": matched_stop(seq),
+    }
+
+
+def _reasoning_tokens(ctx: FrontContext, seq: Seq, reasoned: bool) -> int:
+    """Output tokens before `</think>` (all of them when the reply never left the reasoning)."""
+    if not reasoned:
+        return 0
+    end = ctx.glm_tokens.think_end if ctx.glm_tokens is not None else None
+    ids = seq.output_ids
+    return ids.index(end) if end in ids else len(ids)
+
+
+def _completion_choice(ctx: FrontContext, seq: Seq, echo: str) -> dict[str, Any]:
+    logprobs = None
+    if seq.request.return_logprob:
+        logprobs = completion_logprobs(ctx.tokenizer, seq.logprobs, len(echo))
+    return {
+        "index": seq.index,
+        "text": echo + seq.text.text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(seq),
+        "matched_stop": matched_stop(seq),
+    }
+
+
+def _check_common(ctx: FrontContext, body: SamplingRequest) -> None:
+    ctx.check_model(body.model)
+    check_n(body.n)
+    if body.logit_bias:
+        raise APIError(400, "logit_bias: not supported by this server", "logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+
+def _tool_choice(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(the tools the template shows and the parser knows, and what a call is forced to:
+    None = not forced, "" = any tool, else that function's name). As SGLang: tool_choice
+    "none" shows no tools, a named function shows only that one."""
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    if choice == "none":
+        return None, None
+    if not body.tools:
+        raise APIError(400, "tool_choice: needs tools", "tool_choice")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    if choice == "auto":
+        return tools, None
+    if choice == "required":
+        return tools, ""
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
+    return named, name
+
+
+def _chat_constraint(
+    ctx: FrontContext,
+    body: ChatCompletionRequest,
+    tools: list[dict[str, Any]] | None,
+    forced: str | None,
+    reasoning: bool,
+    opens_reasoning: bool,
+) -> Constraint | None:
+    """The reply's constraint: the forced tool call, or the requested format (after the
+    reasoning when the reply starts in it and the reasoning is split off)."""
+    constraint = requested_constraint(body.response_format, body.regex, body.ebnf, None)
+    if forced is None:
+        if constraint is not None and reasoning and opens_reasoning and ctx.glm_tokens:
+            return after_reasoning(constraint, ctx.glm_tokens)
+        return constraint
+    if constraint is not None:
+        raise APIError(
+            400,
+            "tool_choice: cannot force a tool call and a response format at once",
+            "tool_choice",
+        )
+    if ctx.args.tool_call_parser is None or ctx.glm_tokens is None:
+        raise APIError(
+            400,
+            "tool_choice: forcing a tool call needs --tool-call-parser glm47 and GLM's markup "
+            "tokens in the tokenizer",
+            "tool_choice",
+        )
+    return forced_tool_calls(
+        tools, forced or None, body.parallel_tool_calls, ctx.glm_tokens, opens_reasoning
+    )
+
+
+def _constrain(
+    ctx: FrontContext, samplings: list[SamplingParams], constraint: Constraint | None
+) -> None:
+    """Put the output constraint on each prompt's sampling parameters; 400 if it does not
+    compile."""
+    if constraint is None:
+        return
+    for sampling in samplings:
+        setattr(sampling, constraint.field, constraint.text)
+    ctx.check_constraint(samplings[0])
+
+
+def _sampling(
+    ctx: FrontContext,
+    body: SamplingRequest,
+    ready: SchedulerReady,
+    max_tokens: int | None,
+    prompt_len: int,
+    default_max_tokens: int | None,
+) -> SamplingParams:
+    sampling = make_sampling(
+        ctx.sampling_defaults,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        repetition_penalty=body.repetition_penalty,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        min_new_tokens=body.min_tokens,
+        skip_special_tokens=body.skip_special_tokens,
+        no_stop_trim=body.no_stop_trim,
+    )
+    fit_to_context(
+        sampling,
+        max_tokens,
+        prompt_len,
+        ready.context_length,
+        ready.vocab_size,
+        default_max_tokens,
+    )
+    return sampling
+
+
+def _bootstrap(body: SamplingRequest) -> dict[str, Any]:
+    return {
+        "bootstrap_host": body.bootstrap_host,
+        "bootstrap_port": body.bootstrap_port,
+        "bootstrap_room": body.bootstrap_room,
+    }
+
+
+def _completion_prompts(
+    ctx: FrontContext, prompt: str | list[str] | list[int] | list[list[int]], vocab_size: int
+) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompts = [ctx.encode(prompt, add_special_tokens=True)]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    else:
+        prompts = [
+            ctx.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            for p in prompt
+        ]
+    if not prompts:
+        raise APIError(400, "prompt: must not be empty", "prompt")
+    for ids in prompts:
+        check_prompt_ids(ids, vocab_size, "prompt")
+    return prompts
+
+
+def _echo(ctx: FrontContext, body: CompletionRequest, seq: Seq) -> str:
+    if not body.echo:
+        return ""
+    return ctx.tokenizer.decode(seq.request.input_ids, skip_special_tokens=False)
+
+
+async def _chat_stream(
+    ctx: FrontContext,
+    rid: str,
+    seqs: list[Seq],
+    parsers: list[ChatOutputParser],
+    stream_reasoning: bool,
+    include_usage: bool,
+    reasoning: bool,
+) -> AsyncIterator[str]:
+    head = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+    }
+
+    def chunk(index: int, delta: dict[str, Any], **choice: Any) -> str:
+        fields = {"logprobs": None, "finish_reason": None, **choice}
+        return sse({**head, "choices": [{"index": index, "delta": delta, **fields}]})
+
+    held_reasoning = ["" for _ in seqs]  # stream_reasoning=False: sent whole, when it ends
+    reasoning_tokens = 0
+    for seq in seqs:
+        yield chunk(seq.index, {"role": "assistant", "content": ""})
+    try:
+        async with aclosing(run_seqs(ctx.client, seqs)) as updates:
+            async for update in updates:
+                seq = update.seq
+                if (error := seq.error()) is not None:
+                    yield stream_error(error)
+                    yield SSE_DONE
+                    return
+                parsed = parsers[seq.index].feed(update.text, final=seq.finished)
+                if not stream_reasoning:
+                    held_reasoning[seq.index] += parsed.reasoning
+                    parsed.reasoning = ""
+                    if parsed.content or parsed.tool_calls or seq.finished:
+                        parsed.reasoning, held_reasoning[seq.index] = held_reasoning[seq.index], ""
+                delta = _chat_delta(parsed)
+                logprobs = (
+                    chat_logprobs(ctx.tokenizer, update.logprobs)
+                    if seq.request.return_logprob and update.logprobs
+                    else None
+                )
+                if delta or logprobs:
+                    yield chunk(seq.index, delta or {"content": ""}, logprobs=logprobs)
+                if seq.finished:
+                    calls = parsers[seq.index].tool_call_count > 0
+                    reasoning_tokens += _reasoning_tokens(ctx, seq, parsers[seq.index].reasoned)
+                    yield chunk(
+                        seq.index,
+                        {},
+                        finish_reason=finish_reason(seq, calls),
+                        matched_stop=matched_stop(seq),
+                    )
+    except Exception as e:
+        yield stream_error(e)
+        yield SSE_DONE
+        return
+    if include_usage:
+        counts = usage(seqs, len(seqs), reasoning_tokens if reasoning else None)
+        yield sse({**head, "choices": [], "usage": counts})
+    yield SSE_DONE
+
+
+def _chat_delta(parsed: ChatDelta) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if parsed.reasoning:
+        delta["reasoning_content"] = parsed.reasoning
+    if parsed.content:
+        delta["content"] = parsed.content
+    if parsed.tool_calls:
+        delta["tool_calls"] = parsed.tool_calls
+    return delta
+
+
+async def _completion_stream(
+    ctx: FrontContext,
+    rid: str,
+    seqs: list[Seq],
+    echoes: list[str],
+    n: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    head = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": ctx.model_name,
+    }
+
+    def chunk(index: int, text: str, **choice: Any) -> str:
+        fields = {"logprobs": None, "finish_reason": None, **choice}
+        return sse({**head, "choices": [{"index": index, "text": text, **fields}]})
+
+    text_offsets = [len(echo) for echo in echoes]
+    for seq, echo in zip(seqs, echoes):
+        if echo:
+            yield chunk(seq.index, echo)
+    try:
+        async with aclosing(run_seqs(ctx.client, seqs)) as updates:
+            async for update in updates:
+                seq = update.seq
+                if (error := seq.error()) is not None:
+                    yield stream_error(error)
+                    yield SSE_DONE
+                    return
+                logprobs = None
+                if seq.request.return_logprob and update.logprobs:
+                    logprobs = completion_logprobs(
+                        ctx.tokenizer, update.logprobs, text_offsets[seq.index]
+                    )
+                    text_offsets[seq.index] += sum(len(t) for t in logprobs["tokens"])
+                if update.text or logprobs:
+                    yield chunk(seq.index, update.text, logprobs=logprobs)
+                if seq.finished:
+                    yield chunk(
+                        seq.index,
+                        "",
+                        finish_reason=finish_reason(seq),
+                        matched_stop=matched_stop(seq),
+                    )
+    except Exception as e:
+        yield stream_error(e)
+        yield SSE_DONE
+        return
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(seqs, n)})
+    yield SSE_DONE

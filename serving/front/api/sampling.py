@@ -1,0 +1,83 @@
+"""SamplingParams from request fields, and the prompt/context-length checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from serving.front.api.errors import APIError
+from serving.protocol import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+def make_sampling(defaults: Mapping[str, Any], **values: Any) -> SamplingParams:
+    """Request values (None = not given) over the model's defaults over SamplingParams'."""
+    stop = values.pop("stop", None)
+    given = {k: v for k, v in values.items() if v is not None}
+    return SamplingParams(
+        **{**defaults, **given}, stop=[stop] if isinstance(stop, str) else list(stop or [])
+    )
+
+
+def fit_to_context(
+    sampling: SamplingParams,
+    max_tokens: int | None,
+    prompt_len: int,
+    context_length: int,
+    vocab_size: int,
+    default_max_tokens: int | None = None,
+) -> None:
+    """Set max_new_tokens (given, else the default, else all the room left) and validate.
+
+    Raises APIError or SamplingError (both HTTP 400).
+    """
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty", "prompt")
+    room = context_length - prompt_len
+    if room <= 0:
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; the context length is {context_length} tokens",
+            "prompt",
+        )
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    sampling.max_new_tokens = max_tokens
+    sampling.validate(vocab_size)
+    if prompt_len + max_tokens > context_length:
+        raise APIError(
+            400,
+            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+            f"{prompt_len + max_tokens} tokens, more than the context length "
+            f"({context_length} tokens)",
+            "max_tokens",
+        )
+
+
+def check_top_logprobs(value: int, name: str) -> None:
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"{name}: must be in [0, {MAX_TOP_LOGPROBS}], got {value}", name)
+
+
+def check_n(n: int) -> None:
+    if n < 1:
+        raise APIError(400, f"n: must be >= 1, got {n}", "n")
+
+
+def for_sequence(sampling: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of n sequences: a distinct seed when one was given, so samples differ."""
+    if sampling.seed is None or i == 0:
+        return dataclasses.replace(sampling)
+    return dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**63)
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, name: str) -> None:
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise APIError(
+                400,
+                f"{name}: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                name,
+            )

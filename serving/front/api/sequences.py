@@ -1,0 +1,183 @@
+"""The sequences of one HTTP request: sent together, detokenized, streamed or collected."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from tokenizers import Tokenizer
+
+from serving.front.api.errors import APIError
+from serving.front.api.sampling import for_sequence
+from serving.front.detokenizer import IncrementalDetokenizer, StreamingText
+from serving.front.engine_client import EngineClient
+from serving.protocol import (
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    SequenceOutput,
+    TokenLogprob,
+)
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+@dataclass
+class Seq:
+    index: int
+    request: GenerateRequest
+    text: StreamingText
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    cached_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, out: SequenceOutput) -> Update:
+        reason = (out.finish_reason or FinishReason.stop()) if out.finished else None
+        text = self.text.push(out.new_token_ids, reason)
+        self.output_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.cached_tokens = out.cached_tokens
+        self.finish_reason = reason
+        return Update(self, text, out.logprobs or [])
+
+    def error(self) -> APIError | None:
+        """A scheduler-side abort before any output token, or one refusing the request (400,
+        e.g. an output constraint the scheduler cannot apply): the request failed. Other aborts
+        after output keep the output, with finish_reason "abort"."""
+        reason = self.finish_reason
+        if reason is None or reason.kind != "abort" or (self.output_ids and reason.status != 400):
+            return None
+        return APIError(reason.status, reason.message or "the request was aborted")
+
+
+@dataclass
+class Update:
+    seq: Seq
+    text: str
+    logprobs: list[TokenLogprob]
+
+
+def make_seqs(
+    tokenizer: Tokenizer,
+    rid: str | list[str],
+    prompts: Sequence[list[int]],
+    sampling: Sequence[SamplingParams],
+    n: int,
+    **request_fields: Any,
+) -> list[Seq]:
+    """n sequences per prompt (sequence index = prompt * n + i).
+
+    A single rid names one sequence as is, several as "<rid>-<index>"; a list of rids (one per
+    prompt) names each prompt's sequences "<rid>" or "<rid>-<i>". Any request field given as a
+    list (bootstrap_room of a batch) is taken per prompt. The i-th sequence of a prompt gets
+    bootstrap_room + i (as SGLang): each PD handoff needs a room of its own, and the prefill
+    and decode workers derive the same ones.
+    """
+    for name, value in {"rid": rid, **request_fields}.items():
+        if isinstance(value, list) and len(value) != len(prompts):
+            raise APIError(400, f"{name}: {len(value)} values for {len(prompts)} prompts", name)
+    seqs = []
+    for p, ids in enumerate(prompts):
+        fields = {k: v[p] if isinstance(v, list) else v for k, v in request_fields.items()}
+        for i in range(n):
+            index = p * n + i
+            if isinstance(rid, list):
+                seq_rid = rid[p] if n == 1 else f"{rid[p]}-{i}"
+            else:
+                seq_rid = rid if len(prompts) * n == 1 else f"{rid}-{index}"
+            params = for_sequence(sampling[p], i)
+            room = fields.get("bootstrap_room")
+            detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+            request = GenerateRequest(
+                rid=seq_rid,
+                input_ids=ids,
+                sampling=params,
+                **{**fields, "bootstrap_room": None if room is None else (room + i) % 2**63},
+            )
+            text = StreamingText(detokenizer, params.stop, params.no_stop_trim)
+            seqs.append(Seq(index, request, text))
+    return seqs
+
+
+async def run_seqs(client: EngineClient, seqs: Sequence[Seq]) -> AsyncIterator[Update]:
+    """Updates of all sequences as they arrive. Closing this early aborts the unfinished ones."""
+    queue: asyncio.Queue[tuple[Seq, SequenceOutput] | Exception] = asyncio.Queue()
+
+    async def pump(seq: Seq) -> None:
+        try:
+            async with aclosing(client.generate(seq.request)) as outputs:
+                async for out in outputs:
+                    queue.put_nowait((seq, out))
+        except Exception as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(seq)) for seq in seqs]
+    try:
+        remaining = len(seqs)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            seq, out = item
+            update = seq.apply(out)
+            if out.finished:
+                remaining -= 1
+            yield update
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect(request: Request, client: EngineClient, seqs: Sequence[Seq]) -> None:
+    """Run the sequences to the end; abort them if the client disconnects first. Raises the
+    first sequence's error if one failed before producing output."""
+
+    async def drain() -> None:
+        async with aclosing(run_seqs(client, seqs)) as updates:
+            async for _ in updates:
+                pass
+
+    await until_disconnected(request, drain())
+    for seq in seqs:
+        if (error := seq.error()) is not None:
+            raise error
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled (ClientDisconnected) if the client disconnects first."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+    if work_task.cancelled():
+        raise ClientDisconnected
+    return work_task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

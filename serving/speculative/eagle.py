@@ -1,0 +1,244 @@
+"""EAGLE speculative decoding with the NextN draft: chain drafts (top-k 1), one verify forward.
+
+Per request, between steps: y, the last committed token (position n, not yet in the target's
+cache); and, on the device in request-row buffers that also travel in a PD handoff, d1, the
+draft's proposal for position n+1 (pool.aux.ints[row, DRAFT_TOKEN]), and the draft's hidden
+state at position n-1 (pool.aux.draft_hidden[row]). Keeping d1 on the device means a step never
+waits for the draft: the host only reads the verify logits.
+
+One decode step over a batch:
+  1. draft steps k = 2..N at positions n+k-2: (embed(d_{k-1}), draft hidden) -> d_k
+  2. verify: the target runs [y, d1..dN] at positions n..n+N in one forward
+  3. accept: each position is sampled exactly as plain decoding would sample it (same penalties,
+     same generator); drafts are accepted while they equal the sampled token; the first
+     mismatch (or the token after dN) is the bonus. With deterministic drafts this is
+     rejection sampling with a one-hot proposal, so the output distribution is the target's.
+  4. roll back: KDA recurrent and conv states are restored to "after the last accepted token"
+     from the per-position history the verify forward recorded. Nothing else needs undoing:
+     latents, pooled keys and tail-ring slots of rejected positions are rewritten before anything
+     reads them (the ring holds kpool-1 + N+1 slots, so no live pool member is overwritten).
+  5. the draft catches up over the accepted tokens with the target's verify hiddens -> next d1.
+
+Steps 1-2 and 4-5 are tensor programs over uniform batches (every request N+1 tokens;
+ForwardBatch.uniform) with no host sync inside, so on CUDA each is captured once per batch size
+(serving/speculative/graphs.py); step 3 runs on the host between the two replays. The
+catch-up runs the draft over all N+1 verify positions and keeps the output at the last accepted
+one: draft latents, pooled keys and ring slots past it are rewritten before anything reads them,
+for the same reason as the target's. The draft has no KDA layer, so it has nothing to roll back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serving.executor.sampler import Sampler, SamplingState
+from serving.forward_batch import ForwardBatch
+from serving.memory.cache import ModelCache
+from serving.memory.pool import DRAFT_TOKEN, MemoryPool
+from serving.models.glm5_next import Glm5NextForCausalLM
+from serving.models.nextn import NextNDraft
+from serving.speculative.graphs import SpecGraphs
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_steps: int
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.num_steps + 1
+
+
+@dataclass
+class Verified:
+    """What the draft-and-verify program leaves on the device (graph outputs under CUDA graphs)."""
+
+    chains: torch.Tensor  # [B, N] draft tokens d1..dN
+    logits: torch.Tensor  # [B*(N+1), V] target logits at positions n..n+N
+    hidden: torch.Tensor  # [B*(N+1), Hd] target hiddens there (the draft's catch-up input)
+    kda_history: dict[int, list[torch.Tensor]]
+
+
+@dataclass
+class Proposal:
+    """A request's share of a speculative step (host side)."""
+
+    row: int
+    position: int  # n: position of the last committed token y
+    token: int  # y
+
+
+def restore_kda_states(
+    cache: ModelCache,
+    history: dict[int, list[torch.Tensor]],
+    rows: torch.Tensor,
+    last: torch.Tensor,
+) -> None:
+    """Set each row's KDA state to the one after chunk position last[b] (0-based)."""
+    for layer, (conv_inputs, states) in history.items():
+        kc = cache.kda(layer)
+        b = torch.arange(rows.numel(), device=rows.device)
+        kc.state[rows] = states[b, last].to(kc.state.dtype)
+        width = kc.conv.shape[-1]  # K-1 inputs ending at chunk position last[b]
+        idx = last[:, None] + 1 + torch.arange(width, device=rows.device)
+        idx = idx[:, None, :].expand(-1, conv_inputs.shape[1], -1)
+        kc.conv[rows] = conv_inputs.gather(2, idx).to(kc.conv.dtype)
+
+
+class Eagle:
+    def __init__(
+        self,
+        target: Glm5NextForCausalLM,
+        draft: NextNDraft,
+        pool: MemoryPool,
+        sampler: Sampler,
+        config: SpecConfig,
+    ) -> None:
+        assert pool.draft is not None, "the pool needs draft caches"
+        self.target, self.draft, self.pool, self.sampler = target, draft, pool, sampler
+        self.steps = config.num_steps
+        self.graphs = None  # SpecGraphs, set by enable_graphs
+
+    def enable_graphs(self, max_bs: int) -> None:
+        self.graphs = SpecGraphs(self, max_bs)
+
+    # ---- the draft over known tokens (after a prefill chunk) ----
+    def extend_draft(
+        self,
+        rows: list[int],
+        starts: list[int],
+        next_tokens: list[list[int]],
+        target_hidden: torch.Tensor,
+    ) -> None:
+        """Draft positions starts[b].. with inputs (next token, target hidden at the position).
+
+        target_hidden: [sum(len), H], requests back to back. Stores each request's proposal for
+        the position after its last one, and the draft's hidden there, in its aux row."""
+        ids = [t for toks in next_tokens for t in toks]
+        batch = ForwardBatch.build(
+            ids, rows, starts, [len(t) for t in next_tokens], self.pool.req_to_token
+        )
+        out = self.draft(self.target, batch, target_hidden, self.pool.draft)
+        self._stash(batch.req_rows, out.hidden[batch.logit_index], out.logits)
+
+    def _stash(self, rows: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        aux = self.pool.aux
+        aux.draft_hidden[rows] = hidden.to(aux.draft_hidden.dtype)
+        aux.ints[rows, DRAFT_TOKEN] = logits.argmax(-1)
+
+    # ---- the two device programs of a step (graph-captured on CUDA) ----
+    def draft_and_verify(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        max_seq_len: int,
+    ) -> Verified:
+        """tokens (y), positions (n), rows: [B]. Steps 1 and 2 of the module doc."""
+        r2t = self.pool.req_to_token
+        chain = [self.pool.aux.ints[rows, DRAFT_TOKEN]]
+        hidden = self.pool.aux.draft_hidden[rows]
+        for k in range(2, self.steps + 1):
+            batch = ForwardBatch.uniform(chain[-1], rows, positions + k - 2, 1, r2t, max_seq_len)
+            out = self.draft(self.target, batch, hidden, self.pool.draft)
+            hidden = out.hidden
+            chain.append(out.logits.argmax(-1))
+        chains = torch.stack(chain, dim=1)
+        ids = torch.cat([tokens[:, None], chains], dim=1).flatten()
+        batch = ForwardBatch.uniform(ids, rows, positions, self.steps + 1, r2t, max_seq_len)
+        batch.kda_history = {}
+        out = self.target(batch, self.pool.target)
+        return Verified(chains, out.logits, out.hidden, batch.kda_history)
+
+    def roll_back_and_catch_up(
+        self,
+        verified: Verified,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        committed: torch.Tensor,
+        last: torch.Tensor,
+        max_seq_len: int,
+    ) -> None:
+        """Steps 4 and 5. committed: [B, N+1] committed tokens, padded after last[b] (the index
+        of the bonus token) with any token id. Leaves the next d1 in the aux rows."""
+        n = self.steps + 1
+        restore_kda_states(self.pool.target, verified.kda_history, rows, last)
+        batch = ForwardBatch.uniform(
+            committed.flatten(), rows, positions, n, self.pool.req_to_token, max_seq_len
+        )
+        batch.logit_index = torch.arange(rows.shape[0], device=rows.device) * n + last
+        out = self.draft(self.target, batch, verified.hidden, self.pool.draft)
+        self._stash(rows, out.hidden[batch.logit_index], out.logits)
+
+    # ---- one decode step ----
+    def step(
+        self, proposals: list[Proposal], states: list[SamplingState], want: list[int]
+    ) -> tuple[list[list[int]], list[list | None]]:
+        """Returns per request the committed tokens (1..N+1) and their logprob entries.
+
+        want: per request, the number of top logprobs to return (-1: no logprobs)."""
+        n_steps, num = self.steps, len(proposals)
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(num) else None
+        host = torch.tensor(
+            [[p.token for p in proposals], [p.position for p in proposals]]
+            + [[p.row for p in proposals]],
+            dtype=torch.int64,
+        )
+        if graphs is not None:
+            verified = graphs.draft_and_verify(host)
+        else:
+            tokens, positions, rows = host.to(self.pool.device).unbind(0)
+            seq_len = max(p.position for p in proposals) + n_steps + 1
+            verified = self.draft_and_verify(tokens, positions, rows, seq_len)
+        chains = verified.chains[:num].tolist()
+        logits = verified.logits[: num * (n_steps + 1)]
+        sampled, logprobs = self._sample_positions(logits, chains, states, want)
+        committed, last = [], []
+        for chain, samp in zip(chains, sampled):
+            a = 0
+            while a < n_steps and samp[a] == chain[a]:
+                a += 1
+            committed.append(chain[:a] + [samp[a]])
+            last.append(a)
+        padded = [c + [0] * (n_steps + 1 - len(c)) for c in committed]
+        if graphs is not None:
+            graphs.roll_back_and_catch_up(padded, last)
+        else:
+            self.roll_back_and_catch_up(
+                verified,
+                rows,
+                positions,
+                torch.tensor(padded, device=self.pool.device),
+                torch.tensor(last, device=self.pool.device),
+                seq_len,
+            )
+        return committed, [
+            None if lp is None else lp[: len(c)] for lp, c in zip(logprobs, committed)
+        ]
+
+    def _sample_positions(
+        self,
+        logits: torch.Tensor,
+        chains: list[list[int]],
+        states: list[SamplingState],
+        want: list[int],
+    ):
+        """Sample every verify position as plain decoding would, given the drafts before it."""
+        n = self.steps + 1
+        virtual = [
+            SamplingState(
+                s.params, s.prompt_ids, s.output_ids + chain[:j], s.generator, s.eos_token_ids
+            )
+            for s, chain in zip(states, chains)
+            for j in range(n)
+        ]
+        top = [max(w, 0) for w in want for _ in range(n)] if any(w >= 0 for w in want) else None
+        tokens, logprobs = self.sampler.sample(logits, virtual, top)
+        per_req = [tokens[b * n : (b + 1) * n] for b in range(len(chains))]
+        if logprobs is None:
+            return per_req, [None] * len(chains)
+        return per_req, [
+            logprobs[b * n : (b + 1) * n] if want[b] >= 0 else None for b in range(len(chains))
+        ]

@@ -1,0 +1,79 @@
+"""EAGLE's two device programs per step captured per batch size of the decode ladder: (draft steps
++ verify) and (KDA roll-back + draft catch-up), with the host's acceptance in between. Padding
+entries use request row 0 and token slot 0, as in serving/executor/cuda_graph.py."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from serving.executor.cuda_graph import batch_ladder, capture
+
+if TYPE_CHECKING:
+    from serving.speculative.eagle import Eagle, Verified
+
+log = logging.getLogger(__name__)
+
+
+class SpecGraphs:
+    """Eagle.draft_and_verify and Eagle.roll_back_and_catch_up captured per batch size.
+
+    The second program reads the first's outputs (verify hiddens, KDA history) in place, so a
+    step replays both graphs of one size back to back."""
+
+    def __init__(self, eagle: Eagle, max_bs: int) -> None:
+        self.eagle = eagle
+        pool = eagle.pool
+        self.sizes = batch_ladder(max_bs, eagle.steps + 1)
+        self.max_seq_len = pool.plan.max_context
+        n, width = self.sizes[-1], eagle.steps + 1
+        self.inputs = torch.zeros(3, n, dtype=torch.int64, device=pool.device)  # y, n, row
+        self.committed = torch.zeros(n, width, dtype=torch.int64, device=pool.device)
+        self.last = torch.zeros(n, dtype=torch.int64, device=pool.device)
+        self.bs = 0  # the size draft_and_verify replayed; roll_back_and_catch_up follows it
+        self.graphs: dict[int, tuple] = {}
+        pool_handle = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.sizes):  # largest first: later ones reuse its memory
+            self.graphs[bs] = self._capture(bs, pool_handle)
+        log.info("captured EAGLE draft/verify CUDA graphs for batch sizes %s", self.sizes)
+
+    def _capture(self, bs: int, pool_handle):
+        tokens, positions, rows = (t[:bs] for t in self.inputs)
+        verify_graph, verified = capture(
+            lambda: self.eagle.draft_and_verify(tokens, positions, rows, self.max_seq_len),
+            pool_handle,
+        )
+        catch_up_graph, _ = capture(
+            lambda: self.eagle.roll_back_and_catch_up(
+                verified, rows, positions, self.committed[:bs], self.last[:bs], self.max_seq_len
+            ),
+            pool_handle,
+        )
+        return verify_graph, verified, catch_up_graph
+
+    def fits(self, bs: int) -> bool:
+        return bs <= self.sizes[-1]
+
+    def _size(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def draft_and_verify(self, host: torch.Tensor) -> Verified:
+        """host: [3, n] int64 (y, position, row); padding entries are zeros (row 0)."""
+        n = host.shape[1]
+        self.bs = self._size(n)
+        padded = torch.zeros(3, self.bs, dtype=torch.int64)
+        padded[:, :n] = host
+        self.inputs[:, : self.bs].copy_(padded, non_blocking=True)
+        graph, verified, _ = self.graphs[self.bs]
+        graph.replay()
+        return verified
+
+    def roll_back_and_catch_up(self, committed: list[list[int]], last: list[int]) -> None:
+        host = torch.zeros(self.bs, len(committed[0]) + 1, dtype=torch.int64)
+        host[: len(last)] = torch.tensor([row + [a] for row, a in zip(committed, last)])
+        self.committed[: self.bs].copy_(host[:, :-1], non_blocking=True)
+        self.last[: self.bs].copy_(host[:, -1], non_blocking=True)
+        _, _, graph = self.graphs[self.bs]
+        graph.replay()

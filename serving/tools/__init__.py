@@ -1,0 +1,2 @@
+"""Offline commands: checkpoint writers, distillation, generation and benchmarks. Nothing on the
+serving path imports them."""

@@ -1,0 +1,113 @@
+"""Load a running server with concurrent streaming requests; report throughput and latency.
+
+    python -m serving.tools.bench_serving --url http://127.0.0.1:30000 --concurrency 16 \
+        --requests 32 --input-len 128 --output-len 64
+
+Each request is a streaming POST /generate with random token ids and ignore_eos, so every
+request produces exactly --output-len tokens. Reports output tokens/s over the whole run, time to
+first token (TTFT), time per output token (TPOT: per request (end - TTFT) / (tokens - 1), then
+averaged, as SGLang's bench_serving defines it), each request's decode-phase tokens/s (the
+inverse, averaged), and inter-token latency (ITL: the gaps between stream events that brought
+new tokens; with speculative decoding one event can bring several tokens, so TPOT is the
+figure to compare across configurations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+
+async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], n: int) -> dict:
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+    start = time.perf_counter()
+    stamps: list[float] = []
+    seen = 0
+    async with client.stream("POST", url + "/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            count = len(json.loads(line[6:])["output_ids"])
+            if count > seen:
+                stamps.append(time.perf_counter())
+                seen = count
+    end = time.perf_counter()
+    return {
+        "ttft": stamps[0] - start,
+        "e2e": end - start,
+        "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+        "tokens": seen,
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def run(args: argparse.Namespace) -> dict:
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(0, args.vocab) for _ in range(args.input_len)] for _ in range(args.requests)
+    ]
+    sem = asyncio.Semaphore(args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def bounded(ids: list[int]) -> dict:
+            async with sem:
+                return await one_request(client, args.url, ids, args.output_len)
+
+        await one_request(client, args.url, prompts[0], 2)  # warm up
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] * 1000 for r in results]
+    itl = [x * 1000 for r in results for x in r["itl"]]
+    # Decode phase of each request: after its first token, (tokens - 1) more.
+    decoding = [(r["e2e"] - r["ttft"], r["tokens"] - 1) for r in results if r["tokens"] > 1]
+    tpot = [1000 * t / n for t, n in decoding]
+    decode_rate = [n / t for t, n in decoding if t > 0]
+    return {
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "output_tok_per_s": round(tokens / wall, 1),
+        "ttft_ms_mean": round(statistics.mean(ttft), 1),
+        "ttft_ms_p99": round(pct(ttft, 0.99), 1),
+        "e2e_ms_mean": round(statistics.mean(r["e2e"] * 1000 for r in results), 1),
+        "tpot_ms": round(statistics.mean(tpot), 3) if tpot else None,
+        "tpot_ms_p50": round(pct(tpot, 0.5), 3) if tpot else None,
+        "decode_tok_per_s_per_req": round(statistics.mean(decode_rate), 1) if decode_rate else None,
+        "itl_ms_mean": round(statistics.mean(itl), 3) if itl else None,
+        "itl_ms_p50": round(pct(itl, 0.5), 2) if itl else None,
+        "itl_ms_p99": round(pct(itl, 0.99), 2) if itl else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:30000")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=1000)
+    print(json.dumps(asyncio.run(run(ap.parse_args()))))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Distil the NextN draft layer on its own target's greedy outputs, so EAGLE speed-ups can be
+measured on checkpoints with random weights.
+
+    python -m serving.tools.distill_nextn --model-path DIR --out DIR2 [--steps 400] [--device cuda]
+    python -m serving.tools.distill_nextn --model-path DIR --out DIR2 --fit-target-head
+
+1. The target continues random prompts greedily (the text EAGLE will have to predict).
+2. Target forwards over the sequences (16 at a time) give their pre-norm hidden states h_i
+   (and, for --labels target, the target's greedy choice at every position).
+3. The draft is trained, through the same forward the server runs (caches included), to map
+   (embed(x_{i+1}), h_i) to the label of position i+1 with cross-entropy; only the draft's
+   weights change. Labels: `text` (default) the next token x_{i+2}, prompt positions weighted
+   0.2 (random prompt tokens are unpredictable); `target` the target's argmax at position i+1,
+   every position weighted 1 (what greedy verification accepts, prompts included).
+4. DIR is copied to DIR2 with the new NextN tensors.
+
+A random target has no structure to learn: its draft only memorises the distillation text and
+accepts almost nothing on new prompts. --fit-target-head first refits the target's lm_head to a
+synthetic first-order Markov language (serving/tools/fit_target_head.py, written to DIR2) and then
+distils on that target with --labels target, so the draft generalises to prompts it never saw.
+Acceptance then measures that synthetic construction, not a trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from serving.config import ModelConfig
+from serving.forward_batch import ForwardBatch
+from serving.memory.pool import MemoryPool, PoolPlan
+from serving.models.loader import (
+    export_checkpoint,
+    load_weights,
+    resolve_dtype,
+    rewrite_checkpoint,
+)
+from serving.models.nextn import NextNDraft
+from serving.tools.generate import StepRunner
+
+GEN_BATCH = 64  # sequences continued together (the target forwards over them: 16 at a time)
+
+
+def training_prompts(vocab: int, count: int, prompt_len: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, min(vocab, 1000), (prompt_len,), generator=g).tolist()
+        for _ in range(count)
+    ]
+
+
+def make_data(
+    runner: StepRunner, vocab: int, count: int, prompt_len: int, gen_len: int, seed: int
+) -> list[list[int]]:
+    prompts = training_prompts(vocab, count, prompt_len, seed)
+    out = []
+    for i in range(0, count, GEN_BATCH):
+        chunk = prompts[i : i + GEN_BATCH]
+        gens = runner.greedy(chunk, gen_len)
+        out += [p + c for p, c in zip(chunk, gens)]
+    return out
+
+
+def target_hidden(
+    runner: StepRunner, seqs: list[list[int]], per_forward: int = 16
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: the target's pre-norm hiddens [L, H] and its greedy choice [L] after each
+    position (one extend forward per `per_forward` sequences)."""
+    hidden, choice = [], []
+    for i in range(0, len(seqs), per_forward):
+        chunk = seqs[i : i + per_forward]
+        states = [runner.add(seq) for seq in chunk]
+        lens = [len(seq) for seq in chunk]
+        out = runner.step(states, lens, logits="all")
+        # clone: a normal tensor (not an inference tensor) that autograd may save
+        hidden += [h.float().clone() for h in out.hidden.split(lens)]
+        choice += list(out.logits.argmax(-1).split(lens))
+        for st in states:
+            runner.release(st)
+    return hidden, choice
+
+
+def train(
+    model_path: str,
+    out_dir: str,
+    steps: int,
+    device: str,
+    lr: float,
+    count: int,
+    prompt_len: int,
+    gen_len: int,
+    batch_size: int,
+    seed: int,
+    labels: str | None = None,
+    fit_target_head: bool = False,
+    fit_tokens: int = 65536,
+) -> dict:
+    """Distil the draft of model_path into out_dir (module docstring). labels: "text" or
+    "target" (None: "target" with fit_target_head, else "text")."""
+    fit = None
+    if fit_target_head:
+        from serving.tools.fit_target_head import fit_head
+
+        fit = fit_head(model_path, out_dir, device, tokens=fit_tokens, seed=seed)
+        print(f"fitted the target head: {json.dumps(fit)}", flush=True)
+        model_path = out_dir
+    labels = labels or ("target" if fit_target_head else "text")
+    if labels not in ("text", "target"):
+        raise ValueError(f"labels must be 'text' or 'target', not {labels!r}")
+    config = ModelConfig.from_pretrained(model_path)
+    # The text comes from the target in the dtype it is served in: on random weights, bfloat16
+    # and float32 greedy continuations part ways within a few tokens.
+    served, _ = load_weights(model_path, config, resolve_dtype("auto", model_path), device)
+    page = max(16, config.index_kpool)
+    runner = StepRunner(
+        served,
+        max_requests=GEN_BATCH,
+        max_context=prompt_len + gen_len + 16,
+        page_size=page,
+        device=device,
+    )
+    t0 = time.perf_counter()
+    seqs = make_data(runner, config.vocab_size, count, prompt_len, gen_len, seed)
+    hiddens, choices = target_hidden(runner, seqs)
+    data_s = time.perf_counter() - t0
+    del served, runner
+    target, draft = load_weights(model_path, config, torch.float32, device, load_draft=True)
+    for p in draft.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(
+        [p for p in draft.parameters() if p.is_floating_point()], lr=lr, weight_decay=0.0
+    )
+    length = len(seqs[0])
+    plan = PoolPlan(
+        rows=batch_size,
+        pages=batch_size * -(-length // page) + 1,
+        page_size=page,
+        max_context=length,
+        with_draft=True,
+    )
+    forward = NextNDraft.forward.__wrapped__  # the server's forward, with autograd on
+    g = torch.Generator().manual_seed(seed + 1)
+    losses = []
+    t1 = time.perf_counter()
+    for step in range(steps):
+        pool = MemoryPool(config, plan, torch.float32, device)
+        rows, pages = [], []
+        for _ in range(batch_size):
+            row = pool.alloc_row()
+            pg: list[int] = []
+            pool.grow(row, pg, length)
+            rows.append(row)
+            pages.append(pg)
+        pick = torch.randint(0, len(seqs), (batch_size,), generator=g).tolist()
+        # position i: input x_{i+1} with h_i, label x_{i+2}; positions 0 .. length-3
+        n = length - 2
+        ids = [t for i in pick for t in seqs[i][1 : 1 + n]]
+        if labels == "target":
+            label = torch.cat([choices[i][1 : 1 + n] for i in pick])
+        else:
+            label = torch.tensor([t for i in pick for t in seqs[i][2 : 2 + n]], device=device)
+        hidden = torch.cat([hiddens[i][:n] for i in pick])
+        batch = ForwardBatch.build(
+            ids, rows, [0] * batch_size, [n] * batch_size, pool.req_to_token, logits="all"
+        )
+        out = forward(draft, target, batch, hidden, pool.draft)
+        weight = torch.ones(n, device=device)
+        if labels == "text":
+            weight[: prompt_len - 1] = 0.2  # random prompt tokens are unpredictable
+        loss = (
+            F.cross_entropy(out.logits, label, reduction="none").view(batch_size, n) * weight
+        ).sum() / (weight.sum() * batch_size)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            print(f"step {step}: loss {loss.item():.3f}", flush=True)
+    train_s = time.perf_counter() - t1
+    for p in draft.parameters():
+        p.requires_grad_(False)
+    prefix = f"model.language_model.layers.{config.num_hidden_layers}."
+    new = export_checkpoint(config, target, draft)
+    rewrite_checkpoint(model_path, out_dir, {n: t for n, t in new.items() if n.startswith(prefix)})
+    summary = {
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-10:]) / min(10, len(losses)),
+        "data_s": round(data_s, 1),
+        "train_s": round(train_s, 1),
+        "steps": steps,
+        "labels": labels,
+    }
+    if fit is not None:
+        summary["fit"] = fit
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--sequences", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--labels",
+        choices=["text", "target"],
+        default=None,
+        help="next text token, or the target's argmax (default: target with --fit-target-head)",
+    )
+    ap.add_argument(
+        "--fit-target-head",
+        action="store_true",
+        help="first refit the target's lm_head to a synthetic Markov language "
+        "(serving/tools/fit_target_head.py), then distil on it",
+    )
+    ap.add_argument("--fit-tokens", type=int, default=65536, help="corpus tokens for the head fit")
+    args = ap.parse_args()
+    summary = train(
+        args.model_path,
+        args.out,
+        args.steps,
+        args.device,
+        args.lr,
+        args.sequences,
+        args.prompt_len,
+        args.gen_len,
+        args.batch_size,
+        args.seed,
+        labels=args.labels,
+        fit_target_head=args.fit_target_head,
+        fit_tokens=args.fit_tokens,
+    )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

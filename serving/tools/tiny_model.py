@@ -1,0 +1,210 @@
+"""Write a deterministic GLM-5.3-Flash-style checkpoint with random weights.
+
+    python -m serving.tools.tiny_model DIR              # tiny default, runs fast on 2 CPU cores
+    python -m serving.tools.tiny_model DIR --preset bench --device cuda   # 3B GPU benchmark config
+
+The checkpoint is what transformers' glm5_next save_pretrained writes (nested text_config,
+original tensor names) plus the NextN layer at layers.{num_hidden_layers}, a byte-level BPE
+tokenizer.json with GLM's special tokens, chat_template.jinja and generation_config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from serving.config import DSA, KDA, ModelConfig
+from serving.models.glm5_next import Glm5NextForCausalLM
+from serving.models.loader import export_checkpoint
+from serving.models.nextn import NextNDraft
+from serving.tools.tokenizer_build import write_tokenizer_files
+
+TINY_VOCAB = 1024
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # 4 layers: KDA, DSA (full indexer), DSA (shared indexer), KDA. index_topk 32 tokens
+    # (8 pools of 4) so prompts of a few dozen tokens already select sparsely; 16 indexer heads
+    # keep pool scores from tying.
+    "tiny": dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=0,
+        v_head_dim=16,
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=32,
+        index_kpool=4,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        layer_types=[KDA, DSA, DSA, KDA],
+        indexer_types=["full", "full", "shared", "full"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        max_position_embeddings=8192,
+        dtype="float32",
+    ),
+    # The issue's GPU benchmark shape: ~3B parameters, 1B active.
+    "bench": dict(
+        vocab_size=154880,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_routed_experts=64,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=768,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=0,
+        v_head_dim=128,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=512,
+        index_kpool=16,
+        linear_num_heads=16,
+        linear_head_dim=128,
+        layer_types=[KDA, KDA, KDA, DSA, KDA, KDA, KDA, DSA],
+        indexer_types=["full"] * 8,
+        mlp_layer_types=["dense"] + ["sparse"] * 7,
+        max_position_embeddings=65536,
+        dtype="bfloat16",
+    ),
+}
+
+COMMON: dict[str, Any] = dict(
+    model_type="glm5_next_text",
+    hidden_act="silu",
+    rms_norm_eps=1e-5,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    swiglu_limit=10.0,
+    linear_conv_kernel_dim=4,
+    linear_lower_bound=-5.0,
+    hc_mult=4,
+    hc_eps=1e-6,
+    hc_sinkhorn_iters=20,
+    index_kpool_always_select_tail=True,
+    attention_bias=False,
+    tie_word_embeddings=False,
+    num_nextn_predict_layers=1,
+)
+
+
+def _init(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+    """Deterministic init that keeps activations in a sane range at any width."""
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std
+
+    if name.endswith(("layernorm.weight", "norm.weight", "o_norm", "k_norm_weight")) or (
+        name.endswith(("enorm.weight", "hnorm.weight"))
+    ):
+        value = 1.0 + normal(0.05)
+    elif name.endswith(("k_norm_bias", ".base")):
+        value = normal(0.05)
+    elif name.endswith(".scale"):
+        value = torch.ones(p.shape, device=p.device)
+    elif name.endswith("A_log"):
+        value = normal(0.3)
+    elif name.endswith("dt_bias"):
+        dt = torch.exp(
+            torch.rand(p.shape, generator=gen, device=p.device) * math.log(100) + math.log(1e-3)
+        )
+        value = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+    elif name.endswith("e_score_correction_bias"):
+        value = normal(0.01)
+    elif name.endswith("index_kpool_compress_ape"):
+        value = normal(0.5)
+    elif name == "embed_tokens":
+        value = normal(1.0)
+    elif name.endswith("conv_weight"):
+        value = normal(0.3)
+    else:  # projections: std 1/sqrt(fan_in)
+        value = normal(p.shape[-1] ** -0.5)
+    p.copy_(value.to(p.dtype))
+
+
+def build_config(preset: str, specials: dict[str, int]) -> dict[str, Any]:
+    text = {**COMMON, **PRESETS[preset]}
+    dtype = text.pop("dtype")
+    text["eos_token_id"] = [specials[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    text["pad_token_id"] = specials["<|endoftext|>"]
+    return {
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "model_type": "glm5_next",
+        "dtype": dtype,
+        "tie_word_embeddings": False,
+        "text_config": text,
+    }
+
+
+def write_checkpoint(
+    out_dir: str | Path, preset: str = "tiny", device: str = "cpu", seed: int = 0
+) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    specials = write_tokenizer_files(out, vocab_size=TINY_VOCAB)
+    raw = build_config(preset, specials)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token_id": raw["text_config"]["eos_token_id"],
+                "pad_token_id": raw["text_config"]["pad_token_id"],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    config = ModelConfig.from_dict(raw)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[raw["dtype"]]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        target, draft = Glm5NextForCausalLM(config, dtype), NextNDraft(config, dtype)
+    with torch.no_grad():
+        for module in (target, draft):
+            for name, p in module.named_parameters():
+                _init(name, p, gen)
+    tensors = export_checkpoint(config, target, draft)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument(
+        "--device", default="cpu", help="build the weights here (cuda for --preset bench)"
+    )
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    path = write_checkpoint(args.out_dir, args.preset, args.device, args.seed)
+    print(f"wrote {args.preset} checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    main()

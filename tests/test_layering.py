@@ -1,0 +1,174 @@
+"""The tree's import rules, read from the source with ast: no import circles, no import from a
+lower layer to a higher one, the router apart, and the HTTP front free of torch.
+
+Layers, low to high (a module may import its own layer and the ones below):
+kernels < shared definitions (serving.config, serving.protocol, serving.forward_batch,
+serving.server_args) < memory < layers < models < executor < speculative < engine < workers <
+front < launch_server < tools. Imports under `if TYPE_CHECKING:` are types only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("serving", "workers", "kernels", "router")
+LAYERS = [
+    ("kernels",),
+    ("serving.config", "serving.protocol", "serving.forward_batch", "serving.server_args"),
+    ("serving.memory",),
+    ("serving.layers",),
+    ("serving.models",),
+    ("serving.executor",),
+    ("serving.speculative",),
+    ("serving.engine",),
+    ("workers",),
+    ("serving.front",),
+    ("serving.launch_server",),
+    ("serving.tools",),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int | None:
+    for rank, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    return None
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module of ours that `path` imports at run time (module level or in a function)."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            # `from serving.engine import scheduler` imports the module serving.engine.scheduler
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    ours = set()
+    for name in found:
+        if name.split(".")[0] in PACKAGES:
+            # the longest prefix that is a module or package of the tree
+            parts = name.split(".")
+            while parts and not _exists(parts):
+                parts.pop()
+            if parts:
+                ours.add(".".join(parts))
+    ours.discard(module)
+    return ours
+
+
+def _exists(parts: list[str]) -> bool:
+    base = ROOT.joinpath(*parts)
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    return {module_name(p): imports_of(p) for p in files}
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one() -> None:
+    upward = []
+    for module, deps in graph().items():
+        if module.startswith("router") or (module in PACKAGES and not deps):
+            continue  # a bare top-level package __init__ has no layer
+        mine = layer_of(module)
+        assert mine is not None, f"{module} is in no layer: add it to LAYERS"
+        for dep in deps:
+            theirs = layer_of(dep)
+            if theirs is not None and theirs > mine:
+                upward.append(f"{module} imports {dep}")
+    assert not upward, "imports that run up the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_kernels_and_router_import_nothing_of_the_rest() -> None:
+    bad = [
+        f"{module} imports {dep}"
+        for module, deps in graph().items()
+        for dep in deps
+        if (module.startswith("kernels") and not dep.startswith("kernels"))
+        or (module.startswith("router") and not dep.startswith("router"))
+    ]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_circles() -> None:
+    edges = graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(edges.get(node, ())):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep) :] + [dep]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+
+
+def test_the_front_never_imports_torch() -> None:
+    code = (
+        "import sys, serving.front.http_server, serving.front.engine_client; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
+    """The rules above must be able to fail: a memory module importing a model is caught."""
+    source = "from serving.models.glm5_next import Glm5NextForCausalLM\n"
+    fake = ROOT / "serving" / "memory" / "_layering_probe.py"
+    fake.write_text(source)
+    try:
+        deps = imports_of(fake)
+        assert "serving.models.glm5_next" in deps
+        assert layer_of("serving.models.glm5_next") > layer_of(module_name(fake))
+    finally:
+        fake.unlink()
