@@ -203,8 +203,10 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # n fastest: the programs of one row block run together and share its x rows in L2
+    num_n = tl.cdiv(INTER, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
     e = tl.load(block_expert_ptr + pid_m)
     if e >= E:
         return
@@ -261,8 +263,9 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    num_n = tl.cdiv(HD, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
     e = tl.load(block_expert_ptr + pid_m)
     if e >= E:
         return
@@ -338,7 +341,7 @@ def experts(
     num_blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
     h = torch.empty(num_blocks * cfg.block_m, inter, device=x.device, dtype=x.dtype)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.gu_block_n))](
+    _gate_up_kernel[(num_blocks * triton.cdiv(inter, cfg.gu_block_n),)](
         x,
         w13,
         h,
@@ -359,7 +362,7 @@ def experts(
         num_stages=cfg.num_stages,
     )
     y = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down_block_n))](
+    _down_kernel[(num_blocks * triton.cdiv(hidden, cfg.down_block_n),)](
         h,
         w2,
         y,
