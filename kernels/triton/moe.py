@@ -30,6 +30,8 @@ import triton.language as tl
 
 # Pairs (T * top_k) up to this go through the one-program align kernel; above, torch ops.
 ALIGN_KERNEL_MAX_PAIRS = 2048
+# About two programs per SM on the H200 (132 SMs): the decode tile heuristic aims at this.
+TARGET_PROGRAMS = 264
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,20 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype)
             cfg.num_warps,
             2,
         )
+    gu_n_max, dn_n_max = cfg.gu_block_n, cfg.down_block_n
+    if cfg.block_m <= 32:
+        # Few row blocks (decode): narrow the N tiles until the grid covers the SMs about
+        # twice, else a handful of programs stream all the weights (bench preset, T=1: 4
+        # experts x 768 / 64 = 48 programs on 132 SMs).
+        blocks = min(num_experts, num_pairs)
+        while gu_n_max > 16 and blocks * triton.cdiv(inter, gu_n_max) < TARGET_PROGRAMS:
+            gu_n_max //= 2
+        while dn_n_max > 16 and blocks * triton.cdiv(hidden, dn_n_max) < TARGET_PROGRAMS:
+            dn_n_max //= 2
     # tiny models (tests, the tiny preset): never a tile much larger than the dimension
-    gu_n = max(16, min(cfg.gu_block_n, triton.next_power_of_2(inter)))
+    gu_n = max(16, min(gu_n_max, triton.next_power_of_2(inter)))
     gu_k = max(16, min(cfg.gu_block_k, triton.next_power_of_2(hidden)))
-    dn_n = max(16, min(cfg.down_block_n, triton.next_power_of_2(hidden)))
+    dn_n = max(16, min(dn_n_max, triton.next_power_of_2(hidden)))
     dn_k = max(16, min(cfg.down_block_k, triton.next_power_of_2(inter)))
     return MoEConfig(cfg.block_m, gu_n, gu_k, dn_n, dn_k, cfg.num_warps, cfg.num_stages)
 
