@@ -126,20 +126,37 @@ BENCH = (2048, 64, 768, 4)  # bench preset
 REAL = (4096, 288, 2048, 8)  # GLM-5.3-Flash
 
 
+_EXPERT_WEIGHTS: dict = {}
+
+
+def _expert_weights(shape, dtype, device):
+    """Random w13, w2, made on the device and kept: the real shape is 14.5 GB in bf16."""
+    key = (shape, dtype, str(device))
+    if key not in _EXPERT_WEIGHTS:
+        if len(_EXPERT_WEIGHTS) >= 2:
+            _EXPERT_WEIGHTS.clear()
+        hidden, experts, inter, _ = shape
+        gen = torch.Generator(device=device).manual_seed(1234)
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=gen, device=device, dtype=dtype)
+        w13 *= hidden**-0.5 * 2
+        w2 = torch.randn(experts, hidden, inter, generator=gen, device=device, dtype=dtype)
+        w2 *= inter**-0.5
+        _EXPERT_WEIGHTS[key] = (w13, w2)
+    return _EXPERT_WEIGHTS[key]
+
+
 def _moe_inputs(tokens, shape, dtype, device, skew=False, seed=0):
     hidden, experts, inter, top_k = shape
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5 * 2
-    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    w13, w2 = _expert_weights(shape, dtype, device)
     if skew:  # most tokens on the same few experts: long segments, many empty experts
         base = torch.arange(top_k).expand(tokens, top_k)
         ids = (base + (torch.rand(tokens, 1, generator=gen) < 0.2).long() * top_k) % experts
     else:
         ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
-    cast = lambda t: t.to(device=device, dtype=dtype)
-    return cast(x), cast(w13), cast(w2), weights.to(device), ids.to(device)
+    return x.to(device=device, dtype=dtype), w13, w2, weights.to(device), ids.to(device)
 
 
 def _check_moe(out, x, w13, w2, weights, ids, limit):
@@ -182,6 +199,25 @@ def test_moe_interpreter_skewed_odd_shapes(align, monkeypatch):
     # dims that are not multiples of the tiles, 3 of 5 experts, most tokens on two experts
     align_max = 10**9 if align == "kernel" else 0
     _run_moe(40, (48, 5, 40, 3), torch.float32, "cpu", 1.0, True, align_max, monkeypatch)
+
+
+@cpu_interp
+@pytest.mark.parametrize(
+    "tokens, shape",
+    [
+        (40, (256, 16, 96, 4)),  # 10 pairs per expert: BLOCK_M 16, narrowed N tiles
+        (120, (128, 16, 64, 4)),  # 30: BLOCK_M 32
+        (200, (256, 16, 128, 4)),  # 50: BLOCK_M 64, several K steps
+        (600, (128, 4, 64, 4)),  # 600: BLOCK_M 128, torch align (2,400 pairs)
+    ],
+)
+def test_moe_interpreter_tile_configs(tokens, shape):
+    from kernels.triton import moe as tmoe
+
+    hidden, experts, inter, top_k = shape
+    cfg = tmoe.moe_config(tokens * top_k, experts, hidden, inter, torch.bfloat16)
+    assert cfg.block_m == {40: 16, 120: 32, 200: 64, 600: 128}[tokens]
+    _run_moe(tokens, shape, torch.bfloat16, "cpu", 2.0)
 
 
 @pytest.mark.gpu
