@@ -201,6 +201,46 @@ def test_moe_interpreter_skewed_odd_shapes(align, monkeypatch):
     _run_moe(40, (48, 5, 40, 3), torch.float32, "cpu", 1.0, True, align_max, monkeypatch)
 
 
+def _check_align(tokens, experts, top_k, block_m, device):
+    from kernels.triton import moe as tmoe
+
+    gen = torch.Generator(device="cpu").manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = ids.to(device)
+    num_blocks = tmoe.max_padded_rows(ids.numel(), experts, block_m) // block_m
+    ref = tmoe._align_torch(ids, experts, block_m, num_blocks)
+    got = tmoe.moe_align(ids, experts, block_m)  # the one-program kernel at these sizes
+    for name, a, b in zip(["sorted", "block_expert", "seg_start", "counts"], got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+    _, block_expert, seg_start, counts = ref
+    assert torch.equal(got[1], block_expert) and torch.equal(got[2], seg_start)
+    assert torch.equal(got[3], counts)
+    rows = torch.arange(num_blocks * block_m, device=device)
+    expert_of_row = block_expert.repeat_interleave(block_m).long()
+    live = expert_of_row < experts
+    valid = torch.zeros_like(live)
+    valid[live] = (rows[live] - seg_start[expert_of_row[live]]) < counts[expert_of_row[live]]
+    assert torch.equal(got[0][valid], ref[0][valid])
+    assert int(valid.sum()) == ids.numel()
+    # every pair once, under its own expert (order within an expert: equal to the stable sort)
+    pairs = got[0][valid].long()
+    assert torch.equal(pairs.sort().values, torch.arange(ids.numel(), device=device))
+    assert torch.equal(ids.flatten()[pairs], expert_of_row[valid])
+
+
+@cpu_interp
+@pytest.mark.parametrize("tokens, shape", [(1, REAL), (5, REAL), (33, BENCH)])
+def test_moe_align_interpreter(tokens, shape):
+    _check_align(tokens, shape[1], shape[3], 16, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32, 128, 256])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align_gpu(tokens, block_m):
+    _check_align(tokens, REAL[1], REAL[3], block_m, "cuda")
+
+
 @cpu_interp
 @pytest.mark.parametrize(
     "tokens, shape",
