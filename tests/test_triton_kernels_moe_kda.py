@@ -210,9 +210,13 @@ def _check_align(tokens, experts, top_k, block_m, device):
     num_blocks = tmoe.max_padded_rows(ids.numel(), experts, block_m) // block_m
     ref = tmoe._align_torch(ids, experts, block_m, num_blocks)
     got = tmoe.moe_align(ids, experts, block_m)  # the one-program kernel at these sizes
-    for name, a, b in zip(["sorted", "block_expert", "seg_start", "counts"], got, ref):
+    names = ["sorted", "block_expert", "seg_start", "counts", "row_of_pair"]
+    for name, a, b in zip(names, got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-    _, block_expert, seg_start, counts = ref
+    _, block_expert, seg_start, counts, _ = ref
+    assert torch.equal(got[4], ref[4])
+    pair_ids = torch.arange(ids.numel(), device=device, dtype=torch.int32)
+    assert torch.equal(got[0][got[4].long()], pair_ids)
     assert torch.equal(got[1], block_expert) and torch.equal(got[2], seg_start)
     assert torch.equal(got[3], counts)
     rows = torch.arange(num_blocks * block_m, device=device)

@@ -12,8 +12,10 @@ Three steps, no host sync anywhere (capturable in CUDA graphs at every T):
    silu(min(gate, limit)) * clamp(up, -limit, limit) in the epilogue and stores the
    intermediate in x's dtype.
 3. down: intermediate @ w2[e]^T, times the pair's routing weight in the epilogue, stored at the
-   pair's own row of a [T*k, Hd] buffer (no atomics: deterministic); a last small kernel sums
-   the k rows of each token in fp32.
+   pair's aligned row (contiguous rows: storing straight to pair order scattered the wgmma
+   accumulator and spilled registers at 128-row tiles); a last small kernel gathers each
+   token's k rows through row_of_pair and sums them in fp32, in a fixed order. No atomics:
+   deterministic.
 
 Only the selected experts' weight tiles are read. float32 inputs use IEEE fp32 dots
 (input_precision="ieee"); bf16/fp16 use tensor cores. Tile sizes come from fixed heuristics on
@@ -54,9 +56,11 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype)
     elif per_expert <= 32:
         cfg = MoEConfig(32, 64, 128, 64, 128, 4, 4)
     elif per_expert <= 96:
-        cfg = MoEConfig(64, 64, 64, 128, 64, 4, 4)
+        cfg = MoEConfig(64, 64, 64, 128, 64, 8, 4)
     else:  # prefill
-        cfg = MoEConfig(128, 64, 64, 128, 64, 8, 3)
+        cfg = MoEConfig(128, 64, 32, 128, 64, 8, 4)
+    # (ptxas for sm_90 on these kernels: gate/up with two 128x64 accumulators spills at
+    # BLOCK_K 64 but not 32; 64-row tiles spill at 4 warps but not at 8.)
     if fp32:  # 4-byte tiles: fewer stages and a smaller K step keep shared memory in bounds
         cfg = MoEConfig(
             cfg.block_m,
@@ -105,6 +109,7 @@ def _align_kernel(
     block_expert_ptr,  # [num_blocks] int32: expert of each block, E past the padded total
     seg_start_ptr,  # [E] int32: first aligned row of each expert's segment
     counts_ptr,  # [E] int32: pairs of each expert
+    row_of_pair_ptr,  # [num_pairs] int32: aligned row of each pair (inverse of sorted)
     E: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -133,6 +138,7 @@ def _align_kernel(
         before = tl.cumsum(onehot, axis=0) - 1 + seen[None, :] + seg_start[None, :]
         row = tl.sum(onehot * before, axis=1)
         tl.store(sorted_ptr + row, p, mask=p_mask)
+        tl.store(row_of_pair_ptr + p, row, mask=p_mask)
         seen += tl.sum(onehot, axis=0)
     for b0 in range(0, num_blocks, BLOCK_B):
         b = b0 + tl.arange(0, BLOCK_B)
@@ -155,14 +161,23 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: 
     rows = seg_start[sorted_e] + torch.arange(n, device=dev) - first_pair[sorted_e]
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, rows, order.to(torch.int32))
+    row_of_pair = torch.empty(n, dtype=torch.int32, device=dev)
+    row_of_pair.scatter_(0, order, rows.to(torch.int32))
     starts = torch.arange(num_blocks, device=dev, dtype=torch.int64) * block_m
     block_expert = torch.searchsorted(seg_end, starts, right=True).to(torch.int32)
-    return sorted_ids, block_expert, seg_start.to(torch.int32), counts.to(torch.int32)
+    return (
+        sorted_ids,
+        block_expert,
+        seg_start.to(torch.int32),
+        counts.to(torch.int32),
+        row_of_pair,
+    )
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
     """(sorted pair ids [rows], expert per block [rows / block_m], segment starts [E],
-    counts [E]); all int32, sizes from shapes only. Rows past an expert's count are padding."""
+    counts [E], aligned row of each pair [T*k]); all int32, sizes from shapes only. Rows past
+    an expert's count are padding."""
     n = ids.numel()
     num_blocks = max_padded_rows(n, num_experts, block_m) // block_m
     if n > ALIGN_KERNEL_MAX_PAIRS:
@@ -172,6 +187,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     seg_start = torch.empty(num_experts, dtype=torch.int32, device=dev)
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    row_of_pair = torch.empty(n, dtype=torch.int32, device=dev)
     block_e = triton.next_power_of_2(num_experts)
     # One program does n x E compares twice; 16 warps on [tile_rows, E] tiles of ~16K lanes
     # keep that near 10 us at 2,048 pairs x 512 expert lanes (real model, T=256).
@@ -184,6 +200,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
         block_expert,
         seg_start,
         counts,
+        row_of_pair,
         E=num_experts,
         BLOCK_E=block_e,
         BLOCK_P=tile_rows,
@@ -191,7 +208,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
         BLOCK_M=block_m,
         num_warps=16,
     )
-    return sorted_ids, block_expert, seg_start, counts
+    return sorted_ids, block_expert, seg_start, counts, row_of_pair
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,6 +234,8 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     # n fastest: the programs of one row block run together and share its x rows in L2
     num_n = tl.cdiv(INTER, BLOCK_N)
@@ -228,35 +247,41 @@ def _gate_up_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = (rows - tl.load(seg_start_ptr + e)) < tl.load(counts_ptr + e)
     pair = tl.load(sorted_ptr + rows, mask=valid, other=0)
-    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
+    tok = tl.where(valid, pair // TOPK, 0)
 
     n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offs < INTER
     k_offs = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * HD + k_offs[None, :]
-    w_base = w13_ptr + e.to(tl.int64) * (2 * INTER * HD)
-    g_ptrs = w_base + n_offs[None, :].to(tl.int64) * HD + k_offs[:, None]
-    u_ptrs = g_ptrs + INTER * HD
+    # int32 tile offsets from scalar bases (the host checks every buffer fits int32; only the
+    # expert's base offset needs int64): fewer registers than 64-bit pointer tiles
+    a_offs = tok[:, None] * HD + k_offs[None, :]
+    g_base = w13_ptr + e.to(tl.int64) * (2 * INTER * HD)
+    u_base = g_base + INTER * HD
+    w_offs = n_offs[None, :] * HD + k_offs[:, None]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HD, BLOCK_K):
-        k_mask = (k0 + k_offs) < HD
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        wu = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        # Rows without a pair read token 0's row (tok is 0 there), harmlessly: no row mask.
+        if EVEN_K and EVEN_N:
+            a = tl.load(x_ptr + k0 + a_offs)
+            wg = tl.load(g_base + k0 + w_offs)
+            wu = tl.load(u_base + k0 + w_offs)
+        else:
+            k_mask = (k0 + k_offs) < HD
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            a = tl.load(x_ptr + k0 + a_offs, mask=k_mask[None, :], other=0.0)
+            wg = tl.load(g_base + k0 + w_offs, mask=w_mask, other=0.0)
+            wu = tl.load(u_base + k0 + w_offs, mask=w_mask, other=0.0)
         if IEEE:
             acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
         else:
             acc_g = tl.dot(a, wg, acc_g)
             acc_u = tl.dot(a, wu, acc_u)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
     gate = tl.minimum(acc_g, limit)
     up = tl.minimum(tl.maximum(acc_u, -limit), limit)
     h = gate * tl.sigmoid(gate) * up
-    out_ptrs = inter_ptr + rows[:, None].to(tl.int64) * INTER + n_offs[None, :]
+    out_ptrs = inter_ptr + rows[:, None] * INTER + n_offs[None, :]
     tl.store(out_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
@@ -264,7 +289,7 @@ def _gate_up_kernel(
 def _down_kernel(
     inter_ptr,
     w2_ptr,
-    out_ptr,  # [T*k, HD]: row = pair id
+    out_ptr,  # [aligned rows, HD]: row = the pair's aligned row
     weight_ptr,  # [T*k] float32
     sorted_ptr,
     block_expert_ptr,
@@ -277,6 +302,8 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     num_n = tl.cdiv(HD, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -291,37 +318,43 @@ def _down_kernel(
     n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n_offs < HD
     k_offs = tl.arange(0, BLOCK_K)
-    a_ptrs = inter_ptr + rows[:, None].to(tl.int64) * INTER + k_offs[None, :]
-    w_ptrs = (
-        w2_ptr
-        + e.to(tl.int64) * (HD * INTER)
-        + n_offs[None, :].to(tl.int64) * INTER
-        + k_offs[:, None]
-    )
+    a_offs = rows[:, None] * INTER + k_offs[None, :]
+    w_base = w2_ptr + e.to(tl.int64) * (HD * INTER)
+    w_offs = n_offs[None, :] * INTER + k_offs[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        k_mask = (k0 + k_offs) < INTER
-        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        # Padding rows of h hold garbage; each output row depends on its own row only, and
+        # padding rows are never stored: no row mask.
+        if EVEN_K and EVEN_N:
+            a = tl.load(inter_ptr + k0 + a_offs)
+            w = tl.load(w_base + k0 + w_offs)
+        else:
+            k_mask = (k0 + k_offs) < INTER
+            a = tl.load(inter_ptr + k0 + a_offs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_base + k0 + w_offs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0)[:, None]
-    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * HD + n_offs[None, :]
+    # Stored at the aligned row (contiguous): scattering rows to pair order here makes the
+    # accumulator spill at 128-row tiles; the combine kernel gathers through row_of_pair.
+    out_ptrs = out_ptr + rows[:, None] * HD + n_offs[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, HD: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(
+    y_ptr, row_of_pair_ptr, out_ptr, HD: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr
+):
+    """out[t] = sum_j y[row_of_pair[t*k + j]] in fp32, in a fixed order (deterministic)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HD
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (t * TOPK + j) * HD + offs, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(row_of_pair_ptr + t * TOPK + j).to(tl.int64)
+        acc += tl.load(y_ptr + row * HD + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * HD + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -350,12 +383,15 @@ def experts(
     w2 = w2.contiguous()
     n = tokens * top_k
     cfg = moe_config(n, num_experts, hidden, inter, x.dtype)
-    sorted_ids, block_expert, seg_start, counts = moe_align(
+    sorted_ids, block_expert, seg_start, counts, row_of_pair = moe_align(
         ids.contiguous(), num_experts, cfg.block_m
     )
     num_blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
     h = torch.empty(num_blocks * cfg.block_m, inter, device=x.device, dtype=x.dtype)
+    # the kernels index tiles with int32 offsets (expert bases are int64)
+    biggest = max(h.shape[0] * max(inter, hidden), tokens * hidden, 2 * inter * hidden)
+    assert biggest < 2**31, "MoE buffers exceed int32 offsets"
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, cfg.gu_block_n),)](
         x,
         w13,
@@ -373,10 +409,12 @@ def experts(
         BLOCK_N=cfg.gu_block_n,
         BLOCK_K=cfg.gu_block_k,
         IEEE=ieee,
+        EVEN_K=hidden % cfg.gu_block_k == 0,
+        EVEN_N=inter % cfg.gu_block_n == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    y = torch.empty(n, hidden, device=x.device, dtype=x.dtype)
+    y = torch.empty(h.shape[0], hidden, device=x.device, dtype=x.dtype)
     _down_kernel[(num_blocks * triton.cdiv(hidden, cfg.down_block_n),)](
         h,
         w2,
@@ -393,11 +431,13 @@ def experts(
         BLOCK_N=cfg.down_block_n,
         BLOCK_K=cfg.down_block_k,
         IEEE=ieee,
+        EVEN_K=inter % cfg.down_block_k == 0,
+        EVEN_N=hidden % cfg.down_block_n == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-        y, out, HD=hidden, TOPK=top_k, BLOCK=block, num_warps=4
+        y, row_of_pair, out, HD=hidden, TOPK=top_k, BLOCK=block, num_warps=4
     )
     return out
