@@ -10,10 +10,12 @@ Tolerances (relative to the reference's largest magnitude, on the same inputs):
 - float32 MoE: 1e-5 (IEEE fp32 dots).
 - bf16 MoE: 2e-2 max abs, 1e-2 relative Frobenius, against the float32 reference on the
   bf16-rounded inputs (the kernel rounds the SwiGLU intermediate and each pair's output to
-  bf16, the reference rounds more often).
+  bf16; the torch bf16 path rounds gate/up, the product and the running sum too).
 - KDA float32: 1e-4 for the fused recurrent paths (elementwise fp32); on CUDA the chunked path
   uses TF32 dots inside fla, so 5e-3 there; 2e-4 under the interpreter.
-- KDA bf16 inputs: 2e-2 (fla's chunk path normalises q/k into bf16 and uses bf16 dots).
+- KDA bf16 inputs: 2e-2 on the fused recurrent paths (fp32 math, bf16 output); the chunked
+  path (fla normalises q/k into bf16 and uses bf16 dots) 4e-2 max and 1e-2 relative Frobenius
+  (5e-3 / 1e-3 for float32 inputs there).
 """
 
 from __future__ import annotations
@@ -328,11 +330,15 @@ def _rows(n, num_rows, device):
     return torch.tensor(picks[:n], device=device)
 
 
-def _check_close(out, ref, tol, what):
+def _check_close(out, ref, tol, what, rel=None):
+    """max |out - ref| <= tol * max |ref|; with rel, also ||out - ref|| <= rel * ||ref||."""
     assert not out.isnan().any(), what
     scale = max(ref.abs().max().item(), 1e-6)
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol * scale, (what, err, scale)
+    if rel is not None:
+        ratio = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert ratio <= rel, (what, ratio)
 
 
 def _run_conv(mode, lens, chans, dtype, device, with_history):
@@ -398,7 +404,7 @@ def _kda_inputs(total, heads, dim, num_rows, dtype, device, seed=0, lower_bound=
     return cast(q), cast(k), cast(v), g.to(device), beta.to(device), state.to(device)
 
 
-def _run_kda(mode, lens, heads, dim, dtype, device, with_history, tol, safe_gate=False):
+def _run_kda(mode, lens, heads, dim, dtype, device, with_history, tol, safe_gate=False, rel=None):
     from kernels.triton import kda as tkda
 
     num_rows = 16
@@ -418,11 +424,11 @@ def _run_kda(mode, lens, heads, dim, dtype, device, with_history, tol, safe_gate
         out = tkda.kda_decode(*args, state, rows)
         ref = kda_ref.kda_decode(*args, state_ref, rows)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    _check_close(out, ref, tol, f"{mode} out")
+    _check_close(out, ref, tol, f"{mode} out", rel)
     untouched = torch.ones(num_rows, dtype=torch.bool, device=device)
     untouched[rows] = False
     assert torch.equal(state[untouched], state_ref[untouched]), "rows outside `rows` changed"
-    _check_close(state[rows], state_ref[rows], tol, f"{mode} state")
+    _check_close(state[rows], state_ref[rows], tol, f"{mode} state", rel)
     if with_history:
         assert hist[0].shape == hist_ref[0].shape
         _check_close(hist[0], hist_ref[0], tol, f"{mode} history")
@@ -453,8 +459,8 @@ def test_kda_interpreter_recurrent_paths(dtype):
 @pytest.mark.parametrize("safe_gate", [False, True])
 def test_kda_gpu_extend(dtype, safe_gate):
     pytest.importorskip("fla")
-    tol = 5e-3 if dtype == torch.float32 else 2e-2
-    _run_kda("extend", [1, 15, 16, 53, 4001], 64, 128, dtype, "cuda", False, tol, safe_gate)
+    tol, rel = (5e-3, 1e-3) if dtype == torch.float32 else (4e-2, 1e-2)
+    _run_kda("extend", [1, 15, 16, 53, 4001], 64, 128, dtype, "cuda", False, tol, safe_gate, rel)
 
 
 @pytest.mark.gpu
