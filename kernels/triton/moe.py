@@ -148,7 +148,7 @@ def _align_kernel(
 
 def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int):
     """Same buffers as _align_kernel from sync-free torch ops (large batches)."""
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).long()
     n = flat.numel()
     dev = flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
