@@ -123,7 +123,7 @@ def _dev() -> str:
 # ---------------------------------------------------------------------------------------------
 
 # (hidden, experts, moe_intermediate, top_k)
-TINY = (64, 8, 32, 2)  # serving/tiny_model.py's tiny preset
+TINY = (64, 8, 32, 2)  # serving/tools/tiny_model.py's tiny preset
 BENCH = (2048, 64, 768, 4)  # bench preset
 REAL = (4096, 288, 2048, 8)  # GLM-5.3-Flash
 
