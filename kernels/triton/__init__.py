@@ -1,0 +1,1 @@
+"""Triton implementations of kernels/ references (same signatures, CUDA or TRITON_INTERPRET)."""
