@@ -250,7 +250,8 @@ def sparse_mla_attention(
         out.stride(0), out.stride(1),
         scale * _LOG2E,
         R=rank, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_W=block_w,
-        NUM_ITERS=split_len // block_w, SPLIT=splits > 1, DOT_PREC=prec, num_warps=num_warps, **stages,
+        NUM_ITERS=split_len // block_w, SPLIT=splits > 1, DOT_PREC=prec,
+        num_warps=num_warps, **stages,
     )
     if splits > 1:
         _combine_kernel[(n * heads,)](
