@@ -90,15 +90,20 @@ def _check_mla(n_heads, rank, lengths, kpool, select_pools, dtype, device, split
 
 
 def _check_indexer(
-    heads, dim, kpool, select_pools, lengths, dtype, device, seed=0, tie=False, extra=0
+    heads, dim, kpool, select_pools, lengths, dtype, device, seed=0, tie=False, groups=None,
+    query_blocks=(None,),
 ):
+    """groups: queries fall into this many runs of consecutive queries sharing a request row
+    (an extend chunk, EAGLE verify); default one row per query."""
     gen = torch.Generator().manual_seed(seed)
     n = len(lengths)
     page = 4 * kpool
-    max_ctx = -(-(max(lengths) + extra) // page) * page
+    max_ctx = -(-max(lengths) // page) * page
     num_rows = 3 * n + 5
     table, num_slots = _paged_table(num_rows, max_ctx, page, gen, device)
     rows = torch.arange(num_rows - n, num_rows, device=device)
+    if groups is not None:
+        rows = rows[torch.arange(n, device=device) * groups // n]
     keys = torch.randn(num_slots // kpool, dim, generator=gen).to(device, dtype)
     if tie:  # duplicate pooled keys: every pool of the first query's request equals pool 0's
         pool_rows = table[rows[0], torch.arange(max_ctx // kpool, device=device) * kpool] // kpool
@@ -113,11 +118,20 @@ def _check_indexer(
     max_pools = max(1, max_ctx // kpool)
     scale = dim**-0.5
 
-    out = torch.full((n, max_pools), float("nan"), device=device)
-    got = tri_idx.score_pools_paged(
-        q, w, keys, table, rows, positions, kpool, max_pools, scale, out=out
-    )
-    assert not torch.isnan(got).any()
+    got = None
+    for qb in query_blocks:
+        out = torch.full((n, max_pools), float("nan"), device=device)
+        res = tri_idx.score_pools_paged(
+            q, w, keys, table, rows, positions, kpool, max_pools, scale, out=out,
+            query_block=qb,
+        )
+        assert not torch.isnan(res).any(), qb
+        if got is None:
+            got = res
+        else:  # same bits whatever the blocking, apart from dot-order rounding
+            both = torch.isfinite(got)
+            assert torch.equal(both, torch.isfinite(res)), qb
+            assert _rel(res[both], got[both]) < 1e-6, qb
     gathered = keys[table[rows[:, None], torch.arange(max_pools, device=device) * kpool] // kpool]
     want = torch.cat(
         [ref_idx.score_pools(q[i : i + 1].float(), w[i : i + 1], gathered[i : i + 1].float(),
@@ -175,6 +189,15 @@ def test_sparse_mla_interp_heads_blocks():
 @interp_only
 def test_indexer_interp_tiny():
     _check_indexer(16, 16, 4, 8, [1, 3, 4, 17, 61], torch.float32, "cpu")
+
+
+@interp_only
+def test_indexer_interp_query_blocks():
+    # one row shared by runs of queries (extend chunk / verify) and a ragged last block;
+    # query_block 4 takes the shared-gather path for uniform blocks, the per-query path else
+    lengths = [40, 41, 42, 43, 44, 3, 4, 5, 61, 17, 9]
+    _check_indexer(16, 16, 4, 3, lengths, torch.float32, "cpu", seed=4, groups=3,
+                   query_blocks=(1, 4, 2, 8))
 
 
 @interp_only
@@ -246,6 +269,19 @@ def test_indexer_gpu(shape, dtype):
     _, _, hi, d, kp, sel = SHAPES[shape]
     _check_indexer(hi, d, kp, sel, _lengths(kp), dtype, "cuda", seed=7)
     _check_indexer(hi, d, kp, sel, [8192, 4001, 300], dtype, "cuda", seed=8, tie=True)
+
+
+@gpu
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_indexer_gpu_extend_blocks(shape, dtype):
+    """Extend-like: 1,100 queries in 3 requests (shared gathers per query block) + verify-like
+    runs; every query blocking gives the same scores and the reference's selection."""
+    _, _, hi, d, kp, sel = SHAPES[shape]
+    gen = torch.Generator().manual_seed(12)
+    lengths = torch.randint(1, 8192, (1100,), generator=gen).tolist()
+    _check_indexer(hi, d, kp, sel, lengths, dtype, "cuda", seed=12, groups=3,
+                   query_blocks=(None, 1, 2, 8))
 
 
 @gpu

@@ -39,14 +39,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _score_pools_kernel(
+def _score_queries(
     q_ptr,
     w_ptr,
     keys_ptr,
     r2t_ptr,
-    rows_ptr,
-    pos_ptr,
     out_ptr,
+    n0,
+    row,
+    pos_max,
+    pos_q,
+    q_valid,
+    offs_p,
+    N,
     HI,
     D,
     max_pools,
@@ -59,40 +64,112 @@ def _score_pools_kernel(
     stride_on,
     scale,
     KPOOL: tl.constexpr,
+    QB: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    n = tl.program_id(0).to(tl.int64)
-    pb = tl.program_id(1)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_h = tl.arange(0, BLOCK_H)
+    """Scores of QB consecutive queries n0.. that share request row `row`, on BLOCK_P pools:
+    one key gather, one [QB*BLOCK_H, D] x [D, BLOCK_P] dot."""
+    in_range = (offs_p < max_pools) & (offs_p * KPOOL < ctx_len)
+    load_p = in_range & ((offs_p + 1) * KPOOL - 1 <= pos_max)
+    slot = tl.load(r2t_ptr + row * stride_r2t + offs_p * KPOOL, mask=load_p, other=0)
     offs_d = tl.arange(0, BLOCK_D)
-    h_mask = offs_h < HI
     d_mask = offs_d < D
-    row = tl.load(rows_ptr + n)
-    pos = tl.load(pos_ptr + n)
-    in_range = offs_p < max_pools
-    visible = in_range & ((offs_p + 1) * KPOOL - 1 <= pos) & (offs_p * KPOOL < ctx_len)
-    slot = tl.load(r2t_ptr + row * stride_r2t + offs_p * KPOOL, mask=visible, other=0)
-    krow = slot // KPOOL
     k = tl.load(
-        keys_ptr + krow[:, None] * stride_key + offs_d[None, :],
-        mask=visible[:, None] & d_mask[None, :],
+        keys_ptr + (slot // KPOOL)[:, None] * stride_key + offs_d[None, :],
+        mask=load_p[:, None] & d_mask[None, :],
         other=0.0,
     )
+    offs_m = tl.arange(0, QB * BLOCK_H)
+    qi = n0 + offs_m // BLOCK_H
+    hi = offs_m % BLOCK_H
+    m_mask = (hi < HI) & (qi < N)
     q = tl.load(
-        q_ptr + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
+        q_ptr + qi[:, None] * stride_qn + hi[:, None] * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    w = tl.load(w_ptr + n * stride_wn + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-    logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_P]
-    logits = tl.maximum(logits * scale, 0.0)
-    s = tl.sum(w[:, None] * logits, axis=0)
-    s = tl.where(visible, s, float("-inf"))
-    tl.store(out_ptr + n * stride_on + offs_p, s, mask=in_range)
+    w = tl.load(w_ptr + qi * stride_wn + hi, mask=m_mask, other=0.0).to(tl.float32)
+    logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)  # [QB*BH, BP]
+    logits = w[:, None] * tl.maximum(logits * scale, 0.0)
+    s = tl.sum(tl.reshape(logits, [QB, BLOCK_H, BLOCK_P]), axis=1)  # [QB, BP]
+    vis = in_range[None, :] & ((offs_p[None, :] + 1) * KPOOL - 1 <= pos_q[:, None])
+    s = tl.where(vis, s, float("-inf"))
+    offs_q = n0 + tl.arange(0, QB)
+    tl.store(
+        out_ptr + offs_q[:, None] * stride_on + offs_p[None, :],
+        s,
+        mask=q_valid[:, None] & (offs_p < max_pools)[None, :],
+    )
+
+
+@triton.jit
+def _score_pools_kernel(
+    q_ptr,
+    w_ptr,
+    keys_ptr,
+    r2t_ptr,
+    rows_ptr,
+    pos_ptr,
+    out_ptr,
+    N,
+    HI,
+    D,
+    max_pools,
+    ctx_len,
+    stride_qn,
+    stride_qh,
+    stride_wn,
+    stride_key,
+    stride_r2t,
+    stride_on,
+    scale,
+    KPOOL: tl.constexpr,
+    QB: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Program = (block of QB queries, block of BLOCK_P pools). When the block's queries share
+    one request row (extend chunks, EAGLE verify) its pooled keys are gathered once for all of
+    them; otherwise each query runs on its own."""
+    n0 = (tl.program_id(0) * QB).to(tl.int64)
+    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_q = n0 + tl.arange(0, QB)
+    q_valid = offs_q < N
+    row0 = tl.load(rows_ptr + n0)
+    rows = tl.load(rows_ptr + offs_q, mask=q_valid, other=row0)
+    pos = tl.load(pos_ptr + offs_q, mask=q_valid, other=-1)
+    if QB == 1:
+        _score_queries(
+            q_ptr, w_ptr, keys_ptr, r2t_ptr, out_ptr, n0, row0, tl.max(pos, axis=0), pos,
+            q_valid, offs_p, N, HI, D, max_pools, ctx_len, stride_qn, stride_qh, stride_wn,
+            stride_key, stride_r2t, stride_on, scale,
+            KPOOL, QB, BLOCK_H, BLOCK_D, BLOCK_P, DOT_PREC,
+        )
+    else:
+        if tl.min(rows, axis=0) == tl.max(rows, axis=0):
+            _score_queries(
+                q_ptr, w_ptr, keys_ptr, r2t_ptr, out_ptr, n0, row0, tl.max(pos, axis=0), pos,
+                q_valid, offs_p, N, HI, D, max_pools, ctx_len, stride_qn, stride_qh,
+                stride_wn, stride_key, stride_r2t, stride_on, scale,
+                KPOOL, QB, BLOCK_H, BLOCK_D, BLOCK_P, DOT_PREC,
+            )
+        else:
+            for i in tl.static_range(QB):
+                if n0 + i < N:
+                    row_i = tl.load(rows_ptr + n0 + i)
+                    pos_i = tl.load(pos_ptr + n0 + i)
+                    _score_queries(
+                        q_ptr, w_ptr, keys_ptr, r2t_ptr, out_ptr, n0 + i, row_i, pos_i,
+                        tl.full([1], pos_i, tl.int64), tl.full([1], 1, tl.int1), offs_p,
+                        N, HI, D, max_pools, ctx_len, stride_qn, stride_qh, stride_wn,
+                        stride_key, stride_r2t, stride_on, scale,
+                        KPOOL, 1, BLOCK_H, BLOCK_D, BLOCK_P, DOT_PREC,
+                    )
 
 
 @triton.jit
@@ -185,8 +262,15 @@ def score_pools_paged(
     max_pools: int,
     softmax_scale: float,
     out: torch.Tensor | None = None,
+    query_block: int | None = None,
+    block_p: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Scores [N, max_pools] float32 of every query's pools, read from the paged cache."""
+    """Scores [N, max_pools] float32 of every query's pools, read from the paged cache.
+
+    out: optional destination. query_block (queries per program; those of one request row
+    share the key gather), block_p and num_warps override the launch plan (tuning only).
+    """
     n, heads, dim = q.shape
     if out is None:
         out = torch.empty(n, max_pools, device=q.device, dtype=torch.float32)
@@ -201,17 +285,22 @@ def score_pools_paged(
     positions = positions.to(torch.int64).contiguous()
     block_h = max(16, triton.next_power_of_2(heads))
     block_d = max(16, triton.next_power_of_2(dim))
-    block_p = 64 if block_h * block_d >= 32 * 128 else 32
+    if query_block is None:
+        query_block = max(1, 128 // block_h) if n >= 1024 else 1
+    if block_p is None:
+        block_p = 64 if block_h * block_d >= 32 * 128 else 32
+    if num_warps is None:
+        num_warps = 8 if query_block * block_h >= 128 else 4
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (n, triton.cdiv(max_pools, block_p))
+    grid = (triton.cdiv(n, query_block), triton.cdiv(max_pools, block_p))
     _score_pools_kernel[grid](
         q, head_weights, index_keys, req_to_token, req_rows, positions, out,
-        heads, dim, max_pools, req_to_token.shape[1],
+        n, heads, dim, max_pools, req_to_token.shape[1],
         q.stride(0), q.stride(1), head_weights.stride(0), index_keys.stride(0),
         req_to_token.stride(0), out.stride(0),
         softmax_scale,
-        KPOOL=kpool, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_P=block_p, DOT_PREC=prec,
-        num_warps=4,
+        KPOOL=kpool, QB=query_block, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_P=block_p,
+        DOT_PREC=prec, num_warps=num_warps,
     )
     return out
 

@@ -34,7 +34,9 @@ P @ V like the reference's softmax(...).to(kv.dtype).
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -168,37 +170,62 @@ def _combine_kernel(
     )
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter: any small number exercises the split path
 
 
+class Plan(NamedTuple):
+    block_h: int
+    block_w: int
+    num_splits: int
+    split_len: int
+    num_warps: int
+    num_stages: int
+
+
 def plan(
-    n: int, heads: int, width: int, rank: int, dtype: torch.dtype, device: torch.device,
-    num_splits: int | None = None, block_h: int | None = None, block_w: int | None = None,
-) -> tuple[int, int, int, int]:
-    """(block_h, block_w, num_splits, split_len) for a problem; shapes only, no host sync."""
+    n: int,
+    heads: int,
+    width: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_splits: int | None = None,
+    block_h: int | None = None,
+    block_w: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Plan:
+    """The launch plan for a problem, from shapes only (no host sync); None = default."""
+    wide = dtype == torch.float32 or rank > 512
     if block_h is None:
-        block_h = 32 if rank >= 256 else 64
+        # bf16, R = 512: all 64 heads in one block read each gathered row once (measured best
+        # on H200 for decode and extend); fp32 halves it to stay inside shared memory.
+        block_h = 32 if wide and rank >= 256 else 64
         block_h = max(16, min(block_h, triton.next_power_of_2(heads)))
-    if block_w is None:
-        wide = dtype == torch.float32 or rank > 512
-        block_w = 16 if wide else 32
-        if rank <= 64:
-            block_w = 32
     num_hb = triton.cdiv(heads, block_h)
     programs = n * num_hb
+    sms = _num_sms(device)
+    if block_w is None:
+        block_w = 16 if wide else (64 if programs >= sms or n <= 4 else 32)
+        if rank <= 64:
+            block_w = 32
     if num_splits is None:
-        target = 2 * _num_sms(device)
-        if programs >= target:
+        if programs >= sms:
             num_splits = 1
         else:
-            num_splits = min(triton.cdiv(target, programs), triton.cdiv(width, _MIN_SPLIT_LEN))
+            num_splits = min(triton.cdiv(sms, programs), triton.cdiv(width, _MIN_SPLIT_LEN))
     num_splits = max(1, min(num_splits, triton.cdiv(width, block_w)))
     split_len = triton.cdiv(triton.cdiv(width, num_splits), block_w) * block_w
     num_splits = triton.cdiv(width, split_len)
-    return block_h, block_w, num_splits, split_len
+    if num_warps is None:
+        num_warps = 8 if block_h * triton.next_power_of_2(rank) >= 16 * 512 else 4
+    if num_stages is None:
+        num_stages = 2
+    return Plan(block_h, block_w, num_splits, split_len, num_warps, num_stages)
 
 
 def sparse_mla_attention(
@@ -210,12 +237,14 @@ def sparse_mla_attention(
     num_splits: int | None = None,
     block_h: int | None = None,
     block_w: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [N, H, R]; latent: [S, R]; slots: [N, W] int64 (-1 = none). Returns [N, H, R] q.dtype.
 
-    out: optional [N, H, R] destination (last dim contiguous). num_splits / block_h / block_w
-    override the launch plan (tests and tuning only).
+    out: optional [N, H, R] destination (last dim contiguous). num_splits, block_h, block_w,
+    num_warps and num_stages override the launch plan (tests and tuning only).
     """
     n, heads, rank = q.shape
     width = slots.shape[1]
@@ -229,15 +258,16 @@ def sparse_mla_attention(
     assert out.shape == q.shape and out.stride(2) == 1
     if n == 0:
         return out
-    block_h, block_w, splits, split_len = plan(
-        n, heads, width, rank, q.dtype, q.device, num_splits, block_h, block_w
+    pl = plan(
+        n, heads, width, rank, q.dtype, q.device,
+        num_splits, block_h, block_w, num_warps, num_stages,
     )
-    num_hb = triton.cdiv(heads, block_h)
+    splits = pl.num_splits
+    num_hb = triton.cdiv(heads, pl.block_h)
     block_r = triton.next_power_of_2(rank)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    num_warps = 8 if block_h * block_r >= 16 * 512 else 4
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    stages = {} if interp else {"num_stages": 2}
+    stages = {} if interp else {"num_stages": pl.num_stages}
     if splits > 1:
         part_o = torch.empty(n, heads, splits, rank, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(n, heads, splits, device=q.device, dtype=torch.float32)
@@ -249,9 +279,9 @@ def sparse_mla_attention(
         q.stride(0), q.stride(1), latent.stride(0), slots.stride(0),
         out.stride(0), out.stride(1),
         scale * _LOG2E,
-        R=rank, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_W=block_w,
-        NUM_ITERS=split_len // block_w, SPLIT=splits > 1, DOT_PREC=prec,
-        num_warps=num_warps, **stages,
+        R=rank, BLOCK_R=block_r, BLOCK_H=pl.block_h, BLOCK_W=pl.block_w,
+        NUM_ITERS=pl.split_len // pl.block_w, SPLIT=splits > 1, DOT_PREC=prec,
+        num_warps=pl.num_warps, **stages,
     )
     if splits > 1:
         _combine_kernel[(n * heads,)](

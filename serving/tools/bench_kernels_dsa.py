@@ -6,13 +6,16 @@ GLM-5.3-Flash shapes (MLA 64 heads x kv_lora 512, W = index_topk + kpool - 1 = 2
 
 Rows:
 - sparse MLA decode, batch 1/32/128, contexts 8k..64k: achieved GB/s (latent rows gathered +
-  q + out + slot ids) against the 4.23 TB/s copy ceiling; also the CUDA-graph replay time.
+  q + out + slot ids, over the CUDA-graph replay time, which is what a decode step sees)
+  against the 4.23 TB/s copy ceiling; eager time beside it (includes launch overhead).
 - sparse MLA extend, 8,192 queries (a prefill chunk at the start of a request, and one at the
   end of a 64k context): TFLOP/s counted on valid slots only (4 * H * R per slot).
 - indexer scoring at contexts 8k..64k (decode batches, and an 8,192-query extend chunk): GB/s
   (pooled keys read) and TFLOP/s; top-k selection; scoring + selection against the reference
   pipeline (gather + score_pools + select_tokens).
-Times are medians of triton.testing.do_bench (L2 flushed before every run) after warm-up.
+Times are medians of triton.testing.do_bench (L2 flushed before every run) after warm-up;
+"graph ms" is triton.testing.do_bench_cudagraph (replays, no L2 flush). GB/s of the decode rows
+use the graph time.
 A Markdown table goes to stdout, everything to --out as JSON.
 """
 
@@ -65,11 +68,12 @@ def _decode_slots(table: torch.Tensor, positions: torch.Tensor, gen) -> torch.Te
     return torch.where(pos >= 0, table[rows[:, None], pos.clamp(min=0)], -1)
 
 
-def _sweep(fn, configs) -> tuple[float, str] | None:
+def _sweep(fn, configs, timer=None) -> tuple[float, str] | None:
+    timer = timer or _bench
     best = None
     for label, kwargs in configs:
         try:
-            t = _bench(functools.partial(fn, **kwargs))
+            t = timer(functools.partial(fn, **kwargs))
         except Exception as exc:  # noqa: BLE001 - out of resources for a config etc.
             print(f"  skip {label}: {type(exc).__name__}")
             continue
@@ -92,20 +96,25 @@ def _mla_decode_case(batch: int, ctx: int, sweep: bool, gen) -> dict:
     valid = int((slots >= 0).sum())
     nbytes = valid * R * 2 + 2 * q.numel() * 2 + slots.numel() * 8
     t = _bench(lambda: tri(*args))
-    bh, bw, splits, _ = plan(batch, H, W, R, q.dtype, q.device)
+    tg = _bench_graph(lambda: tri(*args))
+    pl = plan(batch, H, W, R, q.dtype, q.device)
     row = dict(
         kernel="sparse_mla decode", case=f"batch {batch}, ctx {ctx // 1024}k",
-        ms=t, graph_ms=_bench_graph(lambda: tri(*args)), torch_ms=_bench(lambda: ref(*args)),
-        gbps=nbytes / t / 1e6, plan=f"BH{bh} BW{bw} splits{splits}",
+        ms=t, graph_ms=tg, torch_ms=_bench(lambda: ref(*args)),
+        gbps=nbytes / tg / 1e6,
+        plan=f"BH{pl.block_h} BW{pl.block_w} s{pl.num_splits} w{pl.num_warps} st{pl.num_stages}",
     )
     if sweep:
+        splits = {1: (8, 16, 32), 32: (2, 4, 8)}.get(batch, (1, 2))
         configs = [
-            (f"BH{h} BW{w} splits{ns}", dict(block_h=h, block_w=w, num_splits=ns))
-            for h in (16, 32, 64) for w in (16, 32, 64) for ns in (1, 2, 4, 8, 16, 33)
+            (f"BH{h} BW{w} s{ns} w{nw} st{st}",
+             dict(block_h=h, block_w=w, num_splits=ns, num_warps=nw, num_stages=st))
+            for h in (32, 64) for w in (32, 64) for ns in splits for nw in (4, 8)
+            for st in (1, 2, 3)
         ]
-        best = _sweep(lambda **kw: tri(*args, **kw), configs)
+        best = _sweep(lambda **kw: tri(*args, **kw), configs, _bench_graph)
         if best:
-            row["sweep_best"] = f"{best[1]}: {best[0] * 1e3:.1f} us"
+            row["sweep_best"] = f"{best[1]}: {best[0] * 1e3:.1f} us (graph)"
     return row
 
 
@@ -136,7 +145,9 @@ def _mla_extend_case(name: str, ctx: int, start: int, sweep: bool, gen) -> dict:
                torch_ms=_bench(lambda: ref(*args)), tflops=flops / t / 1e9)
     if sweep:
         configs = [
-            (f"BH{h} BW{w}", dict(block_h=h, block_w=w)) for h in (16, 32, 64) for w in (16, 32, 64)
+            (f"BH{h} BW{w} w{nw} st{st}",
+             dict(block_h=h, block_w=w, num_warps=nw, num_stages=st))
+            for h in (32, 64) for w in (32, 64, 128) for nw in (4, 8) for st in (1, 2, 3)
         ]
         best = _sweep(lambda **kw: tri(*args, **kw), configs)
         if best:
@@ -151,7 +162,7 @@ def bench_mla_extend(results, quick: bool, sweep: bool) -> None:
         results.append(_mla_extend_case("8k chunk at 56k..64k", 65536, 65536 - 8192, False, gen))
 
 
-def _indexer_case(results, batch: int, ctx: int, chunk: int | None, gen) -> None:
+def _indexer_case(results, batch: int, ctx: int, chunk: int | None, sweep: bool, gen):
     from kernels import indexer as ref
     from kernels.triton import indexer as tri
 
@@ -180,15 +191,29 @@ def _indexer_case(results, batch: int, ctx: int, chunk: int | None, gen) -> None
 
     scores = ours_score()
     t = _bench(ours_score)
+    best = None
+    if sweep:
+        configs = [
+            (f"QB{qb} BP{bp} w{nw}", dict(query_block=qb, block_p=bp, num_warps=nw))
+            for qb in ((1, 2, 4, 8) if chunk else (1,)) for bp in (32, 64, 128)
+            for nw in (4, 8)
+        ]
+        best = _sweep(
+            lambda **kw: tri.score_pools_paged(
+                q, w, keys, table, rows, positions, KPOOL, pools, scale, **kw),
+            configs,
+        )
     key_bytes = (batch if chunk is None else 1) * pools * DI * 2
     nbytes = key_bytes + q.numel() * 2 + n * pools * 4
     label = f"batch {batch}, ctx {ctx // 1024}k"
     if chunk is not None:
         label = f"{chunk} queries, ctx {ctx // 1024}k"
+    tg = _bench_graph(ours_score) if chunk is None else None
     results.append(dict(
-        kernel="indexer score", case=label, ms=t, torch_ms=_bench(ref_score),
-        gbps=nbytes / t / 1e6 if chunk is None else None,
+        kernel="indexer score", case=label, ms=t, graph_ms=tg, torch_ms=_bench(ref_score),
+        gbps=nbytes / tg / 1e6 if chunk is None else None,
         tflops=2.0 * n * HI * pools * DI / t / 1e9,
+        sweep_best=f"{best[1]}: {best[0]:.4f} ms" if best else None,
     ))
     select_args = (scores, positions, KPOOL, sel, True)
     results.append(dict(
@@ -200,19 +225,21 @@ def _indexer_case(results, batch: int, ctx: int, chunk: int | None, gen) -> None
     results.append(dict(
         kernel="indexer score+select", case=label,
         ms=_bench(lambda: tri.index_select_paged(*fused_args)),
+        graph_ms=_bench_graph(lambda: tri.index_select_paged(*fused_args)) if chunk is None
+        else None,
         torch_ms=_bench(lambda: ref.select_tokens(ref_score(), positions, KPOOL, sel, True)),
     ))
 
 
-def bench_indexer(results, quick: bool) -> None:
+def bench_indexer(results, quick: bool, sweep: bool) -> None:
     gen = torch.Generator().manual_seed(2)
     batches = [1, 32] if quick else [1, 32, 128]
     contexts = [8192, 65536] if quick else [8192, 16384, 32768, 65536]
     for batch in batches:
         for ctx in contexts:
-            _indexer_case(results, batch, ctx, None, gen)
+            _indexer_case(results, batch, ctx, None, sweep and ctx == contexts[-1], gen)
             torch.cuda.empty_cache()
-    _indexer_case(results, 1, 65536, 8192, gen)  # extend: an 8k chunk ending a 64k context
+    _indexer_case(results, 1, 65536, 8192, sweep, gen)  # extend: an 8k chunk ending a 64k context
     torch.cuda.empty_cache()
 
 
@@ -243,7 +270,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer batches and contexts")
-    ap.add_argument("--sweep", action="store_true", help="also sweep sparse MLA block sizes")
+    ap.add_argument("--sweep", action="store_true", help="also sweep launch parameters (slow)")
     ap.add_argument("--only", choices=["decode", "extend", "indexer"], action="append")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -256,7 +283,7 @@ def main() -> None:
     if "extend" in only:
         bench_mla_extend(results, args.quick, args.sweep)
     if "indexer" in only:
-        bench_indexer(results, args.quick)
+        bench_indexer(results, args.quick, args.sweep)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(_markdown(results))
     if args.out:
