@@ -210,21 +210,22 @@ def plan(
     programs = n * num_hb
     sms = _num_sms(device)
     if block_w is None:
-        block_w = 16 if wide else (64 if programs >= sms or n <= 4 else 32)
+        block_w = 16 if wide else 64
         if rank <= 64:
             block_w = 32
     if num_splits is None:
+        # about one wave of programs (H200 sweep: batch 32 -> 4 splits, batch 1 -> 16..32)
         if programs >= sms:
             num_splits = 1
         else:
-            num_splits = min(triton.cdiv(sms, programs), triton.cdiv(width, _MIN_SPLIT_LEN))
+            num_splits = min(max(1, sms // programs), triton.cdiv(width, _MIN_SPLIT_LEN))
     num_splits = max(1, min(num_splits, triton.cdiv(width, block_w)))
     split_len = triton.cdiv(triton.cdiv(width, num_splits), block_w) * block_w
     num_splits = triton.cdiv(width, split_len)
     if num_warps is None:
         num_warps = 8 if block_h * triton.next_power_of_2(rank) >= 16 * 512 else 4
     if num_stages is None:
-        num_stages = 2
+        num_stages = 2 if wide else 3
     return Plan(block_h, block_w, num_splits, split_len, num_warps, num_stages)
 
 
