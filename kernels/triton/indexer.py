@@ -243,7 +243,8 @@ def _kpool_compress_kernel(
     x = tl.where(offs_k[:, None] < KPOOL, g + a, float("-inf"))  # padded columns stay 0
     x = x - tl.max(x, axis=0)[None, :]
     e = tl.where(mask, tl.exp(x), 0.0)
-    prob = e / tl.sum(e, axis=0)[None, :]
+    denom = tl.sum(e, axis=0)
+    prob = e / tl.where(denom > 0.0, denom, 1.0)[None, :]  # padded columns: 0, not 0/0
     keys = tl.load(keys_ptr + m * KPOOL * D + idx, mask=mask, other=0.0)
     # the reference rounds prob and each product to the keys' dtype, then sums in fp32
     prod = (prob.to(keys.dtype).to(tl.float32) * keys.to(tl.float32)).to(keys.dtype)
