@@ -90,7 +90,16 @@ def _check_mla(n_heads, rank, lengths, kpool, select_pools, dtype, device, split
 
 
 def _check_indexer(
-    heads, dim, kpool, select_pools, lengths, dtype, device, seed=0, tie=False, groups=None,
+    heads,
+    dim,
+    kpool,
+    select_pools,
+    lengths,
+    dtype,
+    device,
+    seed=0,
+    tie=False,
+    groups=None,
     query_blocks=(None,),
 ):
     """groups: queries fall into this many runs of consecutive queries sharing a request row
@@ -122,7 +131,16 @@ def _check_indexer(
     for qb in query_blocks:
         out = torch.full((n, max_pools), float("nan"), device=device)
         res = tri_idx.score_pools_paged(
-            q, w, keys, table, rows, positions, kpool, max_pools, scale, out=out,
+            q,
+            w,
+            keys,
+            table,
+            rows,
+            positions,
+            kpool,
+            max_pools,
+            scale,
+            out=out,
             query_block=qb,
         )
         assert not torch.isnan(res).any(), qb
@@ -134,8 +152,12 @@ def _check_indexer(
             assert _rel(res[both], got[both]) < 1e-6, qb
     gathered = keys[table[rows[:, None], torch.arange(max_pools, device=device) * kpool] // kpool]
     want = torch.cat(
-        [ref_idx.score_pools(q[i : i + 1].float(), w[i : i + 1], gathered[i : i + 1].float(),
-                             scale) for i in range(n)]
+        [
+            ref_idx.score_pools(
+                q[i : i + 1].float(), w[i : i + 1], gathered[i : i + 1].float(), scale
+            )
+            for i in range(n)
+        ]
     )
     visible = (torch.arange(max_pools, device=device) + 1) * kpool - 1 <= positions[:, None]
     assert torch.isneginf(got[~visible]).all()
@@ -144,8 +166,9 @@ def _check_indexer(
         assert _rel(got[visible], want[visible]) < tol
 
     # selection on the same scores: exact equality with the reference (tie rule included)
-    sel_out = torch.full((n, select_pools * kpool + kpool - 1), -7, dtype=torch.int64,
-                         device=device)
+    sel_out = torch.full(
+        (n, select_pools * kpool + kpool - 1), -7, dtype=torch.int64, device=device
+    )
     sel = tri_idx.select_tokens(got, positions, kpool, select_pools, True, out=sel_out)
     assert (sel != -7).all()
     assert torch.equal(sel, ref_idx.select_tokens(got, positions, kpool, select_pools, True))
@@ -205,8 +228,9 @@ def test_indexer_interp_query_blocks():
     # one row shared by runs of queries (extend chunk / verify) and a ragged last block;
     # query_block 4 takes the shared-gather path for uniform blocks, the per-query path else
     lengths = [40, 41, 42, 43, 44, 3, 4, 5, 61, 17, 9]
-    _check_indexer(16, 16, 4, 3, lengths, torch.float32, "cpu", seed=4, groups=3,
-                   query_blocks=(1, 4, 2, 8))
+    _check_indexer(
+        16, 16, 4, 3, lengths, torch.float32, "cpu", seed=4, groups=3, query_blocks=(1, 4, 2, 8)
+    )
 
 
 @interp_only
@@ -289,8 +313,9 @@ def test_indexer_gpu_extend_blocks(shape, dtype):
     _, _, hi, d, kp, sel = SHAPES[shape]
     gen = torch.Generator().manual_seed(12)
     lengths = torch.randint(1, 8192, (1100,), generator=gen).tolist()
-    _check_indexer(hi, d, kp, sel, lengths, dtype, "cuda", seed=12, groups=3,
-                   query_blocks=(None, 1, 2, 8))
+    _check_indexer(
+        hi, d, kp, sel, lengths, dtype, "cuda", seed=12, groups=3, query_blocks=(None, 1, 2, 8)
+    )
 
 
 @gpu

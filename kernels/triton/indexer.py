@@ -145,18 +145,68 @@ def _score_pools_kernel(
     pos = tl.load(pos_ptr + offs_q, mask=q_valid, other=-1)
     if QB == 1:
         _score_queries(
-            q_ptr, w_ptr, keys_ptr, r2t_ptr, out_ptr, n0, row0, tl.max(pos, axis=0), pos,
-            q_valid, offs_p, N, HI, D, max_pools, ctx_len, stride_qn, stride_qh, stride_wn,
-            stride_key, stride_r2t, stride_on, scale,
-            KPOOL, QB, BLOCK_H, BLOCK_D, BLOCK_P, DOT_PREC,
+            q_ptr,
+            w_ptr,
+            keys_ptr,
+            r2t_ptr,
+            out_ptr,
+            n0,
+            row0,
+            tl.max(pos, axis=0),
+            pos,
+            q_valid,
+            offs_p,
+            N,
+            HI,
+            D,
+            max_pools,
+            ctx_len,
+            stride_qn,
+            stride_qh,
+            stride_wn,
+            stride_key,
+            stride_r2t,
+            stride_on,
+            scale,
+            KPOOL,
+            QB,
+            BLOCK_H,
+            BLOCK_D,
+            BLOCK_P,
+            DOT_PREC,
         )
     else:
         if tl.min(rows, axis=0) == tl.max(rows, axis=0):
             _score_queries(
-                q_ptr, w_ptr, keys_ptr, r2t_ptr, out_ptr, n0, row0, tl.max(pos, axis=0), pos,
-                q_valid, offs_p, N, HI, D, max_pools, ctx_len, stride_qn, stride_qh,
-                stride_wn, stride_key, stride_r2t, stride_on, scale,
-                KPOOL, QB, BLOCK_H, BLOCK_D, BLOCK_P, DOT_PREC,
+                q_ptr,
+                w_ptr,
+                keys_ptr,
+                r2t_ptr,
+                out_ptr,
+                n0,
+                row0,
+                tl.max(pos, axis=0),
+                pos,
+                q_valid,
+                offs_p,
+                N,
+                HI,
+                D,
+                max_pools,
+                ctx_len,
+                stride_qn,
+                stride_qh,
+                stride_wn,
+                stride_key,
+                stride_r2t,
+                stride_on,
+                scale,
+                KPOOL,
+                QB,
+                BLOCK_H,
+                BLOCK_D,
+                BLOCK_P,
+                DOT_PREC,
             )
         else:
             for i in tl.static_range(QB):
@@ -164,11 +214,35 @@ def _score_pools_kernel(
                     row_i = tl.load(rows_ptr + n0 + i)
                     pos_i = tl.load(pos_ptr + n0 + i)
                     _score_queries(
-                        q_ptr, w_ptr, keys_ptr, r2t_ptr, out_ptr, n0 + i, row_i, pos_i,
-                        tl.full([1], pos_i, tl.int64), tl.full([1], 1, tl.int1), offs_p,
-                        N, HI, D, max_pools, ctx_len, stride_qn, stride_qh, stride_wn,
-                        stride_key, stride_r2t, stride_on, scale,
-                        KPOOL, 1, BLOCK_H, BLOCK_D, BLOCK_P, DOT_PREC,
+                        q_ptr,
+                        w_ptr,
+                        keys_ptr,
+                        r2t_ptr,
+                        out_ptr,
+                        n0 + i,
+                        row_i,
+                        pos_i,
+                        tl.full([1], pos_i, tl.int64),
+                        tl.full([1], 1, tl.int1),
+                        offs_p,
+                        N,
+                        HI,
+                        D,
+                        max_pools,
+                        ctx_len,
+                        stride_qn,
+                        stride_qh,
+                        stride_wn,
+                        stride_key,
+                        stride_r2t,
+                        stride_on,
+                        scale,
+                        KPOOL,
+                        1,
+                        BLOCK_H,
+                        BLOCK_D,
+                        BLOCK_P,
+                        DOT_PREC,
                     )
 
 
@@ -295,13 +369,32 @@ def score_pools_paged(
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(n, query_block), triton.cdiv(max_pools, block_p))
     _score_pools_kernel[grid](
-        q, head_weights, index_keys, req_to_token, req_rows, positions, out,
-        n, heads, dim, max_pools, req_to_token.shape[1],
-        q.stride(0), q.stride(1), head_weights.stride(0), index_keys.stride(0),
-        req_to_token.stride(0), out.stride(0),
+        q,
+        head_weights,
+        index_keys,
+        req_to_token,
+        req_rows,
+        positions,
+        out,
+        n,
+        heads,
+        dim,
+        max_pools,
+        req_to_token.shape[1],
+        q.stride(0),
+        q.stride(1),
+        head_weights.stride(0),
+        index_keys.stride(0),
+        req_to_token.stride(0),
+        out.stride(0),
         softmax_scale,
-        KPOOL=kpool, QB=query_block, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_P=block_p,
-        DOT_PREC=prec, num_warps=num_warps,
+        KPOOL=kpool,
+        QB=query_block,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_P=block_p,
+        DOT_PREC=prec,
+        num_warps=num_warps,
     )
     return out
 
@@ -332,16 +425,30 @@ def select_tokens(
         keys = torch.empty(n, num_pools, device=scores.device, dtype=torch.int64)
         block_p = 256
         _topk_keys_kernel[(n, triton.cdiv(num_pools, block_p))](
-            scores, positions, keys, num_pools, scores.stride(0),
-            KPOOL=kpool, BLOCK_P=block_p, num_warps=4,
+            scores,
+            positions,
+            keys,
+            num_pools,
+            scores.stride(0),
+            KPOOL=kpool,
+            BLOCK_P=block_p,
+            num_warps=4,
         )
         order = torch.topk(keys, take, dim=-1, largest=True, sorted=True).indices.contiguous()
     else:
         order = out  # unused: take == 0
     block = 256
     _expand_kernel[(n, triton.cdiv(out_w, block))](
-        order, positions, out, take, width, out_w,
-        KPOOL=kpool, TAIL=tail, BLOCK=block, num_warps=4,
+        order,
+        positions,
+        out,
+        take,
+        width,
+        out_w,
+        KPOOL=kpool,
+        TAIL=tail,
+        BLOCK=block,
+        num_warps=4,
     )
     return out
 
@@ -361,7 +468,14 @@ def index_select_paged(
 ) -> torch.Tensor:
     """Selected token positions [N, select_pools*kpool (+ kpool-1)] int64, -1 = empty."""
     scores = score_pools_paged(
-        q, head_weights, index_keys, req_to_token, req_rows, positions, kpool, max_pools,
+        q,
+        head_weights,
+        index_keys,
+        req_to_token,
+        req_rows,
+        positions,
+        kpool,
+        max_pools,
         softmax_scale,
     )
     return select_tokens(scores, positions, kpool, select_pools, select_tail)
@@ -376,7 +490,14 @@ def kpool_compress(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -
     keys, gates, ape = keys.contiguous(), gates.contiguous(), ape.contiguous()
     block_d = min(128, triton.next_power_of_2(dim))
     _kpool_compress_kernel[(m, triton.cdiv(dim, block_d))](
-        keys, gates, ape, out, dim,
-        KPOOL=kpool, BLOCK_K=triton.next_power_of_2(kpool), BLOCK_D=block_d, num_warps=4,
+        keys,
+        gates,
+        ape,
+        out,
+        dim,
+        KPOOL=kpool,
+        BLOCK_K=triton.next_power_of_2(kpool),
+        BLOCK_D=block_d,
+        num_warps=4,
     )
     return out

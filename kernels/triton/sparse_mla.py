@@ -269,8 +269,17 @@ def sparse_mla_attention(
     if n == 0:
         return out
     pl = plan(
-        n, heads, width, rank, q.dtype, q.device,
-        num_splits, block_h, block_w, num_warps, num_stages,
+        n,
+        heads,
+        width,
+        rank,
+        q.dtype,
+        q.device,
+        num_splits,
+        block_h,
+        block_w,
+        num_warps,
+        num_stages,
     )
     splits = pl.num_splits
     num_hb = triton.cdiv(heads, pl.block_h)
@@ -284,19 +293,44 @@ def sparse_mla_attention(
     else:
         part_o = part_lse = out  # unused
     _sparse_mla_kernel[(n * num_hb, splits)](
-        q, latent, slots, out, part_o, part_lse,
-        heads, width, splits,
-        q.stride(0), q.stride(1), latent.stride(0), slots.stride(0),
-        out.stride(0), out.stride(1),
+        q,
+        latent,
+        slots,
+        out,
+        part_o,
+        part_lse,
+        heads,
+        width,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        latent.stride(0),
+        slots.stride(0),
+        out.stride(0),
+        out.stride(1),
         scale * _LOG2E,
-        R=rank, BLOCK_R=block_r, BLOCK_H=pl.block_h, BLOCK_W=pl.block_w,
-        NUM_ITERS=pl.split_len // pl.block_w, SPLIT=splits > 1, DOT_PREC=prec,
-        num_warps=pl.num_warps, **stages,
+        R=rank,
+        BLOCK_R=block_r,
+        BLOCK_H=pl.block_h,
+        BLOCK_W=pl.block_w,
+        NUM_ITERS=pl.split_len // pl.block_w,
+        SPLIT=splits > 1,
+        DOT_PREC=prec,
+        num_warps=pl.num_warps,
+        **stages,
     )
     if splits > 1:
         _combine_kernel[(n * heads,)](
-            part_o, part_lse, out, heads, out.stride(0), out.stride(1),
-            R=rank, BLOCK_R=block_r, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            part_o,
+            part_lse,
+            out,
+            heads,
+            out.stride(0),
+            out.stride(1),
+            R=rank,
+            BLOCK_R=block_r,
+            NUM_SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
             num_warps=4,
         )
     return out

@@ -99,17 +99,25 @@ def _mla_decode_case(batch: int, ctx: int, sweep: bool, gen) -> dict:
     tg = _bench_graph(lambda: tri(*args))
     pl = plan(batch, H, W, R, q.dtype, q.device)
     row = dict(
-        kernel="sparse_mla decode", case=f"batch {batch}, ctx {ctx // 1024}k",
-        ms=t, graph_ms=tg, torch_ms=_bench(lambda: ref(*args)),
+        kernel="sparse_mla decode",
+        case=f"batch {batch}, ctx {ctx // 1024}k",
+        ms=t,
+        graph_ms=tg,
+        torch_ms=_bench(lambda: ref(*args)),
         gbps=nbytes / tg / 1e6,
         plan=f"BH{pl.block_h} BW{pl.block_w} s{pl.num_splits} w{pl.num_warps} st{pl.num_stages}",
     )
     if sweep:
         splits = {1: (8, 16, 32), 32: (2, 4, 8)}.get(batch, (1, 2))
         configs = [
-            (f"BH{h} BW{w} s{ns} w{nw} st{st}",
-             dict(block_h=h, block_w=w, num_splits=ns, num_warps=nw, num_stages=st))
-            for h in (32, 64) for w in (32, 64) for ns in splits for nw in (4, 8)
+            (
+                f"BH{h} BW{w} s{ns} w{nw} st{st}",
+                dict(block_h=h, block_w=w, num_splits=ns, num_warps=nw, num_stages=st),
+            )
+            for h in (32, 64)
+            for w in (32, 64)
+            for ns in splits
+            for nw in (4, 8)
             for st in (1, 2, 3)
         ]
         best = _sweep(lambda **kw: tri(*args, **kw), configs, _bench_graph)
@@ -141,13 +149,20 @@ def _mla_extend_case(name: str, ctx: int, start: int, sweep: bool, gen) -> dict:
     args = (q, latent, slots, 192**-0.5)
     flops = 4.0 * H * R * int((slots >= 0).sum())
     t = _bench(lambda: tri(*args))
-    row = dict(kernel="sparse_mla extend", case=f"{n} queries, {name}", ms=t,
-               torch_ms=_bench(lambda: ref(*args)), tflops=flops / t / 1e9)
+    row = dict(
+        kernel="sparse_mla extend",
+        case=f"{n} queries, {name}",
+        ms=t,
+        torch_ms=_bench(lambda: ref(*args)),
+        tflops=flops / t / 1e9,
+    )
     if sweep:
         configs = [
-            (f"BH{h} BW{w} w{nw} st{st}",
-             dict(block_h=h, block_w=w, num_warps=nw, num_stages=st))
-            for h in (32, 64) for w in (32, 64, 128) for nw in (4, 8) for st in (1, 2, 3)
+            (f"BH{h} BW{w} w{nw} st{st}", dict(block_h=h, block_w=w, num_warps=nw, num_stages=st))
+            for h in (32, 64)
+            for w in (32, 64, 128)
+            for nw in (4, 8)
+            for st in (1, 2, 3)
         ]
         best = _sweep(lambda **kw: tri(*args, **kw), configs)
         if best:
@@ -195,12 +210,14 @@ def _indexer_case(results, batch: int, ctx: int, chunk: int | None, sweep: bool,
     if sweep:
         configs = [
             (f"QB{qb} BP{bp} w{nw}", dict(query_block=qb, block_p=bp, num_warps=nw))
-            for qb in ((1, 2, 4, 8) if chunk else (1,)) for bp in (32, 64, 128)
+            for qb in ((1, 2, 4, 8) if chunk else (1,))
+            for bp in (32, 64, 128)
             for nw in (4, 8)
         ]
         best = _sweep(
             lambda **kw: tri.score_pools_paged(
-                q, w, keys, table, rows, positions, KPOOL, pools, scale, **kw),
+                q, w, keys, table, rows, positions, KPOOL, pools, scale, **kw
+            ),
             configs,
         )
     key_bytes = (batch if chunk is None else 1) * pools * DI * 2
@@ -209,26 +226,39 @@ def _indexer_case(results, batch: int, ctx: int, chunk: int | None, sweep: bool,
     if chunk is not None:
         label = f"{chunk} queries, ctx {ctx // 1024}k"
     tg = _bench_graph(ours_score) if chunk is None else None
-    results.append(dict(
-        kernel="indexer score", case=label, ms=t, graph_ms=tg, torch_ms=_bench(ref_score),
-        gbps=nbytes / tg / 1e6 if chunk is None else None,
-        tflops=2.0 * n * HI * pools * DI / t / 1e9,
-        sweep_best=f"{best[1]}: {best[0]:.4f} ms" if best else None,
-    ))
+    results.append(
+        dict(
+            kernel="indexer score",
+            case=label,
+            ms=t,
+            graph_ms=tg,
+            torch_ms=_bench(ref_score),
+            gbps=nbytes / tg / 1e6 if chunk is None else None,
+            tflops=2.0 * n * HI * pools * DI / t / 1e9,
+            sweep_best=f"{best[1]}: {best[0]:.4f} ms" if best else None,
+        )
+    )
     select_args = (scores, positions, KPOOL, sel, True)
-    results.append(dict(
-        kernel="indexer select (top-k)", case=label,
-        ms=_bench(lambda: tri.select_tokens(*select_args)),
-        torch_ms=_bench(lambda: ref.select_tokens(*select_args)),
-    ))
+    results.append(
+        dict(
+            kernel="indexer select (top-k)",
+            case=label,
+            ms=_bench(lambda: tri.select_tokens(*select_args)),
+            torch_ms=_bench(lambda: ref.select_tokens(*select_args)),
+        )
+    )
     fused_args = (q, w, keys, table, rows, positions, KPOOL, pools, scale, sel, True)
-    results.append(dict(
-        kernel="indexer score+select", case=label,
-        ms=_bench(lambda: tri.index_select_paged(*fused_args)),
-        graph_ms=_bench_graph(lambda: tri.index_select_paged(*fused_args)) if chunk is None
-        else None,
-        torch_ms=_bench(lambda: ref.select_tokens(ref_score(), positions, KPOOL, sel, True)),
-    ))
+    results.append(
+        dict(
+            kernel="indexer score+select",
+            case=label,
+            ms=_bench(lambda: tri.index_select_paged(*fused_args)),
+            graph_ms=_bench_graph(lambda: tri.index_select_paged(*fused_args))
+            if chunk is None
+            else None,
+            torch_ms=_bench(lambda: ref.select_tokens(ref_score(), positions, KPOOL, sel, True)),
+        )
+    )
 
 
 def bench_indexer(results, quick: bool, sweep: bool) -> None:
