@@ -459,3 +459,21 @@ def test_information_routes(http: TestClient, model_dir: Path) -> None:
     assert server["internal_states"] == [{}]
     metrics = http.get("/metrics")
     assert metrics.status_code == 200 and "pdserve:num_running_reqs" in metrics.text
+
+
+def test_bootstrap_lists_per_prompt_or_per_sequence(tokenizer: Tokenizer) -> None:
+    from serving.api.errors import APIError
+    from serving.api.sequences import make_seqs
+    from serving.protocol import SamplingParams
+
+    def rooms(prompts: int, n: int, room: Any) -> list[int | None]:
+        seqs = make_seqs(tokenizer, "r", [[5]] * prompts, [SamplingParams()] * prompts, n,
+                         bootstrap_host=None, bootstrap_room=room)  # fmt: skip
+        return [s.request.bootstrap_room for s in seqs]
+
+    # one room per prompt: its samples derive room + i; one per sequence: taken as given
+    assert rooms(2, 2, [10, 20]) == [10, 11, 20, 21]
+    assert rooms(1, 2, [10, 30]) == [10, 30]
+    assert rooms(1, 3, 2**63 - 1) == [2**63 - 1, 0, 1]
+    with pytest.raises(APIError, match="bootstrap_room: 3 values for 2 prompts of 2 samples"):
+        rooms(2, 2, [1, 2, 3])

@@ -117,3 +117,75 @@ def test_streaming_chat_through_sglang_router(stack):
     )
     assert text == want["choices"][0]["message"]["content"]
     pd.idle()
+
+
+def _sse_events(r: httpx.Response) -> list[dict]:
+    lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def test_chat_n2_through_sglang_router(stack):
+    # sglang-router sends one bootstrap triple per sample here (lists of n entries).
+    url, pd, single = stack
+    body = {**BODY, "n": 2}
+    want = httpx.post(single.url + "/v1/chat/completions", json=BODY, timeout=60).json()
+    text = want["choices"][0]["message"]["content"]
+    got = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    choices = got.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert [c["message"]["content"] for c in choices] == [text, text]
+    assert got.json()["usage"]["completion_tokens"] == 24
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        events = _sse_events(r)
+    streamed = ["", ""]
+    for event in events:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content") or ""
+    assert streamed == [text, text]
+    pd.idle()
+
+
+def test_completion_batch_n2_through_sglang_router(stack, tiny_ckpt):
+    # A batch of prompts with n > 1: one triple per prompt, each prompt's samples derive rooms.
+    url, pd, single = stack
+    prompts = ["The quick brown fox", "Disaggregated serving splits"]
+    body = {"model": str(tiny_ckpt), "prompt": prompts, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    want = httpx.post(single.url + "/v1/completions", json=body, timeout=60).json()
+    texts = [c["text"] for c in sorted(want["choices"], key=lambda c: c["index"])]
+    assert texts[0] != texts[1]
+    got = httpx.post(url + "/v1/completions", json={**body, "n": 2}, timeout=60)
+    assert got.status_code == 200, got.text
+    choices = sorted(got.json()["choices"], key=lambda c: c["index"])
+    assert [c["text"] for c in choices] == [texts[0], texts[0], texts[1], texts[1]]
+    with httpx.stream(
+        "POST", url + "/v1/completions", json={**body, "n": 2, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        events = _sse_events(r)
+    streamed = [""] * 4
+    for event in events:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == [texts[0], texts[0], texts[1], texts[1]]
+    pd.idle()
+
+
+def test_generate_batch_through_sglang_router(stack):
+    url, pd, single = stack
+    sampling = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": [[5, 6, 7, 8], [9, 10, 11]], "sampling_params": sampling}
+    want = httpx.post(single.url + "/generate", json=body, timeout=60).json()
+    got = httpx.post(url + "/generate", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert [r["output_ids"] for r in got.json()] == [r["output_ids"] for r in want]
+    n2 = {"input_ids": [5, 6, 7, 8], "sampling_params": {**sampling, "n": 2}}
+    got = httpx.post(url + "/generate", json=n2, timeout=60)
+    assert got.status_code == 200, got.text
+    assert [r["output_ids"] for r in got.json()] == [want[0]["output_ids"]] * 2
+    pd.idle()
