@@ -38,6 +38,9 @@ class SamplingParams:
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # token id -> added to its logit after penalties (OpenAI's logit_bias, keys made ints);
+    # -100 / 100 forbid / force in practice, as OpenAI documents.
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # At most one output constraint (serving/constrained.py): a JSON schema, a regex, or a
     # grammar in GBNF or llguidance's Lark dialect.
     json_schema: str | None = None
@@ -70,9 +73,11 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
         if self.min_new_tokens < 0 or self.min_new_tokens > max(self.max_new_tokens, 0):
             raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_new_tokens}")
-        for t in self.stop_token_ids:
+        for t, bias in self.logit_bias.items():
             if not 0 <= t < vocab_size:
-                raise bad("stop_token_ids", f"{t} is outside the vocabulary [0, {vocab_size})")
+                raise bad("logit_bias", f"token {t} is outside the vocabulary [0, {vocab_size})")
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", f"token {t}: bias must be in [-100, 100], got {bias}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", f"must be in [0, 2^63), got {self.seed}")
 

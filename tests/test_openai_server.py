@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
 
 from serving.chat import ChatTemplate, load_chat_template
 from tests.scripted_checkpoint import script_ids, write_scripted_checkpoint
-from tests.server_proc import Server
+from tests.server_proc import Server, eagle_flags
 
 MODEL = "GLM-5.3-Flash"
 CONTEXT = 1024
@@ -37,6 +38,7 @@ WORKER_FLAGS = (
 )
 USER = [{"role": "user", "content": "Look up items 7 and 8."}]
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+COMPLETION_PROMPT = "[gMASK]<sop><|user|>hi<|assistant|><think>"
 CALL_MARKUP = "<tool_call>lookup<arg_key>ids</arg_key><arg_value>[7, 8]</arg_value></tool_call>"
 
 
@@ -82,6 +84,11 @@ class Peer:
     def prompt_tokens(self, messages: list[dict[str, Any]], tools: Any = None, **kw: Any) -> int:
         prompt = self.template.render(messages, tools=tools, **kw)
         return len(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
+
+    @property
+    def url(self) -> str:
+        """The server's root (for SGLang's native routes)."""
+        return str(self.client.base_url).rstrip("/").removesuffix("/v1")
 
     def reply_tokens(self, thinking: bool = True) -> int:
         """Output tokens of the script after the prompt's `<think>` (or `</think>`), eos too."""
@@ -264,6 +271,33 @@ def scenario_completions(peer: Peer) -> None:
     assert by_ids.choices[0].text == expected
 
 
+def scenario_logit_bias(peer: Peer) -> None:
+    # After the prompt's <think> the script's "H" wins by 25 logits; "z" is nowhere in it.
+    h = script_ids(peer.tokenizer)[1]
+    z = peer.tokenizer.token_to_id("z")
+    body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 4, "temperature": 0}
+    assert peer.client.completions.create(**body).choices[0].text.startswith("Hm")
+    forced = peer.client.completions.create(**body, logit_bias={str(z): 100})
+    assert forced.choices[0].text == "zzzz"
+    sampled = peer.client.completions.create(
+        **{**body, "temperature": 1.0}, seed=5, logit_bias={str(z): 100}
+    )
+    assert sampled.choices[0].text == "zzzz"
+    forbidden = peer.client.completions.create(**body, logprobs=0, logit_bias={str(h): -100})
+    assert forbidden.choices[0].logprobs.tokens[0] != "H"
+    chat = peer.chat(max_tokens=3, logit_bias={str(z): 100}, extra_body=THINKING_OFF)
+    assert chat.choices[0].message.content == "zzz"
+    native = {
+        "text": COMPLETION_PROMPT,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "logit_bias": {str(z): 100}},
+    }
+    r = httpx.post(peer.url + "/generate", json=native, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == [z, z, z]
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        peer.client.completions.create(**body, logit_bias={str(len(peer.tokenizer.get_vocab())): 1})
+
+
 def scenario_errors(peer: Peer) -> None:
     bad = [
         {"temperature": -1},
@@ -294,6 +328,7 @@ SCENARIOS: list[Callable[[Peer], None]] = [
     scenario_n_and_logprobs,
     scenario_stop,
     scenario_completions,
+    scenario_logit_bias,
     scenario_errors,
 ]
 
@@ -325,3 +360,23 @@ def test_model_retrieve(server: Server, scripted_ckpt: Path) -> None:
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+
+
+def test_logit_bias_under_eagle(server: Server, scripted_ckpt: Path, tmp_path: Path) -> None:
+    """EAGLE's verify samples with the request's bias: the forced and forbidden outputs are the
+    plain worker's, token for token, although the draft proposes the unbiased script."""
+    eagle = Server(scripted_ckpt, *WORKER_FLAGS, *eagle_flags(2), log_dir=tmp_path)
+    try:
+        peer = make_peer(eagle.url, scripted_ckpt)
+        scenario_logit_bias(peer)
+        h = script_ids(peer.tokenizer)[1]
+        body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "logit_bias": {str(h): -100}}  # fmt: skip
+        want = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        got = httpx.post(eagle.url + "/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["usage"]["completion_tokens"] == 24
+        assert eagle.stats()["spec_verify_steps"] > 0
+        eagle.idle_pool()
+    finally:
+        assert eagle.stop() == 0

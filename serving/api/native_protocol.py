@@ -24,6 +24,7 @@ class NativeSamplingParams(NativeBody):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    logit_bias: dict[str, float] | None = None
     n: int = 1
     seed: int | None = None
     sampling_seed: int | None = None

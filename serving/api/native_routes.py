@@ -21,6 +21,7 @@ from serving.api.sampling import (
     check_top_logprobs,
     fit_to_context,
     make_sampling,
+    token_bias,
 )
 from serving.api.sequences import Seq, collect, make_seqs, run_seqs
 from serving.protocol import SamplingParams, SchedulerReady
@@ -124,6 +125,7 @@ def _sampling(
         min_new_tokens=p.min_new_tokens,
         skip_special_tokens=p.skip_special_tokens,
         no_stop_trim=p.no_stop_trim,
+        logit_bias=token_bias(p.logit_bias),
         json_schema=p.json_schema,
         regex=p.regex,
         ebnf=p.ebnf,

@@ -37,6 +37,7 @@ from serving.api.sampling import (
     check_top_logprobs,
     fit_to_context,
     make_sampling,
+    token_bias,
 )
 from serving.api.sequences import Seq, collect, make_seqs, run_seqs
 from serving.api.structured_output import (
@@ -223,8 +224,6 @@ def _completion_choice(ctx: FrontContext, seq: Seq, echo: str) -> dict[str, Any]
 def _check_common(ctx: FrontContext, body: SamplingRequest) -> None:
     ctx.check_model(body.model)
     check_n(body.n)
-    if body.logit_bias:
-        raise APIError(400, "logit_bias: not supported by this server", "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
 
@@ -319,6 +318,7 @@ def _sampling(
         min_new_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
         no_stop_trim=body.no_stop_trim,
+        logit_bias=token_bias(body.logit_bias),
     )
     fit_to_context(
         sampling,

@@ -21,6 +21,22 @@ def make_sampling(defaults: Mapping[str, Any], **values: Any) -> SamplingParams:
     )
 
 
+def token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) with int keys; 400 on a key that is not one.
+    Ids and values are checked against the vocabulary by SamplingParams.validate."""
+    if not logit_bias:
+        return None
+    out = {}
+    for key, bias in logit_bias.items():
+        try:
+            out[int(key)] = float(bias)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias: keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
+    return out
+
+
 def fit_to_context(
     sampling: SamplingParams,
     max_tokens: int | None,
