@@ -9,6 +9,7 @@ sampled and exactly one message with `finished=True` per rid, aborted or not.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # SGLang's stop_regex: stop once the output text so far has a match (Python `re`); the
+    # finish reason's "matched" is the pattern, and the match stays in the text (as SGLang).
+    stop_regex: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
@@ -78,6 +82,11 @@ class SamplingParams:
                 raise bad("logit_bias", f"token {t} is outside the vocabulary [0, {vocab_size})")
             if not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", f"token {t}: bias must be in [-100, 100], got {bias}")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise bad("stop_regex", f"{pattern!r} is not a regular expression: {e}") from None
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", f"must be in [0, 2^63), got {self.seed}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -420,6 +421,12 @@ class Scheduler:
             for s in p.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
+        if p.stop_regex and self.detokenize is not None:
+            # The whole output: a match may span any number of tokens. `re` caches the patterns.
+            text = self.detokenize(req.output_ids)
+            for pattern in p.stop_regex:
+                if re.search(pattern, text):
+                    return {"type": "stop", "matched": pattern}
         if (grammar_reason := req.sampling.grammar_finish_reason()) is not None:
             return grammar_reason
         if len(req.output_ids) >= p.max_new_tokens:

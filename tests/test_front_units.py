@@ -452,13 +452,14 @@ def test_health_follows_the_scheduler(model_dir: Path) -> None:
 
 def test_information_routes(http: TestClient, model_dir: Path) -> None:
     card = http.get("/v1/models").json()["data"][0]
-    assert (card["id"], card["root"], card["max_model_len"]) == ("tiny", str(model_dir), CONTEXT)
+    assert (card["id"], card["root"], card["max_model_len"]) == ("tiny", "tiny", CONTEXT)
     info = http.get("/get_model_info").json()
     assert info["model_type"] == "glm5_next" and info["is_generation"] is True
     assert info["architectures"] == ["Glm5NextForConditionalGeneration"]
     server = http.get("/server_info").json()
     assert server["model_path"] == str(model_dir) and "version" in server
     assert server["internal_states"] == [{}]
+    assert server["max_total_num_tokens"] == READY.total_pages * READY.page_size
     metrics = http.get("/metrics")
     assert metrics.status_code == 200 and "pdserve:num_running_reqs" in metrics.text
 

@@ -125,6 +125,17 @@ def stream_choices(stream: Any) -> dict[Any, dict[str, Any]]:
 
 def scenario_models(peer: Peer) -> None:
     assert [m.id for m in peer.client.models.list().data] == [MODEL]
+    card = peer.client.models.retrieve(MODEL)
+    assert (card.id, card.model_extra["root"], card.model_extra["max_model_len"]) == (
+        MODEL,
+        MODEL,
+        CONTEXT,
+    )
+    with pytest.raises(openai.NotFoundError):
+        peer.client.models.retrieve("gpt-4o")
+    info = httpx.get(peer.url + "/get_server_info", timeout=10).json()
+    ready = info["scheduler"]
+    assert info["max_total_num_tokens"] == ready["total_pages"] * ready["page_size"] > 0
 
 
 def scenario_tool_call_round_trip(peer: Peer) -> None:
@@ -298,6 +309,64 @@ def scenario_logit_bias(peer: Peer) -> None:
         peer.client.completions.create(**body, logit_bias={str(len(peer.tokenizer.get_vocab())): 1})
 
 
+def scenario_stop_regex(peer: Peer) -> None:
+    raw = {"skip_special_tokens": False}
+    body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 40, "temperature": 0}
+    pattern = r"\[\d+,"  # spans the script's "[", "7", "," tokens
+    cut = peer.client.completions.create(**body, extra_body={**raw, "stop_regex": pattern})
+    choice = cut.choices[0]
+    assert (choice.finish_reason, choice.model_extra["matched_stop"]) == ("stop", pattern)
+    assert choice.text.endswith("<arg_value>[7,")  # the match stays, as SGLang
+    chunks = peer.client.completions.create(
+        **body, stream=True, extra_body={**raw, "stop_regex": [r"x{3}", pattern]}
+    )
+    assert "".join(c.text for chunk in chunks for c in chunk.choices) == choice.text
+    chat = peer.chat(extra_body={**THINKING_OFF, "stop_regex": "lo+k"}).choices[0]
+    assert chat.message.content == "<tool_call>look"
+    assert chat.model_extra["matched_stop"] == "lo+k"
+    sampling = {"max_new_tokens": 40, "temperature": 0, "stop_regex": "H.$"}
+    native = {"text": COMPLETION_PROMPT, "sampling_params": sampling}
+    result = httpx.post(peer.url + "/generate", json=native, timeout=60).json()
+    assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": "H.$"}
+    assert result["text"] == "Hm"
+    with pytest.raises(openai.BadRequestError, match="stop_regex"):
+        peer.client.completions.create(**body, extra_body={"stop_regex": "(unclosed"})
+
+
+def scenario_stream_usage_and_logprobs(peer: Peer) -> None:
+    raw = {"skip_special_tokens": False}
+    body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 40, "temperature": 0}
+    whole = peer.client.completions.create(**body, logprobs=0, extra_body=raw)
+    logprobs = whole.choices[0].logprobs
+    # logprobs=0: the chosen token's logprob, and it alone in the top list (OpenAI: n + 1 at most)
+    assert [dict(t) for t in logprobs.top_logprobs] == [
+        {token: lp} for token, lp in zip(logprobs.tokens, logprobs.token_logprobs)
+    ]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        peer.client.completions.create(
+            **body, logprobs=0, stream=True, stream_options=options, extra_body=raw
+        )
+    )
+    with_choices = [c for c in chunks if c.choices]
+    assert all(c.choices[0].logprobs is not None for c in with_choices)
+    tokens = [t for c in with_choices for t in c.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
+    last = with_choices[-1].choices[0]
+    assert last.finish_reason == "stop" and last.logprobs.tokens == logprobs.tokens[-1:]
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == peer.reply_tokens()
+    assert {c.usage.prompt_tokens for c in with_choices} == {whole.usage.prompt_tokens}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == counts[-1]
+    plain = peer.client.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}
+    )
+    assert all(c.usage is None for c in plain if c.choices)
+    chat = list(peer.chat(stream=True, stream_options=options))
+    assert all(c.usage is not None for c in chat)
+    assert chat[-2].usage.completion_tokens == peer.reply_tokens()
+
+
 def scenario_errors(peer: Peer) -> None:
     bad = [
         {"temperature": -1},
@@ -329,6 +398,8 @@ SCENARIOS: list[Callable[[Peer], None]] = [
     scenario_stop,
     scenario_completions,
     scenario_logit_bias,
+    scenario_stop_regex,
+    scenario_stream_usage_and_logprobs,
     scenario_errors,
 ]
 
@@ -353,13 +424,6 @@ def server(scripted_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_single_worker(server: Server, scripted_ckpt: Path, scenario) -> None:
     scenario(make_peer(server.url, scripted_ckpt))
     server.idle_pool()
-
-
-def test_model_retrieve(server: Server, scripted_ckpt: Path) -> None:
-    client = make_peer(server.url, scripted_ckpt).client
-    assert client.models.retrieve(MODEL).id == MODEL
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("gpt-4o")
 
 
 def test_logit_bias_under_eagle(server: Server, scripted_ckpt: Path, tmp_path: Path) -> None:

@@ -42,8 +42,13 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
+        # As OpenAI documents: the chosen token is always there, so up to logprobs + 1 entries
+        # (logprobs=0 gives the chosen token alone).
         "top_logprobs": [
-            {token_text(tokenizer, token_id): logprob for token_id, logprob in lp.top}
+            {
+                **{token_text(tokenizer, token_id): logprob for token_id, logprob in lp.top},
+                token_text(tokenizer, lp.token_id): lp.logprob,
+            }
             for lp in logprobs
         ],
         "text_offset": offsets,

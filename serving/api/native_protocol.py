@@ -21,6 +21,7 @@ class NativeSamplingParams(NativeBody):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False

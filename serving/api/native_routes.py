@@ -121,6 +121,7 @@ def _sampling(
         repetition_penalty=p.repetition_penalty,
         stop=p.stop,
         stop_token_ids=p.stop_token_ids,
+        stop_regex=p.stop_regex,
         ignore_eos=p.ignore_eos,
         min_new_tokens=p.min_new_tokens,
         skip_special_tokens=p.skip_special_tokens,

@@ -99,10 +99,9 @@ def openai_router(ctx: FrontContext) -> APIRouter:
             **_bootstrap(body),
         )
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             parsers = [ChatOutputParser(reasoning, opens, parsed_tools) for _ in seqs]
             stream = _chat_stream(
-                ctx, rid, seqs, parsers, body.stream_reasoning, include_usage, reasoning
+                ctx, rid, seqs, parsers, body.stream_reasoning, _usage_mode(body), reasoning
             )
             return event_stream(stream)
         await collect(request, ctx.client, seqs)
@@ -158,8 +157,8 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         )
         echoes = [_echo(ctx, body, seq) for seq in seqs]
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(_completion_stream(ctx, rid, seqs, echoes, body.n, include_usage))
+            stream = _completion_stream(ctx, rid, seqs, echoes, body.n, _usage_mode(body))
+            return event_stream(stream)
         await collect(request, ctx.client, seqs)
         choices = [_completion_choice(ctx, seq, echo) for seq, echo in zip(seqs, echoes)]
         return JSONResponse(
@@ -226,6 +225,24 @@ def _check_common(ctx: FrontContext, body: SamplingRequest) -> None:
     check_n(body.n)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+
+def _usage_mode(body: SamplingRequest) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage so far on every chunk: vLLM's continuous_usage_stats,
+    which like vLLM's needs include_usage)."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return False, False
+    return True, options.continuous_usage_stats
+
+
+def _seq_usage(seq: Seq) -> dict[str, int]:
+    completion = len(seq.output_ids)
+    return {
+        "prompt_tokens": seq.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": seq.prompt_tokens + completion,
+    }
 
 
 def _tool_choice(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -314,6 +331,7 @@ def _sampling(
         repetition_penalty=body.repetition_penalty,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,
+        stop_regex=body.stop_regex,
         ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
@@ -370,9 +388,10 @@ async def _chat_stream(
     seqs: list[Seq],
     parsers: list[ChatOutputParser],
     stream_reasoning: bool,
-    include_usage: bool,
+    usage_mode: tuple[bool, bool],
     reasoning: bool,
 ) -> AsyncIterator[str]:
+    include_usage, continuous = usage_mode
     head = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -382,7 +401,10 @@ async def _chat_stream(
 
     def chunk(index: int, delta: dict[str, Any], **choice: Any) -> str:
         fields = {"logprobs": None, "finish_reason": None, **choice}
-        return sse({**head, "choices": [{"index": index, "delta": delta, **fields}]})
+        out = {**head, "choices": [{"index": index, "delta": delta, **fields}]}
+        if continuous:
+            out["usage"] = _seq_usage(seqs[index])
+        return sse(out)
 
     held_reasoning = ["" for _ in seqs]  # stream_reasoning=False: sent whole, when it ends
     reasoning_tokens = 0
@@ -446,8 +468,9 @@ async def _completion_stream(
     seqs: list[Seq],
     echoes: list[str],
     n: int,
-    include_usage: bool,
+    usage_mode: tuple[bool, bool],
 ) -> AsyncIterator[str]:
+    include_usage, continuous = usage_mode
     head = {
         "id": rid,
         "object": "text_completion",
@@ -457,7 +480,10 @@ async def _completion_stream(
 
     def chunk(index: int, text: str, **choice: Any) -> str:
         fields = {"logprobs": None, "finish_reason": None, **choice}
-        return sse({**head, "choices": [{"index": index, "text": text, **fields}]})
+        out = {**head, "choices": [{"index": index, "text": text, **fields}]}
+        if continuous:
+            out["usage"] = _seq_usage(seqs[index])
+        return sse(out)
 
     text_offsets = [len(echo) for echo in echoes]
     for seq, echo in zip(seqs, echoes):
@@ -477,15 +503,16 @@ async def _completion_stream(
                         ctx.tokenizer, update.logprobs, text_offsets[seq.index]
                     )
                     text_offsets[seq.index] += sum(len(t) for t in logprobs["tokens"])
-                if update.text or logprobs:
-                    yield chunk(seq.index, update.text, logprobs=logprobs)
-                if seq.finished:
+                if seq.finished:  # the last text and logprobs come with the finish reason
                     yield chunk(
                         seq.index,
-                        "",
+                        update.text,
+                        logprobs=logprobs,
                         finish_reason=finish_reason(seq),
                         matched_stop=matched_stop(seq),
                     )
+                elif update.text or logprobs:
+                    yield chunk(seq.index, update.text, logprobs=logprobs)
     except Exception as e:
         yield stream_error(e)
         yield SSE_DONE
