@@ -210,6 +210,19 @@ def scenario_tool_choice(peer: Peer) -> None:
     assert none.tool_calls is None and none.content == CALL_MARKUP
 
 
+def scenario_forced_string_enum(peer: Peer) -> None:
+    # Unforced, the script writes ids "[7, 8]"; forced, the string enum holds.
+    tool = lookup_tool("string")
+    tool["function"]["parameters"]["properties"]["ids"]["enum"] = ["seven", "eight"]
+    named = {"type": "function", "function": {"name": "lookup"}}
+    free = peer.chat(tools=[tool], extra_body=THINKING_OFF).choices[0].message.tool_calls[0]
+    assert json.loads(free.function.arguments) == {"ids": "[7, 8]"}
+    forced = peer.chat(tools=[tool], tool_choice=named, extra_body=THINKING_OFF).choices[0]
+    (call,) = forced.message.tool_calls
+    assert json.loads(call.function.arguments)["ids"] in ("seven", "eight")
+    assert forced.finish_reason == "tool_calls"
+
+
 def scenario_response_format(peer: Peer) -> None:
     schema = {
         "type": "object",
@@ -393,6 +406,7 @@ SCENARIOS: list[Callable[[Peer], None]] = [
     scenario_streamed_tool_call,
     scenario_reasoning_split,
     scenario_tool_choice,
+    scenario_forced_string_enum,
     scenario_response_format,
     scenario_n_and_logprobs,
     scenario_stop,
