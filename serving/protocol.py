@@ -98,6 +98,9 @@ class GenerateRequest:
     sampling: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt logprobs (SGLang's): with return_logprob, the prompt tokens from this position on
+    # are scored by the prefill forward; -1 = none.
+    logprob_start_len: int = -1
     # PD disaggregation (filled by the router; unused by a plain worker)
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
@@ -113,7 +116,7 @@ class AbortRequest:
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (nothing predicts it)
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -129,6 +132,8 @@ class SequenceOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # the scored prompt tokens (logprob_start_len on), once, with the sequence's first output
+    input_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

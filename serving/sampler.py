@@ -311,6 +311,12 @@ def _mask_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
     return logits.masked_fill(logits < floor, float("-inf"))
 
 
+def score_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """Logprobs of given tokens (a prompt's), row i scoring token_ids[i] under logits[i]."""
+    tokens = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    return _logprobs(logits.float(), tokens, token_ids, [top_n] * len(token_ids))
+
+
 def _logprobs(
     raw: torch.Tensor, tokens: torch.Tensor, token_ids: list[int], top_n: list[int]
 ) -> list[TokenLogprob]:

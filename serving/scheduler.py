@@ -29,7 +29,7 @@ from serving.protocol import (
     SequenceOutput,
     TokenLogprob,
 )
-from serving.sampler import Sampler, SamplingState, make_generator
+from serving.sampler import Sampler, SamplingState, make_generator, score_tokens
 from serving.speculative import Eagle, Proposal
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,12 @@ class Req:
     cached: int = 0  # leading tokens of fill_ids whose KV/state is in the cache
     finish_reason: dict[str, Any] | None = None
     last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
+    # Prompt logprobs: prompt positions below `input_scored` are scored (or not wanted) and in
+    # `input_logprobs`, which go out once, with the first output (a retracted request's
+    # re-prefill scores nothing twice).
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_scored: int = 0
+    input_logprobs_sent: bool = False
 
     @property
     def output_ids(self) -> list[int]:
@@ -114,6 +120,12 @@ class Req:
     @property
     def uncached(self) -> int:
         return len(self.input_ids) + len(self.output_ids) - self.cached
+
+    def prompt_targets(self, n: int) -> range:
+        """Prompt positions still to score that the next n-token chunk's logits predict (the
+        token at position t is scored by the logits at t - 1)."""
+        last = min(self.cached + n, len(self.input_ids) - 1)
+        return range(max(self.cached + 1, self.input_scored), last + 1)
 
 
 class Scheduler:
@@ -160,13 +172,19 @@ class Scheduler:
             generator=make_generator(p.seed, self.pool.device),
             eos_token_ids=self.eos,
         )
-        return Req(
+        req = Req(
             request.rid,
             list(request.input_ids),
             state,
             request.return_logprob,
             request.top_logprobs_num,
         )
+        start = request.logprob_start_len if request.return_logprob else -1
+        req.input_scored = len(req.input_ids) if start < 0 else start
+        if start == 0 and req.input_ids:  # nothing predicts the first token: no logprob
+            req.input_logprobs.append(TokenLogprob(req.input_ids[0], None))
+            req.input_scored = 1
+        return req
 
     def admission_problem(self, req: Req) -> str | None:
         """Why `req` can never run here, or None."""
@@ -188,7 +206,7 @@ class Scheduler:
         problem = self.admission_problem(req)
         if problem is not None:
             self.reject(req, problem, 400)
-        elif request.sampling.max_new_tokens == 0:
+        elif request.sampling.max_new_tokens == 0 and req.input_scored >= len(req.input_ids):
             self._finish(req, {"type": "length", "matched": None})
         else:
             self.stats.prompt_tokens_total += len(req.input_ids)
@@ -297,12 +315,25 @@ class Scheduler:
                 self.prefilling = req
         if not plan:
             return False
+        targets = [req.prompt_targets(n) for req, n in plan]
+        every = [bool(t) for t in targets]  # all of a chunk's logits, to score its prompt
         out = self.runner.forward(
             [
                 StepInput(req.row, req.cached, req.fill_ids[req.cached : req.cached + n])
                 for req, n in plan
-            ]
+            ],
+            every if any(every) else "last",
         )
+        first_row, last_row = 0, []  # logits rows: a request's chunk, or its last token
+        for (req, n), wanted in zip(plan, targets):
+            if wanted:
+                rows = [first_row + t - 1 - req.cached for t in wanted]
+                ids = [req.input_ids[t] for t in wanted]
+                logits = out.logits[rows, : self.sampler.vocab_size]
+                req.input_logprobs += score_tokens(logits, ids, req.top_logprobs_num)
+                req.input_scored = wanted.stop
+            first_row += n if wanted else 1
+            last_row.append(first_row - 1)
         done: list[tuple[Req, int]] = []
         for i, (req, n) in enumerate(plan):
             req.cached += n
@@ -311,8 +342,15 @@ class Scheduler:
                 done.append((req, i))
                 if self.prefilling is req:
                     self.prefilling = None
+        # max_tokens 0 with prompt logprobs: scored, nothing to sample (the front refuses it
+        # on PD workers, where a handoff needs a first token)
+        for req, _ in done:
+            if req.sampling.params.max_new_tokens == 0:
+                self._finish(req, {"type": "length", "matched": None})
+        done = [(r, i) for r, i in done if r.finish_reason is None]
         if done:
-            self._sample_and_advance([r for r, _ in done], out.logits[[i for _, i in done]])
+            rows = [last_row[i] for _, i in done]
+            self._sample_and_advance([r for r, _ in done], out.logits[rows])
             self.running.extend(r for r, _ in done if r.finish_reason is None)
         if self.spec is not None:
             self._extend_draft(plan, out.hidden)
@@ -436,7 +474,11 @@ class Scheduler:
         return None
 
     def _output(self, req: Req, tokens: list[int], logprobs=None) -> SequenceOutput:
+        scored = None
+        if req.input_logprobs and not req.input_logprobs_sent:
+            scored, req.input_logprobs_sent = req.input_logprobs, True
         return SequenceOutput(
+            input_logprobs=scored,
             rid=req.rid,
             new_token_ids=tokens,
             finished=req.finish_reason is not None,

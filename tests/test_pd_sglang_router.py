@@ -189,3 +189,21 @@ def test_generate_batch_through_sglang_router(stack):
     assert got.status_code == 200, got.text
     assert [r["output_ids"] for r in got.json()] == [want[0]["output_ids"]] * 2
     pd.idle()
+
+
+def test_prompt_logprobs_through_sglang_router(stack):
+    # sglang-router puts prefill's input_token_logprobs before decode's: our prefill answers
+    # with none and decode with the prompt's (prefill sent them with the KV), so no doubles.
+    url, pd, single = stack
+    sampling = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": [5, 6, 7, 8, 9, 10], "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": sampling}  # fmt: skip
+    want = httpx.post(single.url + "/generate", json=body, timeout=60).json()["meta_info"]
+    got = httpx.post(url + "/generate", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    entries = got.json()["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == body["input_ids"] and entries[0][0] is None
+    assert all(
+        abs(a[0] - b[0]) < 2e-4 for a, b in zip(entries[1:], want["input_token_logprobs"][1:])
+    )
+    pd.idle()

@@ -27,7 +27,7 @@ from serving.scheduler import Req, Role
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint
-from workers.messages import KVPoll, advance
+from workers.messages import KVPoll, advance, decode_logprobs
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
 
@@ -42,6 +42,7 @@ class Transfer:
     state: KVPoll
     deadline: float = 0.0
     rank: str | None = None  # the prefill scheduler rank's control address
+    input_logprobs: list[TokenLogprob] | None = None  # scored by prefill, sent with Success
 
 
 @dataclass
@@ -279,6 +280,7 @@ class DecodeRole(Role):
             return
         if msg["status"] == KVPoll.Success:
             t.state = advance(t.state, KVPoll.Success)
+            t.input_logprobs = decode_logprobs(msg.get("input_logprobs") or [])
         else:
             self._fail(
                 t,
@@ -316,6 +318,9 @@ class DecodeRole(Role):
             del self.transfers[t.room]
             del self.by_rid[req.rid]
             req.cached = len(req.input_ids)
+            if req.return_logprob:  # prefill scored the prompt; a re-prefill scores nothing
+                req.input_logprobs = t.input_logprobs or []
+                req.input_scored = len(req.input_ids)
             self.scheduler.adopt(req, first, logprobs)
 
     # ---- failure ----

@@ -3,7 +3,9 @@
 decode -> prefill   register  {session, decode_addr, page_addrs, row_addrs, layout}
 decode -> prefill   dest      {room, session, decode_addr, pages, row, prompt_len}
 decode -> prefill   abort     {room, decode_addr}
-prefill -> decode   status    {room, status, message}     status: KVPoll.Success / Failed
+prefill -> decode   status    {room, status, message[, input_logprobs]}
+                              status: KVPoll.Success / Failed; with Success, the scored
+                              prompt tokens (logprob_start_len) as [[logprob, id, [[id, lp]..]]..]
 prefill -> decode   abort_ack {room}
 
 JSON, not pickle: these cross hosts, and a peer must never be able to run code here.
@@ -14,6 +16,8 @@ from __future__ import annotations
 import enum
 import json
 from typing import Any
+
+from serving.protocol import TokenLogprob
 
 
 class KVPoll(enum.IntEnum):
@@ -32,6 +36,14 @@ def advance(current: KVPoll, new: KVPoll) -> KVPoll:
     if new == KVPoll.Failed:
         return new
     return max(current, new)
+
+
+def encode_logprobs(logprobs: list[TokenLogprob]) -> list[list[Any]]:
+    return [[lp.logprob, lp.token_id, [list(t) for t in lp.top]] for lp in logprobs]
+
+
+def decode_logprobs(raw: Any) -> list[TokenLogprob]:
+    return [TokenLogprob(int(i), lp, [(int(t), float(v)) for t, v in top]) for lp, i, top in raw]
 
 
 def encode(kind: str, **fields: Any) -> bytes:

@@ -33,7 +33,7 @@ from workers.kv_layout import (
     page_writes,
     row_writes,
 )
-from workers.messages import KVPoll, advance
+from workers.messages import KVPoll, advance, encode_logprobs
 from workers.timeouts import Timeouts
 from workers.transfer_engine import TransferError, advertise_host
 
@@ -352,6 +352,7 @@ class PrefillRole(Role):
                 room=job.room,
                 status=int(KVPoll.Success),
                 message="",
+                input_logprobs=encode_logprobs(room.req.input_logprobs),
             )
             self.scheduler.release_held(room.req, logprobs=_as_list(room.req.last_logprob))
             self._forget(job.room)

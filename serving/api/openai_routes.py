@@ -127,10 +127,13 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         _check_common(ctx, body)
         if body.logprobs is not None:
             check_top_logprobs(body.logprobs, "logprobs")
-            if body.echo:
-                raise APIError(
-                    400, "logprobs: prompt logprobs (echo with logprobs) are not supported", "echo"
-                )
+        prompt_logprobs = body.echo and body.logprobs is not None  # scored from the prefill
+        if prompt_logprobs and body.max_tokens == 0 and ctx.args.disaggregation_mode != "null":
+            raise APIError(
+                400,
+                "max_tokens: echo with logprobs needs max_tokens >= 1 on PD workers",
+                "max_tokens",
+            )
         if body.suffix is not None:
             raise APIError(400, "suffix: not supported by this server", "suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -153,6 +156,7 @@ def openai_router(ctx: FrontContext) -> APIRouter:
             body.n,
             return_logprob=body.logprobs is not None,
             top_logprobs_num=body.logprobs or 0,
+            logprob_start_len=0 if prompt_logprobs else -1,
             **_bootstrap(body),
         )
         echoes = [_echo(ctx, body, seq) for seq in seqs]
@@ -210,7 +214,10 @@ def _reasoning_tokens(ctx: FrontContext, seq: Seq, reasoned: bool) -> int:
 def _completion_choice(ctx: FrontContext, seq: Seq, echo: str) -> dict[str, Any]:
     logprobs = None
     if seq.request.return_logprob:
-        logprobs = completion_logprobs(ctx.tokenizer, seq.logprobs, len(echo))
+        if seq.request.logprob_start_len == 0:  # echo: the prompt's tokens come first
+            logprobs = completion_logprobs(ctx.tokenizer, seq.input_logprobs + seq.logprobs, 0)
+        else:
+            logprobs = completion_logprobs(ctx.tokenizer, seq.logprobs, len(echo))
     return {
         "index": seq.index,
         "text": echo + seq.text.text,
@@ -485,9 +492,13 @@ async def _completion_stream(
             out["usage"] = _seq_usage(seqs[index])
         return sse(out)
 
-    text_offsets = [len(echo) for echo in echoes]
-    for seq, echo in zip(seqs, echoes):
-        if echo:
+    # Echo with logprobs: the echo waits for the prompt's logprobs, which come with the first
+    # output, and both go out in that chunk.
+    scored = [seq.request.logprob_start_len == 0 for seq in seqs]
+    held = [echo if s else "" for echo, s in zip(echoes, scored)]
+    text_offsets = [0 if s else len(echo) for echo, s in zip(echoes, scored)]
+    for seq, echo, s in zip(seqs, echoes, scored):
+        if echo and not s:
             yield chunk(seq.index, echo)
     try:
         async with aclosing(run_seqs(ctx.client, seqs)) as updates:
@@ -497,22 +508,22 @@ async def _completion_stream(
                     yield stream_error(error)
                     yield SSE_DONE
                     return
+                text, held[seq.index] = held[seq.index] + update.text, ""
+                entries = update.input_logprobs + update.logprobs
                 logprobs = None
-                if seq.request.return_logprob and update.logprobs:
-                    logprobs = completion_logprobs(
-                        ctx.tokenizer, update.logprobs, text_offsets[seq.index]
-                    )
+                if seq.request.return_logprob and entries:
+                    logprobs = completion_logprobs(ctx.tokenizer, entries, text_offsets[seq.index])
                     text_offsets[seq.index] += sum(len(t) for t in logprobs["tokens"])
                 if seq.finished:  # the last text and logprobs come with the finish reason
                     yield chunk(
                         seq.index,
-                        update.text,
+                        text,
                         logprobs=logprobs,
                         finish_reason=finish_reason(seq),
                         matched_stop=matched_stop(seq),
                     )
-                elif update.text or logprobs:
-                    yield chunk(seq.index, update.text, logprobs=logprobs)
+                elif text or logprobs:
+                    yield chunk(seq.index, text, logprobs=logprobs)
     except Exception as e:
         yield stream_error(e)
         yield SSE_DONE

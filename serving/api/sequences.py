@@ -31,6 +31,7 @@ class Seq:
     text: StreamingText
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)  # the scored prompt
     finish_reason: dict[str, Any] | None = None
     cached_tokens: int = 0
 
@@ -47,9 +48,10 @@ class Seq:
         text = self.text.push(out.new_token_ids, reason)
         self.output_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or [])
+        self.input_logprobs.extend(out.input_logprobs or [])
         self.cached_tokens = out.cached_tokens
         self.finish_reason = reason
-        return Update(self, text, out.logprobs or [])
+        return Update(self, text, out.logprobs or [], out.input_logprobs or [])
 
     def error(self) -> APIError | None:
         """A scheduler-side abort before any output token, or one refusing the request (400,
@@ -67,6 +69,7 @@ class Update:
     seq: Seq
     text: str
     logprobs: list[TokenLogprob]
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def make_seqs(
