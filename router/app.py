@@ -1,6 +1,6 @@
 """The router's HTTP front: a plain ASGI app that uvicorn runs.
 
-    POST /v1/chat/completions, /v1/completions, /generate   -> router/dispatch.py
+    POST /v1/chat/completions, /v1/completions, /v1/responses, /generate -> router/dispatch.py
     GET  /health, /liveness        the router itself is up (200)
     GET  /readiness                200 when every role has a healthy worker, else 503
     GET  /health_generate          a one-token generation on a healthy worker of each role
@@ -40,7 +40,7 @@ from router.workers import Worker, WorkerRegistry
 logger = logging.getLogger("router")
 
 MODEL_PREFIX = "/v1/models/"  # GET /v1/models/{id}: a healthy worker's answer (404 if unknown)
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate")
 WATCH_AFTER_S = 0.05  # a request over sooner never needs a disconnect watcher
 _FORWARDED = (b"authorization", b"x-request-id", b"traceparent", b"tracestate")
 _JSON = [(b"content-type", b"application/json")]

@@ -22,6 +22,7 @@ from serving.api.context import FrontContext
 from serving.api.errors import error_response, install_error_handlers
 from serving.api.native_routes import native_router
 from serving.api.openai_routes import openai_router
+from serving.api.responses_api import responses_router
 from serving.api.sequences import ClientDisconnected
 from serving.engine_client import EngineClient, EngineUnavailable
 from serving.server_args import ServerArgs
@@ -41,6 +42,7 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
         return error_response(499, "client disconnected")
 
     app.include_router(openai_router(ctx))
+    app.include_router(responses_router(ctx))
     app.include_router(native_router(ctx))
     app.include_router(admin_router(ctx))
     app.state.ctx = ctx

@@ -380,6 +380,68 @@ def scenario_stream_usage_and_logprobs(peer: Peer) -> None:
     assert chat[-2].usage.completion_tokens == peer.reply_tokens()
 
 
+def scenario_responses(peer: Peer) -> None:
+    chat_tools = [lookup_tool("array")]
+    tools = [{"type": "function", **chat_tools[0]["function"]}]  # the Responses API's shape
+    body = {"model": MODEL, "tools": tools, "max_output_tokens": 64, "temperature": 0}
+    first = peer.client.responses.create(input=USER[0]["content"], **body)
+    assert first.status == "completed" and first.id.startswith("resp_")
+    assert [item.type for item in first.output] == ["reasoning", "function_call"]
+    assert first.output[0].content[0].text == "Hm"
+    call = first.output[1]
+    assert call.name == "lookup" and json.loads(call.arguments) == {"ids": [7, 8]}
+    assert first.usage.input_tokens == peer.prompt_tokens(USER, chat_tools)
+    assert first.usage.output_tokens == peer.reply_tokens()
+    assert first.usage.output_tokens_details.reasoning_tokens == 2
+    # the round trip renders exactly the chat history it stands for
+    result = '{"7": "seven", "8": "eight"}'
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": result}
+    items = [{"role": "user", "content": USER[0]["content"]},
+             *[item.model_dump(exclude_none=True) for item in first.output], output]  # fmt: skip
+    second = peer.client.responses.create(input=items, **body)
+    chat_call = {"id": call.call_id, "type": "function",
+                 "function": {"name": "lookup", "arguments": call.arguments}}  # fmt: skip
+    history = [*USER,
+               {"role": "assistant", "content": "", "reasoning_content": "Hm",
+                "tool_calls": [chat_call]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": result}]  # fmt: skip
+    assert second.usage.input_tokens == peer.prompt_tokens(history, chat_tools)
+    plain = peer.client.responses.create(
+        model=MODEL, input=USER[0]["content"], instructions="Be brief.", temperature=0,
+        extra_body=THINKING_OFF,
+    )  # fmt: skip
+    assert [item.type for item in plain.output] == ["message"]
+    assert plain.output_text == CALL_MARKUP
+    system = [{"role": "system", "content": "Be brief."}, *USER]
+    assert plain.usage.input_tokens == peer.prompt_tokens(system, enable_thinking=False)
+    cut = peer.client.responses.create(**{**body, "max_output_tokens": 3}, input="hi")
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    events = list(peer.client.responses.create(input=USER[0]["content"], stream=True, **body))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert (events[0].type, events[1].type, events[-1].type) == (
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+    )
+    by_type: dict[str, list[Any]] = {}
+    for event in events:
+        by_type.setdefault(event.type, []).append(event)
+    assert "".join(e.delta for e in by_type["response.reasoning_text.delta"]) == "Hm"
+    arguments = "".join(e.delta for e in by_type["response.function_call_arguments.delta"])
+    assert arguments == by_type["response.function_call_arguments.done"][0].arguments
+    assert json.loads(arguments) == {"ids": [7, 8]}
+    done = [e.item.type for e in by_type["response.output_item.done"]]
+    assert done == ["reasoning", "function_call"]
+    final = events[-1].response
+    assert [i.type for i in final.output] == done
+    assert final.usage.output_tokens == peer.reply_tokens()
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        peer.client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
+    with pytest.raises(openai.BadRequestError, match="input_image"):
+        peer.client.responses.create(model=MODEL, input=image)
+
+
 def scenario_errors(peer: Peer) -> None:
     bad = [
         {"temperature": -1},
@@ -414,6 +476,7 @@ SCENARIOS: list[Callable[[Peer], None]] = [
     scenario_logit_bias,
     scenario_stop_regex,
     scenario_stream_usage_and_logprobs,
+    scenario_responses,
     scenario_errors,
 ]
 

@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -56,50 +57,10 @@ def openai_router(ctx: FrontContext) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ready = ctx.scheduler()
-        _check_common(ctx, body)
-        if not body.messages:
-            raise APIError(400, "messages: must not be empty", "messages")
-        if ctx.chat_template is None:
-            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        top = body.top_logprobs or 0
-        check_top_logprobs(top, "top_logprobs")
-        if top and not body.logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs true", "top_logprobs")
-        tools, forced = _tool_choice(body)
-        prompt = ctx.chat_template.render(
-            [m.model_dump(exclude_none=True) for m in body.messages],
-            tools=tools,
-            add_generation_prompt=not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
-        )
-        ids = ctx.encode(prompt, add_special_tokens=False)
-        max_tokens = (
-            body.max_completion_tokens
-            if body.max_completion_tokens is not None
-            else body.max_tokens
-        )
-        sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None)
-        reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
-        opens = prompt_opens_reasoning(prompt)
-        parsed_tools = tools if ctx.args.tool_call_parser else None
-        if ctx.args.reasoning_parser or parsed_tools:
-            sampling.skip_special_tokens = False  # the markup tokens stay in the text
-        _constrain(ctx, [sampling], _chat_constraint(ctx, body, tools, forced, reasoning, opens))
-        rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        seqs = make_seqs(
-            ctx.tokenizer,
-            rid,
-            [ids],
-            [sampling],
-            body.n,
-            return_logprob=body.logprobs,
-            top_logprobs_num=top,
-            **_bootstrap(body),
-        )
+        run = prepare_chat(ctx, body)
+        seqs, rid, reasoning = run.seqs, run.rid, run.reasoning
         if body.stream:
-            parsers = [ChatOutputParser(reasoning, opens, parsed_tools) for _ in seqs]
+            parsers = [ChatOutputParser(reasoning, run.opens, run.tools) for _ in seqs]
             stream = _chat_stream(
                 ctx, rid, seqs, parsers, body.stream_reasoning, _usage_mode(body), reasoning
             )
@@ -107,9 +68,9 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         await collect(request, ctx.client, seqs)
         choices, reasoning_tokens = [], 0
         for seq in seqs:
-            reply = parse_reply(seq.text.text, reasoning, opens, parsed_tools)
+            reply = parse_reply(seq.text.text, reasoning, run.opens, run.tools)
             choices.append(_chat_choice(ctx, seq, reply.reasoning, reply.content, reply.tool_calls))
-            reasoning_tokens += _reasoning_tokens(ctx, seq, reply.reasoned)
+            reasoning_tokens += reasoning_token_count(ctx, seq, reply.reasoned)
         return JSONResponse(
             {
                 "id": rid,
@@ -179,6 +140,62 @@ def openai_router(ctx: FrontContext) -> APIRouter:
     return router
 
 
+@dataclass
+class ChatRun:
+    """A chat request made ready to run: its sequences and how to parse their text."""
+
+    seqs: list[Seq]
+    rid: str
+    reasoning: bool  # split the reasoning off
+    opens: bool  # the prompt leaves the model inside <think>
+    tools: list[dict[str, Any]] | None  # parse tool calls against these; None: markup is text
+
+
+def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRun:
+    """Validate, render, tokenize and constrain a chat request (the Responses API's too)."""
+    ready = ctx.scheduler()
+    _check_common(ctx, body)
+    if not body.messages:
+        raise APIError(400, "messages: must not be empty", "messages")
+    if ctx.chat_template is None:
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    top = body.top_logprobs or 0
+    check_top_logprobs(top, "top_logprobs")
+    if top and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs true", "top_logprobs")
+    tools, forced = _tool_choice(body)
+    prompt = ctx.chat_template.render(
+        [m.model_dump(exclude_none=True) for m in body.messages],
+        tools=tools,
+        add_generation_prompt=not body.continue_final_message,
+        continue_final_message=body.continue_final_message,
+        **(body.chat_template_kwargs or {}),
+    )
+    ids = ctx.encode(prompt, add_special_tokens=False)
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None)
+    reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
+    opens = prompt_opens_reasoning(prompt)
+    parsed_tools = tools if ctx.args.tool_call_parser else None
+    if ctx.args.reasoning_parser or parsed_tools:
+        sampling.skip_special_tokens = False  # the markup tokens stay in the text
+    _constrain(ctx, [sampling], _chat_constraint(ctx, body, tools, forced, reasoning, opens))
+    rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+    seqs = make_seqs(
+        ctx.tokenizer,
+        rid,
+        [ids],
+        [sampling],
+        body.n,
+        return_logprob=body.logprobs,
+        top_logprobs_num=top,
+        **_bootstrap(body),
+    )
+    return ChatRun(seqs, rid, reasoning, opens, parsed_tools)
+
+
 def _chat_choice(
     ctx: FrontContext,
     seq: Seq,
@@ -202,7 +219,7 @@ def _chat_choice(
     }
 
 
-def _reasoning_tokens(ctx: FrontContext, seq: Seq, reasoned: bool) -> int:
+def reasoning_token_count(ctx: FrontContext, seq: Seq, reasoned: bool) -> int:
     """Output tokens before `</think>` (all of them when the reply never left the reasoning)."""
     if not reasoned:
         return 0
@@ -441,7 +458,7 @@ async def _chat_stream(
                     yield chunk(seq.index, delta or {"content": ""}, logprobs=logprobs)
                 if seq.finished:
                     calls = parsers[seq.index].tool_call_count > 0
-                    reasoning_tokens += _reasoning_tokens(ctx, seq, parsers[seq.index].reasoned)
+                    reasoning_tokens += reasoning_token_count(ctx, seq, parsers[seq.index].reasoned)
                     yield chunk(
                         seq.index,
                         {},
