@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from tests.pd_pair import PDPair
-from tests.server_proc import Server, free_port
+from tests.server_proc import Server
+from tests.sglang_router_proc import SglangRouter
 
 pytest.importorskip("sglang_router")
 pytest.importorskip("mooncake.engine")
@@ -22,60 +20,12 @@ def stack(tiny_ckpt, tmp_path_factory):
     logs = tmp_path_factory.mktemp("sglang_router")
     pd = PDPair(tiny_ckpt, logs)
     single = Server(tiny_ckpt, log_dir=logs)
-    port = free_port()
-    log = open(logs / "router.log", "w")
-    router = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--pd-disaggregation",
-            "--prefill-policy",
-            "round_robin",
-            "--decode-policy",
-            "round_robin",
-            "--prefill",
-            pd.prefill.url,
-            str(pd.bootstrap_port),
-            "--decode",
-            pd.decode.url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--request-timeout-secs",
-            "60",
-            "--model-path",
-            str(tiny_ckpt),
-            "--prometheus-port",
-            str(free_port()),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--health-check-interval-secs",
-            "1",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    served = False
-    while not served and time.monotonic() < deadline:
-        try:
-            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=5)
-            served = r.status_code == 200
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    router = SglangRouter(pd, tiny_ckpt, logs)
     try:
-        if not served:
-            pytest.fail("sglang-router never served:\n" + (logs / "router.log").read_text())
-        yield url, pd, single
+        router.wait_serving()
+        yield router.url, pd, single
     finally:
-        router.terminate()
-        router.wait(timeout=15)
-        log.close()
+        router.stop()
         single.stop()
         pd.stop()
 
@@ -206,4 +156,27 @@ def test_prompt_logprobs_through_sglang_router(stack):
     assert all(
         abs(a[0] - b[0]) < 2e-4 for a, b in zip(entries[1:], want["input_token_logprobs"][1:])
     )
+    pd.idle()
+
+
+def test_logit_bias_and_stop_regex_through_sglang_router(stack, tiny_ckpt):
+    # sglang-router forwards both on the OpenAI routes (it drops them from /generate's
+    # sampling_params, so they are not tested there).
+    url, pd, single = stack
+    body = {"model": str(tiny_ckpt), "prompt": "The quick brown fox", "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    plain = httpx.post(single.url + "/v1/completions", json=body, timeout=60).json()
+    forced = {**body, "logit_bias": {"90": 100}}  # token 90 is byte-level "{"
+    want = httpx.post(single.url + "/v1/completions", json=forced, timeout=60).json()
+    got = httpx.post(url + "/v1/completions", json=forced, timeout=60)
+    assert got.status_code == 200, got.text
+    text = got.json()["choices"][0]["text"]
+    assert text == want["choices"][0]["text"] != plain["choices"][0]["text"]
+    assert len(set(text)) == 1
+    cut = httpx.post(
+        url + "/v1/completions", json={**forced, "stop_regex": "(.)\\1\\1"}, timeout=60
+    )
+    choice = cut.json()["choices"][0]
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", "(.)\\1\\1")
+    assert choice["text"] == text[:3]
     pd.idle()
