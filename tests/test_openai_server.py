@@ -503,13 +503,17 @@ def test_single_worker(server: Server, scripted_ckpt: Path, scenario) -> None:
     server.idle_pool()
 
 
-def test_logit_bias_under_eagle(server: Server, scripted_ckpt: Path, tmp_path: Path) -> None:
+def test_protocol_under_eagle(server: Server, scripted_ckpt: Path, tmp_path: Path) -> None:
     """EAGLE's verify samples with the request's bias: the forced and forbidden outputs are the
-    plain worker's, token for token, although the draft proposes the unbiased script."""
+    plain worker's, token for token, although the draft proposes the unbiased script. Stop
+    regexes, per-chunk usage and logprobs hold when a step commits several tokens."""
     eagle = Server(scripted_ckpt, *WORKER_FLAGS, *eagle_flags(2), log_dir=tmp_path)
     try:
         peer = make_peer(eagle.url, scripted_ckpt)
         scenario_logit_bias(peer)
+        scenario_stop_regex(peer)
+        scenario_stream_usage_and_logprobs(peer)
+        scenario_completions(peer)
         h = script_ids(peer.tokenizer)[1]
         body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 24, "temperature": 0,
                 "ignore_eos": True, "logit_bias": {str(h): -100}}  # fmt: skip
