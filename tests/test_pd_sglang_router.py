@@ -141,7 +141,7 @@ def test_generate_batch_through_sglang_router(stack):
     pd.idle()
 
 
-def test_prompt_logprobs_through_sglang_router(stack):
+def test_prompt_logprobs_through_sglang_router(stack, tiny_ckpt):
     # sglang-router puts prefill's input_token_logprobs before decode's: our prefill answers
     # with none and decode with the prompt's (prefill sent them with the KV), so no doubles.
     url, pd, single = stack
@@ -155,6 +155,17 @@ def test_prompt_logprobs_through_sglang_router(stack):
     assert [e[1] for e in entries] == body["input_ids"] and entries[0][0] is None
     assert all(
         abs(a[0] - b[0]) < 2e-4 for a, b in zip(entries[1:], want["input_token_logprobs"][1:])
+    )
+    # echo with logprobs on /v1/completions: decode's answer carries the prompt's
+    echo = {"model": str(tiny_ckpt), "prompt": "The quick brown fox", "max_tokens": 3,
+            "temperature": 0, "echo": True, "logprobs": 1}  # fmt: skip
+    want = httpx.post(single.url + "/v1/completions", json=echo, timeout=60).json()
+    got = httpx.post(url + "/v1/completions", json=echo, timeout=60)
+    assert got.status_code == 200, got.text
+    lp, want_lp = got.json()["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+    assert lp["tokens"] == want_lp["tokens"] and lp["token_logprobs"][0] is None
+    assert all(
+        abs(a - b) < 2e-4 for a, b in zip(lp["token_logprobs"][1:], want_lp["token_logprobs"][1:])
     )
     pd.idle()
 
