@@ -295,6 +295,40 @@ def scenario_completions(peer: Peer) -> None:
     assert by_ids.choices[0].text == expected
 
 
+def scenario_completion_batch_echo(peer: Peer) -> None:
+    # SGLang's test_completion (batch x parallel samples, echo, logprobs) and vLLM's echo
+    # logprob tests, with the script's exact replies.
+    raw = {"skip_special_tokens": False}
+    prompts = [COMPLETION_PROMPT, "[gMASK]<sop><|user|>bye<|assistant|></think>"]
+    replies = ["Hm</think>" + CALL_MARKUP, CALL_MARKUP]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 40, "temperature": 0,
+            "echo": True, "logprobs": 1, "extra_body": raw}  # fmt: skip
+    response = peer.client.completions.create(**body)
+    choices = sorted(response.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    ids = [peer.tokenizer.encode(p).ids for p in prompts]
+    for choice in choices:
+        p = choice.index // 2
+        assert choice.text == prompts[p] + replies[p]
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert "".join(lp.tokens[: len(ids[p])]) == prompts[p]
+        assert "".join(lp.tokens[len(ids[p]) : -1]) == replies[p]  # then the end-of-turn token
+        assert lp.text_offset[len(ids[p])] == len(prompts[p])
+        assert all(x <= 0 for x in lp.token_logprobs[1:])
+    reply_tokens = [len(choices[2 * p].logprobs.tokens) - len(ids[p]) for p in (0, 1)]
+    assert reply_tokens[0] == peer.reply_tokens()
+    assert response.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert response.usage.completion_tokens == 2 * sum(reply_tokens)
+    streamed = ["", "", "", ""]
+    for chunk in peer.client.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in choices]
+    with pytest.raises(openai.BadRequestError):
+        peer.client.completions.create(**{**body, "logprobs": 21}, stream=True)
+
+
 def scenario_logit_bias(peer: Peer) -> None:
     # After the prompt's <think> the script's "H" wins by 25 logits; "z" is nowhere in it.
     h = script_ids(peer.tokenizer)[1]
@@ -473,6 +507,7 @@ SCENARIOS: list[Callable[[Peer], None]] = [
     scenario_n_and_logprobs,
     scenario_stop,
     scenario_completions,
+    scenario_completion_batch_echo,
     scenario_logit_bias,
     scenario_stop_regex,
     scenario_stream_usage_and_logprobs,

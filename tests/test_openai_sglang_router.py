@@ -17,6 +17,7 @@ from tests.scripted_checkpoint import write_scripted_checkpoint
 from tests.test_openai_server import (
     WORKER_FLAGS,
     make_peer,
+    scenario_completion_batch_echo,
     scenario_forced_string_enum,
     scenario_id,
     scenario_n_and_logprobs,
@@ -40,6 +41,7 @@ SCENARIOS = [
     scenario_response_format,
     scenario_n_and_logprobs,
     scenario_stop,
+    scenario_completion_batch_echo,
 ]
 
 
