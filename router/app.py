@@ -1,10 +1,10 @@
 """The router's HTTP front: a plain ASGI app that uvicorn runs.
 
-    POST /v1/chat/completions, /v1/completions, /generate   -> router/dispatch.py
+    POST /v1/chat/completions, /v1/completions, /v1/responses, /generate -> router/dispatch.py
     GET  /health, /liveness        the router itself is up (200)
     GET  /readiness                200 when every role has a healthy worker, else 503
     GET  /health_generate          a one-token generation on a healthy worker of each role
-    GET  /v1/models, /model_info, /get_model_info            a healthy worker's answer
+    GET  /v1/models, /v1/models/{id}, /model_info, /get_model_info   a healthy worker's answer
     GET  /server_info, /get_server_info                      that, plus {"router": state}
     GET  /metrics                  Prometheus text
 Anything else: 404 (or 405) with an OpenAI-style error body.
@@ -39,7 +39,8 @@ from router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+MODEL_PREFIX = "/v1/models/"  # GET /v1/models/{id}: a healthy worker's answer (404 if unknown)
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate")
 WATCH_AFTER_S = 0.05  # a request over sooner never needs a disconnect watcher
 _FORWARDED = (b"authorization", b"x-request-id", b"traceparent", b"tracestate")
 _JSON = [(b"content-type", b"application/json")]
@@ -79,6 +80,9 @@ class RouterApp:
                     await self._generate(scope, receive, send, path)
                 else:
                     await _reply(send, _error(405, f"{method} is not allowed on {path} (POST)"))
+            elif path.startswith(MODEL_PREFIX) and method == "GET":
+                raw = scope.get("raw_path") or path.encode()
+                await _reply(send, await self._model(raw.decode("latin-1")))
             elif (handler := self._get.get(path)) is not None:
                 if method == "GET":
                     await _reply(send, await handler())
@@ -193,6 +197,12 @@ class RouterApp:
             card = {"id": self.config.model_path, "object": "model", "owned_by": "pdserve"}
             return 200, _JSON, json.dumps({"object": "list", "data": [card]}).encode()
         return _error(503, self._no_worker())
+
+    async def _model(self, raw_path: str) -> Reply:
+        worker = self._any_worker()
+        if worker is None:
+            return _error(503, self._no_worker())
+        return await self._proxy(worker, raw_path)
 
     async def _model_info(self) -> Reply:
         worker = self._any_worker()

@@ -8,6 +8,7 @@ every request it sends, so no policy asks the workers anything.
 
 from __future__ import annotations
 
+import json
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -154,6 +155,9 @@ def prompt_text(route: str, body: Any) -> str:
             if isinstance(m, dict):
                 parts.append(f"{m.get('role')}\x00{_content_text(m.get('content'))}\x00")
         return "".join(parts)
+    if route == "/v1/responses":
+        value = body.get("input")
+        return value if isinstance(value, str) else json.dumps(value)
     value = body.get("prompt") if route == "/v1/completions" else body.get("text")
     if value is None and route == "/generate":
         value = body.get("input_ids")

@@ -51,9 +51,10 @@ class ForwardBatch:
         starts: list[int],
         lens: list[int],
         req_to_token: torch.Tensor,
-        logits: str = "last",
+        logits: str | list[bool] = "last",
     ) -> ForwardBatch:
-        """Build from host lists; `logits` is "last" (one per request) or "all"."""
+        """Build from host lists; `logits` is "last" (one per request), "all", or per request
+        whether all its tokens give logits (else its last one does)."""
         device = req_to_token.device
         positions = [s + i for s, n in zip(starts, lens) for i in range(n)]
         token_req = [b for b, n in enumerate(lens) for _ in range(n)]
@@ -62,6 +63,13 @@ class ForwardBatch:
         tok_req_t = torch.tensor(token_req, dtype=torch.int64, device=device)
         if logits == "all":
             logit_index = torch.arange(len(input_ids), device=device)
+        elif not isinstance(logits, str):
+            index: list[int] = []
+            end = 0
+            for n, every in zip(lens, logits):
+                end += n
+                index += range(end - n, end) if every else [end - 1]
+            logit_index = torch.tensor(index, dtype=torch.int64, device=device)
         else:
             ends = torch.tensor(lens, device=device).cumsum(0) - 1
             logit_index = ends.to(torch.int64)

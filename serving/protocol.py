@@ -9,6 +9,7 @@ sampled and exactly one message with `finished=True` per rid, aborted or not.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,10 +35,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # SGLang's stop_regex: stop once the output text so far has a match (Python `re`); the
+    # finish reason's "matched" is the pattern, and the match stays in the text (as SGLang).
+    stop_regex: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     min_new_tokens: int = 0
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    # token id -> added to its logit after penalties (OpenAI's logit_bias, keys made ints);
+    # -100 / 100 forbid / force in practice, as OpenAI documents.
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # At most one output constraint (serving/executor/constrained.py): a JSON schema, a regex, or a
     # grammar in GBNF or llguidance's Lark dialect.
     json_schema: str | None = None
@@ -70,9 +77,16 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
         if self.min_new_tokens < 0 or self.min_new_tokens > max(self.max_new_tokens, 0):
             raise bad("min_tokens", f"must be in [0, max_tokens], got {self.min_new_tokens}")
-        for t in self.stop_token_ids:
+        for t, bias in self.logit_bias.items():
             if not 0 <= t < vocab_size:
-                raise bad("stop_token_ids", f"{t} is outside the vocabulary [0, {vocab_size})")
+                raise bad("logit_bias", f"token {t} is outside the vocabulary [0, {vocab_size})")
+            if not -100.0 <= bias <= 100.0:
+                raise bad("logit_bias", f"token {t}: bias must be in [-100, 100], got {bias}")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise bad("stop_regex", f"{pattern!r} is not a regular expression: {e}") from None
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise bad("seed", f"must be in [0, 2^63), got {self.seed}")
 
@@ -84,6 +98,9 @@ class GenerateRequest:
     sampling: SamplingParams
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # Prompt logprobs (SGLang's): with return_logprob, the prompt tokens from this position on
+    # are scored by the prefill forward; -1 = none.
+    logprob_start_len: int = -1
     # PD disaggregation (filled by the router; unused by a plain worker)
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
@@ -99,7 +116,7 @@ class AbortRequest:
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (nothing predicts it)
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -145,6 +162,8 @@ class SequenceOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # the scored prompt tokens (logprob_start_len on), once, with the sequence's first output
+    input_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

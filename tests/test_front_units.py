@@ -384,7 +384,9 @@ def test_prompt_plus_max_tokens_beyond_the_context(http: TestClient) -> None:
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-        ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+        ({"logit_bias": {"3": -101}}, "logit_bias"),
         ({"seed": -1}, "seed"),
         ({"n": 0}, "n"),
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
@@ -455,12 +457,31 @@ def test_health_follows_the_scheduler(model_dir: Path) -> None:
 
 def test_information_routes(http: TestClient, model_dir: Path) -> None:
     card = http.get("/v1/models").json()["data"][0]
-    assert (card["id"], card["root"], card["max_model_len"]) == ("tiny", str(model_dir), CONTEXT)
+    assert (card["id"], card["root"], card["max_model_len"]) == ("tiny", "tiny", CONTEXT)
     info = http.get("/get_model_info").json()
     assert info["model_type"] == "glm5_next" and info["is_generation"] is True
     assert info["architectures"] == ["Glm5NextForConditionalGeneration"]
     server = http.get("/server_info").json()
     assert server["model_path"] == str(model_dir) and "version" in server
     assert server["internal_states"] == [{}]
+    assert server["max_total_num_tokens"] == READY.total_pages * READY.page_size
     metrics = http.get("/metrics")
     assert metrics.status_code == 200 and "pdserve:num_running_reqs" in metrics.text
+
+
+def test_bootstrap_lists_per_prompt_or_per_sequence(tokenizer: Tokenizer) -> None:
+    from serving.front.api.errors import APIError
+    from serving.front.api.sequences import make_seqs
+    from serving.protocol import SamplingParams
+
+    def rooms(prompts: int, n: int, room: Any) -> list[int | None]:
+        seqs = make_seqs(tokenizer, "r", [[5]] * prompts, [SamplingParams()] * prompts, n,
+                         bootstrap_host=None, bootstrap_room=room)  # fmt: skip
+        return [s.request.bootstrap_room for s in seqs]
+
+    # one room per prompt: its samples derive room + i; one per sequence: taken as given
+    assert rooms(2, 2, [10, 20]) == [10, 11, 20, 21]
+    assert rooms(1, 2, [10, 30]) == [10, 30]
+    assert rooms(1, 3, 2**63 - 1) == [2**63 - 1, 0, 1]
+    with pytest.raises(APIError, match="bootstrap_room: 3 values for 2 prompts of 2 samples"):
+        rooms(2, 2, [1, 2, 3])

@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from tokenizers import Tokenizer
 
 from serving.front.chat import ChatTemplate, load_chat_template
 from tests.scripted_checkpoint import script_ids, write_scripted_checkpoint
-from tests.server_proc import Server
+from tests.server_proc import Server, eagle_flags
 
 MODEL = "GLM-5.3-Flash"
 CONTEXT = 1024
@@ -37,6 +38,7 @@ WORKER_FLAGS = (
 )
 USER = [{"role": "user", "content": "Look up items 7 and 8."}]
 THINKING_OFF = {"chat_template_kwargs": {"enable_thinking": False}}
+COMPLETION_PROMPT = "[gMASK]<sop><|user|>hi<|assistant|><think>"
 CALL_MARKUP = "<tool_call>lookup<arg_key>ids</arg_key><arg_value>[7, 8]</arg_value></tool_call>"
 
 
@@ -83,6 +85,11 @@ class Peer:
         prompt = self.template.render(messages, tools=tools, **kw)
         return len(self.tokenizer.encode(prompt, add_special_tokens=False).ids)
 
+    @property
+    def url(self) -> str:
+        """The server's root (for SGLang's native routes)."""
+        return str(self.client.base_url).rstrip("/").removesuffix("/v1")
+
     def reply_tokens(self, thinking: bool = True) -> int:
         """Output tokens of the script after the prompt's `<think>` (or `</think>`), eos too."""
         chain = script_ids(self.tokenizer)
@@ -118,6 +125,17 @@ def stream_choices(stream: Any) -> dict[Any, dict[str, Any]]:
 
 def scenario_models(peer: Peer) -> None:
     assert [m.id for m in peer.client.models.list().data] == [MODEL]
+    card = peer.client.models.retrieve(MODEL)
+    assert (card.id, card.model_extra["root"], card.model_extra["max_model_len"]) == (
+        MODEL,
+        MODEL,
+        CONTEXT,
+    )
+    with pytest.raises(openai.NotFoundError):
+        peer.client.models.retrieve("gpt-4o")
+    info = httpx.get(peer.url + "/get_server_info", timeout=10).json()
+    ready = info["scheduler"]
+    assert info["max_total_num_tokens"] == ready["total_pages"] * ready["page_size"] > 0
 
 
 def scenario_tool_call_round_trip(peer: Peer) -> None:
@@ -195,6 +213,19 @@ def scenario_tool_choice(peer: Peer) -> None:
     assert none.tool_calls is None and none.content == CALL_MARKUP
 
 
+def scenario_forced_string_enum(peer: Peer) -> None:
+    # Unforced, the script writes ids "[7, 8]"; forced, the string enum holds.
+    tool = lookup_tool("string")
+    tool["function"]["parameters"]["properties"]["ids"]["enum"] = ["seven", "eight"]
+    named = {"type": "function", "function": {"name": "lookup"}}
+    free = peer.chat(tools=[tool], extra_body=THINKING_OFF).choices[0].message.tool_calls[0]
+    assert json.loads(free.function.arguments) == {"ids": "[7, 8]"}
+    forced = peer.chat(tools=[tool], tool_choice=named, extra_body=THINKING_OFF).choices[0]
+    (call,) = forced.message.tool_calls
+    assert json.loads(call.function.arguments)["ids"] in ("seven", "eight")
+    assert forced.finish_reason == "tool_calls"
+
+
 def scenario_response_format(peer: Peer) -> None:
     schema = {
         "type": "object",
@@ -267,6 +298,187 @@ def scenario_completions(peer: Peer) -> None:
     assert by_ids.choices[0].text == expected
 
 
+def scenario_completion_batch_echo(peer: Peer) -> None:
+    # SGLang's test_completion (batch x parallel samples, echo, logprobs) and vLLM's echo
+    # logprob tests, with the script's exact replies.
+    raw = {"skip_special_tokens": False}
+    prompts = [COMPLETION_PROMPT, "[gMASK]<sop><|user|>bye<|assistant|></think>"]
+    replies = ["Hm</think>" + CALL_MARKUP, CALL_MARKUP]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 40, "temperature": 0,
+            "echo": True, "logprobs": 1, "extra_body": raw}  # fmt: skip
+    response = peer.client.completions.create(**body)
+    choices = sorted(response.choices, key=lambda c: c.index)
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    ids = [peer.tokenizer.encode(p).ids for p in prompts]
+    for choice in choices:
+        p = choice.index // 2
+        assert choice.text == prompts[p] + replies[p]
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert "".join(lp.tokens[: len(ids[p])]) == prompts[p]
+        assert "".join(lp.tokens[len(ids[p]) : -1]) == replies[p]  # then the end-of-turn token
+        assert lp.text_offset[len(ids[p])] == len(prompts[p])
+        assert all(x <= 0 for x in lp.token_logprobs[1:])
+    reply_tokens = [len(choices[2 * p].logprobs.tokens) - len(ids[p]) for p in (0, 1)]
+    assert reply_tokens[0] == peer.reply_tokens()
+    assert response.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert response.usage.completion_tokens == 2 * sum(reply_tokens)
+    streamed = ["", "", "", ""]
+    for chunk in peer.client.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in choices]
+    with pytest.raises(openai.BadRequestError):
+        peer.client.completions.create(**{**body, "logprobs": 21}, stream=True)
+
+
+def scenario_logit_bias(peer: Peer) -> None:
+    # After the prompt's <think> the script's "H" wins by 25 logits; "z" is nowhere in it.
+    h = script_ids(peer.tokenizer)[1]
+    z = peer.tokenizer.token_to_id("z")
+    body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 4, "temperature": 0}
+    assert peer.client.completions.create(**body).choices[0].text.startswith("Hm")
+    forced = peer.client.completions.create(**body, logit_bias={str(z): 100})
+    assert forced.choices[0].text == "zzzz"
+    sampled = peer.client.completions.create(
+        **{**body, "temperature": 1.0}, seed=5, logit_bias={str(z): 100}
+    )
+    assert sampled.choices[0].text == "zzzz"
+    forbidden = peer.client.completions.create(**body, logprobs=0, logit_bias={str(h): -100})
+    assert forbidden.choices[0].logprobs.tokens[0] != "H"
+    chat = peer.chat(max_tokens=3, logit_bias={str(z): 100}, extra_body=THINKING_OFF)
+    assert chat.choices[0].message.content == "zzz"
+    native = {
+        "text": COMPLETION_PROMPT,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "logit_bias": {str(z): 100}},
+    }
+    r = httpx.post(peer.url + "/generate", json=native, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == [z, z, z]
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        peer.client.completions.create(**body, logit_bias={str(len(peer.tokenizer.get_vocab())): 1})
+
+
+def scenario_stop_regex(peer: Peer) -> None:
+    raw = {"skip_special_tokens": False}
+    body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 40, "temperature": 0}
+    pattern = r"\[\d+,"  # spans the script's "[", "7", "," tokens
+    cut = peer.client.completions.create(**body, extra_body={**raw, "stop_regex": pattern})
+    choice = cut.choices[0]
+    assert (choice.finish_reason, choice.model_extra["matched_stop"]) == ("stop", pattern)
+    assert choice.text.endswith("<arg_value>[7,")  # the match stays, as SGLang
+    chunks = peer.client.completions.create(
+        **body, stream=True, extra_body={**raw, "stop_regex": [r"x{3}", pattern]}
+    )
+    assert "".join(c.text for chunk in chunks for c in chunk.choices) == choice.text
+    chat = peer.chat(extra_body={**THINKING_OFF, "stop_regex": "lo+k"}).choices[0]
+    assert chat.message.content == "<tool_call>look"
+    assert chat.model_extra["matched_stop"] == "lo+k"
+    sampling = {"max_new_tokens": 40, "temperature": 0, "stop_regex": "H.$"}
+    native = {"text": COMPLETION_PROMPT, "sampling_params": sampling}
+    result = httpx.post(peer.url + "/generate", json=native, timeout=60).json()
+    assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": "H.$"}
+    assert result["text"] == "Hm"
+    with pytest.raises(openai.BadRequestError, match="stop_regex"):
+        peer.client.completions.create(**body, extra_body={"stop_regex": "(unclosed"})
+
+
+def scenario_stream_usage_and_logprobs(peer: Peer) -> None:
+    raw = {"skip_special_tokens": False}
+    body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 40, "temperature": 0}
+    whole = peer.client.completions.create(**body, logprobs=0, extra_body=raw)
+    logprobs = whole.choices[0].logprobs
+    # logprobs=0: the chosen token's logprob, and it alone in the top list (OpenAI: n + 1 at most)
+    assert [dict(t) for t in logprobs.top_logprobs] == [
+        {token: lp} for token, lp in zip(logprobs.tokens, logprobs.token_logprobs)
+    ]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        peer.client.completions.create(
+            **body, logprobs=0, stream=True, stream_options=options, extra_body=raw
+        )
+    )
+    with_choices = [c for c in chunks if c.choices]
+    assert all(c.choices[0].logprobs is not None for c in with_choices)
+    tokens = [t for c in with_choices for t in c.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
+    last = with_choices[-1].choices[0]
+    assert last.finish_reason == "stop" and last.logprobs.tokens == logprobs.tokens[-1:]
+    counts = [c.usage.completion_tokens for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == peer.reply_tokens()
+    assert {c.usage.prompt_tokens for c in with_choices} == {whole.usage.prompt_tokens}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == counts[-1]
+    plain = peer.client.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}
+    )
+    assert all(c.usage is None for c in plain if c.choices)
+    chat = list(peer.chat(stream=True, stream_options=options))
+    assert all(c.usage is not None for c in chat)
+    assert chat[-2].usage.completion_tokens == peer.reply_tokens()
+
+
+def scenario_responses(peer: Peer) -> None:
+    chat_tools = [lookup_tool("array")]
+    tools = [{"type": "function", **chat_tools[0]["function"]}]  # the Responses API's shape
+    body = {"model": MODEL, "tools": tools, "max_output_tokens": 64, "temperature": 0}
+    first = peer.client.responses.create(input=USER[0]["content"], **body)
+    assert first.status == "completed" and first.id.startswith("resp_")
+    assert [item.type for item in first.output] == ["reasoning", "function_call"]
+    assert first.output[0].content[0].text == "Hm"
+    call = first.output[1]
+    assert call.name == "lookup" and json.loads(call.arguments) == {"ids": [7, 8]}
+    assert first.usage.input_tokens == peer.prompt_tokens(USER, chat_tools)
+    assert first.usage.output_tokens == peer.reply_tokens()
+    assert first.usage.output_tokens_details.reasoning_tokens == 2
+    # the round trip renders exactly the chat history it stands for
+    result = '{"7": "seven", "8": "eight"}'
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": result}
+    items = [{"role": "user", "content": USER[0]["content"]},
+             *[item.model_dump(exclude_none=True) for item in first.output], output]  # fmt: skip
+    second = peer.client.responses.create(input=items, **body)
+    chat_call = {"id": call.call_id, "type": "function",
+                 "function": {"name": "lookup", "arguments": call.arguments}}  # fmt: skip
+    history = [*USER,
+               {"role": "assistant", "content": "", "reasoning_content": "Hm",
+                "tool_calls": [chat_call]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": result}]  # fmt: skip
+    assert second.usage.input_tokens == peer.prompt_tokens(history, chat_tools)
+    plain = peer.client.responses.create(
+        model=MODEL, input=USER[0]["content"], instructions="Be brief.", temperature=0,
+        extra_body=THINKING_OFF,
+    )  # fmt: skip
+    assert [item.type for item in plain.output] == ["message"]
+    assert plain.output_text == CALL_MARKUP
+    system = [{"role": "system", "content": "Be brief."}, *USER]
+    assert plain.usage.input_tokens == peer.prompt_tokens(system, enable_thinking=False)
+    cut = peer.client.responses.create(**{**body, "max_output_tokens": 3}, input="hi")
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    events = list(peer.client.responses.create(input=USER[0]["content"], stream=True, **body))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert (events[0].type, events[1].type, events[-1].type) == (
+        "response.created",
+        "response.in_progress",
+        "response.completed",
+    )
+    by_type: dict[str, list[Any]] = {}
+    for event in events:
+        by_type.setdefault(event.type, []).append(event)
+    assert "".join(e.delta for e in by_type["response.reasoning_text.delta"]) == "Hm"
+    arguments = "".join(e.delta for e in by_type["response.function_call_arguments.delta"])
+    assert arguments == by_type["response.function_call_arguments.done"][0].arguments
+    assert json.loads(arguments) == {"ids": [7, 8]}
+    done = [e.item.type for e in by_type["response.output_item.done"]]
+    assert done == ["reasoning", "function_call"]
+    final = events[-1].response
+    assert [i.type for i in final.output] == done
+    assert final.usage.output_tokens == peer.reply_tokens()
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        peer.client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]
+    with pytest.raises(openai.BadRequestError, match="input_image"):
+        peer.client.responses.create(model=MODEL, input=image)
+
+
 def scenario_errors(peer: Peer) -> None:
     bad = [
         {"temperature": -1},
@@ -293,10 +505,16 @@ SCENARIOS: list[Callable[[Peer], None]] = [
     scenario_streamed_tool_call,
     scenario_reasoning_split,
     scenario_tool_choice,
+    scenario_forced_string_enum,
     scenario_response_format,
     scenario_n_and_logprobs,
     scenario_stop,
     scenario_completions,
+    scenario_completion_batch_echo,
+    scenario_logit_bias,
+    scenario_stop_regex,
+    scenario_stream_usage_and_logprobs,
+    scenario_responses,
     scenario_errors,
 ]
 
@@ -323,8 +541,25 @@ def test_single_worker(server: Server, scripted_ckpt: Path, scenario) -> None:
     server.idle_pool()
 
 
-def test_model_retrieve(server: Server, scripted_ckpt: Path) -> None:
-    client = make_peer(server.url, scripted_ckpt).client
-    assert client.models.retrieve(MODEL).id == MODEL
-    with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("gpt-4o")
+def test_protocol_under_eagle(server: Server, scripted_ckpt: Path, tmp_path: Path) -> None:
+    """EAGLE's verify samples with the request's bias: the forced and forbidden outputs are the
+    plain worker's, token for token, although the draft proposes the unbiased script. Stop
+    regexes, per-chunk usage and logprobs hold when a step commits several tokens."""
+    eagle = Server(scripted_ckpt, *WORKER_FLAGS, *eagle_flags(2), log_dir=tmp_path)
+    try:
+        peer = make_peer(eagle.url, scripted_ckpt)
+        scenario_logit_bias(peer)
+        scenario_stop_regex(peer)
+        scenario_stream_usage_and_logprobs(peer)
+        scenario_completions(peer)
+        h = script_ids(peer.tokenizer)[1]
+        body = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "logit_bias": {str(h): -100}}  # fmt: skip
+        want = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        got = httpx.post(eagle.url + "/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["usage"]["completion_tokens"] == 24
+        assert eagle.stats()["spec_verify_steps"] > 0
+        eagle.idle_pool()
+    finally:
+        assert eagle.stop() == 0

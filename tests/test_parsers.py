@@ -183,6 +183,9 @@ def test_prompt_opens_reasoning() -> None:
         ("42", None, 42),
         ("Paris", None, "Paris"),
         ('"quoted"', {}, "quoted"),
+        ("7", {"enum": ["7", "8"]}, "7"),
+        ("7", {"enum": [7, "8"]}, 7),
+        ("null", {"const": "null"}, "null"),
     ],
 )
 def test_argument_values_are_typed_by_the_schema(raw: str, schema: Any, value: Any) -> None:
@@ -243,6 +246,48 @@ def test_forced_tool_calls_grammar(
     assert not _accepts(
         grammar_of(SamplingParams(ebnf=single.text)), tokenizer_file, eos, call + call
     )
+
+
+def test_forced_tool_call_string_keywords(
+    tokenizer: Tokenizer, tokenizer_file: Path, eos: tuple[int, ...]
+) -> None:
+    properties = {
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "mode": {"const": "fast"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "note": {"type": "string", "pattern": "ok"},
+        "tag": {"type": "string", "minLength": 2, "maxLength": 3},
+        "free": {"type": "string"},
+    }
+    parameters = {"type": "object", "properties": properties, "required": list(properties)}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    grammar = grammar_of(
+        SamplingParams(
+            ebnf=forced_tool_calls(tools, "f", False, GlmTokens.find(tokenizer), False).text
+        )
+    )
+    good = dict(unit="celsius", mode="fast", code="OSL", note="is ok here", tag="ab", free="<x>")
+
+    def call(**values: str) -> str:
+        args = "".join(
+            f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>"
+            for k, v in {**good, **values}.items()
+        )
+        return f"<tool_call>f{args}</tool_call>"
+
+    assert _accepts(grammar, tokenizer_file, eos, call())
+    assert _accepts(grammar, tokenizer_file, eos, call(unit="fahrenheit", tag="abc"))
+    for bad in (
+        {"unit": "kelvin"},
+        {"unit": "celsiusx"},
+        {"mode": "slow"},
+        {"code": "OSLO"},
+        {"code": "os"},
+        {"note": "fine"},
+        {"tag": "a"},
+        {"tag": "abcd"},
+    ):
+        assert not _accepts(grammar, tokenizer_file, eos, call(**bad)), bad
 
 
 def test_constraints_after_reasoning(

@@ -153,6 +153,9 @@ def test_prompt_text():
     assert prompt_text("/generate", {"input_ids": [1, 2, 3]}) == "1,2,3"
     assert prompt_text("/generate", {"input_ids": [[7, 8], [9]]}) == "7,8"
     assert prompt_text("/generate", "not a dict") == ""
+    assert prompt_text("/v1/responses", {"input": "hi", "text": {"format": {}}}) == "hi"
+    items = [{"role": "user", "content": "hi"}]
+    assert prompt_text("/v1/responses", {"input": items}) == '[{"role": "user", "content": "hi"}]'
 
 
 # ---- health state machine ----

@@ -249,6 +249,49 @@ def test_min_new_tokens_blocks_eos_and_stop_ids_until_reached():
     assert draw_counts(sampler, logits, 200, stop_token_ids=[4])[5] > 0
 
 
+def test_min_new_tokens_ignores_stop_ids_outside_the_vocabulary():
+    logits = torch.tensor([[0.0, 1.0, 0.0, 0.0, 2.0, 3.0]])
+    row = state(temperature=0.0, stop_token_ids=[4, 6, 10**6], min_new_tokens=1)
+    assert Sampler(6, "cpu").sample(logits, [row])[0] == [1]
+
+
+# ---------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_forces_and_forbids_per_row():
+    logits = torch.tensor([[0.0, 1.0, 0.5, 3.0, -2.0, 0.0]]).repeat(4, 1)
+    original = logits.clone()
+    states = [
+        state(temperature=0.0),
+        state(temperature=0.0, logit_bias={4: 100.0}),  # the least likely token wins
+        state(temperature=0.0, logit_bias={3: -100.0}),  # the argmax is gone: 1 is next
+        state(temperature=0.0, logit_bias={3: -1.5, 2: 1.2}),  # 1.5 < 1.7: 2 wins, exactly
+    ]
+    tokens, logprobs = Sampler(6, "cpu").sample(logits, states, [0, 0, 0, 0])
+    assert tokens == [3, 4, 1, 2]
+    assert torch.equal(logits, original)
+    # logprobs stay those of the model's own distribution
+    raw = torch.log_softmax(original[0], dim=-1)
+    assert logprobs[1].logprob == pytest.approx(raw[4].item())
+
+
+def test_logit_bias_holds_in_sampling():
+    sampler = Sampler(6, "cpu")
+    logits = logits_of([0.5, 0.2, 0.1, 0.1, 0.05, 0.05])
+    counts = draw_counts(sampler, logits, 2000, logit_bias={0: -100.0, 4: 100.0})
+    assert counts[4] == 2000
+    counts = draw_counts(sampler, logits, 2000, logit_bias={0: -100.0})
+    assert counts[0] == 0 and sum(counts) == 2000
+
+
+def test_logit_bias_is_validated():
+    with pytest.raises(ValueError, match="logit_bias: token 6 is outside the vocabulary"):
+        SamplingParams(logit_bias={6: 1.0}).validate(6)
+    with pytest.raises(ValueError, match=r"logit_bias: token 2: bias must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={2: 101.0}).validate(6)
+    SamplingParams(stop_token_ids=[6, 10**9]).validate(6)  # accepted, as SGLang
+
+
 # ---------------------------------------------------------------- logprobs and shapes
 
 

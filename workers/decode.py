@@ -27,7 +27,16 @@ from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, TokenLogprob
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint
-from workers.messages import Abort, AbortAck, Destination, KVPoll, Register, Status, advance
+from workers.messages import (
+    Abort,
+    AbortAck,
+    Destination,
+    KVPoll,
+    Register,
+    Status,
+    advance,
+    decode_logprobs,
+)
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
 
@@ -42,6 +51,7 @@ class Transfer:
     state: KVPoll
     deadline: float = 0.0
     rank: str | None = None  # the prefill scheduler rank's control address
+    input_logprobs: list[TokenLogprob] | None = None  # scored by prefill, sent with Success
 
 
 @dataclass
@@ -280,6 +290,10 @@ class DecodeRole(Role):
         if t is None:
             return
         if msg.status == KVPoll.Success:
+            try:
+                t.input_logprobs = decode_logprobs(msg.input_logprobs)
+            except ValueError as e:  # everything landed: nothing of the room is in flight
+                return self._fail(t, f"prefill's success message: {e}", 502, prefill_gone=True)
             t.state = advance(t.state, KVPoll.Success)
         else:
             self._fail(
@@ -318,6 +332,9 @@ class DecodeRole(Role):
             del self.transfers[t.room]
             del self.by_rid[req.rid]
             req.cached = len(req.input_ids)
+            if req.return_logprob:  # prefill scored the prompt; a re-prefill scores nothing
+                req.input_logprobs = t.input_logprobs or []
+                req.input_scored = len(req.input_ids)
             self.scheduler.adopt(req, first, logprobs)
 
     # ---- failure ----

@@ -3,7 +3,8 @@
 decode -> prefill   Register     once per prefill rank: session, buffer addresses, layout
 decode -> prefill   Destination  per request: where its pages, state rows and aux row go
 decode -> prefill   Abort        the request ended at decode; prefill answers AbortAck
-prefill -> decode   Status       KVPoll.Success (everything landed) or KVPoll.Failed
+prefill -> decode   Status       KVPoll.Success (everything landed, with the prompt logprobs
+                                 prefill scored, if asked) or KVPoll.Failed
 prefill -> decode   AbortAck     nothing of the room is in flight any more
 
 The codec (encode/decode) is the only place that knows the wire form: JSON objects with a
@@ -16,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.protocol import TokenLogprob
 
 
 class KVPoll(enum.IntEnum):
@@ -67,6 +71,26 @@ class Status:
     room: int
     status: int  # KVPoll.Success or KVPoll.Failed
     message: str = ""
+    # with Success: the prompt tokens prefill scored (logprob_start_len), encode_logprobs' form
+    input_logprobs: list[list] = field(default_factory=list)
+
+
+def encode_logprobs(logprobs: list[TokenLogprob]) -> list[list[Any]]:
+    """[[logprob, token id, [[id, logprob], ...]], ...]: JSON-safe TokenLogprobs."""
+    return [[lp.logprob, lp.token_id, [list(t) for t in lp.top]] for lp in logprobs]
+
+
+def decode_logprobs(raw: list[list]) -> list[TokenLogprob]:
+    """encode_logprobs' inverse; ValueError on anything else."""
+    try:
+        return [
+            TokenLogprob(
+                int(i), None if lp is None else float(lp), [(int(t), float(v)) for t, v in top]
+            )
+            for lp, i, top in raw
+        ]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"status.input_logprobs: malformed ({e})") from e
 
 
 @dataclass(frozen=True)
@@ -108,7 +132,7 @@ def decode(raw: bytes) -> ControlMessage:
         raise ValueError(f"{kind}: unknown fields {sorted(unknown)}")
     for name, f in fields.items():
         if name not in body:
-            if f.default is dataclasses.MISSING:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ValueError(f"{kind}: missing field {name}")
             continue
         want = _CHECKS[f.type]

@@ -33,7 +33,16 @@ from workers.kv_layout import (
     page_writes,
     row_writes,
 )
-from workers.messages import Abort, AbortAck, Destination, KVPoll, Register, Status, advance
+from workers.messages import (
+    Abort,
+    AbortAck,
+    Destination,
+    KVPoll,
+    Register,
+    Status,
+    advance,
+    encode_logprobs,
+)
 from workers.timeouts import Timeouts
 from workers.transfer_engine import TransferError, advertise_host
 
@@ -349,7 +358,9 @@ class PrefillRole(Role):
             self._notify_failed(job.room, room)
         if job.final and room.failure is None:
             room.state = advance(room.state, KVPoll.Success)
-            self.endpoint.send(room.dest.decode_addr, Status(job.room, int(KVPoll.Success)))
+            scored = encode_logprobs(room.req.input_logprobs)
+            success = Status(job.room, int(KVPoll.Success), input_logprobs=scored)
+            self.endpoint.send(room.dest.decode_addr, success)
             self.scheduler.release_held(room.req, logprobs=_as_list(room.req.last_logprob))
             self._forget(job.room)
         elif room.failure is not None and room.in_flight == 0 and room.req is not None:

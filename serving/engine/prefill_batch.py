@@ -11,6 +11,8 @@ import torch
 
 from serving.engine.request import Req
 from serving.executor.model_runner import StepInput
+from serving.executor.sampler import score_tokens
+from serving.protocol import FinishReason
 
 if TYPE_CHECKING:
     from serving.engine.scheduler import Scheduler
@@ -54,12 +56,16 @@ def run_prefill(s: Scheduler) -> bool:
             s.prefilling = req
     if not plan:
         return False
+    targets = [req.prompt_targets(n) for req, n in plan]
+    every = [bool(t) for t in targets]  # all of a chunk's logits, to score its prompt
     out = s.runner.forward(
         [
             StepInput(req.row, req.cached, req.fill_ids[req.cached : req.cached + n])
             for req, n in plan
-        ]
+        ],
+        every if any(every) else "last",
     )
+    last_row = _score_prompts(s, plan, targets, out.logits)
     done: list[tuple[Req, int]] = []
     for i, (req, n) in enumerate(plan):
         req.cached += n
@@ -68,12 +74,37 @@ def run_prefill(s: Scheduler) -> bool:
             done.append((req, i))
             if s.prefilling is req:
                 s.prefilling = None
+    # max_tokens 0 with prompt logprobs: scored, nothing to sample (the front refuses it on PD
+    # workers, where a handoff needs a first token)
+    for req, _ in done:
+        if req.sampling.params.max_new_tokens == 0:
+            s.finish(req, FinishReason.length())
+    done = [(r, i) for r, i in done if r.finish_reason is None]
     if done:
-        s.sample_and_advance([r for r, _ in done], out.logits[[i for _, i in done]])
+        rows = [last_row[i] for _, i in done]
+        s.sample_and_advance([r for r, _ in done], out.logits[rows])
         s.running.extend(r for r, _ in done if r.finish_reason is None)
     if s.spec is not None:
         _extend_draft(s, plan, out.hidden)
     return True
+
+
+def _score_prompts(
+    s: Scheduler, plan: list[tuple[Req, int]], targets: list[range], logits: torch.Tensor
+) -> list[int]:
+    """Score the prompt tokens each chunk's logits predict; returns each request's logits row of
+    its last token (a request with targets got a row per chunk token, the others one row)."""
+    first_row, last_row = 0, []
+    for (req, n), wanted in zip(plan, targets):
+        if wanted:
+            rows = [first_row + t - 1 - req.cached for t in wanted]
+            ids = [req.input_ids[t] for t in wanted]
+            chunk = logits[rows, : s.sampler.vocab_size]
+            req.input_logprobs += score_tokens(chunk, ids, req.top_logprobs_num)
+            req.input_scored = wanted.stop
+        first_row += n if wanted else 1
+        last_row.append(first_row - 1)
+    return last_row
 
 
 def _extend_draft(s: Scheduler, plan: list[tuple[Req, int]], hidden: torch.Tensor) -> None:

@@ -77,6 +77,12 @@ class Req:
     cached: int = 0  # leading tokens of fill_ids whose KV/state is in the cache
     finish_reason: FinishReason | None = None
     last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
+    # Prompt logprobs: prompt positions below `input_scored` are scored (or not wanted) and in
+    # `input_logprobs`, which go out once, with the first output (a retracted request's
+    # re-prefill scores nothing twice).
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_scored: int = 0
+    input_logprobs_sent: bool = False
 
     @property
     def output_ids(self) -> list[int]:
@@ -90,3 +96,9 @@ class Req:
     @property
     def uncached(self) -> int:
         return len(self.input_ids) + len(self.output_ids) - self.cached
+
+    def prompt_targets(self, n: int) -> range:
+        """Prompt positions still to score that the next n-token chunk's logits predict (the
+        token at position t is scored by the logits at t - 1)."""
+        last = min(self.cached + n, len(self.input_ids) - 1)
+        return range(max(self.cached + 1, self.input_scored), last + 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections import deque
 
 import torch
@@ -86,13 +87,19 @@ class Scheduler:
             generator=make_generator(p.seed, self.pool.device),
             eos_token_ids=self.eos,
         )
-        return Req(
+        req = Req(
             request.rid,
             list(request.input_ids),
             state,
             request.return_logprob,
             request.top_logprobs_num,
         )
+        start = request.logprob_start_len if request.return_logprob else -1
+        req.input_scored = len(req.input_ids) if start < 0 else start
+        if start == 0 and req.input_ids:  # nothing predicts the first token: no logprob
+            req.input_logprobs.append(TokenLogprob(req.input_ids[0], None))
+            req.input_scored = 1
+        return req
 
     def admission_problem(self, request: GenerateRequest) -> str | None:
         """Why `request` can never run here, or None."""
@@ -114,7 +121,7 @@ class Scheduler:
         if problem is not None:
             return self.fail_request(request, problem, 400)
         req = self.make_req(request)
-        if request.sampling.max_new_tokens == 0:
+        if request.sampling.max_new_tokens == 0 and req.input_scored >= len(req.input_ids):
             self.finish(req, FinishReason.length())
         else:
             self.stats.prompt_tokens_total += len(req.input_ids)
@@ -222,6 +229,12 @@ class Scheduler:
             for s in p.stop:
                 if s in tail:
                     return FinishReason.stop(s)
+        if p.stop_regex and self.detokenize is not None:
+            # The whole output: a match may span any number of tokens. `re` caches the patterns.
+            text = self.detokenize(req.output_ids)
+            for pattern in p.stop_regex:
+                if re.search(pattern, text):
+                    return FinishReason.stop(pattern)
         if (grammar_reason := req.sampling.grammar_finish_reason()) is not None:
             return grammar_reason
         if len(req.output_ids) >= p.max_new_tokens:
@@ -231,7 +244,11 @@ class Scheduler:
         return None
 
     def output_of(self, req: Req, tokens: list[int], logprobs=None) -> SequenceOutput:
+        scored = None
+        if req.input_logprobs and not req.input_logprobs_sent:
+            scored, req.input_logprobs_sent = req.input_logprobs, True
         return SequenceOutput(
+            input_logprobs=scored,
             rid=req.rid,
             new_token_ids=tokens,
             finished=req.finish_reason is not None,

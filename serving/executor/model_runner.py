@@ -32,7 +32,9 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(self.model, self.pool, max_bs)
 
-    def build_batch(self, items: list[StepInput], logits: str = "last") -> ForwardBatch:
+    def build_batch(
+        self, items: list[StepInput], logits: str | list[bool] = "last"
+    ) -> ForwardBatch:
         ids = [t for item in items for t in item.token_ids]
         return ForwardBatch.build(
             ids,
@@ -43,7 +45,7 @@ class ModelRunner:
             logits=logits,
         )
 
-    def forward(self, items: list[StepInput], logits: str = "last") -> ForwardOutput:
+    def forward(self, items: list[StepInput], logits: str | list[bool] = "last") -> ForwardOutput:
         if (
             self.graphs is not None
             and logits == "last"

@@ -1,4 +1,5 @@
-"""Batched token sampling: penalties, min_new_tokens, greedy / temperature-top_k-top_p-min_p.
+"""Batched token sampling: penalties, logit_bias, min_new_tokens, then greedy or
+temperature-top_k-top_p-min_p.
 
 Per-row parameters may differ inside one batch. Every row's sampling distribution is computed
 with row-wise tensor ops in vocabulary order, and a seeded row draws only from its own
@@ -211,14 +212,15 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
-def _min_tokens_bans(states: Sequence[SamplingState]) -> tuple[list[int], list[int]]:
+def _min_tokens_bans(states: Sequence[SamplingState], vocab: int) -> tuple[list[int], list[int]]:
     """(rows, ids) to forbid before min_new_tokens: stop tokens, and eos unless ignore_eos."""
     rows: list[int] = []
     cols: list[int] = []
     for i, s in enumerate(states):
         if len(s.output_ids) >= s.params.min_new_tokens:
             continue
-        banned = set(s.params.stop_token_ids)
+        # stop_token_ids may lie outside the vocabulary (accepted, as SGLang): never indexed.
+        banned = {t for t in s.params.stop_token_ids if 0 <= t < vocab}
         if not s.params.ignore_eos:
             banned |= s.eos_token_ids
         rows += [i] * len(banned)
@@ -227,10 +229,18 @@ def _min_tokens_bans(states: Sequence[SamplingState]) -> tuple[list[int], list[i
 
 
 def _adjusted_logits(raw: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """Penalties, then min_new_tokens bans; returns `raw` itself (never modified) if none apply."""
+    """Penalties, then logit_bias, then min_new_tokens bans; returns `raw` itself (never
+    modified) if none apply. EAGLE's verify samples through here too, so a draft is accepted
+    only where the biased distribution picks it."""
     penalised = [i for i, s in enumerate(states) if _has_penalties(s.params)]
-    ban_rows, ban_cols = _min_tokens_bans(states)
-    if not penalised and not ban_rows:
+    ban_rows, ban_cols = _min_tokens_bans(states, raw.shape[1])
+    bias_rows, bias_cols, bias_values = [], [], []
+    for i, s in enumerate(states):
+        for token_id, bias in s.params.logit_bias.items():
+            bias_rows.append(i)
+            bias_cols.append(token_id)
+            bias_values.append(bias)
+    if not penalised and not ban_rows and not bias_rows:
         return raw
     out = raw.clone()
     if penalised:
@@ -242,6 +252,13 @@ def _adjusted_logits(raw: torch.Tensor, states: Sequence[SamplingState]) -> torc
             [p.repetition_penalty for p in params],
             [p.frequency_penalty for p in params],
             [p.presence_penalty for p in params],
+        )
+    if bias_rows:
+        index = torch.tensor([bias_rows, bias_cols], dtype=torch.long).to(raw.device)
+        out.index_put_(
+            (index[0], index[1]),
+            torch.tensor(bias_values, dtype=out.dtype).to(raw.device),
+            accumulate=True,
         )
     if ban_rows:
         index = torch.tensor([ban_rows, ban_cols], dtype=torch.long).to(raw.device)
@@ -291,6 +308,12 @@ def _mask_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
         _column(min_p, logits.dtype, logits.device)
     )
     return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def score_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """Logprobs of given tokens (a prompt's), row i scoring token_ids[i] under logits[i]."""
+    tokens = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    return _logprobs(logits.float(), tokens, token_ids, [top_n] * len(token_ids))
 
 
 def _logprobs(

@@ -107,7 +107,8 @@ class StreamingText:
             self._detokenizer.add(token_ids)
             self._detokenizer.flush()
             full = self._detokenizer.text
-            if self._trim and isinstance(matched, str) and matched:
+            # Only a stop string is trimmed: a stop_regex's "matched" is its pattern.
+            if self._trim and isinstance(matched, str) and matched in self._stop:
                 full = trim_at_stop(full, matched, len(self.text))
             end = len(full)
         delta = full[len(self.text) : end]

@@ -317,5 +317,8 @@ def _merge(a: SequenceOutput, b: SequenceOutput) -> SequenceOutput:
     if a.logprobs is not None or b.logprobs is not None:
         logprobs = [*(a.logprobs or []), *(b.logprobs or [])]
     return dataclasses.replace(
-        b, new_token_ids=a.new_token_ids + b.new_token_ids, logprobs=logprobs
+        b,
+        new_token_ids=a.new_token_ids + b.new_token_ids,
+        logprobs=logprobs,
+        input_logprobs=a.input_logprobs or b.input_logprobs,
     )

@@ -22,6 +22,7 @@ from serving.front.api.context import FrontContext
 from serving.front.api.errors import error_response, install_error_handlers
 from serving.front.api.native_routes import native_router
 from serving.front.api.openai_routes import openai_router
+from serving.front.api.responses_api import responses_router
 from serving.front.api.sequences import ClientDisconnected
 from serving.front.engine_client import EngineClient, EngineUnavailable
 from serving.server_args import ServerArgs
@@ -44,6 +45,7 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
         return error_response(499, "client disconnected")
 
     app.include_router(openai_router(ctx))
+    app.include_router(responses_router(ctx))
     app.include_router(native_router(ctx))
     app.include_router(admin_router(ctx))
     app.state.ctx = ctx

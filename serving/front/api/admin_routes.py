@@ -57,7 +57,7 @@ def admin_router(ctx: FrontContext) -> APIRouter:
             "object": "model",
             "created": ctx.created,
             "owned_by": "pdserve",
-            "root": ctx.args.model_path,
+            "root": ctx.model_name,  # as SGLang: the served name, not a path on this host
             "max_model_len": context,
         }
 
@@ -74,10 +74,13 @@ def admin_router(ctx: FrontContext) -> APIRouter:
     @router.get("/get_server_info")
     async def server_info() -> JSONResponse:
         stats = dataclasses.asdict(client.stats) if client.stats else {}
+        ready = client.ready
         return JSONResponse(
             {
                 **dataclasses.asdict(ctx.args),
-                "scheduler": dataclasses.asdict(client.ready) if client.ready else None,
+                # SGLang's name for the KV capacity in tokens (usable pages x page size)
+                "max_total_num_tokens": ready.total_pages * ready.page_size if ready else None,
+                "scheduler": dataclasses.asdict(ready) if ready else None,
                 "internal_states": [stats],
                 "version": version("pdserve"),
             }

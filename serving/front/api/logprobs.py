@@ -33,7 +33,8 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob]) -> dic
 def completion_logprobs(
     tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob], text_offset: int
 ) -> dict[str, Any]:
-    """`text_offset`: where the first token's text starts in the choice's text."""
+    """`text_offset`: where the first token's text starts in the choice's text. A prompt's first
+    token (echo) has no logprob: null, and a null top_logprobs entry, as OpenAI."""
     tokens, offsets = [], []
     for lp in logprobs:
         tokens.append(token_text(tokenizer, lp.token_id))
@@ -42,18 +43,30 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
+        # As OpenAI documents: the chosen token is always there, so up to logprobs + 1 entries
+        # (logprobs=0 gives the chosen token alone).
         "top_logprobs": [
-            {token_text(tokenizer, token_id): logprob for token_id, logprob in lp.top}
+            {
+                **{token_text(tokenizer, token_id): logprob for token_id, logprob in lp.top},
+                token_text(tokenizer, lp.token_id): lp.logprob,
+            }
+            if lp.logprob is not None
+            else None
             for lp in logprobs
         ],
         "text_offset": offsets,
     }
 
 
-def native_logprobs(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+def native_logprobs(logprobs: Sequence[TokenLogprob], kind: str = "output") -> dict[str, Any]:
+    """SGLang's meta_info fields: `kind` "output", or "input" for the scored prompt, whose
+    first token (logprob_start_len 0) has a null logprob and null top list."""
     return {
-        "output_token_logprobs": [[lp.logprob, lp.token_id, None] for lp in logprobs],
-        "output_top_logprobs": [
-            [[logprob, token_id, None] for token_id, logprob in lp.top] for lp in logprobs
+        f"{kind}_token_logprobs": [[lp.logprob, lp.token_id, None] for lp in logprobs],
+        f"{kind}_top_logprobs": [
+            [[logprob, token_id, None] for token_id, logprob in lp.top]
+            if lp.logprob is not None
+            else None
+            for lp in logprobs
         ],
     }

@@ -21,9 +21,11 @@ class NativeSamplingParams(NativeBody):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    logit_bias: dict[str, float] | None = None
     n: int = 1
     seed: int | None = None
     sampling_seed: int | None = None
@@ -40,6 +42,7 @@ class GenerateBody(NativeBody):
     rid: str | list[str] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob: score the prompt from here (-1: not)
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None

@@ -21,6 +21,7 @@ from serving.front.api.sampling import (
     check_top_logprobs,
     fit_to_context,
     make_sampling,
+    token_bias,
 )
 from serving.front.api.sequences import Seq, collect, make_seqs, run_seqs
 from serving.protocol import SamplingParams, SchedulerReady
@@ -50,6 +51,21 @@ def native_router(ctx: FrontContext) -> APIRouter:
         if any(p.n != n for p in params):
             raise APIError(400, "sampling_params.n: must be the same for every prompt", "n")
         check_top_logprobs(body.top_logprobs_num, "top_logprobs_num")
+        if body.logprob_start_len < -1:
+            raise APIError(
+                400,
+                f"logprob_start_len: must be -1 (no prompt logprobs) or >= 0, "
+                f"got {body.logprob_start_len}",
+                "logprob_start_len",
+            )
+        scoring = body.return_logprob and body.logprob_start_len >= 0
+        if scoring and ctx.args.disaggregation_mode != "null":
+            if any(p.max_new_tokens == 0 for p in params):
+                raise APIError(
+                    400,
+                    "max_new_tokens: prompt logprobs need max_new_tokens >= 1 on PD workers",
+                    "max_new_tokens",
+                )
         samplings = [_sampling(ctx, p, ready, len(ids)) for p, ids in zip(params, prompts)]
         seqs = make_seqs(
             ctx.tokenizer,
@@ -59,6 +75,7 @@ def native_router(ctx: FrontContext) -> APIRouter:
             n,
             return_logprob=body.return_logprob,
             top_logprobs_num=body.top_logprobs_num,
+            logprob_start_len=body.logprob_start_len,
             bootstrap_host=body.bootstrap_host,
             bootstrap_port=body.bootstrap_port,
             bootstrap_room=body.bootstrap_room,
@@ -67,7 +84,7 @@ def native_router(ctx: FrontContext) -> APIRouter:
         if body.stream:
             return event_stream(_stream(ctx, seqs, many))
         await collect(request, ctx.client, seqs)
-        results = [_result(seq) for seq in seqs]
+        results = [_result(ctx, seq) for seq in seqs]
         return JSONResponse(results if many else results[0])
 
     @router.post("/abort_request")
@@ -120,10 +137,12 @@ def _sampling(
         repetition_penalty=p.repetition_penalty,
         stop=p.stop,
         stop_token_ids=p.stop_token_ids,
+        stop_regex=p.stop_regex,
         ignore_eos=p.ignore_eos,
         min_new_tokens=p.min_new_tokens,
         skip_special_tokens=p.skip_special_tokens,
         no_stop_trim=p.no_stop_trim,
+        logit_bias=token_bias(p.logit_bias),
         json_schema=p.json_schema,
         regex=p.regex,
         ebnf=p.ebnf,
@@ -140,7 +159,7 @@ def _sampling(
     return sampling
 
 
-def _result(seq: Seq) -> dict[str, Any]:
+def _result(ctx: FrontContext, seq: Seq) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": seq.request.rid,
         "finish_reason": seq.finish_reason.to_json() if seq.finish_reason else None,
@@ -150,6 +169,12 @@ def _result(seq: Seq) -> dict[str, Any]:
     }
     if seq.request.return_logprob:
         meta.update(native_logprobs(seq.logprobs))
+        if seq.request.logprob_start_len >= 0:
+            # In PD the decode worker answers with the prompt's logprobs (prefill sends them
+            # with the KV); sglang-router concatenates prefill's input_token_logprobs before
+            # decode's, so a prefill worker answers with none.
+            prefill = ctx.args.disaggregation_mode == "prefill"
+            meta.update(native_logprobs([] if prefill else seq.input_logprobs, "input"))
     return {"text": seq.text.text, "output_ids": list(seq.output_ids), "meta_info": meta}
 
 
@@ -162,7 +187,7 @@ async def _stream(ctx: FrontContext, seqs: list[Seq], many: bool) -> AsyncIterat
                 if (error := seq.error()) is not None:
                     yield stream_error(error)
                     break
-                result = _result(seq)
+                result = _result(ctx, seq)
                 yield sse({**result, "index": seq.index} if many else result)
     except Exception as e:
         yield stream_error(e)

@@ -15,6 +15,7 @@ class OpenBody(BaseModel):
 
 class StreamOptions(OpenBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk too
 
 
 class JsonSchemaFormat(OpenBody):
@@ -77,6 +78,7 @@ class SamplingRequest(OpenBody):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None

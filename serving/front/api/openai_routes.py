@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -37,6 +38,7 @@ from serving.front.api.sampling import (
     check_top_logprobs,
     fit_to_context,
     make_sampling,
+    token_bias,
 )
 from serving.front.api.sequences import Seq, collect, make_seqs, run_seqs
 from serving.front.api.structured_output import (
@@ -55,61 +57,20 @@ def openai_router(ctx: FrontContext) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        ready = ctx.scheduler()
-        _check_common(ctx, body)
-        if not body.messages:
-            raise APIError(400, "messages: must not be empty", "messages")
-        if ctx.chat_template is None:
-            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        top = body.top_logprobs or 0
-        check_top_logprobs(top, "top_logprobs")
-        if top and not body.logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs true", "top_logprobs")
-        tools, forced = _tool_choice(body)
-        prompt = ctx.chat_template.render(
-            [m.model_dump(exclude_none=True) for m in body.messages],
-            tools=tools,
-            add_generation_prompt=not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
-        )
-        ids = ctx.encode(prompt, add_special_tokens=False)
-        max_tokens = (
-            body.max_completion_tokens
-            if body.max_completion_tokens is not None
-            else body.max_tokens
-        )
-        sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None)
-        reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
-        opens = prompt_opens_reasoning(prompt)
-        parsed_tools = tools if ctx.args.tool_call_parser else None
-        if ctx.args.reasoning_parser or parsed_tools:
-            sampling.skip_special_tokens = False  # the markup tokens stay in the text
-        _constrain(ctx, [sampling], _chat_constraint(ctx, body, tools, forced, reasoning, opens))
-        rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        seqs = make_seqs(
-            ctx.tokenizer,
-            rid,
-            [ids],
-            [sampling],
-            body.n,
-            return_logprob=body.logprobs,
-            top_logprobs_num=top,
-            **_bootstrap(body),
-        )
+        run = prepare_chat(ctx, body)
+        seqs, rid, reasoning = run.seqs, run.rid, run.reasoning
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            parsers = [ChatOutputParser(reasoning, opens, parsed_tools) for _ in seqs]
+            parsers = [ChatOutputParser(reasoning, run.opens, run.tools) for _ in seqs]
             stream = _chat_stream(
-                ctx, rid, seqs, parsers, body.stream_reasoning, include_usage, reasoning
+                ctx, rid, seqs, parsers, body.stream_reasoning, _usage_mode(body), reasoning
             )
             return event_stream(stream)
         await collect(request, ctx.client, seqs)
         choices, reasoning_tokens = [], 0
         for seq in seqs:
-            reply = parse_reply(seq.text.text, reasoning, opens, parsed_tools)
+            reply = parse_reply(seq.text.text, reasoning, run.opens, run.tools)
             choices.append(_chat_choice(ctx, seq, reply.reasoning, reply.content, reply.tool_calls))
-            reasoning_tokens += _reasoning_tokens(ctx, seq, reply.reasoned)
+            reasoning_tokens += reasoning_token_count(ctx, seq, reply.reasoned)
         return JSONResponse(
             {
                 "id": rid,
@@ -127,10 +88,13 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         _check_common(ctx, body)
         if body.logprobs is not None:
             check_top_logprobs(body.logprobs, "logprobs")
-            if body.echo:
-                raise APIError(
-                    400, "logprobs: prompt logprobs (echo with logprobs) are not supported", "echo"
-                )
+        prompt_logprobs = body.echo and body.logprobs is not None  # scored from the prefill
+        if prompt_logprobs and body.max_tokens == 0 and ctx.args.disaggregation_mode != "null":
+            raise APIError(
+                400,
+                "max_tokens: echo with logprobs needs max_tokens >= 1 on PD workers",
+                "max_tokens",
+            )
         if body.suffix is not None:
             raise APIError(400, "suffix: not supported by this server", "suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -153,12 +117,13 @@ def openai_router(ctx: FrontContext) -> APIRouter:
             body.n,
             return_logprob=body.logprobs is not None,
             top_logprobs_num=body.logprobs or 0,
+            logprob_start_len=0 if prompt_logprobs else -1,
             **_bootstrap(body),
         )
         echoes = [_echo(ctx, body, seq) for seq in seqs]
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(_completion_stream(ctx, rid, seqs, echoes, body.n, include_usage))
+            stream = _completion_stream(ctx, rid, seqs, echoes, body.n, _usage_mode(body))
+            return event_stream(stream)
         await collect(request, ctx.client, seqs)
         choices = [_completion_choice(ctx, seq, echo) for seq, echo in zip(seqs, echoes)]
         return JSONResponse(
@@ -173,6 +138,62 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         )
 
     return router
+
+
+@dataclass
+class ChatRun:
+    """A chat request made ready to run: its sequences and how to parse their text."""
+
+    seqs: list[Seq]
+    rid: str
+    reasoning: bool  # split the reasoning off
+    opens: bool  # the prompt leaves the model inside <think>
+    tools: list[dict[str, Any]] | None  # parse tool calls against these; None: markup is text
+
+
+def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRun:
+    """Validate, render, tokenize and constrain a chat request (the Responses API's too)."""
+    ready = ctx.scheduler()
+    _check_common(ctx, body)
+    if not body.messages:
+        raise APIError(400, "messages: must not be empty", "messages")
+    if ctx.chat_template is None:
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    top = body.top_logprobs or 0
+    check_top_logprobs(top, "top_logprobs")
+    if top and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs true", "top_logprobs")
+    tools, forced = _tool_choice(body)
+    prompt = ctx.chat_template.render(
+        [m.model_dump(exclude_none=True) for m in body.messages],
+        tools=tools,
+        add_generation_prompt=not body.continue_final_message,
+        continue_final_message=body.continue_final_message,
+        **(body.chat_template_kwargs or {}),
+    )
+    ids = ctx.encode(prompt, add_special_tokens=False)
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None)
+    reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
+    opens = prompt_opens_reasoning(prompt)
+    parsed_tools = tools if ctx.args.tool_call_parser else None
+    if ctx.args.reasoning_parser or parsed_tools:
+        sampling.skip_special_tokens = False  # the markup tokens stay in the text
+    _constrain(ctx, [sampling], _chat_constraint(ctx, body, tools, forced, reasoning, opens))
+    rid = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+    seqs = make_seqs(
+        ctx.tokenizer,
+        rid,
+        [ids],
+        [sampling],
+        body.n,
+        return_logprob=body.logprobs,
+        top_logprobs_num=top,
+        **_bootstrap(body),
+    )
+    return ChatRun(seqs, rid, reasoning, opens, parsed_tools)
 
 
 def _chat_choice(
@@ -198,7 +219,7 @@ def _chat_choice(
     }
 
 
-def _reasoning_tokens(ctx: FrontContext, seq: Seq, reasoned: bool) -> int:
+def reasoning_token_count(ctx: FrontContext, seq: Seq, reasoned: bool) -> int:
     """Output tokens before `</think>` (all of them when the reply never left the reasoning)."""
     if not reasoned:
         return 0
@@ -210,7 +231,10 @@ def _reasoning_tokens(ctx: FrontContext, seq: Seq, reasoned: bool) -> int:
 def _completion_choice(ctx: FrontContext, seq: Seq, echo: str) -> dict[str, Any]:
     logprobs = None
     if seq.request.return_logprob:
-        logprobs = completion_logprobs(ctx.tokenizer, seq.logprobs, len(echo))
+        if seq.request.logprob_start_len == 0:  # echo: the prompt's tokens come first
+            logprobs = completion_logprobs(ctx.tokenizer, seq.input_logprobs + seq.logprobs, 0)
+        else:
+            logprobs = completion_logprobs(ctx.tokenizer, seq.logprobs, len(echo))
     return {
         "index": seq.index,
         "text": echo + seq.text.text,
@@ -223,10 +247,26 @@ def _completion_choice(ctx: FrontContext, seq: Seq, echo: str) -> dict[str, Any]
 def _check_common(ctx: FrontContext, body: SamplingRequest) -> None:
     ctx.check_model(body.model)
     check_n(body.n)
-    if body.logit_bias:
-        raise APIError(400, "logit_bias: not supported by this server", "logit_bias")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
+
+
+def _usage_mode(body: SamplingRequest) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage so far on every chunk: vLLM's continuous_usage_stats,
+    which like vLLM's needs include_usage)."""
+    options = body.stream_options
+    if options is None or not options.include_usage:
+        return False, False
+    return True, options.continuous_usage_stats
+
+
+def _seq_usage(seq: Seq) -> dict[str, int]:
+    completion = len(seq.output_ids)
+    return {
+        "prompt_tokens": seq.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": seq.prompt_tokens + completion,
+    }
 
 
 def _tool_choice(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
@@ -315,10 +355,12 @@ def _sampling(
         repetition_penalty=body.repetition_penalty,
         stop=body.stop,
         stop_token_ids=body.stop_token_ids,
+        stop_regex=body.stop_regex,
         ignore_eos=body.ignore_eos,
         min_new_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens,
         no_stop_trim=body.no_stop_trim,
+        logit_bias=token_bias(body.logit_bias),
     )
     fit_to_context(
         sampling,
@@ -370,9 +412,10 @@ async def _chat_stream(
     seqs: list[Seq],
     parsers: list[ChatOutputParser],
     stream_reasoning: bool,
-    include_usage: bool,
+    usage_mode: tuple[bool, bool],
     reasoning: bool,
 ) -> AsyncIterator[str]:
+    include_usage, continuous = usage_mode
     head = {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -382,7 +425,10 @@ async def _chat_stream(
 
     def chunk(index: int, delta: dict[str, Any], **choice: Any) -> str:
         fields = {"logprobs": None, "finish_reason": None, **choice}
-        return sse({**head, "choices": [{"index": index, "delta": delta, **fields}]})
+        out = {**head, "choices": [{"index": index, "delta": delta, **fields}]}
+        if continuous:
+            out["usage"] = _seq_usage(seqs[index])
+        return sse(out)
 
     held_reasoning = ["" for _ in seqs]  # stream_reasoning=False: sent whole, when it ends
     reasoning_tokens = 0
@@ -412,7 +458,7 @@ async def _chat_stream(
                     yield chunk(seq.index, delta or {"content": ""}, logprobs=logprobs)
                 if seq.finished:
                     calls = parsers[seq.index].tool_call_count > 0
-                    reasoning_tokens += _reasoning_tokens(ctx, seq, parsers[seq.index].reasoned)
+                    reasoning_tokens += reasoning_token_count(ctx, seq, parsers[seq.index].reasoned)
                     yield chunk(
                         seq.index,
                         {},
@@ -446,8 +492,9 @@ async def _completion_stream(
     seqs: list[Seq],
     echoes: list[str],
     n: int,
-    include_usage: bool,
+    usage_mode: tuple[bool, bool],
 ) -> AsyncIterator[str]:
+    include_usage, continuous = usage_mode
     head = {
         "id": rid,
         "object": "text_completion",
@@ -457,11 +504,18 @@ async def _completion_stream(
 
     def chunk(index: int, text: str, **choice: Any) -> str:
         fields = {"logprobs": None, "finish_reason": None, **choice}
-        return sse({**head, "choices": [{"index": index, "text": text, **fields}]})
+        out = {**head, "choices": [{"index": index, "text": text, **fields}]}
+        if continuous:
+            out["usage"] = _seq_usage(seqs[index])
+        return sse(out)
 
-    text_offsets = [len(echo) for echo in echoes]
-    for seq, echo in zip(seqs, echoes):
-        if echo:
+    # Echo with logprobs: the echo waits for the prompt's logprobs, which come with the first
+    # output, and both go out in that chunk.
+    scored = [seq.request.logprob_start_len == 0 for seq in seqs]
+    held = [echo if s else "" for echo, s in zip(echoes, scored)]
+    text_offsets = [0 if s else len(echo) for echo, s in zip(echoes, scored)]
+    for seq, echo, s in zip(seqs, echoes, scored):
+        if echo and not s:
             yield chunk(seq.index, echo)
     try:
         async with aclosing(run_seqs(ctx.client, seqs)) as updates:
@@ -471,21 +525,22 @@ async def _completion_stream(
                     yield stream_error(error)
                     yield SSE_DONE
                     return
+                text, held[seq.index] = held[seq.index] + update.text, ""
+                entries = update.input_logprobs + update.logprobs
                 logprobs = None
-                if seq.request.return_logprob and update.logprobs:
-                    logprobs = completion_logprobs(
-                        ctx.tokenizer, update.logprobs, text_offsets[seq.index]
-                    )
+                if seq.request.return_logprob and entries:
+                    logprobs = completion_logprobs(ctx.tokenizer, entries, text_offsets[seq.index])
                     text_offsets[seq.index] += sum(len(t) for t in logprobs["tokens"])
-                if update.text or logprobs:
-                    yield chunk(seq.index, update.text, logprobs=logprobs)
-                if seq.finished:
+                if seq.finished:  # the last text and logprobs come with the finish reason
                     yield chunk(
                         seq.index,
-                        "",
+                        text,
+                        logprobs=logprobs,
                         finish_reason=finish_reason(seq),
                         matched_stop=matched_stop(seq),
                     )
+                elif text or logprobs:
+                    yield chunk(seq.index, text, logprobs=logprobs)
     except Exception as e:
         yield stream_error(e)
         yield SSE_DONE

@@ -15,10 +15,31 @@ MAX_TOP_LOGPROBS = 20
 def make_sampling(defaults: Mapping[str, Any], **values: Any) -> SamplingParams:
     """Request values (None = not given) over the model's defaults over SamplingParams'."""
     stop = values.pop("stop", None)
+    stop_regex = values.pop("stop_regex", None)
     given = {k: v for k, v in values.items() if v is not None}
     return SamplingParams(
-        **{**defaults, **given}, stop=[stop] if isinstance(stop, str) else list(stop or [])
+        **{**defaults, **given}, stop=_listed(stop), stop_regex=_listed(stop_regex)
     )
+
+
+def _listed(value: str | list[str] | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) with int keys; 400 on a key that is not one.
+    Ids and values are checked against the vocabulary by SamplingParams.validate."""
+    if not logit_bias:
+        return None
+    out = {}
+    for key, bias in logit_bias.items():
+        try:
+            out[int(key)] = float(bias)
+        except ValueError:
+            raise APIError(
+                400, f"logit_bias: keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
+    return out
 
 
 def fit_to_context(

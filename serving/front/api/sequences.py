@@ -37,6 +37,7 @@ class Seq:
     text: StreamingText
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)  # the scored prompt
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
 
@@ -53,9 +54,10 @@ class Seq:
         text = self.text.push(out.new_token_ids, reason)
         self.output_ids.extend(out.new_token_ids)
         self.logprobs.extend(out.logprobs or [])
+        self.input_logprobs.extend(out.input_logprobs or [])
         self.cached_tokens = out.cached_tokens
         self.finish_reason = reason
-        return Update(self, text, out.logprobs or [])
+        return Update(self, text, out.logprobs or [], out.input_logprobs or [])
 
     def error(self) -> APIError | None:
         """A scheduler-side abort before any output token, or one refusing the request (400,
@@ -72,6 +74,7 @@ class Update:
     seq: Seq
     text: str
     logprobs: list[TokenLogprob]
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def make_seqs(
@@ -85,35 +88,56 @@ def make_seqs(
     """n sequences per prompt (sequence index = prompt * n + i).
 
     A single rid names one sequence as is, several as "<rid>-<index>"; a list of rids (one per
-    prompt) names each prompt's sequences "<rid>" or "<rid>-<i>". Any request field given as a
-    list (bootstrap_room of a batch) is taken per prompt. The i-th sequence of a prompt gets
-    bootstrap_room + i (as SGLang): each PD handoff needs a room of its own, and the prefill
-    and decode workers derive the same ones.
+    prompt) names each prompt's sequences "<rid>" or "<rid>-<i>". A request field given as a
+    list (the bootstrap triple of a batch) holds one value per prompt or one per sequence:
+    sglang-router sends one triple per sample for a chat completion with n > 1, one per prompt
+    for a batch. With one room per prompt, its i-th sequence gets bootstrap_room + i (as
+    SGLang): each PD handoff needs a room of its own, and prefill and decode derive the same.
     """
-    for name, value in {"rid": rid, **request_fields}.items():
-        if isinstance(value, list) and len(value) != len(prompts):
-            raise APIError(400, f"{name}: {len(value)} values for {len(prompts)} prompts", name)
+    total = len(prompts) * n
+    if isinstance(rid, list) and len(rid) != len(prompts):
+        raise APIError(400, f"rid: {len(rid)} values for {len(prompts)} prompts", "rid")
+    for name, value in request_fields.items():
+        if isinstance(value, list) and len(value) not in (len(prompts), total):
+            raise APIError(
+                400,
+                f"{name}: {len(value)} values for {len(prompts)} prompts of {n} samples each",
+                name,
+            )
     seqs = []
     for p, ids in enumerate(prompts):
-        fields = {k: v[p] if isinstance(v, list) else v for k, v in request_fields.items()}
         for i in range(n):
             index = p * n + i
+            per_seq = {k: _pick(v, p, index, total) for k, v in request_fields.items()}
             if isinstance(rid, list):
                 seq_rid = rid[p] if n == 1 else f"{rid[p]}-{i}"
             else:
-                seq_rid = rid if len(prompts) * n == 1 else f"{rid}-{index}"
+                seq_rid = rid if total == 1 else f"{rid}-{index}"
             params = for_sequence(sampling[p], i)
-            room = fields.get("bootstrap_room")
+            room = per_seq.get("bootstrap_room")
+            if room is not None and not _per_sequence(request_fields.get("bootstrap_room"), total):
+                room = (room + i) % 2**63
             detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
             request = GenerateRequest(
                 rid=seq_rid,
                 input_ids=ids,
                 sampling=params,
-                **{**fields, "bootstrap_room": None if room is None else (room + i) % 2**63},
+                **{**per_seq, "bootstrap_room": room},
             )
             text = StreamingText(detokenizer, params.stop, params.no_stop_trim)
             seqs.append(Seq(index, request, text))
     return seqs
+
+
+def _per_sequence(value: Any, total: int) -> bool:
+    """A list with one entry per sequence (when prompts == sequences both readings agree)."""
+    return isinstance(value, list) and len(value) == total
+
+
+def _pick(value: Any, prompt: int, index: int, total: int) -> Any:
+    if not isinstance(value, list):
+        return value
+    return value[index] if _per_sequence(value, total) else value[prompt]
 
 
 async def run_seqs(client: EngineClient, seqs: Sequence[Seq]) -> AsyncIterator[Update]:

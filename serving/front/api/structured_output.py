@@ -99,7 +99,8 @@ def forced_tool_calls(
 ) -> Constraint:
     """A grammar whose only replies are tool calls: of function `name` (exactly one), or of any
     tool (one or more; one when not `parallel`). Arguments follow the schema's property order,
-    required ones always there; string values are free text, others JSON of their schema."""
+    required ones always there; string values are raw text held to the schema's string keywords
+    (_text_value), others JSON of their schema."""
     functions = function_schemas(tools)
     chosen = [name] if name is not None else list(functions)
     calls = "call" if name is not None or not parallel else "call+"
@@ -129,7 +130,9 @@ def _argument_rules(call: str, parameters: Mapping[str, Any], tokens: GlmTokens)
         rule = f"{call}_{j}"
         expansion.append(rule if key in required else f"{rule}?")
         value = (
-            "TEXT" if _is_text(schema) else f"%json {json.dumps(_json_schema(schema, parameters))}"
+            _text_value(schema)
+            if _is_text(schema)
+            else f"%json {json.dumps(_json_schema(schema, parameters))}"
         )
         rules.append(f"{rule}: {_argument(tokens, _lark_string(key), value)}")
     return [" ".join(expansion), *rules]
@@ -140,6 +143,47 @@ def _argument(tokens: GlmTokens, key: str, value: str) -> str:
         f"<[{tokens.key_start}]> {key} <[{tokens.key_end}]> "
         f"<[{tokens.value_start}]> {value} <[{tokens.value_end}]>"
     )
+
+
+def _text_value(schema: Any) -> str:
+    """A raw-text value (GLM writes strings unquoted) held to the schema's string keywords:
+    a string const or an enum of strings is one of those literals; else `pattern` (JSON
+    Schema's: a search, unless anchored at both ends), else minLength / maxLength; else any
+    text. `pattern` with a length bound keeps the pattern only (a lexeme is one regex here)."""
+    if not isinstance(schema, Mapping):
+        return "TEXT"
+    if isinstance(schema.get("const"), str):
+        return _literals([schema["const"]])
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return _literals(enum)
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        return f"/{_search_regex(pattern)}/"
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        bounds = f"{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}"
+        return f"/(?s:.{{{bounds}}})/"
+    return "TEXT"
+
+
+def _literals(values: Sequence[str]) -> str:
+    """One of the strings; an empty one makes the choice optional (Lark has no empty literal)."""
+    words = [v for v in dict.fromkeys(values) if v]
+    if not words:
+        return ""  # only "" allowed: no value text at all
+    choice = "(" + " | ".join(_lark_string(v) for v in words) + ")"
+    return choice + "?" if "" in values else choice
+
+
+def _search_regex(pattern: str) -> str:
+    """JSON Schema's `pattern` (it matches anywhere in the value) as a whole-value regex."""
+    start = pattern.startswith("^")
+    end = pattern.endswith("$") and not pattern.endswith("\\$")
+    body = pattern[1 if start else 0 : len(pattern) - 1 if end else len(pattern)]
+    anything = "(?s:.*)"
+    regex = ("" if start else anything) + f"(?:{body})" + ("" if end else anything)
+    return llguidance.regex_to_lark(regex)
 
 
 def _is_text(schema: Any) -> bool:

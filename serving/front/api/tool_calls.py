@@ -61,12 +61,20 @@ def schema_types(schema: Mapping[str, Any] | None) -> set[str]:
     return types
 
 
+def _string_choices(schema: Mapping[str, Any] | None) -> list[str]:
+    """The strings a schema's const / enum allow."""
+    if not schema:
+        return []
+    values = [schema["const"]] if "const" in schema else schema.get("enum") or []
+    return [v for v in values if isinstance(v, str)] if isinstance(values, list) else []
+
+
 def typed_value(raw: str, schema: Mapping[str, Any] | None) -> Any:
     """A raw argument value as the parameter's schema types it; the raw text when it does not
     parse as one of them."""
     types = schema_types(schema)
-    if types == {"string"}:
-        return raw
+    if types == {"string"} or raw in _string_choices(schema):
+        return raw  # an untyped enum of strings ["7", "8"] keeps "7" a string
     text = raw.strip()
     try:
         value = json.loads(text)
