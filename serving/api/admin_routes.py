@@ -76,7 +76,7 @@ def admin_router(ctx: FrontContext) -> APIRouter:
         stats = dataclasses.asdict(client.stats) if client.stats else {}
         return JSONResponse(
             {
-                **dataclasses.asdict(ctx.args),
+                **ctx.args.public(),
                 "scheduler": dataclasses.asdict(client.ready) if client.ready else None,
                 "internal_states": [stats],
                 "version": version("pdserve"),
