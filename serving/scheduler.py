@@ -51,6 +51,9 @@ class Role:
         self.scheduler = scheduler
 
     def submit(self, request: GenerateRequest) -> None:
+        full = self.scheduler.queue_full()
+        if full is not None:
+            return self.scheduler.reject(self.scheduler.make_req(request), full, 503)
         self.scheduler.add(request)
 
     def abort(self, rid: str, reason: str) -> None:
@@ -79,6 +82,12 @@ class Role:
         """Requests outside the scheduler's queues that own rows or pages (for the invariant)."""
         return []
 
+    @property
+    def queued(self) -> int:
+        """Requests the role holds that have not started running (waiting for a peer, for
+        memory, for their KV); counted in num_queue_reqs and against the queue bound."""
+        return 0
+
 
 @dataclass
 class SchedulerConfig:
@@ -86,6 +95,7 @@ class SchedulerConfig:
     chunked_prefill_size: int
     max_prefill_tokens: int
     context_length: int
+    max_queued_requests: int | None = None  # None: no bound
 
 
 @dataclass
@@ -225,6 +235,21 @@ class Scheduler:
             tokens = req.output_ids[-1:]
         self._release(req)
         self._outputs.append(self._output(req, tokens, logprobs if error is None else None))
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting) + int(self.prefilling is not None) + self.role.queued
+
+    def queue_full(self) -> str | None:
+        """Why a new request cannot even wait here (503 + Retry-After), or None. Refusing at
+        once is the back-pressure: a request past the bound would only wait and time out."""
+        limit = self.cfg.max_queued_requests
+        if limit is None or self.queued < limit:
+            return None
+        return (
+            f"the server is at capacity: {len(self.running)} requests running and "
+            f"{self.queued} waiting (--max-queued-requests {limit}); retry later"
+        )
 
     @property
     def free_running_slots(self) -> int:
@@ -470,7 +495,7 @@ class Scheduler:
     def refresh_stats(self) -> None:
         s = self.stats
         s.running = len(self.running)
-        s.queued = len(self.waiting) + int(self.prefilling is not None)
+        s.queued = self.queued
         s.used_rows = len(self.pool.rows.used)
         s.peak_used_rows = max(s.peak_used_rows, max(self.pool.rows.used, default=0))
         s.used_pages = len(self.pool.pages.used)

@@ -114,6 +114,7 @@ class DecodeRole(Role):
         self.prefills: dict[str, dict] = {}  # bootstrap addr -> cluster info + rank
         self.registered: set[str] = set()  # prefill ranks we sent our buffers to
         self.quarantine: dict[int, Quarantined] = {}
+        self._next_keepalive = 0.0
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
@@ -142,6 +143,9 @@ class DecodeRole(Role):
         problem = self.scheduler.admission_problem(req)
         if problem is not None:
             return self.scheduler.reject(req, problem, 400)
+        full = self.scheduler.queue_full()
+        if full is not None:
+            return self.scheduler.reject(req, full, 503)
         port = request.bootstrap_port or self.args.disaggregation_bootstrap_port
         addr = f"{request.bootstrap_host}:{port}"
         t = Transfer(
@@ -150,7 +154,7 @@ class DecodeRole(Role):
         self.transfers[room] = t
         self.by_rid[req.rid] = room
         if addr in self.prefills:
-            t.state = advance(t.state, KVPoll.WaitingForInput)
+            self._wait_for_memory(t)
         else:
             self.directory.lookups.put(addr)
 
@@ -171,6 +175,7 @@ class DecodeRole(Role):
         self._preallocate()
         self._commit()
         now = time.monotonic()
+        self._keep_waiting_rooms(now)
         for t in list(self.transfers.values()):
             if t.state < KVPoll.Success and now > t.deadline:
                 self._fail(
@@ -200,7 +205,7 @@ class DecodeRole(Role):
                     if mismatch is not None:
                         self._fail(t, f"prefill/decode mismatch: {mismatch}", 502)
                     else:
-                        t.state = advance(t.state, KVPoll.WaitingForInput)
+                        self._wait_for_memory(t)
             elif kind == "unreachable":
                 for t in waiting:
                     self._fail(
@@ -209,6 +214,8 @@ class DecodeRole(Role):
             elif kind == "dead":
                 rank = (self.prefills.pop(addr, None) or {}).get("rank")
                 for t in waiting:
+                    if t.state == KVPoll.Success:
+                        continue  # its KV is all here: it decodes without prefill
                     self._fail(
                         t,
                         f"prefill at {addr} stopped answering its bootstrap /health",
@@ -218,6 +225,31 @@ class DecodeRole(Role):
                 for room, q in list(self.quarantine.items()):
                     if q.rank == rank:  # a dead prefill writes nothing more
                         self._free(self.quarantine.pop(room).holder)
+
+    def _wait_for_memory(self, t: Transfer) -> None:
+        """Waiting for a row and pages is queueing, not a transfer: no deadline runs (the
+        queue is bounded instead), and prefill is kept from timing the room out by
+        _keep_waiting_rooms. The waiting deadline starts when the destinations go out."""
+        t.state = advance(t.state, KVPoll.WaitingForInput)
+        t.deadline = float("inf")
+
+    def _keep_waiting_rooms(self, now: float) -> None:
+        """Tell each prefill rank which of its rooms still wait here for memory, every
+        heartbeat interval; prefill extends their bootstrap deadline (a dead decode stops
+        sending, and prefill's timeout then frees the room)."""
+        if now < self._next_keepalive:
+            return
+        self._next_keepalive = now + self.timeouts.heartbeat_interval
+        by_rank: dict[str, list[int]] = {}
+        for t in self.transfers.values():
+            if t.state == KVPoll.WaitingForInput and t.bootstrap in self.prefills:
+                by_rank.setdefault(self.prefills[t.bootstrap]["rank"], []).append(t.room)
+        for rank, rooms in by_rank.items():
+            self.endpoint.send(rank, "waiting", rooms=rooms)
+
+    @property
+    def queued(self) -> int:
+        return len(self.transfers)
 
     def _handshake_problem(self, info: dict) -> str | None:
         if info.get("model") != model_fingerprint(self.scheduler.pool.config):

@@ -3,6 +3,7 @@
 decode -> prefill   register  {session, decode_addr, page_addrs, row_addrs, layout}
 decode -> prefill   dest      {room, session, decode_addr, pages, row, prompt_len}
 decode -> prefill   abort     {room, decode_addr}
+decode -> prefill   waiting   {rooms}    rooms still queued for decode memory (a keepalive)
 prefill -> decode   status    {room, status, message}     status: KVPoll.Success / Failed
 prefill -> decode   abort_ack {room}
 

@@ -208,6 +208,19 @@ class PrefillRole(Role):
             msg["session"], msg["page_addrs"], msg["row_addrs"], error
         )
 
+    @property
+    def queued(self) -> int:
+        return sum(room.state == KVPoll.Bootstrapping for room in self.rooms.values())
+
+    def _on_waiting(self, msg: dict) -> None:
+        """Decode still queues these rooms for memory: their wait for destinations is decode's
+        back-pressure, not a lost decode, so their bootstrap deadline moves on."""
+        deadline = time.monotonic() + self.timeouts.bootstrap
+        for room_id in msg.get("rooms", ()):
+            room = self.rooms.get(room_id)
+            if room is not None and room.state == KVPoll.Bootstrapping:
+                room.deadline = deadline
+
     def _on_dest(self, msg: dict) -> None:
         room_id = msg["room"]
         room = self.rooms.get(room_id)
