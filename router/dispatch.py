@@ -28,7 +28,7 @@ from typing import Any
 
 from router.bootstrap import inject_bootstrap
 from router.config import RouterConfig
-from router.errors import ClientError, error_body
+from router.errors import RETRY_AFTER, ClientError, error_body
 from router.metrics import RouterMetrics
 from router.policies import create_policy, prompt_text
 from router.upstream import Aborted, Response, UpstreamError, WorkerStatus
@@ -61,7 +61,10 @@ class ClientSink:
 
     async def error(self, status: int, message: str) -> None:
         body = error_body(status, message)
-        await self.respond(status, [(b"content-type", b"application/json")], body)
+        headers = [(b"content-type", b"application/json")]
+        if status in (429, 503):
+            headers.append(RETRY_AFTER)
+        await self.respond(status, headers, body)
 
     async def open_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self._start(status, [*headers, *self.extra_headers])
@@ -110,7 +113,7 @@ class Dispatcher:
         if self.pd or self.needs_text:
             try:
                 body = json.loads(raw)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 if self.pd:  # the body must be read to add the bootstrap fields
                     raise ClientError(400, f"malformed JSON body: {e}") from None
             if self.pd and not isinstance(body, dict):
@@ -208,8 +211,10 @@ class Dispatcher:
 
 
 def _prefill_ended(decode: Response, prefill: Response) -> None:
-    """Prefill's request is over; if it failed, decode's cannot succeed: end it with the cause."""
-    if decode.done or isinstance(prefill.error, Aborted):
+    """Prefill's request is over; if it failed, decode's cannot succeed: end it with the cause.
+    Unless decode has begun to answer: a worker holds its response head until the first token,
+    so by then the KV has all arrived and decode finishes without prefill."""
+    if decode.done or decode.status != 0 or isinstance(prefill.error, Aborted):
         return
     if prefill.error is not None:
         decode.fail(prefill.error)

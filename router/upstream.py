@@ -289,7 +289,12 @@ class Pool:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set on first use
         self._idle: list[_Conn] = []
         name = f"[{host}]" if ":" in host else host  # an IPv6 literal needs its brackets
-        self._head = b"HTTP/1.1\r\nhost: %s:%d\r\n" % (name.encode(), port)
+        self._host_line = b"HTTP/1.1\r\nhost: %s:%d\r\n" % (name.encode(), port)
+        self._head = self._host_line
+
+    def set_auth(self, header: bytes) -> None:
+        """A complete "authorization: ...\r\n" line to send with every request from now on."""
+        self._head = self._host_line + header
 
     def request(
         self, method: bytes, path: bytes, body: bytes, headers: bytes, timeout: float

@@ -4,7 +4,7 @@ Health is a small state machine per worker, fed by the health checker's probes a
 requests themselves:
 
     not yet seen --first good probe--> healthy --failure_threshold bad probes in a row--> down
-                                       healthy --a request cannot connect-------------> down
+                                       healthy --a request cannot connect or is cut---> down
                                        down --success_threshold good probes in a row--> healthy
 
 Only healthy workers are offered to the policies. The registry keeps the healthy list of each
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.config import RouterConfig, check_url
-from router.upstream import Aborted, ConnectError, Pool, Response
+from router.upstream import Aborted, ConnectError, Disconnected, Pool, Response
 
 logger = logging.getLogger("router")
 
@@ -65,7 +65,7 @@ class Worker:
                 self._set(False, error)
 
     def mark_down(self, error: str) -> None:
-        """A request could not connect: out of rotation now, not after the next probes."""
+        """A request could not connect or was cut: out of rotation now, not after probes."""
         self.good_probes = 0
         self.last_error = error
         if self.healthy:
@@ -86,7 +86,11 @@ class Worker:
             self.failures += resp.status >= 500
         elif getattr(error, "origin", None) == self.url:  # not the other side's, passed on
             self.failures += not isinstance(error, Aborted)
-            if isinstance(error, ConnectError):
+            cut = isinstance(error, Disconnected) and resp.status != 0
+            if isinstance(error, ConnectError) or cut:
+                # refused, or cut after its answer began (a killed worker): out of rotation
+                # now, and probed at once. A close before any answer is not enough: a stale
+                # keep-alive connection ends that way too.
                 self.mark_down(str(error))
 
     def _set(self, healthy: bool, error: str) -> None:
@@ -115,6 +119,8 @@ class WorkerRegistry:
         workers = [Worker(url, "prefill", port) for url, port in config.prefill]
         workers += [Worker(url, "decode") for url in config.decode]
         workers += [Worker(url, "regular") for url in config.worker_urls]
+        for w in workers:
+            w.pool.set_auth(config.auth_header)
         return cls(workers)
 
     def unavailable(self, role: str) -> str:
