@@ -56,9 +56,10 @@ class Quarantined:
 class PrefillDirectory(threading.Thread):
     """Looks prefill ranks up on their bootstrap servers and heartbeats those in use."""
 
-    def __init__(self, timeouts: Timeouts) -> None:
+    def __init__(self, timeouts: Timeouts, api_key: str | None) -> None:
         super().__init__(daemon=True, name="prefill-directory")
         self.timeouts = timeouts
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.lookups: queue.Queue[str] = queue.Queue()
         self.events: queue.Queue[tuple[str, str, object]] = queue.Queue()
         self.watched: set[str] = set()
@@ -78,7 +79,9 @@ class PrefillDirectory(threading.Thread):
                     self._heartbeat(addr)
 
     def _get(self, url: str) -> dict:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=self.headers), timeout=2
+        ) as r:
             return json.loads(r.read() or b"{}")
 
     def _lookup(self, addr: str) -> tuple[str, str, object]:
@@ -119,9 +122,12 @@ class DecodeRole(Role):
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
         self.endpoint = KVEndpoint(
-            scheduler.pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
+            scheduler.pool,
+            advertise_host(self.args.host),
+            self.args.disaggregation_ib_device,
+            self.args.host,
         )
-        self.directory = PrefillDirectory(self.timeouts)
+        self.directory = PrefillDirectory(self.timeouts, self.args.api_key)
         self.directory.start()
 
     # ---- intake ----

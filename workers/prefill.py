@@ -104,7 +104,9 @@ class PrefillRole(Role):
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
         host = advertise_host(self.args.host)
-        self.endpoint = KVEndpoint(scheduler.pool, host, self.args.disaggregation_ib_device)
+        self.endpoint = KVEndpoint(
+            scheduler.pool, host, self.args.disaggregation_ib_device, self.args.host
+        )
         self.sender = Sender(self.endpoint)
         self.sender.start()
         self._register_with_bootstrap(host)
@@ -134,9 +136,10 @@ class PrefillRole(Role):
         body = json.dumps(info).encode()
         for attempt in range(50):
             try:
-                req = urllib.request.Request(
-                    url, data=body, method="PUT", headers={"content-type": "application/json"}
-                )
+                headers = {"content-type": "application/json"}
+                if self.args.api_key:
+                    headers["authorization"] = f"Bearer {self.args.api_key}"
+                req = urllib.request.Request(url, data=body, method="PUT", headers=headers)
                 urllib.request.urlopen(req, timeout=5).read()
                 return
             except OSError as exc:
