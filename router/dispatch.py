@@ -13,7 +13,8 @@ Plain mode: one worker, the body passed on as received (a malformed one gets the
 
 Retries: an attempt that fails before any byte reached the client, with a retryable error (a
 connect error, a disconnect, a 5xx from either side), is repeated on a freshly picked pair
-with a fresh bootstrap_room, at most --retry-max-retries times. The client's response head is
+with a fresh bootstrap_room, at most --retry-max-retries times; not when a worker refused for
+load and no other worker of its role could take the retry. The client's response head is
 held back until decode's first body bytes, so a prefill failure up to then is still
 retryable. Once the client has bytes, a failure becomes an SSE error event, then [DONE].
 """
@@ -132,7 +133,19 @@ class Dispatcher:
                 return
             except _Retry as r:
                 error = r.error
-        raise ClientError(error.status, f"{self._describe(error)} (after {self.attempts} attempts)")
+                if self._overloaded_alone(error):
+                    break
+        tries = f"after {attempt + 1} attempt{'s' if attempt else ''}"
+        raise ClientError(error.status, f"{self._describe(error)} ({tries})")
+
+    def _overloaded_alone(self, error: UpstreamError) -> bool:
+        """A worker refused for load (503 with Retry-After) and is the only one of its role:
+        another attempt would land on it again and only add to its load, so the client gets
+        the refusal now."""
+        if not isinstance(error, WorkerStatus) or not error.retry_after:
+            return False
+        worker = self.registry.by_url.get(error.origin)
+        return worker is not None and len(self.registry.healthy[worker.role]) <= 1
 
     def _pick(self, role: str, text: str | None) -> Worker:
         workers = self.registry.healthy[role]
@@ -183,7 +196,8 @@ class Dispatcher:
             if not stream or resp.status >= 300:
                 body = await resp.read()
                 if resp.status >= 300:
-                    raise WorkerStatus(resp.pool.origin, resp.status, body, _ctype(resp))
+                    later = resp.header(b"retry-after") is not None
+                    raise WorkerStatus(resp.pool.origin, resp.status, body, _ctype(resp), later)
                 await client.respond(resp.status, _relayed(resp), body)
                 return True
             first = await resp.next_chunk()  # holds the head back: see the module docstring

@@ -72,12 +72,15 @@ class WorkerStatus(UpstreamError):
     """A complete non-2xx answer. 4xx are the client's to read (passed through as they are);
     5xx may be retried."""
 
-    def __init__(self, origin: str, status: int, body: bytes, content_type: bytes) -> None:
+    def __init__(
+        self, origin: str, status: int, body: bytes, content_type: bytes, retry_after: bool = False
+    ) -> None:
         super().__init__(origin, f"answered {status}: {error_message(body)}")
         self.status = status
         self.retryable = status >= 500
         self.body = body
         self.content_type = content_type
+        self.retry_after = retry_after  # the worker said when to come back: refused for load
 
 
 class Response:

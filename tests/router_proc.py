@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from tests.server_proc import free_port
 
 
 class RouterProc:
-    def __init__(self, *flags: str, log_dir: Path) -> None:
+    def __init__(self, *flags: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"router-{self.port}.log"
@@ -22,7 +23,11 @@ class RouterProc:
                "--port", str(self.port), *flags]  # fmt: skip
         self.log = open(self.log_path, "w")
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        key = (env or {}).get("SGLANG_API_KEY")
+        self.headers = {"authorization": f"Bearer {key}"} if key else {}
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self.serving_after = self._wait("/liveness", 10.0)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -30,7 +35,8 @@ class RouterProc:
         self._wait("/readiness", timeout)
 
     def state(self) -> dict:
-        return httpx.get(self.url + "/server_info", timeout=5).json()["router"]
+        info = httpx.get(self.url + "/server_info", headers=self.headers, timeout=5)
+        return info.json()["router"]
 
     def stop(self) -> int:
         if self.proc.poll() is None:
