@@ -73,7 +73,11 @@ class Server:
         raise TimeoutError(f"server not healthy:\n{self.log_path.read_text()}")
 
     def children(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return self.children_of(self.proc.pid)
+
+    @staticmethod
+    def children_of(pid: int) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
     def stats(self) -> dict:
