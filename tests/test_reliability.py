@@ -284,6 +284,9 @@ def test_a_20mb_request_does_not_stall_the_worker(stack):
     assert '"finish_reason":"length"' in normal["text"].replace(" ", ""), normal
     assert gaps and max(gaps) < 3.0, max(gaps)  # before: /health silent for 30-50 s
     rss_after = _rss_kib(worker.proc.pid)
+    print(f"big requests: refused in {[round(t, 2) for _, t, _ in refused]} s; /health + "
+          f"bootstrap probes: {len(gaps)}, slowest {max(gaps):.2f} s; front RSS "
+          f"{rss_before / 1024:.0f} -> {rss_after / 1024:.0f} MiB")  # fmt: skip
     assert rss_after - rss_before < 300 * 1024, (rss_before, rss_after)  # before: +2.6 GB
     for port in (worker.port, stack.router.port):  # over --max-payload-size: 413 unread
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
