@@ -153,6 +153,23 @@ def test_a_refusal_before_the_first_token_is_retried_on_another_decode(stack):
     stack.d0.idle_pool(30)
 
 
+def test_waiting_for_a_decode_row_is_not_a_handoff_timeout(stack):
+    """10 streams on D0's 8 rows (2 running): the last ones wait for a row far longer than the
+    bootstrap timeout (4 s here). That wait is queueing: decode runs no deadline on it and keeps
+    prefill from timing the rooms out, so every stream completes."""
+    bootstrap_timeout = float(FAST_TIMEOUTS["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"])
+    streams = Streams(stack.router.url, 10, 120)
+    t0 = time.monotonic()
+    streams.wait_started(10, timeout=300)
+    slowest_start = time.monotonic() - t0
+    results = streams.join(300)
+    print(f"row wait: the last stream started after {slowest_start:.1f} s")
+    assert slowest_start > bootstrap_timeout + 1, slowest_start  # the wait did happen
+    assert len(results) == 10 and all(s == 200 and completed(t) for s, t in results), results
+    stack.prefill.idle_pool(30)
+    stack.d0.idle_pool(30)
+
+
 def test_kill_decode_mid_stream_marks_it_down_then_it_rejoins(stack, monkeypatch):
     streams = Streams(stack.router.url, 4, 400)
     streams.wait_started(2)  # 2 run, 2 wait on D0 for a running slot

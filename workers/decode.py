@@ -236,8 +236,9 @@ class DecodeRole(Role):
         """Waiting for a row and pages is queueing, not a transfer: no deadline runs (the
         queue is bounded instead), and prefill is kept from timing the room out by
         _keep_waiting_rooms. The waiting deadline starts when the destinations go out."""
-        t.state = advance(t.state, KVPoll.WaitingForInput)
-        t.deadline = float("inf")
+        if t.state < KVPoll.WaitingForInput:  # a second lookup answer must not touch later ones
+            t.state = advance(t.state, KVPoll.WaitingForInput)
+            t.deadline = float("inf")
 
     def _keep_waiting_rooms(self, now: float) -> None:
         """Tell each prefill rank which of its rooms still wait here for memory, every
