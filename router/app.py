@@ -31,8 +31,9 @@ from typing import Any
 from router.admission import Admission
 from router.config import RouterConfig
 from router.dispatch import ClientSink, Dispatcher
-from router.errors import ClientError, error_body, error_message
+from router.errors import RETRY_AFTER, ClientError, error_body, error_message
 from router.health import HealthChecker
+from router.limits import MAX_JSON_DEPTH, OPEN_PATHS, authorized, is_json, json_too_deep
 from router.metrics import RouterMetrics
 from router.upstream import UpstreamError
 from router.workers import Worker, WorkerRegistry
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 MODEL_PREFIX = "/v1/models/"  # GET /v1/models/{id}: a healthy worker's answer (404 if unknown)
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate")
 WATCH_AFTER_S = 0.05  # a request over sooner never needs a disconnect watcher
+BODY_TOTAL_FACTOR = 6  # the whole body must arrive within this many read timeouts
+_BEARER = [(b"www-authenticate", b"Bearer")]
 _FORWARDED = (b"authorization", b"x-request-id", b"traceparent", b"tracestate")
 _JSON = [(b"content-type", b"application/json")]
 
@@ -59,6 +62,9 @@ class RouterApp:
         self.dispatcher = Dispatcher(config, self.registry, self.metrics)
         self.health = HealthChecker(config, self.registry)
         self.roles = ("prefill", "decode") if config.pd_disaggregation else ("regular",)
+        self._key = f"Bearer {config.api_key}".encode() if config.api_key else None
+        # with a key of its own the router authenticates to the workers itself (upstream.Pool)
+        self._forwarded = _FORWARDED[1:] if config.api_key else _FORWARDED
         self._get: dict[str, Callable[[], Awaitable[Reply]]] = {
             "/health": self._alive,
             "/liveness": self._alive,
@@ -75,6 +81,11 @@ class RouterApp:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             path, method = scope["path"], scope["method"]
+            if self._key is not None and path not in OPEN_PATHS:
+                auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+                if not authorized(auth, self._key):
+                    message = "invalid or missing API key (Bearer token)"
+                    return await _reply(send, _error(401, message, _BEARER))
             if path in GENERATION_ROUTES:
                 if method == "POST":
                     await self._generate(scope, receive, send, path)
@@ -99,22 +110,30 @@ class RouterApp:
         forwarded = b"content-type: application/json\r\n"
         echo = []
         declared = 0
+        ctype = None
         for name, value in scope["headers"]:
-            if name in _FORWARDED:
+            if name in self._forwarded:
                 forwarded += b"%s: %s\r\n" % (name, value)
                 if name == b"x-request-id":
                     echo.append((name, value))
             elif name == b"content-length":
                 declared = int(value) if value.isdigit() else 0
+            elif name == b"content-type":
+                ctype = value
         client = ClientSink(send, echo)
         task = asyncio.current_task()
         watch: list[Any] = []  # the timer, then the watcher task
         admitted = False
         try:
+            if not is_json(ctype):
+                what = ctype.decode("latin-1")  # type: ignore[union-attr]
+                raise ClientError(415, f"content type {what!r}: send application/json")
             raw = await self._read_body(receive, declared)
             if raw is None:  # the client left while sending
                 client.gone = True
                 return
+            if json_too_deep(raw):
+                raise ClientError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
             loop = asyncio.get_running_loop()
             watch.append(loop.call_later(WATCH_AFTER_S, _watch, receive, task, client, watch))
             await self.admission.acquire()
@@ -145,25 +164,47 @@ class RouterApp:
             self.metrics.observe(route, status, time.perf_counter() - t0, ttfb)
 
     async def _read_body(self, receive: Any, declared: int) -> bytes | None:
+        """The body, None if the client left; 413 past --max-payload-size, 408 when no bytes
+        came for --body-read-timeout-secs (or the whole took BODY_TOTAL_FACTOR times that).
+        The deadline is a timer that cancels this task, not a wait_for per read: most bodies
+        arrive in one message and the timer costs next to nothing."""
         limit = self.config.max_payload_size
         if declared > limit:
             raise ClientError(413, f"request body of {declared} bytes is over {limit}")
-        message = await receive()
-        body = message.get("body", b"")
-        if len(body) > limit:
-            raise ClientError(413, f"request body is over {limit} bytes")
-        if not message.get("more_body"):
-            return body if message["type"] == "http.request" else None
-        parts, size = [body], len(body)
-        while message.get("more_body"):
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            parts.append(message.get("body", b""))
-            size += len(parts[-1])
-            if size > limit:
-                raise ClientError(413, f"request body is over {limit} bytes")
-        return b"".join(parts)
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        timeout = self.config.body_read_timeout_secs
+        end = loop.time() + timeout * BODY_TOTAL_FACTOR
+        late: list[bool] = []
+
+        def expire() -> None:
+            late.append(True)
+            task.cancel()  # type: ignore[union-attr]
+
+        timer = loop.call_later(timeout, expire)
+        parts: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > limit:
+                    raise ClientError(413, f"request body is over {limit} bytes")
+                if not message.get("more_body"):
+                    return b"".join(parts)
+                timer.cancel()
+                timer = loop.call_later(max(0.0, min(timeout, end - loop.time())), expire)
+        except asyncio.CancelledError:
+            if not late:
+                raise
+            task.uncancel()  # type: ignore[union-attr]
+            message = f"request body not received in time ({size} bytes came)"
+            raise ClientError(408, message) from None
+        finally:
+            timer.cancel()
 
     # ---- everything else ----
     async def _alive(self) -> Reply:
@@ -288,8 +329,11 @@ async def _cancel_on_disconnect(receive: Any, task: asyncio.Task[Any], client: C
         task.cancel()
 
 
-def _error(status: int, message: str) -> Reply:
-    return status, _JSON, error_body(status, message)
+def _error(status: int, message: str, extra: list[tuple[bytes, bytes]] | None = None) -> Reply:
+    headers = [*_JSON, *(extra or ())]
+    if status in (429, 503):
+        headers.append(RETRY_AFTER)
+    return status, headers, error_body(status, message)
 
 
 async def _reply(send: Any, reply: Reply) -> None:

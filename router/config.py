@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+API_KEY_ENV = "SGLANG_API_KEY"  # as the workers read it
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
 
 
@@ -67,7 +69,17 @@ class RouterConfig:
     model_path: str | None = field(
         default=None, metadata={"help": "the model id /v1/models names while no worker is up"}
     )
-    max_payload_size: int = field(default=512 << 20, metadata={"help": "bytes (413 above)"})
+    max_payload_size: int = field(default=32 << 20, metadata={"help": "bytes (413 above)"})
+    body_read_timeout_secs: float = field(
+        default=10.0, metadata={"help": "a request body that stalls this long gets 408"}
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "clients must send Authorization: Bearer KEY, and the router sends it to the "
+            "workers (default: $SGLANG_API_KEY)"
+        },
+    )
     log_level: str = field(default="info", metadata={"choices": ["debug", "info", "warn", "error"]})
     prometheus_host: str = "127.0.0.1"
     prometheus_port: int | None = field(
@@ -93,6 +105,11 @@ class RouterConfig:
     queue_timeout_secs: float = field(default=60.0, metadata={"help": "waited longer: 408"})
 
     # ---- derived ----
+    @property
+    def auth_header(self) -> bytes:
+        """The header line the router sends to workers ("" without a key)."""
+        return b"authorization: Bearer %s\r\n" % self.api_key.encode() if self.api_key else b""
+
     @property
     def max_retries(self) -> int:
         return 0 if self.disable_retries else self.retry_max_retries
@@ -126,9 +143,12 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{_dash(name)}: must be >= 1")
         for name in ("request_timeout_secs", "health_check_interval_secs",
-                     "health_check_timeout_secs", "queue_timeout_secs"):  # fmt: skip
+                     "health_check_timeout_secs", "queue_timeout_secs",
+                     "body_read_timeout_secs"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_dash(name)}: must be > 0")
+        if self.max_payload_size < 1:
+            raise ConfigError("--max-payload-size: must be >= 1")
         if self.retry_max_retries < 0 or self.queue_size < 0:
             raise ConfigError("--retry-max-retries/--queue-size: must be >= 0")
         if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
@@ -166,6 +186,7 @@ class RouterConfig:
             ns["prefill"] = tuple(_prefill_entry(e) for e in ns["prefill"] or ())
             ns["decode"] = tuple(ns["decode"] or ())
             ns["worker_urls"] = tuple(ns["worker_urls"] or ())
+            ns["api_key"] = ns["api_key"] or os.environ.get(API_KEY_ENV) or None
             config = cls(**ns)
             config.validate()
         except ConfigError as e:

@@ -13,7 +13,8 @@ Plain mode: one worker, the body passed on as received (a malformed one gets the
 
 Retries: an attempt that fails before any byte reached the client, with a retryable error (a
 connect error, a disconnect, a 5xx from either side), is repeated on a freshly picked pair
-with a fresh bootstrap_room, at most --retry-max-retries times. The client's response head is
+with a fresh bootstrap_room, at most --retry-max-retries times; not when a worker refused for
+load and no other worker of its role could take the retry. The client's response head is
 held back until decode's first body bytes, so a prefill failure up to then is still
 retryable. Once the client has bytes, a failure becomes an SSE error event, then [DONE].
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from router.bootstrap import inject_bootstrap
 from router.config import RouterConfig
-from router.errors import ClientError, error_body
+from router.errors import RETRY_AFTER, ClientError, error_body
 from router.metrics import RouterMetrics
 from router.policies import create_policy, prompt_text
 from router.upstream import Aborted, Response, UpstreamError, WorkerStatus
@@ -61,7 +62,10 @@ class ClientSink:
 
     async def error(self, status: int, message: str) -> None:
         body = error_body(status, message)
-        await self.respond(status, [(b"content-type", b"application/json")], body)
+        headers = [(b"content-type", b"application/json")]
+        if status in (429, 503):
+            headers.append(RETRY_AFTER)
+        await self.respond(status, headers, body)
 
     async def open_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self._start(status, [*headers, *self.extra_headers])
@@ -110,7 +114,7 @@ class Dispatcher:
         if self.pd or self.needs_text:
             try:
                 body = json.loads(raw)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 if self.pd:  # the body must be read to add the bootstrap fields
                     raise ClientError(400, f"malformed JSON body: {e}") from None
             if self.pd and not isinstance(body, dict):
@@ -129,7 +133,19 @@ class Dispatcher:
                 return
             except _Retry as r:
                 error = r.error
-        raise ClientError(error.status, f"{self._describe(error)} (after {self.attempts} attempts)")
+                if self._overloaded_alone(error):
+                    break
+        tries = f"after {attempt + 1} attempt{'s' if attempt else ''}"
+        raise ClientError(error.status, f"{self._describe(error)} ({tries})")
+
+    def _overloaded_alone(self, error: UpstreamError) -> bool:
+        """A worker refused for load (503 with Retry-After) and is the only one of its role:
+        another attempt would land on it again and only add to its load, so the client gets
+        the refusal now."""
+        if not isinstance(error, WorkerStatus) or not error.retry_after:
+            return False
+        worker = self.registry.by_url.get(error.origin)
+        return worker is not None and len(self.registry.healthy[worker.role]) <= 1
 
     def _pick(self, role: str, text: str | None) -> Worker:
         workers = self.registry.healthy[role]
@@ -180,7 +196,8 @@ class Dispatcher:
             if not stream or resp.status >= 300:
                 body = await resp.read()
                 if resp.status >= 300:
-                    raise WorkerStatus(resp.pool.origin, resp.status, body, _ctype(resp))
+                    later = resp.header(b"retry-after") is not None
+                    raise WorkerStatus(resp.pool.origin, resp.status, body, _ctype(resp), later)
                 await client.respond(resp.status, _relayed(resp), body)
                 return True
             first = await resp.next_chunk()  # holds the head back: see the module docstring
@@ -208,8 +225,10 @@ class Dispatcher:
 
 
 def _prefill_ended(decode: Response, prefill: Response) -> None:
-    """Prefill's request is over; if it failed, decode's cannot succeed: end it with the cause."""
-    if decode.done or isinstance(prefill.error, Aborted):
+    """Prefill's request is over; if it failed, decode's cannot succeed: end it with the cause.
+    Unless decode has begun to answer: a worker holds its response head until the first token,
+    so by then the KV has all arrived and decode finishes without prefill."""
+    if decode.done or decode.status != 0 or isinstance(prefill.error, Aborted):
         return
     if prefill.error is not None:
         decode.fail(prefill.error)

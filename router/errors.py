@@ -8,14 +8,20 @@ _TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    401: "AuthenticationError",
     408: "RequestTimeoutError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     429: "RateLimitError",
     500: "InternalServerError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }
+
+
+RETRY_AFTER = (b"retry-after", b"1")  # sent with 429 and 503: the client may try again soon
 
 
 class ClientError(Exception):

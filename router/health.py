@@ -4,7 +4,8 @@ A healthy worker is probed every --health-check-interval-secs. A worker that is 
 (not up yet, or taken out) is probed every min(interval, RECOVERY_PROBE_S), so a router started
 before its workers admits them as soon as they answer, and a restarted worker rejoins after
 --health-success-threshold quick probes rather than after minutes. A worker taken out by a
-failed request (Worker.mark_down) is probed at once.
+failed request (Worker.mark_down) is probed at once, and so is one whose connection closed
+before it answered (Worker.on_suspect). A probe that cannot connect takes a worker out at once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import contextlib
 
 from router.config import RouterConfig
-from router.upstream import UpstreamError
+from router.upstream import ConnectError, UpstreamError
 from router.workers import Worker, WorkerRegistry
 
 RECOVERY_PROBE_S = 1.0
@@ -29,6 +30,7 @@ class HealthChecker:
     def start(self) -> None:
         self.registry.listeners.append(self._on_change)
         for w in self.registry.workers:
+            w.on_suspect = lambda w: self._wake[w].set()
             self._tasks.append(asyncio.create_task(self._loop(w), name=f"health {w.url}"))
 
     async def stop(self) -> None:
@@ -49,6 +51,8 @@ class HealthChecker:
             ok, error = 200 <= status < 300, f"health check answered {status}"
         except UpstreamError as e:
             ok, error = False, str(e).removeprefix(worker.url + ": ")
+            if isinstance(e, ConnectError):  # nothing listens there: no threshold to wait for
+                worker.mark_down(error)
         worker.probe_result(ok, error, c.health_failure_threshold, c.health_success_threshold)
 
     async def _loop(self, worker: Worker) -> None:

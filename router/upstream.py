@@ -72,12 +72,15 @@ class WorkerStatus(UpstreamError):
     """A complete non-2xx answer. 4xx are the client's to read (passed through as they are);
     5xx may be retried."""
 
-    def __init__(self, origin: str, status: int, body: bytes, content_type: bytes) -> None:
+    def __init__(
+        self, origin: str, status: int, body: bytes, content_type: bytes, retry_after: bool = False
+    ) -> None:
         super().__init__(origin, f"answered {status}: {error_message(body)}")
         self.status = status
         self.retryable = status >= 500
         self.body = body
         self.content_type = content_type
+        self.retry_after = retry_after  # the worker said when to come back: refused for load
 
 
 class Response:
@@ -289,7 +292,12 @@ class Pool:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set on first use
         self._idle: list[_Conn] = []
         name = f"[{host}]" if ":" in host else host  # an IPv6 literal needs its brackets
-        self._head = b"HTTP/1.1\r\nhost: %s:%d\r\n" % (name.encode(), port)
+        self._host_line = b"HTTP/1.1\r\nhost: %s:%d\r\n" % (name.encode(), port)
+        self._head = self._host_line
+
+    def set_auth(self, header: bytes) -> None:
+        """A complete "authorization: ...\r\n" line to send with every request from now on."""
+        self._head = self._host_line + header
 
     def request(
         self, method: bytes, path: bytes, body: bytes, headers: bytes, timeout: float

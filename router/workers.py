@@ -4,7 +4,8 @@ Health is a small state machine per worker, fed by the health checker's probes a
 requests themselves:
 
     not yet seen --first good probe--> healthy --failure_threshold bad probes in a row--> down
-                                       healthy --a request cannot connect-------------> down
+                                       healthy --a request or probe is refused--------> down
+                                       healthy --a request is cut mid-answer----------> down
                                        down --success_threshold good probes in a row--> healthy
 
 Only healthy workers are offered to the policies. The registry keeps the healthy list of each
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.config import RouterConfig, check_url
-from router.upstream import Aborted, ConnectError, Pool, Response
+from router.upstream import Aborted, ConnectError, Disconnected, Pool, Response
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,15 @@ class Worker:
     requests: int = 0  # requests sent, in all
     failures: int = 0  # requests that ended in a connect error, a disconnect or a 5xx
     on_change: Callable[[Worker], None] = field(default=lambda w: None, repr=False)
+    on_suspect: Callable[[Worker], None] = field(default=lambda w: None, repr=False)
 
     def __post_init__(self) -> None:
         self.host, self.port = check_url(self.url)
         self.pool = Pool(self.host, self.port, self.url)
 
     def probe_result(self, ok: bool, error: str, failure_threshold: int, success_threshold: int):
-        """Feed one health probe's outcome into the state machine."""
+        """Feed one health probe's outcome into the state machine. (A probe refused outright
+        takes the worker out at once: health.py calls mark_down for it.)"""
         if ok:
             self.last_error = ""
             self.bad_probes = 0
@@ -65,7 +68,7 @@ class Worker:
                 self._set(False, error)
 
     def mark_down(self, error: str) -> None:
-        """A request could not connect: out of rotation now, not after the next probes."""
+        """A request could not connect or was cut: out of rotation now, not after probes."""
         self.good_probes = 0
         self.last_error = error
         if self.healthy:
@@ -86,8 +89,16 @@ class Worker:
             self.failures += resp.status >= 500
         elif getattr(error, "origin", None) == self.url:  # not the other side's, passed on
             self.failures += not isinstance(error, Aborted)
-            if isinstance(error, ConnectError):
+            if isinstance(error, ConnectError) or (
+                isinstance(error, Disconnected) and resp.status != 0
+            ):
+                # refused, or cut after its answer began (a killed worker): out of rotation
+                # now, and probed at once
                 self.mark_down(str(error))
+            elif isinstance(error, Disconnected):
+                # closed before any answer: a killed worker, or only a stale keep-alive
+                # connection; a probe at once tells (refused: down)
+                self.on_suspect(self)
 
     def _set(self, healthy: bool, error: str) -> None:
         self.healthy = healthy
@@ -115,6 +126,8 @@ class WorkerRegistry:
         workers = [Worker(url, "prefill", port) for url, port in config.prefill]
         workers += [Worker(url, "decode") for url in config.decode]
         workers += [Worker(url, "regular") for url in config.worker_urls]
+        for w in workers:
+            w.pool.set_auth(config.auth_header)
         return cls(workers)
 
     def unavailable(self, role: str) -> str:

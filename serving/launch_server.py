@@ -64,7 +64,7 @@ def pick_role(args: ServerArgs):
         from workers.prefill import PrefillRole
 
         try:
-            bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+            bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, args.api_key)
         except OSError as exc:
             raise ArgsError(
                 f"--disaggregation-bootstrap-port {args.disaggregation_bootstrap_port}: {exc}"

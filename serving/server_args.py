@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from serving.config import ModelConfig
+
+
+API_KEY_ENV = "SGLANG_API_KEY"
 
 
 class ArgsError(ValueError):
@@ -34,6 +38,23 @@ class ServerArgs:
     )
     host: str = "127.0.0.1"
     port: int = 30000
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": "clients must send Authorization: Bearer KEY (default: $SGLANG_API_KEY)"},
+    )
+    max_payload_size: int = field(
+        default=32 << 20, metadata={"help": "largest request body in bytes (413 above)"}
+    )
+    body_read_timeout_secs: float = field(
+        default=10.0, metadata={"help": "a request body that stalls this long gets 408"}
+    )
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata={
+            "help": "requests waiting to start, beyond which new ones get 503 + Retry-After "
+            "(default: 4 x the request rows)"
+        },
+    )
     dtype: str = field(default="auto", metadata={"choices": ["auto", "bfloat16", "float32"]})
     device: str = field(default="auto", metadata={"choices": ["auto", "cuda", "cpu"]})
     kv_cache_dtype: str = field(
@@ -126,6 +147,13 @@ class ServerArgs:
         return self.served_model_name or self.model_path
 
     @property
+    def queue_limit(self) -> int:
+        """Requests that may wait to start (decode: for a request row) before 503s."""
+        if self.max_queued_requests is not None:
+            return self.max_queued_requests
+        return 4 * (self.running_limit + self.decode_extra_slots)
+
+    @property
     def running_limit(self) -> int:
         return self.max_running_requests or 32
 
@@ -215,6 +243,10 @@ class ServerArgs:
             raise ArgsError("--max-running-requests: must be >= 1")
         if self.page_size < 1 or self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ArgsError("--page-size/--chunked-prefill-size/--max-prefill-tokens: must be >= 1")
+        if self.max_payload_size < 1 or self.body_read_timeout_secs <= 0:
+            raise ArgsError("--max-payload-size/--body-read-timeout-secs: must be > 0")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ArgsError("--max-queued-requests: must be >= 0")
         if self.speculative_algorithm is not None:
             self._validate_speculative()
         if self.disaggregation_mode != "null":
@@ -279,7 +311,16 @@ class ServerArgs:
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
-        return cls(**vars(cls.parser().parse_args(argv)))
+        ns = vars(cls.parser().parse_args(argv))
+        # The key is better kept out of argv (other users of the host can read it with ps).
+        ns["api_key"] = ns["api_key"] or os.environ.get(API_KEY_ENV) or None
+        return cls(**ns)
+
+    def public(self) -> dict[str, Any]:
+        """The arguments as /server_info shows them: the API key never leaves the process."""
+        out = dataclasses.asdict(self)
+        out["api_key"] = "<set>" if self.api_key else None
+        return out
 
 
 def _dash(name: str) -> str:

@@ -15,14 +15,18 @@ from tests.server_proc import free_port
 
 
 class RouterProc:
-    def __init__(self, *flags: str, log_dir: Path) -> None:
+    def __init__(self, *flags: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"router-{self.port}.log"
         cmd = [sys.executable, "-m", "router.launch_router", "--host", "127.0.0.1",
                "--port", str(self.port), *flags]  # fmt: skip
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        key = (env or {}).get("SGLANG_API_KEY")
+        self.headers = {"authorization": f"Bearer {key}"} if key else {}
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self._wait("/liveness", 60.0)
         self.cpu_to_serve = self._cpu_seconds()
 
@@ -31,7 +35,8 @@ class RouterProc:
         self._wait("/readiness", timeout)
 
     def state(self) -> dict:
-        return httpx.get(self.url + "/server_info", timeout=5).json()["router"]
+        info = httpx.get(self.url + "/server_info", headers=self.headers, timeout=5)
+        return info.json()["router"]
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -39,6 +39,8 @@ class Server:
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        key = (env or {}).get("SGLANG_API_KEY")
+        self.headers = {"authorization": f"Bearer {key}"} if key else {}
         self.log_path = log_dir / f"server-{self.port}.log"
         env = dict(os.environ, PDSERVE_CHECK_INVARIANTS="1", PYTHONUNBUFFERED="1", **(env or {}))
         cmd = [
@@ -71,17 +73,22 @@ class Server:
         raise TimeoutError(f"server not healthy:\n{self.log_path.read_text()}")
 
     def children(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return self.children_of(self.proc.pid)
+
+    @staticmethod
+    def children_of(pid: int) -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
     def stats(self) -> dict:
-        return httpx.get(self.url + "/server_info", timeout=5).json()["internal_states"][0]
+        info = httpx.get(self.url + "/server_info", headers=self.headers, timeout=5).json()
+        return info["internal_states"][0]
 
     def idle_pool(self, timeout: float = 10.0) -> dict:
         """Wait until no request is live; returns the scheduler stats."""
         deadline = time.monotonic() + timeout
         while True:
-            stats = httpx.get(self.url + "/server_info", timeout=5).json()["internal_states"][0]
+            stats = self.stats()
             idle = stats["running"] == 0 and stats["queued"] == 0
             if idle and stats["used_rows"] == 0 and stats["used_pages"] == 0:
                 return stats

@@ -40,6 +40,7 @@ SEED_ENV = {
     "IB_DEVICES": "mlx5_0,mlx5_1",
     "PREFILL_HOST": "10.0.0.1",
     "DECODE_HOST": "10.0.0.2",
+    "ROUTER_BIND": "0.0.0.0",
     "TP_SIZE": "8",
     "EP_SIZE": "8",
     "DSA_PREFILL_BACKEND": "tilelang",
@@ -113,7 +114,10 @@ def test_the_seed_values_give_the_seed_commands() -> None:
     for role in ("prefill", "decode"):
         command, environment = load_service(role, SEED_ENV)
         assert command[:3] == ["python3", "-m", "serving.launch_server"]
-        assert command[3:] == substitute(seed[role], SEED_ENV)
+        # one deliberate difference: a worker binds the address it advertises, not 0.0.0.0
+        want = substitute(seed[role], SEED_ENV)
+        want[want.index("--host") + 1] = SEED_ENV[f"{role.upper()}_HOST"]
+        assert command[3:] == want
         assert environment["SGLANG_HOST_IP"] == SEED_ENV[f"{role.upper()}_HOST"]
         assert environment["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
     command, _ = load_service("router", SEED_ENV)
@@ -193,6 +197,24 @@ def test_interpolation_follows_compose() -> None:
     for text in ("${UNSET:-${SET}}", "5$ each"):
         with pytest.raises(ComposeError, match="lone"):
             interpolate(text, env)
+
+
+def test_only_what_must_be_reachable_is_bound_and_the_key_is_passed() -> None:
+    env = {"MODEL_PATH": "/m", "PREFILL_HOST": "10.0.0.1", "DECODE_HOST": "10.0.0.2",
+           "API_KEY": "k3y"}  # fmt: skip
+    for role, host in (("prefill", "10.0.0.1"), ("decode", "10.0.0.2"), ("router", "127.0.0.1")):
+        command, environment = load_service(role, env)
+        assert command[command.index("--host") + 1] == host
+        assert environment["SGLANG_API_KEY"] == "k3y"
+        assert "0.0.0.0" not in command
+    _, environment = load_service("decode", {"MODEL_PATH": "/m"})
+    assert environment["SGLANG_API_KEY"] == ""  # unset: no key (ServerArgs reads "" as none)
+    assert (environment["MC_MIN_RPC_PORT"], environment["MC_MAX_RPC_PORT"]) == ("15000", "17000")
+    config = yaml.safe_load(COMPOSE.read_text())
+    for service in config["services"].values():
+        assert "ports" not in service  # host networking: nothing published on 0.0.0.0 by Docker
+        probe = " ".join(service["healthcheck"]["test"])
+        assert "127.0.0.1:" not in probe, probe  # the bound address, not a hard-coded one
 
 
 def test_compose_command_prints_the_command_or_names_what_is_missing() -> None:

@@ -144,6 +144,7 @@ def deployment_env(model: Path) -> dict[str, str]:
         "SERVED_MODEL_NAME": "tiny",
         "PREFILL_HOST": f"{SUBNET}.{NODES['prefill']}",
         "DECODE_HOST": f"{SUBNET}.{NODES['decode']}",
+        "ROUTER_BIND": f"{SUBNET}.{NODES['router']}",
         "CONTEXT_LENGTH": "8192",
         "DECODE_CUDA_GRAPH": "disabled",
         "REQUEST_TIMEOUT_SECS": str(REQUEST_TIMEOUT_S),

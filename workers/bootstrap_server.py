@@ -7,12 +7,19 @@ GET /health  200 (decode workers heartbeat this)
 
 Runs in the front process on --disaggregation-bootstrap-port (stdlib HTTP server, one thread
 per connection): it must answer even while the scheduler is busy with a long forward.
+
+With --api-key, /route needs "Authorization: Bearer KEY" (401 otherwise): a stranger must not
+redirect decode workers to a rank of its own, nor read the cluster's layout. A registration is
+checked field by field (400 naming the field) before it replaces anything.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -33,10 +40,49 @@ CLUSTER_KEYS = (
     "model_path",
     "prefill_http_port",
 )
+MAX_BODY = 1 << 20  # a registration is a few KiB (the layout lists every buffer)
+MAX_RANK = 1 << 16
+SOCKET_TIMEOUT_S = 10.0  # a client that stops sending mid-request loses its thread after this
+_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+
+class BadRegistration(ValueError):
+    pass
+
+
+def check_registration(info: Any) -> dict[str, Any]:
+    """`info` if it is a well-formed rank registration; BadRegistration naming the field."""
+    if not isinstance(info, dict):
+        raise BadRegistration("the body must be a JSON object")
+    ip = info.get("rank_ip")
+    if not isinstance(ip, str) or not _is_host(ip):
+        raise BadRegistration(f"rank_ip: not an IP address or host name: {ip!r}")
+    port = info.get("rank_port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise BadRegistration(f"rank_port: not a port number: {port!r}")
+    for key in ("dp_rank", "cp_rank", "tp_rank", "pp_rank"):
+        value = info.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_RANK:
+            raise BadRegistration(f"{key}: not a rank: {value!r}")
+    page_size = info.get("page_size")
+    if page_size is not None and (not isinstance(page_size, int) or page_size < 1):
+        raise BadRegistration(f"page_size: not a positive integer: {page_size!r}")
+    if not isinstance(info.get("layout", []), list):
+        raise BadRegistration("layout: not a list")
+    return info
+
+
+def _is_host(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(text))
 
 
 class BootstrapServer:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, api_key: str | None = None) -> None:
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.ranks: dict[tuple[int, int, int, int], dict[str, Any]] = {}
         self.cluster: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -77,6 +123,17 @@ class BootstrapServer:
 class _Handler(BaseHTTPRequestHandler):
     owner: BootstrapServer
     protocol_version = "HTTP/1.1"
+    timeout = SOCKET_TIMEOUT_S
+
+    def _authorized(self) -> bool:
+        expected = self.owner.expected
+        if expected is None:
+            return True
+        given = (self.headers.get("authorization") or "").encode()
+        if hmac.compare_digest(given, expected):
+            return True
+        self._reply(401, {"error": "invalid or missing API key (Bearer token)"})
+        return False
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("bootstrap: " + fmt, *args)
@@ -95,6 +152,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(200, b"OK")
         if url.path != "/route":
             return self._reply(404, {"error": f"no route {url.path}"})
+        if not self._authorized():
+            return
         params = parse_qs(url.query)
         missing = [k for k in QUERY if k not in params]
         if missing:
@@ -108,9 +167,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:  # noqa: N802
         if urlparse(self.path).path != "/route":
             return self._reply(404, {"error": "no such route"})
+        if not self._authorized():
+            return
+        length = self.headers.get("content-length", "")
+        if not length.isdigit() or int(length) > MAX_BODY:
+            self.close_connection = True
+            return self._reply(413, {"error": f"send a content-length of at most {MAX_BODY}"})
         try:
-            info = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+            info = check_registration(json.loads(self.rfile.read(int(length))))
             self.owner.register(info)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             return self._reply(400, {"error": f"bad registration: {exc}"})
         self._reply(200, {"status": "ok"})

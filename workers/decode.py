@@ -34,6 +34,7 @@ from workers.messages import (
     KVPoll,
     Register,
     Status,
+    Waiting,
     advance,
     decode_logprobs,
 )
@@ -66,9 +67,10 @@ class Quarantined:
 class PrefillDirectory(threading.Thread):
     """Looks prefill ranks up on their bootstrap servers and heartbeats those in use."""
 
-    def __init__(self, timeouts: Timeouts) -> None:
+    def __init__(self, timeouts: Timeouts, api_key: str | None) -> None:
         super().__init__(daemon=True, name="prefill-directory")
         self.timeouts = timeouts
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.lookups: queue.Queue[str] = queue.Queue()
         self.events: queue.Queue[tuple[str, str, object]] = queue.Queue()
         self.watched: set[str] = set()
@@ -88,7 +90,9 @@ class PrefillDirectory(threading.Thread):
                     self._heartbeat(addr)
 
     def _get(self, url: str) -> dict:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=self.headers), timeout=2
+        ) as r:
             return json.loads(r.read() or b"{}")
 
     def _lookup(self, addr: str) -> tuple[str, str, object]:
@@ -124,13 +128,17 @@ class DecodeRole(Role):
         self.prefills: dict[str, dict] = {}  # bootstrap addr -> cluster info + rank
         self.registered: set[str] = set()  # prefill ranks we sent our buffers to
         self.quarantine: dict[int, Quarantined] = {}
+        self._next_keepalive = 0.0
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
         self.endpoint = KVEndpoint(
-            scheduler.pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
+            scheduler.pool,
+            advertise_host(self.args.host),
+            self.args.disaggregation_ib_device,
+            self.args.host,
         )
-        self.directory = PrefillDirectory(self.timeouts)
+        self.directory = PrefillDirectory(self.timeouts, self.args.api_key)
         self.directory.start()
 
     # ---- intake ----
@@ -151,6 +159,9 @@ class DecodeRole(Role):
         problem = self.scheduler.admission_problem(request)
         if problem is not None:
             return fail(request, problem, 400)
+        full = self.scheduler.queue_full()
+        if full is not None:
+            return fail(request, full, 503)
         req = self.scheduler.make_req(request)
         port = request.bootstrap_port or self.args.disaggregation_bootstrap_port
         addr = f"{request.bootstrap_host}:{port}"
@@ -160,7 +171,7 @@ class DecodeRole(Role):
         self.transfers[room] = t
         self.by_rid[req.rid] = room
         if addr in self.prefills:
-            t.state = advance(t.state, KVPoll.WaitingForInput)
+            self._wait_for_memory(t)
         else:
             self.directory.lookups.put(addr)
 
@@ -185,6 +196,7 @@ class DecodeRole(Role):
         self._preallocate()
         self._commit()
         now = time.monotonic()
+        self._keep_waiting_rooms(now)
         for t in list(self.transfers.values()):
             if t.state < KVPoll.Success and now > t.deadline:
                 self._fail(
@@ -214,7 +226,7 @@ class DecodeRole(Role):
                     if mismatch is not None:
                         self._fail(t, f"prefill/decode mismatch: {mismatch}", 502)
                     else:
-                        t.state = advance(t.state, KVPoll.WaitingForInput)
+                        self._wait_for_memory(t)
             elif kind == "unreachable":
                 for t in waiting:
                     self._fail(
@@ -223,6 +235,8 @@ class DecodeRole(Role):
             elif kind == "dead":
                 rank = (self.prefills.pop(addr, None) or {}).get("rank")
                 for t in waiting:
+                    if t.state == KVPoll.Success:
+                        continue  # its KV is all here: it decodes without prefill
                     self._fail(
                         t,
                         f"prefill at {addr} stopped answering its bootstrap /health",
@@ -232,6 +246,32 @@ class DecodeRole(Role):
                 for room, q in list(self.quarantine.items()):
                     if q.rank == rank:  # a dead prefill writes nothing more
                         self._free(self.quarantine.pop(room).holder)
+
+    def _wait_for_memory(self, t: Transfer) -> None:
+        """Waiting for a row and pages is queueing, not a transfer: no deadline runs (the
+        queue is bounded instead), and prefill is kept from timing the room out by
+        _keep_waiting_rooms. The waiting deadline starts when the destinations go out."""
+        if t.state < KVPoll.WaitingForInput:  # a second lookup answer must not touch later ones
+            t.state = advance(t.state, KVPoll.WaitingForInput)
+            t.deadline = float("inf")
+
+    def _keep_waiting_rooms(self, now: float) -> None:
+        """Tell each prefill rank which of its rooms still wait here for memory, every
+        heartbeat interval; prefill extends their bootstrap deadline (a dead decode stops
+        sending, and prefill's timeout then frees the room)."""
+        if now < self._next_keepalive:
+            return
+        self._next_keepalive = now + self.timeouts.heartbeat_interval
+        by_rank: dict[str, list[int]] = {}
+        for t in self.transfers.values():
+            if t.state == KVPoll.WaitingForInput and t.bootstrap in self.prefills:
+                by_rank.setdefault(self.prefills[t.bootstrap]["rank"], []).append(t.room)
+        for rank, rooms in by_rank.items():
+            self.endpoint.send(rank, Waiting(rooms))
+
+    @property
+    def queued(self) -> int:
+        return len(self.transfers)
 
     def _handshake_problem(self, info: dict) -> str | None:
         if info.get("model") != model_fingerprint(self.scheduler.pool.config):

@@ -16,9 +16,11 @@ log = logging.getLogger(__name__)
 
 
 class KVEndpoint:
-    def __init__(self, pool: MemoryPool, host: str, ib_device: str | None) -> None:
+    def __init__(
+        self, pool: MemoryPool, host: str, ib_device: str | None, bind_host: str | None = None
+    ) -> None:
         self.host = host
-        self.engine = MooncakeEngine(host, ib_device)
+        self.engine = MooncakeEngine(host, ib_device, bind_host)
         self.page_buffers = page_buffers(pool)
         self.row_buffers = row_buffers(pool)
         self.engine.register([(b.addr, b.nbytes) for b in self.page_buffers + self.row_buffers])

@@ -3,6 +3,7 @@
 decode -> prefill   Register     once per prefill rank: session, buffer addresses, layout
 decode -> prefill   Destination  per request: where its pages, state rows and aux row go
 decode -> prefill   Abort        the request ended at decode; prefill answers AbortAck
+decode -> prefill   Waiting      rooms still queued at decode for memory (a keepalive)
 prefill -> decode   Status       KVPoll.Success (everything landed, with the prompt logprobs
                                  prefill scored, if asked) or KVPoll.Failed
 prefill -> decode   AbortAck     nothing of the room is in flight any more
@@ -67,6 +68,11 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    rooms: list[int]
+
+
+@dataclass(frozen=True)
 class Status:
     room: int
     status: int  # KVPoll.Success or KVPoll.Failed
@@ -98,11 +104,12 @@ class AbortAck:
     room: int
 
 
-ControlMessage = Register | Destination | Abort | Status | AbortAck
+ControlMessage = Register | Destination | Abort | Waiting | Status | AbortAck
 _KINDS: dict[str, type] = {
     "register": Register,
     "dest": Destination,
     "abort": Abort,
+    "waiting": Waiting,
     "status": Status,
     "abort_ack": AbortAck,
 }

@@ -40,6 +40,7 @@ from workers.messages import (
     KVPoll,
     Register,
     Status,
+    Waiting,
     advance,
     encode_logprobs,
 )
@@ -115,7 +116,9 @@ class PrefillRole(Role):
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
         host = advertise_host(self.args.host)
-        self.endpoint = KVEndpoint(scheduler.pool, host, self.args.disaggregation_ib_device)
+        self.endpoint = KVEndpoint(
+            scheduler.pool, host, self.args.disaggregation_ib_device, self.args.host
+        )
         self.sender = Sender(self.endpoint)
         self.sender.start()
         self._register_with_bootstrap(host)
@@ -145,9 +148,10 @@ class PrefillRole(Role):
         body = json.dumps(info).encode()
         for attempt in range(50):
             try:
-                req = urllib.request.Request(
-                    url, data=body, method="PUT", headers={"content-type": "application/json"}
-                )
+                headers = {"content-type": "application/json"}
+                if self.args.api_key:
+                    headers["authorization"] = f"Bearer {self.args.api_key}"
+                req = urllib.request.Request(url, data=body, method="PUT", headers=headers)
                 urllib.request.urlopen(req, timeout=5).read()
                 return
             except OSError as exc:
@@ -195,6 +199,8 @@ class PrefillRole(Role):
                     self._on_dest(msg)
                 case Abort():
                     self._on_abort(msg)
+                case Waiting():
+                    self._on_waiting(msg)
                 case _:
                     log.warning("unexpected control message at prefill: %s", msg)
         while True:
@@ -221,6 +227,19 @@ class PrefillRole(Role):
         if error:
             log.error("decode %s refused at handshake: %s", msg.decode_addr, error)
         self.peers[msg.decode_addr] = Peer(msg.session, msg.page_addrs, msg.row_addrs, error)
+
+    @property
+    def queued(self) -> int:
+        return sum(room.state == KVPoll.Bootstrapping for room in self.rooms.values())
+
+    def _on_waiting(self, msg: Waiting) -> None:
+        """Decode still queues these rooms for memory: their wait for destinations is decode's
+        back-pressure, not a lost decode, so their bootstrap deadline moves on."""
+        deadline = time.monotonic() + self.timeouts.bootstrap
+        for room_id in msg.rooms:
+            room = self.rooms.get(room_id)
+            if room is not None and room.state == KVPoll.Bootstrapping:
+                room.deadline = deadline
 
     def _on_dest(self, msg: Destination) -> None:
         room_id = msg.room

@@ -33,8 +33,13 @@ class TransferError(RuntimeError):
 
 
 class MooncakeEngine:
-    def __init__(self, host: str, ib_device: str | None) -> None:
+    def __init__(self, host: str, ib_device: str | None, bind_host: str | None = None) -> None:
+        """Hazard: Mooncake 0.3.13 listens on 0.0.0.0 (handshake RPC) and [::] (TCP data)
+        whatever `host` says; MC_TCP_BIND_ADDRESS is set for builds that honour it. Both ports
+        lie in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]; docs/DEPLOY.md has the firewall rule."""
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        if bind_host and bind_host not in ("0.0.0.0", "::"):
+            os.environ.setdefault("MC_TCP_BIND_ADDRESS", bind_host)
         from mooncake.engine import TransferEngine
 
         self.protocol = "rdma" if ib_device else "tcp"

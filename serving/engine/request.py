@@ -28,6 +28,9 @@ class Role:
         self.scheduler = scheduler
 
     def submit(self, request: GenerateRequest) -> None:
+        full = self.scheduler.queue_full()
+        if full is not None:
+            return self.scheduler.fail_request(request, full, 503)
         self.scheduler.add(request)
 
     def abort(self, rid: str, reason: str) -> None:
@@ -56,6 +59,12 @@ class Role:
         """Requests outside the scheduler's queues that own rows or pages (for the invariant)."""
         return []
 
+    @property
+    def queued(self) -> int:
+        """Requests the role holds that have not started running (waiting for a peer, for
+        memory, for their KV); counted in num_queue_reqs and against the queue bound."""
+        return 0
+
 
 @dataclass
 class SchedulerConfig:
@@ -63,6 +72,7 @@ class SchedulerConfig:
     chunked_prefill_size: int
     max_prefill_tokens: int
     context_length: int
+    max_queued_requests: int | None = None  # None: no bound
 
 
 @dataclass

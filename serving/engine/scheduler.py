@@ -172,6 +172,21 @@ class Scheduler:
         self.outputs.append(self.output_of(req, tokens, logprobs if error is None else None))
 
     @property
+    def queued(self) -> int:
+        return len(self.waiting) + int(self.prefilling is not None) + self.role.queued
+
+    def queue_full(self) -> str | None:
+        """Why a new request cannot even wait here (503 + Retry-After), or None. Refusing at
+        once is the back-pressure: a request past the bound would only wait and time out."""
+        limit = self.cfg.max_queued_requests
+        if limit is None or self.queued < limit:
+            return None
+        return (
+            f"the server is at capacity: {len(self.running)} requests running and "
+            f"{self.queued} waiting (--max-queued-requests {limit}); retry later"
+        )
+
+    @property
     def free_running_slots(self) -> int:
         return self.cfg.max_running_requests - len(self.running)
 
@@ -289,7 +304,7 @@ class Scheduler:
     def refresh_stats(self) -> None:
         s = self.stats
         s.running = len(self.running)
-        s.queued = len(self.waiting) + int(self.prefilling is not None)
+        s.queued = self.queued
         s.used_rows = len(self.pool.rows.used)
         s.peak_used_rows = max(s.peak_used_rows, max(self.pool.rows.used, default=0))
         s.used_pages = len(self.pool.pages.used)

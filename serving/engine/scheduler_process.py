@@ -92,7 +92,11 @@ def build_engine(args: ServerArgs, role=None):
         pool,
         sampler,
         SchedulerConfig(
-            args.running_limit, args.chunked_prefill_size, args.max_prefill_tokens, context
+            args.running_limit,
+            args.chunked_prefill_size,
+            args.max_prefill_tokens,
+            context,
+            args.queue_limit,
         ),
         frozenset(config.eos_token_ids),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),

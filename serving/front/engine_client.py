@@ -42,7 +42,7 @@ class EngineUnavailable(RuntimeError):
 
 
 class RidInUse(ValueError):
-    """A request reused the rid of a sequence still in flight; an HTTP 400."""
+    """A request reused the rid of a sequence still in flight; an HTTP 409."""
 
 
 @dataclasses.dataclass

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from serving.front.api.admin_routes import admin_router
 from serving.front.api.context import FrontContext
 from serving.front.api.errors import error_response, install_error_handlers
+from serving.front.api.guard import RequestGuard
 from serving.front.api.native_routes import native_router
 from serving.front.api.openai_routes import openai_router
 from serving.front.api.responses_api import responses_router
@@ -91,8 +92,9 @@ async def serve(
 
     Raises EngineUnavailable with the operator's one-line message if the scheduler failed.
     """
+    guarded = RequestGuard(app, args.api_key, args.max_payload_size, args.body_read_timeout_secs)
     config = uvicorn.Config(
-        app,
+        guarded,
         host=args.host,
         port=args.port,
         log_level=args.log_level,

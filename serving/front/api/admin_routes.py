@@ -77,7 +77,7 @@ def admin_router(ctx: FrontContext) -> APIRouter:
         ready = client.ready
         return JSONResponse(
             {
-                **dataclasses.asdict(ctx.args),
+                **ctx.args.public(),
                 # SGLang's name for the KV capacity in tokens (usable pages x page size)
                 "max_total_num_tokens": ready.total_pages * ready.page_size if ready else None,
                 "scheduler": dataclasses.asdict(ready) if ready else None,

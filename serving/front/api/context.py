@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from serving.front.engine_client import EngineClient, EngineUnavailable
 from serving.protocol import SamplingParams, SchedulerReady
 from serving.server_args import ArgsError, ServerArgs
 
+INLINE_ENCODE_CHARS = 4096  # shorter texts are tokenised on the event loop (a thread costs more)
+
 # generation_config.json fields that become sampling defaults (as SGLang and vLLM do)
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -40,6 +43,7 @@ class FrontContext:
     model_config: dict[str, Any]
     sampling_defaults: dict[str, Any]
     created: int
+    max_token_chars: int  # the longest vocabulary entry, in characters (bytes for byte-level BPE)
 
     @classmethod
     def load(cls, args: ServerArgs, client: EngineClient) -> FrontContext:
@@ -62,6 +66,7 @@ class FrontContext:
             model_config=_read_json(model_dir / "config.json"),
             sampling_defaults={k: generation[k] for k in _GENERATION_DEFAULTS if k in generation},
             created=int(time.time()),
+            max_token_chars=_longest_token(tokenizer),
         )
 
     @property
@@ -82,6 +87,35 @@ class FrontContext:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def check_text_length(self, text: str, context_length: int, param: str) -> None:
+        """APIError 400 for a text that cannot fit the context, decided before tokenising it:
+        every token covers at most max_token_chars characters, so a longer text has more tokens
+        than the context holds. Hazard: a normalizer that drops characters would break this;
+        the byte-level BPE tokenizers served here keep every byte."""
+        bound = context_length * self.max_token_chars
+        if len(text) > bound:
+            raise APIError(
+                400,
+                f"the prompt has {len(text)} characters, more than {bound} (the context length, "
+                f"{context_length} tokens, times the longest token, {self.max_token_chars} "
+                "characters)",
+                param,
+            )
+
+    async def encode_checked(
+        self, text: str, add_special_tokens: bool, context_length: int, param: str
+    ) -> list[int]:
+        """Token ids of `text` after the length check. Long texts are tokenised in a thread
+        through encode_batch, which releases the GIL (encode does not): /health, the bootstrap
+        server and other requests keep being served meanwhile."""
+        self.check_text_length(text, context_length, param)
+        if len(text) <= INLINE_ENCODE_CHARS:
+            return self.encode(text, add_special_tokens)
+        batch = await asyncio.to_thread(
+            self.tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens
+        )
+        return batch[0].ids
+
     def grammar_tokenizer(self) -> llguidance.LLTokenizer:
         ready = self.scheduler()
         return load_tokenizer(str(self.tokenizer_file), tuple(sorted(ready.eos_token_ids)))
@@ -95,6 +129,11 @@ class FrontContext:
             check_grammar(grammar_of(sampling), self.grammar_tokenizer(), name)
         except GrammarError as e:
             raise APIError(400, str(e), name) from e
+
+
+def _longest_token(tokenizer: Tokenizer) -> int:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    return max((len(token.encode()) for token in vocab), default=1)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

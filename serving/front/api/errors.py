@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.front.chat import ChatTemplateError
-from serving.front.engine_client import EngineUnavailable
+from serving.front.engine_client import EngineUnavailable, RidInUse
 from serving.protocol import SamplingError
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,10 @@ _ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -51,8 +54,12 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     return {"object": "error", "error": error, **error}
 
 
+RETRY_AFTER_S = 1  # what 429 and 503 tell a client to wait before trying again
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
@@ -99,6 +106,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(_: Request, e: EngineUnavailable) -> JSONResponse:
         return error_response(503, str(e))
+
+    @app.exception_handler(RidInUse)
+    async def _rid_in_use(_: Request, e: RidInUse) -> JSONResponse:
+        return error_response(409, str(e), "rid")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:

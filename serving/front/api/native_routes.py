@@ -23,7 +23,7 @@ from serving.front.api.sampling import (
     make_sampling,
     token_bias,
 )
-from serving.front.api.sequences import Seq, collect, make_seqs, run_seqs
+from serving.front.api.sequences import Seq, Update, collect, make_seqs, start_seqs
 from serving.protocol import SamplingParams, SchedulerReady
 
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -35,7 +35,7 @@ def native_router(ctx: FrontContext) -> APIRouter:
     @router.post("/generate")
     async def generate(body: GenerateBody, request: Request) -> Response:
         ready = ctx.scheduler()
-        prompts, batched = _prompts(ctx, body, ready.vocab_size)
+        prompts, batched = await _prompts(ctx, body, ready)
         params = body.sampling_params or NativeSamplingParams()
         if isinstance(params, list):
             if len(params) != len(prompts):
@@ -82,7 +82,8 @@ def native_router(ctx: FrontContext) -> APIRouter:
         )
         many = batched or n > 1
         if body.stream:
-            return event_stream(_stream(ctx, seqs, many))
+            updates = await start_seqs(request, ctx.client, seqs)
+            return event_stream(_stream(ctx, updates, many))
         await collect(request, ctx.client, seqs)
         results = [_result(ctx, seq) for seq in seqs]
         return JSONResponse(results if many else results[0])
@@ -101,15 +102,18 @@ def native_router(ctx: FrontContext) -> APIRouter:
     return router
 
 
-def _prompts(
-    ctx: FrontContext, body: GenerateBody, vocab_size: int
+async def _prompts(
+    ctx: FrontContext, body: GenerateBody, ready: SchedulerReady
 ) -> tuple[list[list[int]], bool]:
     """Token ids of each prompt, and whether the request was a batch."""
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "give exactly one of text and input_ids", "text")
+    vocab_size = ready.vocab_size
     if body.text is not None:
         texts = body.text if isinstance(body.text, list) else [body.text]
-        prompts = [ctx.encode(text, add_special_tokens=True) for text in texts]
+        for text in texts:
+            ctx.check_text_length(text, ready.context_length, "text")
+        prompts = [await ctx.encode_checked(t, True, ready.context_length, "text") for t in texts]
         batched = isinstance(body.text, list)
     else:
         ids = body.input_ids
@@ -178,10 +182,12 @@ def _result(ctx: FrontContext, seq: Seq) -> dict[str, Any]:
     return {"text": seq.text.text, "output_ids": list(seq.output_ids), "meta_info": meta}
 
 
-async def _stream(ctx: FrontContext, seqs: list[Seq], many: bool) -> AsyncIterator[str]:
+async def _stream(
+    ctx: FrontContext, updates: AsyncIterator[Update], many: bool
+) -> AsyncIterator[str]:
     """Cumulative results, one event per update; batch items carry their "index"."""
     try:
-        async with aclosing(run_seqs(ctx.client, seqs)) as updates:
+        async with aclosing(updates):
             async for update in updates:
                 seq = update.seq
                 if (error := seq.error()) is not None:

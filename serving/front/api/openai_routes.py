@@ -40,7 +40,7 @@ from serving.front.api.sampling import (
     make_sampling,
     token_bias,
 )
-from serving.front.api.sequences import Seq, collect, make_seqs, run_seqs
+from serving.front.api.sequences import Seq, Update, collect, make_seqs, start_seqs
 from serving.front.api.structured_output import (
     Constraint,
     after_reasoning,
@@ -57,12 +57,20 @@ def openai_router(ctx: FrontContext) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        run = prepare_chat(ctx, body)
+        run = await prepare_chat(ctx, body)
         seqs, rid, reasoning = run.seqs, run.rid, run.reasoning
         if body.stream:
             parsers = [ChatOutputParser(reasoning, run.opens, run.tools) for _ in seqs]
+            updates = await start_seqs(request, ctx.client, seqs)
             stream = _chat_stream(
-                ctx, rid, seqs, parsers, body.stream_reasoning, _usage_mode(body), reasoning
+                ctx,
+                rid,
+                seqs,
+                updates,
+                parsers,
+                body.stream_reasoning,
+                _usage_mode(body),
+                reasoning,
             )
             return event_stream(stream)
         await collect(request, ctx.client, seqs)
@@ -99,7 +107,7 @@ def openai_router(ctx: FrontContext) -> APIRouter:
             raise APIError(400, "suffix: not supported by this server", "suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of: only best_of == n is supported", "best_of")
-        prompts = _completion_prompts(ctx, body.prompt, ready.vocab_size)
+        prompts = await _completion_prompts(ctx, body.prompt, ready)
         samplings = [
             _sampling(ctx, body, ready, body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS)
             for ids in prompts
@@ -122,7 +130,8 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         )
         echoes = [_echo(ctx, body, seq) for seq in seqs]
         if body.stream:
-            stream = _completion_stream(ctx, rid, seqs, echoes, body.n, _usage_mode(body))
+            updates = await start_seqs(request, ctx.client, seqs)
+            stream = _completion_stream(ctx, rid, seqs, updates, echoes, body.n, _usage_mode(body))
             return event_stream(stream)
         await collect(request, ctx.client, seqs)
         choices = [_completion_choice(ctx, seq, echo) for seq, echo in zip(seqs, echoes)]
@@ -151,7 +160,7 @@ class ChatRun:
     tools: list[dict[str, Any]] | None  # parse tool calls against these; None: markup is text
 
 
-def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRun:
+async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRun:
     """Validate, render, tokenize and constrain a chat request (the Responses API's too)."""
     ready = ctx.scheduler()
     _check_common(ctx, body)
@@ -171,7 +180,7 @@ def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRun:
         continue_final_message=body.continue_final_message,
         **(body.chat_template_kwargs or {}),
     )
-    ids = ctx.encode(prompt, add_special_tokens=False)
+    ids = await ctx.encode_checked(prompt, False, ready.context_length, "messages")
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -381,22 +390,28 @@ def _bootstrap(body: SamplingRequest) -> dict[str, Any]:
     }
 
 
-def _completion_prompts(
-    ctx: FrontContext, prompt: str | list[str] | list[int] | list[list[int]], vocab_size: int
+async def _completion_prompts(
+    ctx: FrontContext,
+    prompt: str | list[str] | list[int] | list[list[int]],
+    ready: SchedulerReady,
 ) -> list[list[int]]:
     if isinstance(prompt, str):
-        prompts = [ctx.encode(prompt, add_special_tokens=True)]
+        prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
-        prompts = [list(prompt)]
-    else:
-        prompts = [
-            ctx.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-            for p in prompt
-        ]
+        prompt = [prompt]  # type: ignore[list-item]
+    for p in prompt:  # every text is length-checked before any is tokenised
+        if isinstance(p, str):
+            ctx.check_text_length(p, ready.context_length, "prompt")
+    prompts = [
+        await ctx.encode_checked(p, True, ready.context_length, "prompt")
+        if isinstance(p, str)
+        else list(p)
+        for p in prompt
+    ]
     if not prompts:
         raise APIError(400, "prompt: must not be empty", "prompt")
     for ids in prompts:
-        check_prompt_ids(ids, vocab_size, "prompt")
+        check_prompt_ids(ids, ready.vocab_size, "prompt")
     return prompts
 
 
@@ -410,6 +425,7 @@ async def _chat_stream(
     ctx: FrontContext,
     rid: str,
     seqs: list[Seq],
+    updates: AsyncIterator[Update],
     parsers: list[ChatOutputParser],
     stream_reasoning: bool,
     usage_mode: tuple[bool, bool],
@@ -435,7 +451,7 @@ async def _chat_stream(
     for seq in seqs:
         yield chunk(seq.index, {"role": "assistant", "content": ""})
     try:
-        async with aclosing(run_seqs(ctx.client, seqs)) as updates:
+        async with aclosing(updates):
             async for update in updates:
                 seq = update.seq
                 if (error := seq.error()) is not None:
@@ -490,6 +506,7 @@ async def _completion_stream(
     ctx: FrontContext,
     rid: str,
     seqs: list[Seq],
+    updates: AsyncIterator[Update],
     echoes: list[str],
     n: int,
     usage_mode: tuple[bool, bool],
@@ -518,7 +535,7 @@ async def _completion_stream(
         if echo and not s:
             yield chunk(seq.index, echo)
     try:
-        async with aclosing(run_seqs(ctx.client, seqs)) as updates:
+        async with aclosing(updates):
             async for update in updates:
                 seq = update.seq
                 if (error := seq.error()) is not None:

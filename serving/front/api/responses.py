@@ -37,7 +37,7 @@ def stream_error(e: Exception) -> str:
     if isinstance(e, EngineUnavailable):
         return sse(error_body(503, str(e)))
     if isinstance(e, RidInUse):
-        return sse(error_body(400, str(e), "rid"))
+        return sse(error_body(409, str(e), "rid"))
     log.error("stream failed", exc_info=e)
     return sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
 

@@ -34,7 +34,7 @@ def responses_router(ctx: FrontContext) -> APIRouter:
     @router.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         chat = chat_request(body)
-        run = prepare_chat(ctx, chat)
+        run = await prepare_chat(ctx, chat)
         head = _head(ctx, body, run.rid)
         if body.stream:
             return event_stream(_stream(ctx, head, run))

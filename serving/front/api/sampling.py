@@ -10,6 +10,7 @@ from serving.front.api.errors import APIError
 from serving.protocol import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128  # OpenAI's bound on choices per request
 
 
 def make_sampling(defaults: Mapping[str, Any], **values: Any) -> SamplingParams:
@@ -63,6 +64,8 @@ def fit_to_context(
             f"the prompt has {prompt_len} tokens; the context length is {context_length} tokens",
             "prompt",
         )
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     sampling.max_new_tokens = max_tokens
@@ -83,8 +86,8 @@ def check_top_logprobs(value: int, name: str) -> None:
 
 
 def check_n(n: int) -> None:
-    if n < 1:
-        raise APIError(400, f"n: must be >= 1, got {n}", "n")
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n: must be in [1, {MAX_N}], got {n}", "n")
 
 
 def for_sequence(sampling: SamplingParams, i: int) -> SamplingParams:

@@ -170,6 +170,32 @@ async def run_seqs(client: EngineClient, seqs: Sequence[Seq]) -> AsyncIterator[U
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def start_seqs(
+    request: Request, client: EngineClient, seqs: Sequence[Seq]
+) -> AsyncIterator[Update]:
+    """run_seqs once its first update has arrived. A stream's response head waits for this, so
+    a request that fails before its first token (refused, queue full, handoff failed) is an
+    HTTP error that a router can retry, not a 200 with an error inside. Raises that error, or
+    ClientDisconnected."""
+    updates = run_seqs(client, seqs)
+    try:
+        first = await until_disconnected(request, anext(updates))
+    except BaseException:
+        await updates.aclose()
+        raise
+    if (error := first.seq.error()) is not None:
+        await updates.aclose()
+        raise error
+    return _chain(first, updates)
+
+
+async def _chain(first: Update, rest: AsyncIterator[Update]) -> AsyncIterator[Update]:
+    async with aclosing(rest):  # type: ignore[type-var]
+        yield first
+        async for update in rest:
+            yield update
+
+
 async def collect(request: Request, client: EngineClient, seqs: Sequence[Seq]) -> None:
     """Run the sequences to the end; abort them if the client disconnects first. Raises the
     first sequence's error if one failed before producing output."""

@@ -1,0 +1,330 @@
+"""Faults under load on a real PD stack: kill -9 of each role mid-stream and its restart, a
+disconnect storm, a refusal before the first token retried elsewhere, and a short soak with
+RSS and descriptor checks (issue 17). Bounded in time for CI on 2 cores; operators run the soak
+for longer with PDSERVE_SOAK_S (docs/RELIABILITY.md).
+
+Stack: one prefill, decode D0 (serves; 2 running requests and 6 extra rows, so requests wait
+there with their KV arrived) and decode D1 (started with --max-queued-requests 0: it refuses
+every request before its first token with 503 + Retry-After), our router in front.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests import server_proc
+from tests.pd_pair import FAST_TIMEOUTS
+from tests.router_proc import RouterProc
+from tests.server_proc import Server, free_port
+from tests.test_router_pd import _WHY
+
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"PD workers: {_WHY}")
+
+PROMPT = list(range(5, 37))
+MARK_DOWN_S = 2.0  # issue 17: a dead worker leaves rotation within this
+D0_FLAGS = ("--disaggregation-mode", "decode", "--max-running-requests", "2",
+            "--disaggregation-decode-extra-slots", "6")  # fmt: skip
+
+
+class Stack:
+    def __init__(self, model: Path, logs: Path) -> None:
+        self.model, self.logs = model, logs
+        self.bootstrap_port = free_port()
+        self.prefill = self._prefill()
+        self.d0 = Server(model, *D0_FLAGS, log_dir=logs, env=FAST_TIMEOUTS)
+        self.d1 = Server(model, "--disaggregation-mode", "decode", "--max-queued-requests", "0",
+                         log_dir=logs, env=FAST_TIMEOUTS)  # fmt: skip
+        # a long probe interval: detection here must come from the requests themselves
+        self.router = RouterProc(
+            "--pd-disaggregation", "--prefill", self.prefill.url, str(self.bootstrap_port),
+            "--decode", self.d0.url, "--decode", self.d1.url,
+            "--health-check-interval-secs", "30", "--health-success-threshold", "1",
+            log_dir=logs,
+        )  # fmt: skip
+        self.router.wait_ready()
+
+    def _prefill(self) -> Server:
+        return Server(self.model, "--disaggregation-mode", "prefill",
+                      "--disaggregation-bootstrap-port", str(self.bootstrap_port),
+                      log_dir=self.logs, env=FAST_TIMEOUTS)  # fmt: skip
+
+    def restart(self, name: str, monkeypatch) -> None:
+        old: Server = getattr(self, name)
+        old.stop()
+        with monkeypatch.context() as m:
+            m.setattr(server_proc, "free_port", lambda: old.port)  # the same address
+            if name == "prefill":
+                setattr(self, name, self._prefill())
+            else:
+                setattr(self, name, Server(self.model, *D0_FLAGS, log_dir=self.logs,
+                                           env=FAST_TIMEOUTS))  # fmt: skip
+
+    def healthy(self, url: str) -> bool:
+        return next(w["healthy"] for w in self.router.state()["workers"] if w["url"] == url)
+
+    def stop(self) -> None:
+        for s in (self.router, self.d0, self.d1, self.prefill):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_ckpt, tmp_path_factory):
+    s = Stack(tiny_ckpt, tmp_path_factory.mktemp("faults"))
+    yield s
+    s.stop()
+
+
+def body(max_tokens: int, stream: bool = True) -> dict:
+    return {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}  # fmt: skip
+
+
+class Streams:
+    """`n` streams through the router, each read to its end in a thread."""
+
+    def __init__(self, url: str, n: int, max_tokens: int) -> None:
+        self.started = threading.Semaphore(0)
+        self.results: list[tuple[int, str]] = []
+        self.threads = [threading.Thread(target=self._one, args=(url, max_tokens))
+                        for _ in range(n)]  # fmt: skip
+        for t in self.threads:
+            t.start()
+
+    def _one(self, url: str, max_tokens: int) -> None:
+        text = ""
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body(max_tokens),
+                              timeout=120) as r:  # fmt: skip
+                lines = r.iter_lines()
+                for line in lines:
+                    text += line + "\n"
+                    if line.startswith("data:"):
+                        break
+                self.started.release()
+                for line in lines:
+                    text += line + "\n"
+            self.results.append((r.status_code, text))
+        except httpx.HTTPError as e:
+            self.started.release()
+            self.results.append((0, repr(e)))
+
+    def wait_started(self, count: int | None = None, timeout: float = 120) -> None:
+        for _ in range(len(self.threads) if count is None else count):
+            assert self.started.acquire(timeout=timeout)
+
+    def join(self, timeout: float = 120) -> list[tuple[int, str]]:
+        for t in self.threads:
+            t.join(timeout)
+        return self.results
+
+
+def completed(text: str) -> bool:
+    compact = text.replace(" ", "")
+    return '"error"' not in compact and '"finish_reason":"length"' in compact
+
+
+def wait_for(predicate, timeout: float, step: float = 0.02) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, f"not within {timeout} s"
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+def test_a_refusal_before_the_first_token_is_retried_on_another_decode(stack):
+    """D1 refuses every request before its first token; as a stream's head is held until
+    then, the refusal is an HTTP 503 and the router retries the request on D0."""
+    retries = _metric(stack.router.url, "router_retries_total")
+    results = []
+    for _ in range(8):  # one at a time: round robin then alternates D0, D1 deterministically
+        results += Streams(stack.router.url, 1, 8).join()
+    assert len(results) == 8 and all(s == 200 and completed(t) for s, t in results), results
+    assert _metric(stack.router.url, "router_retries_total") >= retries + 3  # round robin
+    refused = _metric(stack.d1.url, 'pdserve:requests_total{finish_reason="abort"}')
+    assert refused >= 3
+    stack.prefill.idle_pool(30)
+    stack.d0.idle_pool(30)
+
+
+def test_waiting_for_a_decode_row_is_not_a_handoff_timeout(stack):
+    """10 streams on D0's 8 rows (2 running): the last ones wait for a row far longer than the
+    bootstrap timeout (4 s here). That wait is queueing: decode runs no deadline on it and keeps
+    prefill from timing the rooms out, so every stream completes."""
+    bootstrap_timeout = float(FAST_TIMEOUTS["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"])
+    streams = Streams(stack.router.url, 10, 120)
+    t0 = time.monotonic()
+    streams.wait_started(10, timeout=300)
+    slowest_start = time.monotonic() - t0
+    results = streams.join(300)
+    print(f"row wait: the last stream started after {slowest_start:.1f} s")
+    assert slowest_start > bootstrap_timeout + 1, slowest_start  # the wait did happen
+    assert len(results) == 10 and all(s == 200 and completed(t) for s, t in results), results
+    stack.prefill.idle_pool(30)
+    stack.d0.idle_pool(30)
+
+
+def test_kill_decode_mid_stream_marks_it_down_then_it_rejoins(stack, monkeypatch):
+    streams = Streams(stack.router.url, 4, 400)
+    streams.wait_started(2)  # 2 run, 2 wait on D0 for a running slot
+    os.kill(stack.d0.proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    down_after = wait_for(lambda: not stack.healthy(stack.d0.url), 10)
+    results = streams.join()
+    print(f"decode killed: out of rotation after {down_after:.2f} s")
+    assert down_after < MARK_DOWN_S, down_after
+    # ended, none hung: those that had begun with an error event, the others with a 503
+    started = [t for s, t in results if s == 200 and '"error"' in t]
+    assert len(started) >= 2 and all(s in (200, 503) for s, _ in results), results
+    assert time.monotonic() - killed_at < 30
+    # with D0 out, the only decode left refuses: a clean 503 at once
+    t0 = time.monotonic()
+    r = httpx.post(stack.router.url + "/v1/completions", json=body(4, False), timeout=60)
+    assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+    assert time.monotonic() - t0 < 10
+    stack.d0.proc.wait()
+    stack.restart("d0", monkeypatch)
+    wait_for(lambda: stack.healthy(stack.d0.url), 30, 0.2)  # active probes bring it back
+    results = Streams(stack.router.url, 4, 8).join()
+    assert all(s == 200 and completed(t) for s, t in results), results
+    stack.prefill.idle_pool(30)
+    stack.d0.idle_pool(30)
+
+
+def test_kill_prefill_spares_requests_whose_kv_arrived(stack, monkeypatch):
+    """Streams past their first token have all their KV on decode: prefill's death must not
+    fail them. The router sees the death at the next request and /readiness turns 503."""
+    handed_over = 'pdserve:requests_total{finish_reason="length"}'  # prefill's 1-token answers
+    shipped = _metric(stack.prefill.url, handed_over)
+    streams = Streams(stack.router.url, 6, 200)
+    # every KV handed over: 2 requests run on D0, 4 wait there for a running slot
+    wait_for(lambda: _metric(stack.prefill.url, handed_over) >= shipped + 6, 60)
+    streams.wait_started(2)
+    os.kill(stack.prefill.proc.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    r = httpx.post(stack.router.url + "/v1/completions", json=body(4, False), timeout=60)
+    assert r.status_code == 503, r.text
+
+    def not_ready() -> bool:
+        return httpx.get(stack.router.url + "/readiness", timeout=5).status_code == 503
+
+    wait_for(not_ready, 10)
+    print(f"prefill killed: /readiness 503 after {time.monotonic() - killed_at:.2f} s")
+    assert time.monotonic() - killed_at < MARK_DOWN_S + 1
+    results = streams.join()
+    assert len(results) == 6 and all(s == 200 and completed(t) for s, t in results), results
+    stack.prefill.proc.wait()
+    stack.restart("prefill", monkeypatch)
+    wait_for(lambda: not not_ready(), 30, 0.2)
+    results = Streams(stack.router.url, 4, 8).join()
+    assert all(s == 200 and completed(t) for s, t in results), results
+    stack.prefill.idle_pool(30)
+    stack.d0.idle_pool(30)
+
+
+def test_disconnect_storm_leaves_the_pools_idle(stack):
+    """60 clients that leave at once, some before their first token, some after."""
+    import socket
+
+    payload = (b'{"prompt": [5, 6, 7, 8, 9, 10, 11, 12], "max_tokens": 300, "ignore_eos": true,'
+               b' "stream": true}')  # fmt: skip
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%s" % (len(payload), payload))  # fmt: skip
+    socks = []
+    for i in range(60):
+        s = socket.create_connection(("127.0.0.1", stack.router.port), timeout=30)
+        s.sendall(request)
+        socks.append(s)
+        if i % 2:
+            time.sleep(0.02)
+    time.sleep(1.0)
+    for s in socks:
+        s.close()
+    stack.prefill.idle_pool(60)
+    stack.d0.idle_pool(60)
+    results = Streams(stack.router.url, 2, 8).join()
+    assert all(s == 200 and completed(t) for s, t in results), results
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def soak(stack, seconds: float, clients: int = 6) -> dict:
+    """Clients streaming through the router for `seconds`, some leaving early; returns counts
+    and each process's RSS/descriptor figures before and after."""
+    procs = {"router": stack.router.proc.pid, "prefill": stack.prefill.proc.pid,
+             "decode": stack.d0.proc.pid}  # fmt: skip
+    pids = {name: [pid, *Server.children_of(pid)] for name, pid in procs.items()}
+
+    def snapshot() -> dict:
+        return {n: (sum(_rss_mib(p) for p in ps), sum(_fds(p) for p in ps))
+                for n, ps in pids.items()}  # fmt: skip
+
+    before = snapshot()
+    end = time.monotonic() + seconds
+    counts = {"completed": 0, "left_early": 0, "failed": 0}
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        n = 0
+        while time.monotonic() < end:
+            n += 1
+            leave = (n + i) % 5 == 0
+            outcome = "failed"
+            try:
+                with httpx.stream("POST", stack.router.url + "/v1/completions",
+                                  json=body(24), timeout=60) as r:  # fmt: skip
+                    text = ""
+                    for line in r.iter_lines():
+                        text += line
+                        if leave and line.startswith("data:"):
+                            break
+                    if leave:
+                        outcome = "left_early"
+                    elif r.status_code == 200 and completed(text):
+                        outcome = "completed"
+            except httpx.HTTPError:
+                pass
+            with lock:
+                counts[outcome] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 120)
+    stack.prefill.idle_pool(60)
+    stack.d0.idle_pool(60)
+    time.sleep(1.0)  # keep-alive connections settle
+    return {"counts": counts, "before": before, "after": snapshot()}
+
+
+def test_short_soak_leaks_neither_memory_nor_descriptors(stack):
+    soak(stack, 15)  # warm-up: allocator arenas, connection pools, code paths
+    figures = soak(stack, float(os.environ.get("PDSERVE_SOAK_S", "120")))
+    print("soak:", figures)
+    counts = figures["counts"]
+    assert counts["failed"] == 0 and counts["completed"] > 5, counts
+    for name, (rss, fds) in figures["after"].items():
+        rss0, fds0 = figures["before"][name]
+        assert rss - rss0 < 64, (name, rss0, rss)  # MiB
+        assert fds - fds0 <= 8, (name, fds0, fds)
