@@ -16,12 +16,15 @@ import httpx
 from tests.server_proc import Server, free_port
 
 FAST_TIMEOUTS = {
-    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "4",
+    # Short enough that a test of each timeout runs in seconds, long enough that a loaded 2-core
+    # machine (load 10 seen) does not trip them: a decode step or a heartbeat answer can take
+    # seconds there.
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "15",
     # A hang guard, not a budget: under CI load a request queued behind others at prefill can
     # wait long for its KV. Dead peers are caught by the heartbeat and bootstrap timeouts.
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "240",
     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5",
-    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "2",
+    "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "4",
     "PDSERVE_DISAGGREGATION_ABORT_ACK_TIMEOUT": "30",
 }
 
