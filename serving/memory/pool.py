@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.config import ModelConfig
+from serving.distributed import rank_cache_config
 from serving.memory.allocator import FreeList, PageAllocator
 from serving.memory.cache import (
     ModelCache,
@@ -110,6 +111,7 @@ def plan_pool(
     """Size the token pool: --max-total-tokens if given; on CUDA what fits in
     mem_fraction_static of device memory after weights and request state; on CPU 131072 tokens."""
     elem = torch.tensor([], dtype=dtype).element_size()
+    config = rank_cache_config(config)  # TP: this rank's KDA heads
     per_token = token_bytes(config, elem, with_draft)
     per_row = row_bytes(config, elem, tail_slots_for(config, num_draft_tokens), with_draft)
     if max_total_tokens is None and device == "cuda":
@@ -152,8 +154,9 @@ class MemoryPool:
         self.rows = FreeList(plan.rows, "request row")
         self.pages = PageAllocator(plan.pages, plan.page_size)
         num_slots = self.pages.num_slots
+        local = rank_cache_config(config)  # TP: KDA states hold this rank's heads only
         self.target: ModelCache = allocate_model_cache(
-            config,
+            local,
             self.req_to_token,
             num_slots,
             dtype,
@@ -166,7 +169,7 @@ class MemoryPool:
         self.draft: ModelCache | None = None
         if plan.with_draft:
             self.draft = allocate_model_cache(
-                config,
+                local,
                 self.req_to_token,
                 num_slots,
                 dtype,

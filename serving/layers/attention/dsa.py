@@ -16,6 +16,7 @@ import torch
 
 from kernels import indexer as idx_kernels
 from kernels.sparse_mla import sparse_mla_attention
+from serving.distributed import tp_all_reduce
 from serving.forward_batch import ForwardBatch
 from serving.memory.cache import DSALayerCache
 
@@ -103,6 +104,7 @@ def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALaye
         scores = idx_kernels.score_pools(
             q[chunk], head_w[chunk], pool_keys.unsqueeze(0), shape.head_dim**-0.5
         )
+        scores = tp_all_reduce(scores)  # TP: heads are split; every rank selects the same tokens
         out.append(
             idx_kernels.select_tokens(
                 scores, batch.positions[chunk], kp, shape.select_pools, shape.select_tail
@@ -141,6 +143,7 @@ def _select_uniform(shape, q, head_w, batch: ForwardBatch, cache: DSALayerCache)
     # one gather of pooled keys per request, shared by its step_len queries
     dst = _pool_slots(kp, batch.req_to_token, batch.req_rows[:, None], pools[None, :])
     scores = idx_kernels.score_pools(q, head_w, cache.index_keys[dst], shape.head_dim**-0.5)
+    scores = tp_all_reduce(scores)  # TP: heads are split; every rank selects the same tokens
     return idx_kernels.select_tokens(
         scores, batch.positions, kp, shape.select_pools, shape.select_tail
     )
