@@ -164,6 +164,15 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def min_over_ranks(n: int) -> int:
+    """The smallest of every rank's n (sizes that must agree, e.g. the KV pages planned)."""
+    if _state.world == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_cpu_group)
+    return int(t.item())
+
+
 def broadcast_object(obj: Any = None) -> Any:
     """Rank 0 sends `obj`; every rank returns it (pickled over the gloo group)."""
     box = [obj]

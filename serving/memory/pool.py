@@ -115,7 +115,7 @@ def plan_pool(
     per_token = token_bytes(config, elem, with_draft)
     per_row = row_bytes(config, elem, tail_slots_for(config, num_draft_tokens), with_draft)
     if max_total_tokens is None and device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         budget = int(total * mem_fraction_static) - weight_bytes - (rows + 1) * per_row
         budget -= (rows + 1) * max_context * 8  # request table
         if budget <= 0:
@@ -166,6 +166,9 @@ class MemoryPool:
         self.aux = AuxRows.allocate(
             request_rows(self.req_to_token), config.hidden_size, dtype, device
         )
+        # TP rank 0 records what followers must mirror (row resets, page maps) here; they
+        # replay it before the next forward (serving/engine/tp_worker.py). None: not recorded.
+        self.journal: list[tuple] | None = None
         self.draft: ModelCache | None = None
         if plan.with_draft:
             self.draft = allocate_model_cache(
@@ -197,10 +200,15 @@ class MemoryPool:
         got = self.rows.alloc(1)
         if got is None:
             return None
-        rows = torch.tensor(got, device=self.device)
-        for cache in self.caches():
-            reset_request_state(cache, rows)
+        self._reset_rows(got)
         return got[0]
+
+    def _reset_rows(self, rows: list[int]) -> None:
+        if self.journal is not None:
+            self.journal.append(("reset", rows))
+        index = torch.tensor(rows, device=self.device)
+        for cache in self.caches():
+            reset_request_state(cache, index)
 
     def free_row(self, row: int) -> None:
         self.rows.free([row])
@@ -216,16 +224,35 @@ class MemoryPool:
         new = self.pages.alloc(need)
         if new is None:
             return False
+        self._map_pages(row, len(pages), new)
+        pages.extend(new)
+        return True
+
+    def _map_pages(self, row: int, first: int, new: list[int]) -> None:
+        """Point positions from page index `first` of `row` at pages `new`."""
+        if self.journal is not None:
+            self.journal.append(("map", row, first, new))
         size = self.plan.page_size
-        start = len(pages) * size
+        start = first * size
         slots = (
             torch.tensor(new, device=self.device)[:, None] * size
             + torch.arange(size, device=self.device)
         ).flatten()
         end = min(start + slots.numel(), self.plan.max_context)  # the last page may overhang
         self.req_to_token[row, start:end] = slots[: end - start]
-        pages.extend(new)
-        return True
+
+    def take_journal(self) -> list[tuple]:
+        entries, self.journal = self.journal or [], []
+        return entries
+
+    def replay(self, entries: list[tuple]) -> None:
+        """A TP follower applies rank 0's row resets and page maps, in order, so its request
+        table and fresh states equal rank 0's (its own allocators stay unused)."""
+        for entry in entries:
+            if entry[0] == "reset":
+                self._reset_rows(entry[1])
+            else:
+                self._map_pages(*entry[1:])
 
     def free_pages(self, pages: list[int]) -> None:
         self.pages.free(pages)
