@@ -61,3 +61,24 @@ def test_rank_reads_only_its_slices(tiny_ckpt):
     conv, qkv = f["layers.0.self_attn.conv_weight"], config.kda_qkv_dim
     local = torch.cat([conv[i * qkv + qkv // 2 : (i + 1) * qkv] for i in range(3)])
     assert torch.equal(p["layers.0.self_attn.conv_weight"], local)
+
+
+def test_plan_of_the_real_config(tmp_path, capsys):
+    """The plan command from config.json alone: the real preset at the seed's decode settings."""
+    from serving.tools.plan import main
+    from serving.tools.tiny_model import write_checkpoint
+
+    real = write_checkpoint(tmp_path / "real", preset="real")
+    assert not list(real.glob("*.safetensors"))
+    flags = ["--model-path", str(real), "--mem-fraction-static", "0.70"]
+    flags += ["--context-length", "69632", "--max-running-requests", "32"]
+    flags += ["--disaggregation-decode-extra-slots", "64", "--gpu-memory-gib", "141"]
+    main([*flags, "--tp-size", "8", "--ep-size", "8"])
+    out = capsys.readouterr().out
+    assert "313.4 B parameters" in out, out
+    assert "request rows                  97" in out, out
+    weights = float(out.split("weights per rank")[1].split()[0])
+    assert 583.7 / 8 < weights < 583.7 / 8 + 2, out  # a little replicated on every rank
+    assert "KV tokens per GPU" in out, out
+    with pytest.raises(SystemExit, match="linear_num_heads .KDA heads. = 64 does not divide"):
+        main([*flags, "--tp-size", "3", "--ep-size", "3"])

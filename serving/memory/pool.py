@@ -94,6 +94,27 @@ def row_bytes(config: ModelConfig, elem: int, tail_slots: int, with_draft: bool)
     return kda + tails * config.index_head_dim * elem
 
 
+def fit_kv_tokens(
+    total_memory: int,
+    mem_fraction_static: float,
+    weight_bytes: int,
+    rows: int,
+    max_context: int,
+    per_row: int,
+    per_token: int,
+) -> int:
+    """KV tokens that fit in mem_fraction_static of one device after this rank's weights, the
+    request state of rows + 1 rows (padding row 0) and the request table (int64 per position)."""
+    budget = int(total_memory * mem_fraction_static) - weight_bytes - (rows + 1) * per_row
+    budget -= (rows + 1) * max_context * 8  # request table
+    if budget <= 0:
+        raise ValueError(
+            f"--mem-fraction-static {mem_fraction_static}: weights ({weight_bytes / 2**30:.1f}"
+            f" GiB) and request state leave no room for KV pages"
+        )
+    return budget // per_token
+
+
 def plan_pool(
     config: ModelConfig,
     *,
@@ -116,14 +137,9 @@ def plan_pool(
     per_row = row_bytes(config, elem, tail_slots_for(config, num_draft_tokens), with_draft)
     if max_total_tokens is None and device == "cuda":
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        budget = int(total * mem_fraction_static) - weight_bytes - (rows + 1) * per_row
-        budget -= (rows + 1) * max_context * 8  # request table
-        if budget <= 0:
-            raise ValueError(
-                f"--mem-fraction-static {mem_fraction_static}: weights ({weight_bytes / 2**30:.1f}"
-                f" GiB) and request state leave no room for KV pages"
-            )
-        max_total_tokens = budget // per_token
+        max_total_tokens = fit_kv_tokens(
+            total, mem_fraction_static, weight_bytes, rows, max_context, per_row, per_token
+        )
     elif max_total_tokens is None:
         max_total_tokens = 131072
     pages = max_total_tokens // page_size
