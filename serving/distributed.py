@@ -173,6 +173,13 @@ def min_over_ranks(n: int) -> int:
     return int(t.item())
 
 
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x into every rank's x (same shape and dtype on every rank), in place."""
+    if _state.world > 1:
+        dist.broadcast(x, src=0, group=_group)
+    return x
+
+
 def broadcast_object(obj: Any = None) -> Any:
     """Rank 0 sends `obj`; every rank returns it (pickled over the gloo group)."""
     box = [obj]

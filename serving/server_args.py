@@ -273,11 +273,6 @@ class ServerArgs:
                 f"{self.ranks_per_node} devices from --base-gpu-id {self.base_gpu_id}, this "
                 f"machine has {num_devices} (cuda)"
             )
-        if world > 1 and self.speculative_algorithm:
-            raise ArgsError(
-                f"--speculative-algorithm {self.speculative_algorithm}: not built yet with "
-                f"--tp-size/--ep-size > 1"
-            )
         if world > 1 and self.disaggregation_mode != "null":
             raise ArgsError(
                 f"--disaggregation-mode {self.disaggregation_mode}: not built yet with "

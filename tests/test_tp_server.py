@@ -19,7 +19,7 @@ import torch
 from serving.config import ModelConfig
 from serving.models.loader import load_weights
 from serving.tools.generate import StepRunner
-from tests.server_proc import Server
+from tests.server_proc import Server, eagle_flags
 
 CONTEXT = 256
 
@@ -117,3 +117,42 @@ def test_killed_rank_ends_the_worker(tiny_ckpt, tmp_path):
         assert statuses and statuses[0] in (503, -1), statuses
     finally:
         srv.stop()
+
+
+def test_tp2_eagle_greedy_equals_one_rank(tiny_ckpt, reference, tmp_path):
+    """EAGLE (2 draft steps, the NextN draft sharded like the target) under TP2+EP2: greedy
+    tokens equal plain one-rank decoding, alone and batched, with chunked prefill."""
+    srv = Server(
+        tiny_ckpt,
+        "--tp-size",
+        "2",
+        "--ep-size",
+        "2",
+        "--context-length",
+        str(CONTEXT),
+        "--chunked-prefill-size",
+        "16",
+        *eagle_flags(2),
+        log_dir=tmp_path,
+    )
+    try:
+        prompts = [prompt(s, n) for s, n in ((10, 7), (11, 45), (12, 70))]
+        want = [reference(p, 10) for p in prompts]
+        r = generate(srv.url, prompts[0], 10)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == want[0]
+        got: dict[int, list[int]] = {}
+
+        def one(i: int) -> None:
+            got[i] = generate(srv.url, prompts[i], 10).json()["output_ids"]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert [got.get(i) for i in range(len(prompts))] == want
+        stats = srv.idle_pool()
+        assert stats["spec_num_steps"] == 2 and stats["spec_verify_steps"] > 0, stats
+    finally:
+        assert srv.stop() == 0

@@ -99,8 +99,8 @@ def build_engine(args: ServerArgs, role=None):
     device = args.resolved_device()
     config, dtype, model, draft, pool, plan, runner, context = build_model(args)
     steps = args.speculative_steps
-    if state().world > 1:
-        runner.fanout = RankFanout(pool)
+    fanout = RankFanout(pool) if state().world > 1 else None
+    runner.fanout = fanout
     tokenizer_file = os.path.join(args.tokenizer_path or args.model_path, "tokenizer.json")
     sampler = Sampler(config.vocab_size, device, args.random_seed, tokenizer_file=tokenizer_file)
     spec = None
@@ -108,6 +108,7 @@ def build_engine(args: ServerArgs, role=None):
         from serving.speculative.eagle import Eagle, SpecConfig
 
         spec = Eagle(model, draft, pool, sampler, SpecConfig(steps))
+        spec.fanout = fanout
         if args.use_decode_graphs():
             spec.enable_graphs(args.cuda_graph_max_bs_decode)
     tokenizer = Tokenizer.from_file(tokenizer_file)
@@ -232,7 +233,9 @@ def run_follower(args: ServerArgs, rank: int) -> None:
     """Process main of TP/EP rank `rank` > 0: the same model shard and pool as rank 0, running
     whatever forward rank 0 broadcasts, until rank 0 says stop. Any failure exits non-zero
     (the launcher names the rank); the group's timeout bounds every wait."""
-    from serving.distributed import broadcast_object, destroy_parallel
+    import torch
+
+    from serving.distributed import broadcast_object, broadcast_tensor, destroy_parallel
     from serving.engine.tp_worker import KEEPALIVE, STOP, join_group
 
     logging.basicConfig(
@@ -242,7 +245,15 @@ def run_follower(args: ServerArgs, rank: int) -> None:
     Watchdog(args.watchdog_timeout)  # exits with the launcher
     join_group(args, rank)
     log.info("rank %d of %d: pid %d", rank, args.world_size, os.getpid())
-    _, _, _, _, pool, _, runner, _ = build_model(args)
+    config, dtype, model, draft, pool, _, runner, _ = build_model(args)
+    spec = None
+    if args.speculative_steps > 0:
+        from serving.speculative.eagle import Eagle, SpecConfig
+
+        spec = Eagle(model, draft, pool, None, SpecConfig(args.speculative_steps))
+        if args.use_decode_graphs():
+            spec.enable_graphs(args.cuda_graph_max_bs_decode)
+    pending = None
     while True:
         msg = broadcast_object()
         if msg == STOP:
@@ -250,5 +261,17 @@ def run_follower(args: ServerArgs, rank: int) -> None:
         if msg == KEEPALIVE:
             continue
         pool.replay(msg.journal)
-        runner.forward(msg.items, msg.logits)
+        if msg.kind == "forward":
+            runner.forward(*msg.payload)
+        elif msg.kind == "extend_draft":
+            rows, starts, tokens = msg.payload
+            hidden = torch.empty(
+                sum(len(t) for t in tokens), config.hidden_size, dtype=dtype, device=pool.device
+            )
+            spec.extend_draft(rows, starts, tokens, broadcast_tensor(hidden))
+        elif msg.kind == "spec_verify":
+            pending = spec.verify(msg.payload)
+        elif msg.kind == "spec_commit":
+            spec.commit(pending, *msg.payload)
+            pending = None
     destroy_parallel()

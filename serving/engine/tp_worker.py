@@ -2,11 +2,14 @@
 
 Rank 0 runs the Scheduler; before each forward it broadcasts the batch description (request
 rows, start positions, token ids, logits mode) and the pool journal (row resets, page maps since
-the last forward), never text. Followers (serving/engine/scheduler_process.run_follower) replay
-the journal into their own request table and run the same forward; rank 0 samples.
+the last forward), never text. With EAGLE it also sends the host inputs of each speculative
+program (draft extend, draft+verify, then the committed tokens for roll-back and catch-up).
+Followers (serving/engine/scheduler_process.run_follower) replay the journal into their own
+request table and run the same programs; rank 0 samples.
 
 Hazard: every rank must enter the same collectives in the same order. So all forwards go
-through ModelRunner.forward (the fanout point), and a follower never decides anything itself.
+through ModelRunner.forward or Eagle's programs (the fanout points), and a follower never
+decides anything itself.
 When rank 0 idles, it broadcasts a keepalive every KEEPALIVE_S, so the followers' wait never
 reaches the group timeout; a dead peer breaks the gloo connection and every rank exits.
 """
@@ -28,9 +31,13 @@ KEEPALIVE = "keepalive"
 
 @dataclass(frozen=True)
 class StepMessage:
+    """kind: "forward" (payload (items, logits)), or one of EAGLE's programs: "extend_draft"
+    ((rows, starts, next tokens); the target hiddens follow as a tensor broadcast),
+    "spec_verify" (host [3, B] tensor), "spec_commit" ((padded, last))."""
+
+    kind: str
     journal: list[tuple]
-    items: list[StepInput]
-    logits: str
+    payload: object
 
 
 class RankFanout:
@@ -42,7 +49,10 @@ class RankFanout:
         self.last = time.monotonic()
 
     def __call__(self, items: list[StepInput], logits: str) -> None:
-        broadcast_object(StepMessage(self.pool.take_journal(), items, logits))
+        self.send("forward", (items, logits))
+
+    def send(self, kind: str, payload: object) -> None:
+        broadcast_object(StepMessage(kind, self.pool.take_journal(), payload))
         self.last = time.monotonic()
 
     def keepalive(self) -> None:
