@@ -82,3 +82,44 @@ def test_plan_of_the_real_config(tmp_path, capsys):
     assert "KV tokens per GPU" in out, out
     with pytest.raises(SystemExit, match="linear_num_heads .KDA heads. = 64 does not divide"):
         main([*flags, "--tp-size", "3", "--ep-size", "3"])
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2), (4, 1), (4, 4)])
+def test_tiny_loads_at_every_size_it_divides_by(tiny_ckpt, tp, ep):
+    """Each rank reads only its slices: the last rank's bytes read are its parameters' bytes,
+    well under the checkpoint's (replicated tensors are read by every rank)."""
+    from serving.config import ModelConfig
+    from serving.distributed import ParallelState, set_state
+    from serving.models.loader import load_weights
+
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    full, _ = load_weights(tiny_ckpt, config, torch.float32)
+    world = max(tp, ep)
+    set_state(ParallelState(rank=world - 1, tp_size=tp, ep_size=ep))
+    try:
+        part, _ = load_weights(tiny_ckpt, config, torch.float32)
+    finally:
+        set_state(ParallelState())
+    own = sum(p.numel() * p.element_size() for p in part.parameters())
+    assert part.checkpoint_bytes_read == own
+    assert own < (0.75 if tp > 1 else 0.95) * full.checkpoint_bytes_read, own
+
+
+def test_sizes_that_do_not_divide_are_named(tiny_ckpt):
+    from serving.config import ModelConfig
+    from serving.distributed import check_sizes
+    from serving.tools.tiny_model import build_config
+
+    tiny = ModelConfig.from_pretrained(tiny_ckpt)
+    with pytest.raises(ValueError, match=r"--tp-size 8: .*linear_num_heads \(KDA heads\) = 4"):
+        check_sizes(tiny, 8, 8)
+    with pytest.raises(ValueError, match=r"--ep-size 3: .*n_routed_experts = 8"):
+        check_sizes(tiny, 1, 3)
+    with pytest.raises(ValueError, match="each must be 1 or 4"):
+        check_sizes(tiny, 2, 4)
+    specials = {"<|endoftext|>": 0, "<|user|>": 1, "<|observation|>": 2}
+    for preset in ("bench", "real"):
+        config = ModelConfig.from_dict(build_config(preset, specials))
+        for n in (1, 2, 4, 8):
+            check_sizes(config, n, n)
+            check_sizes(config, n, 1)

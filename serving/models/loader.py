@@ -228,6 +228,7 @@ def load_weights(
     params = {role: dict(module.named_parameters()) for role, module in modules.items()}
     filled: dict[tuple[str, str], int] = {}
     ps = state()
+    read_bytes = 0
     for name, read in _iter_slices(model_dir):
         mapped = _map_name(name, config, load_draft, ps)
         if mapped is None:
@@ -237,6 +238,7 @@ def load_weights(
         if param is None:
             raise CheckpointError(f"unknown tensor {name!r} (no parameter {role}.{target.param})")
         tensor = read(getattr(param, "shard", None))
+        read_bytes += tensor.numel() * tensor.element_size()
         dst = target.view(param.data)
         if target.param.endswith("conv_weight") and tensor.dim() == 3:
             tensor = tensor.squeeze(1)  # depthwise conv1d weights are stored [C, 1, K]
@@ -258,7 +260,15 @@ def load_weights(
         raise CheckpointError(
             f"checkpoint tensors missing (or given twice) for: {', '.join(sorted(missing))}"
         )
+    total = sum(f.stat().st_size for f in checkpoint_files(model_dir))
+    log.info(
+        "rank %d: read %.1f MiB of the checkpoint's %.1f MiB",
+        ps.rank,
+        read_bytes / 2**20,
+        total / 2**20,
+    )
     target_model = modules["target"].to(device).eval()
+    target_model.checkpoint_bytes_read = read_bytes  # type: ignore[assignment]
     draft = modules.get("draft")
     return target_model, (draft.to(device).eval() if draft is not None else None)
 
