@@ -123,3 +123,33 @@ def test_sizes_that_do_not_divide_are_named(tiny_ckpt):
         for n in (1, 2, 4, 8):
             check_sizes(config, n, n)
             check_sizes(config, n, 1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tp-size", "2", "--nnodes", "2"], "--nnodes > 1: needs --dist-init-addr"),
+        (["--tp-size", "4", "--nnodes", "3"], "--nnodes 3 --node-rank 0: the 4 ranks"),
+        (["--tp-size", "2", "--ep-size", "4"], "each be 1 or the number of ranks (4)"),
+        (
+            ["--tp-size", "2", "--disaggregation-mode", "decode"],
+            "--disaggregation-mode decode: not built yet with --tp-size",
+        ),
+    ],
+)
+def test_parallel_flags_that_cannot_take_effect(tiny_ckpt, flags, message):
+    from serving.server_args import ArgsError, ServerArgs
+
+    args = ServerArgs.from_cli(["--model-path", str(tiny_ckpt), "--device", "cpu", *flags])
+    with pytest.raises(ArgsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        args.validate()
+
+
+def test_rendezvous_address(tiny_ckpt):
+    from serving.server_args import ServerArgs
+
+    base = ["--model-path", str(tiny_ckpt), "--tp-size", "4"]
+    args = ServerArgs.from_cli([*base, "--nccl-port", "22171"])
+    assert args.dist_init_method() == "tcp://127.0.0.1:22171" and args.ranks_per_node == 4
+    args = ServerArgs.from_cli([*base, "--dist-init-addr", "10.0.0.1:5000", "--nnodes", "2"])
+    assert args.dist_init_method() == "tcp://10.0.0.1:5000" and args.ranks_per_node == 2
