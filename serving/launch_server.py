@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         asyncio.run(serve(app, args, client, scheduler))
     except EngineUnavailable as exc:
-        dead = scheduler.dead()
-        sys.exit(f"error: scheduler failed: {dead or exc}")
+        dead = scheduler.dead()  # with N ranks: which one went first
+        sys.exit(f"error: scheduler failed: {exc}" + (f"; {dead}" if dead else ""))
     finally:
         scheduler.stop()
         if bootstrap is not None:
@@ -95,7 +95,11 @@ class RankProcesses:
 
     @property
     def exitcode(self) -> int | None:
-        return next((p.exitcode for p in self.procs.values() if p.exitcode is not None), None)
+        """The exit code of the first rank that exited."""
+        order = self.exits + list(self.procs)
+        return next(
+            (self.procs[r].exitcode for r in order if self.procs[r].exitcode is not None), None
+        )
 
     def dead(self) -> str | None:
         """'scheduler rank R exited (code C)' for the first rank found dead (None: all alive)."""
@@ -107,7 +111,7 @@ class RankProcesses:
             return None
         rank = dead[0]
         code = self.procs[rank].exitcode
-        return f"scheduler rank {rank} of {len(self.procs)} exited (code {code})"
+        return f"scheduler rank {rank} of {len(self.procs)} exited first (code {code})"
 
     def stop(self) -> None:
         """Rank 0 first (it tells the others to stop); then whatever is left is killed."""
