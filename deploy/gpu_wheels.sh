@@ -23,7 +23,7 @@ rm -rf .whl && mkdir -p .whl/deb
     mooncake-transfer-engine-cuda13==0.3.13.post1 \
     fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 pyzmq==27.3.0 \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-    typing-extensions==4.16.0 opentelemetry-api==1.45.2 llguidance==1.9.1
+    typing-extensions==4.16.0 opentelemetry-api==1.45.2 llguidance==1.9.1 fla-core==0.6.0
 
 # The Mooncake wheel is 98 MB, mostly what we never load (collective backend, EP kernels, the
 # store, benchmark and master binaries). Keep mooncake.engine and the libraries it links.

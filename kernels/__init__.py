@@ -11,3 +11,16 @@ distribution is `pdserve` with a version outside that window and this package ha
 tests/test_nextn_and_tiny.py::test_transformers_ignores_our_kernels_package holds
 that line.
 """
+
+import os
+
+import torch
+
+# PDSERVE_TORCH_KERNELS=1 keeps the torch references on CUDA too: the oracle a fast path is
+# compared with, and the "before" of the benchmarks.
+TORCH_ONLY = os.environ.get("PDSERVE_TORCH_KERNELS") == "1"
+
+
+def fast_path(t: torch.Tensor) -> bool:
+    """Whether ops on `t` run the Triton / fla-core kernels of kernels/triton/ (CUDA only)."""
+    return t.is_cuda and not TORCH_ONLY

@@ -347,4 +347,4 @@ def test_sampler_without_a_tokenizer_aborts_constrained_requests(eos: tuple[int,
     state = SamplingState(SamplingParams(regex="a"), [1], [], None, frozenset(eos))
     Sampler(1024, "cpu").sample(torch.zeros(1, 1024), [state])
     reason = state.grammar_finish_reason()
-    assert reason["type"] == "abort" and "tokenizer" in reason["message"]
+    assert reason.kind == "abort" and "tokenizer" in reason.message

@@ -13,16 +13,18 @@ import logging
 import torch
 
 from serving.forward_batch import ForwardBatch
-from serving.layers.mlp import DENSE_EXPERTS_MAX_TOKENS
+from serving.layers.mlp import max_captured_tokens
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 
 log = logging.getLogger(__name__)
 
 
-def batch_ladder(max_bs: int, tokens_per_req: int = 1) -> list[int]:
-    """Captured batch sizes up to max_bs, each holding at most DENSE_EXPERTS_MAX_TOKENS tokens."""
-    max_bs = max(1, min(max_bs, DENSE_EXPERTS_MAX_TOKENS // tokens_per_req))
+def batch_ladder(max_bs: int, device: torch.device, tokens_per_req: int = 1) -> list[int]:
+    """Captured batch sizes up to max_bs, each within max_captured_tokens(device)."""
+    limit = max_captured_tokens(device)
+    if limit is not None:
+        max_bs = max(1, min(max_bs, limit // tokens_per_req))
     sizes = [1, 2, 4, 8] + list(range(16, max_bs + 1, 8))
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
@@ -44,7 +46,7 @@ def capture(fn, pool_handle):
 class DecodeGraphs:
     def __init__(self, model: Glm5NextForCausalLM, pool: MemoryPool, max_bs: int) -> None:
         self.model, self.pool = model, pool
-        self.sizes = batch_ladder(max_bs)
+        self.sizes = batch_ladder(max_bs, pool.device)
         device = pool.device
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import fast_path
 from kernels import moe as moe_kernels
 from serving.config import ModelConfig
 from serving.distributed import all_reduce, split, state
@@ -77,8 +78,7 @@ class MoE(nn.Module):
             local = ids - self.experts.start
             mine = (local >= 0) & (local < self.w13.shape[0])
             weights, ids = torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
-        experts = moe_kernels.experts_dense if _dense_experts(x) else moe_kernels.experts
-        routed = experts(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
+        routed = _experts(x)(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
         if ps.tp_size > 1:  # shared expert TP-split too: one all-reduce for both
             return all_reduce(routed + self.shared_experts(x))
         if ps.ep_size > 1:
@@ -86,14 +86,27 @@ class MoE(nn.Module):
         return routed + self.shared_experts(x)
 
 
-# On CUDA, batches this small (decode, speculative verify) use the sync-free dense expert path,
-# eager or captured alike, so CUDA graphs on and off compute the same thing. It is also the
-# most tokens a captured forward may hold (the sorted path syncs with the host).
+# With the torch kernels on CUDA (PDSERVE_TORCH_KERNELS=1), batches this small use the sync-free
+# dense expert path, eager or captured alike, so CUDA graphs on and off compute the same thing;
+# it is then also the most tokens a captured forward may hold (the sorted path syncs with the
+# host). The fused Triton MoE has neither limit: one capturable path for every batch size.
 DENSE_EXPERTS_MAX_TOKENS = 128
 
 
-def _dense_experts(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS
+def _experts(x: torch.Tensor):
+    if fast_path(x):
+        from kernels.triton.moe import experts
+
+        return experts
+    if x.is_cuda and x.shape[0] <= DENSE_EXPERTS_MAX_TOKENS:
+        return moe_kernels.experts_dense
+    return moe_kernels.experts
+
+
+def max_captured_tokens(device: torch.device) -> int | None:
+    """The most tokens one captured forward may hold on `device` (None: no limit)."""
+    probe = torch.empty(0, device=device)
+    return None if fast_path(probe) else DENSE_EXPERTS_MAX_TOKENS
 
 
 def make_mlp(config: ModelConfig, layer: int, dtype: torch.dtype) -> nn.Module:

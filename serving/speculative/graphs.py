@@ -26,7 +26,7 @@ class SpecGraphs:
     def __init__(self, eagle: Eagle, max_bs: int) -> None:
         self.eagle = eagle
         pool = eagle.pool
-        self.sizes = batch_ladder(max_bs, eagle.steps + 1)
+        self.sizes = batch_ladder(max_bs, pool.device, eagle.steps + 1)
         self.max_seq_len = pool.plan.max_context
         n, width = self.sizes[-1], eagle.steps + 1
         self.inputs = torch.zeros(3, n, dtype=torch.int64, device=pool.device)  # y, n, row

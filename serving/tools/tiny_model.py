@@ -195,6 +195,23 @@ def build_config(preset: str, specials: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def random_model(
+    raw: dict[str, Any], device: str, seed: int = 0
+) -> tuple[ModelConfig, Glm5NextForCausalLM, NextNDraft]:
+    """The target and draft of config `raw` (build_config's) with write_checkpoint's weights,
+    built in memory on `device`."""
+    config = ModelConfig.from_dict(raw)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[raw["dtype"]]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        target, draft = Glm5NextForCausalLM(config, dtype), NextNDraft(config, dtype)
+    with torch.no_grad():
+        for module in (target, draft):
+            for name, p in module.named_parameters():
+                _init(name, p, gen)
+    return config, target, draft
+
+
 def write_checkpoint(
     out_dir: str | Path, preset: str = "tiny", device: str = "cpu", seed: int = 0
 ) -> Path:
@@ -213,17 +230,9 @@ def write_checkpoint(
         )
         + "\n"
     )
-    config = ModelConfig.from_dict(raw)
     if preset in CONFIG_ONLY:
         return out
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[raw["dtype"]]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
-        target, draft = Glm5NextForCausalLM(config, dtype), NextNDraft(config, dtype)
-    with torch.no_grad():
-        for module in (target, draft):
-            for name, p in module.named_parameters():
-                _init(name, p, gen)
+    config, target, draft = random_model(raw, device, seed)
     tensors = export_checkpoint(config, target, draft)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

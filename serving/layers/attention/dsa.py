@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import fast_path
 from kernels import indexer as idx_kernels
-from kernels.sparse_mla import sparse_mla_attention
+from kernels import sparse_mla as mla_kernels
 from serving.distributed import tp_all_reduce
 from serving.forward_batch import ForwardBatch
 from serving.memory.cache import DSALayerCache
@@ -63,7 +64,45 @@ def sparse_mla(
     """Absorbed MLA [T, H, R] over the latents at the selected positions of each token's row."""
     rows = batch.req_rows[batch.token_req].unsqueeze(-1)
     slots = torch.where(positions >= 0, batch.req_to_token[rows, positions.clamp(min=0)], -1)
-    return sparse_mla_attention(q_abs, cache.latent, slots, scale)
+    if fast_path(q_abs):
+        from kernels.triton import sparse_mla as mla_kernels_fast
+
+        return mla_kernels_fast.sparse_mla_attention(q_abs, cache.latent, slots, scale)
+    return mla_kernels.sparse_mla_attention(q_abs, cache.latent, slots, scale)
+
+
+def _indexer_ops(t: torch.Tensor):
+    """kernels.indexer, or on CUDA kernels.triton.indexer (kpool_compress, select_tokens with the
+    same signatures, plus scoring straight from the paged pooled-key cache)."""
+    if fast_path(t):
+        from kernels.triton import indexer
+
+        return indexer
+    return idx_kernels
+
+
+def _score(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
+    """Pool scores [N, max_pools] of queries q [N, Hi, D] that come in len(rows) equal groups,
+    one per request row (extend: one request; decode and verify: step_len queries each).
+
+    Under TP each rank holds Hi/tp of the heads: the scores are summed over the ranks here, so
+    every rank selects the same tokens."""
+    return tp_all_reduce(_score_heads(shape, q, head_w, r2t, rows, positions, max_pools, cache))
+
+
+def _score_heads(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
+    if fast_path(q):
+        from kernels.triton.indexer import score_pools_paged
+
+        per_query = rows.repeat_interleave(q.shape[0] // rows.shape[0])
+        return score_pools_paged(
+            q, head_w, cache.index_keys, r2t, per_query, positions, shape.kpool, max_pools,
+            shape.head_dim**-0.5,
+        )  # fmt: skip
+    # one gather of pooled keys per request, shared by its queries
+    pools = torch.arange(max_pools, device=q.device)
+    keys = cache.index_keys[_pool_slots(shape.kpool, r2t, rows[:, None], pools[None, :])]
+    return idx_kernels.score_pools(q, head_w, keys, shape.head_dim**-0.5)
 
 
 def _pool_slots(kpool: int, req_to_token: torch.Tensor, row, pools: torch.Tensor):
@@ -74,6 +113,7 @@ def _pool_slots(kpool: int, req_to_token: torch.Tensor, row, pools: torch.Tensor
 def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALayerCache):
     kp, ring = shape.kpool, cache.tail_slots
     r2t = batch.req_to_token
+    ops = _indexer_ops(k)
     out = []
     offset = 0
     for b, (start, n) in enumerate(zip(batch.starts_cpu, batch.lens_cpu)):
@@ -88,7 +128,7 @@ def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALaye
         first, last = start // kp, end // kp
         if last > first:
             count = last - first
-            pooled = idx_kernels.kpool_compress(
+            pooled = ops.kpool_compress(
                 all_k[: count * kp].view(count, kp, -1),
                 all_g[: count * kp].view(count, kp, -1),
                 ape,
@@ -100,16 +140,11 @@ def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALaye
         cache.tail_keys[row, keep % ring] = k[offset + keep - start].to(cache.tail_keys.dtype)
         cache.tail_gates[row, keep % ring] = gates[offset + keep - start].to(cache.tail_gates.dtype)
         # 3. score every complete pool of the request, select per query
-        pool_keys = cache.index_keys[_pool_slots(kp, r2t, row, torch.arange(last, device=k.device))]
-        scores = idx_kernels.score_pools(
-            q[chunk], head_w[chunk], pool_keys.unsqueeze(0), shape.head_dim**-0.5
+        positions = batch.positions[chunk]
+        scores = _score(
+            shape, q[chunk], head_w[chunk], r2t, row.view(1), positions, max(last, 1), cache
         )
-        scores = tp_all_reduce(scores)  # TP: heads are split; every rank selects the same tokens
-        out.append(
-            idx_kernels.select_tokens(
-                scores, batch.positions[chunk], kp, shape.select_pools, shape.select_tail
-            )
-        )
+        out.append(ops.select_tokens(scores, positions, kp, shape.select_pools, shape.select_tail))
         offset += n
     return torch.cat(out)
 
@@ -126,7 +161,7 @@ def _write_tokens(shape, k, gates, ape, batch: ForwardBatch, cache: DSALayerCach
     cache.tail_keys[rows, pos % ring] = k.to(cache.tail_keys.dtype)
     cache.tail_gates[rows, pos % ring] = gates.to(cache.tail_gates.dtype)
     members = (pos[:, None] - kp + 1 + torch.arange(kp, device=pos.device)) % ring
-    pooled = idx_kernels.kpool_compress(
+    pooled = _indexer_ops(k).kpool_compress(
         cache.tail_keys[rows[:, None], members], cache.tail_gates[rows[:, None], members], ape
     )
     # Tokens that close no pool write to pooled-key row 0 (the padding page's), so two tokens of
@@ -139,11 +174,8 @@ def _write_tokens(shape, k, gates, ape, batch: ForwardBatch, cache: DSALayerCach
 def _select_uniform(shape, q, head_w, batch: ForwardBatch, cache: DSALayerCache):
     kp = shape.kpool
     max_pools = max(1, batch.max_seq_len // kp)
-    pools = torch.arange(max_pools, device=q.device)
-    # one gather of pooled keys per request, shared by its step_len queries
-    dst = _pool_slots(kp, batch.req_to_token, batch.req_rows[:, None], pools[None, :])
-    scores = idx_kernels.score_pools(q, head_w, cache.index_keys[dst], shape.head_dim**-0.5)
-    scores = tp_all_reduce(scores)  # TP: heads are split; every rank selects the same tokens
-    return idx_kernels.select_tokens(
+    r2t = batch.req_to_token
+    scores = _score(shape, q, head_w, r2t, batch.req_rows, batch.positions, max_pools, cache)
+    return _indexer_ops(q).select_tokens(
         scores, batch.positions, kp, shape.select_pools, shape.select_tail
     )

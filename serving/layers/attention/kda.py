@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import torch
 
+from kernels import fast_path
 from kernels import kda as kda_kernels
 from serving.forward_batch import ForwardBatch
 from serving.memory.cache import KDALayerCache
+
+
+def _ops(x: torch.Tensor):
+    """kernels.kda, or on CUDA kernels.triton.kda (fla-core + a Triton conv): same signatures."""
+    if fast_path(x):
+        from kernels.triton import kda
+
+        return kda
+    return kda_kernels
 
 
 def short_conv(
@@ -22,13 +32,14 @@ def short_conv(
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
     """Depthwise causal conv + SiLU over [T, C], continuing each request's conv state."""
+    ops = _ops(mixed)
     if batch.is_decode:
-        return kda_kernels.causal_conv_decode(mixed, weight, cache.conv, batch.req_rows)
+        return ops.causal_conv_decode(mixed, weight, cache.conv, batch.req_rows)
     if batch.step_len is not None:
-        return kda_kernels.causal_conv_uniform(
+        return ops.causal_conv_uniform(
             mixed, weight, cache.conv, batch.req_rows, batch.step_len, history
         )
-    return kda_kernels.causal_conv_extend(
+    return ops.causal_conv_extend(
         mixed, weight, cache.conv, batch.req_rows, batch.lens_cpu, history
     )
 
@@ -44,9 +55,10 @@ def delta_rule(
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
     """The gated delta-rule recurrence from each request's state (updated in place)."""
+    ops = _ops(q)
     rows = batch.req_rows
     if batch.is_decode:
-        return kda_kernels.kda_decode(q, k, v, g, beta, cache.state, rows)
+        return ops.kda_decode(q, k, v, g, beta, cache.state, rows)
     if batch.step_len is not None:
-        return kda_kernels.kda_uniform(q, k, v, g, beta, cache.state, rows, batch.step_len, history)
-    return kda_kernels.kda_extend(q, k, v, g, beta, cache.state, rows, batch.lens_cpu, history)
+        return ops.kda_uniform(q, k, v, g, beta, cache.state, rows, batch.step_len, history)
+    return ops.kda_extend(q, k, v, g, beta, cache.state, rows, batch.lens_cpu, history)

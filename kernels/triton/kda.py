@@ -1,0 +1,417 @@
+"""KDA on CUDA: fla-core's KDA kernels and a Triton causal conv, with kernels.kda's signatures.
+
+Conventions (checked against kernels.kda, the torch oracle):
+- g: our g is already the per-channel log-decay (serving/models/kda.py computes
+  lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) or -exp(A_log) * softplus(f + dt_bias)),
+  so it goes to fla as `g` with use_gate_in_kernel=False (fla then uses it as is).
+- beta: ours is post-sigmoid; fla's use_beta_sigmoid_in_kernel=False takes it as is.
+- l2norm: ours is x / sqrt(sum(x^2) + 1e-6) on q and k; fla's use_qk_l2norm_in_kernel=True
+  does exactly that (eps 1e-6 inside the sqrt, both in chunk's l2norm_fwd and in the fused
+  recurrent kernel). q is scaled after the norm by `scale`, which we pass as Dk ** -0.5.
+- state: ours [rows, H, Dk, Dv] float32, decay along Dk, update state += k (x) delta: fla's
+  default K-first layout [N, HV, K, V] (state_v_first=False), float32.
+
+fla is imported inside the functions, so importing this module never needs fla (CPU
+machines). The causal conv is our own Triton kernel: fla's causal_conv1d keeps a [N, D, W]
+cache of the last W inputs, ours is [R, C, K-1].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# causal conv
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr,  # [T, C] inputs of all requests back to back
+    w_ptr,  # [C, K] float32
+    state_ptr,  # [R, C, K-1] conv state (read only here)
+    rows_ptr,  # [B] state row of each request
+    cu_ptr,  # [B+1] token offsets
+    out_ptr,  # [T, C]
+    stride_sr,
+    stride_sc,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    start = tl.load(cu_ptr + b)
+    n = tl.load(cu_ptr + b + 1) - start
+    if pid_t * BLOCK_T >= n:
+        return
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_mask = t < n
+    c_mask = c < C
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + c * K + j, mask=c_mask, other=0.0).to(tl.float32)
+        p = t + j - (K - 1)  # input position inside the request; < 0 reads the old state
+        from_x = tl.load(
+            x_ptr + (start + p)[:, None].to(tl.int64) * C + c[None, :],
+            mask=(t_mask & (p >= 0))[:, None] & c_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        from_s = tl.load(
+            state_ptr + row * stride_sr + c[None, :] * stride_sc + (p + K - 1)[:, None],
+            mask=(t_mask & (p < 0))[:, None] & c_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += (from_x + from_s) * w[None, :]
+    out = acc * tl.sigmoid(acc)
+    tl.store(
+        out_ptr + (start + t)[:, None].to(tl.int64) * C + c[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=t_mask[:, None] & c_mask[None, :],
+    )
+
+
+@triton.jit
+def _conv_state_kernel(
+    x_ptr,
+    state_ptr,
+    rows_ptr,
+    cu_ptr,
+    stride_sr,
+    stride_sc,
+    C: tl.constexpr,
+    KM1: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """conv_state[rows[b]] <- last K-1 of (old state ++ request b's inputs)."""
+    b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    start = tl.load(cu_ptr + b)
+    n = tl.load(cu_ptr + b + 1) - start
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    i = tl.arange(0, BLOCK_K)
+    c_mask = c < C
+    i_mask = i < KM1
+    p = n - KM1 + i  # input position of new state slot i; < 0 keeps an old state slot
+    from_x = tl.load(
+        x_ptr + (start + p)[None, :].to(tl.int64) * C + c[:, None],
+        mask=c_mask[:, None] & (i_mask & (p >= 0))[None, :],
+        other=0.0,
+    )
+    base = state_ptr + row * stride_sr + c[:, None] * stride_sc
+    from_s = tl.load(
+        base + (p + KM1)[None, :], mask=c_mask[:, None] & (i_mask & (p < 0))[None, :], other=0.0
+    )
+    new = tl.where((p >= 0)[None, :], from_x.to(tl.float32), from_s.to(tl.float32))
+    tl.debug_barrier()  # every old slot is read before any is overwritten
+    tl.store(
+        base + i[None, :],
+        new.to(state_ptr.dtype.element_ty),
+        mask=c_mask[:, None] & i_mask[None, :],
+    )
+
+
+def _conv_run(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: torch.Tensor,
+    cu: torch.Tensor,
+    num_reqs: int,
+    max_len: int,
+) -> torch.Tensor:
+    chans, kernel = weight.shape
+    x = x.contiguous()
+    weight = weight.contiguous()
+    assert conv_state.stride(2) == 1, "conv_state's last dim must be contiguous"
+    out = torch.empty_like(x)
+    block_c = min(128, triton.next_power_of_2(chans))
+    block_t = max(1, min(32, triton.next_power_of_2(max_len)))
+    grid = (num_reqs, triton.cdiv(max_len, block_t), triton.cdiv(chans, block_c))
+    _conv_kernel[grid](
+        x,
+        weight,
+        conv_state,
+        rows,
+        cu,
+        out,
+        conv_state.stride(0),
+        conv_state.stride(1),
+        C=chans,
+        K=kernel,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        num_warps=4,
+    )
+    if kernel > 1:
+        _conv_state_kernel[(num_reqs, triton.cdiv(chans, block_c))](
+            x,
+            conv_state,
+            rows,
+            cu,
+            conv_state.stride(0),
+            conv_state.stride(1),
+            C=chans,
+            KM1=kernel - 1,
+            BLOCK_K=triton.next_power_of_2(kernel - 1),
+            BLOCK_C=block_c,
+            num_warps=4,
+        )
+    return out
+
+
+def _uniform_cu(num_reqs: int, step_len: int, device) -> torch.Tensor:
+    return torch.arange(num_reqs + 1, device=device, dtype=torch.int64) * step_len
+
+
+def _conv_history(x, weight, conv_state, rows, lens: list[int]) -> torch.Tensor:
+    """[B, C, K-1+max_len] = old state ++ inputs (zero padded), as kernels.kda builds it."""
+    kernel = weight.shape[-1]
+    num_reqs, max_len, chans = len(lens), max(lens), x.shape[-1]
+    seq = x.new_zeros(num_reqs, chans, kernel - 1 + max_len, dtype=weight.dtype)
+    seq[:, :, : kernel - 1] = conv_state[rows].to(weight.dtype)
+    if all(n == max_len for n in lens):
+        seq[:, :, kernel - 1 :] = x.view(num_reqs, max_len, chans).transpose(1, 2)
+        return seq
+    offset = 0
+    for b, n in enumerate(lens):
+        seq[b, :, kernel - 1 : kernel - 1 + n] = x[offset : offset + n].T.to(weight.dtype)
+        offset += n
+    return seq
+
+
+def causal_conv_extend(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv + SiLU over a ragged batch, continuing from `conv_state[rows]`.
+
+    Same contract as kernels.kda.causal_conv_extend (x [T, C]; weight [C, K]; conv_state
+    [R, C, K-1] updated in place; history receives [B, C, K-1+max_len]).
+    """
+    if history is not None:
+        history.append(_conv_history(x, weight, conv_state, rows, lens))
+    cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(x.device, non_blocking=True)
+    return _conv_run(x, weight, conv_state, rows, cu, len(lens), max(lens))
+
+
+def causal_conv_uniform(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: torch.Tensor,
+    step_len: int,
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """causal_conv_extend for a batch where every request adds step_len tokens. Graph-safe."""
+    num_reqs = x.shape[0] // step_len
+    if history is not None:
+        history.append(_conv_history(x, weight, conv_state, rows, [step_len] * num_reqs))
+    cu = _uniform_cu(num_reqs, step_len, x.device)
+    return _conv_run(x, weight, conv_state, rows, cu, num_reqs, step_len)
+
+
+def causal_conv_decode(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """One token per request. x: [B, C]; conv_state[rows] shifts by one. Graph-safe."""
+    cu = _uniform_cu(x.shape[0], 1, x.device)
+    return _conv_run(x, weight, conv_state, rows, cu, x.shape[0], 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA recurrence through fla-core
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_state(state: torch.Tensor) -> None:
+    assert state.dtype == torch.float32, "KDA state must be float32"
+    h, dk, dv = state.shape[1:]
+    assert state.stride()[1:] == (dk * dv, dv, 1), "each state row must be contiguous"
+
+
+def _recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    indices: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """fla's fused recurrent KDA, in place on `states`: each sequence n starts from
+    states[indices[n, 0]] and writes its state after token t to states[indices[n, t]].
+
+    q, k, v, g: [N, L, H, D] (or [1, T, H, D] with cu_seqlens); beta [N, L, H].
+    Returns o shaped like v, in q's dtype.
+    """
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    out = torch.empty(v.shape, device=v.device, dtype=q.dtype)
+    o, _ = fused_recurrent_kda_fwd(
+        q=q.contiguous(),
+        k=k.contiguous(),
+        v=v.contiguous(),
+        g=g.float().contiguous(),
+        beta=beta.float().contiguous(),
+        initial_state=states,
+        scale=q.shape[-1] ** -0.5,
+        inplace_final_state=True,
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=indices,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=False,
+        use_beta_sigmoid_in_kernel=False,
+        out=out,
+    )
+    return o
+
+
+def kda_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+    history: list[torch.Tensor] | None = None,
+    *,
+    safe_gate: bool = False,
+) -> torch.Tensor:
+    """KDA over a ragged batch starting from `state[rows]` (updated in place).
+
+    Same contract as kernels.kda.kda_extend. Without history: fla's chunked KDA over the
+    varlen batch (cu_seqlens), initial states gathered from state[rows], final states written
+    back. With history (speculative verify): fla's fused recurrent kernel writing the state
+    after every token into a [T, H, Dk, Dv] buffer, cut into [B, max_len, H, Dk, Dv] (positions
+    past a request's length repeat its last state, as the reference does).
+    safe_gate: pass True only when every g lies in [-5, 0) (the model's lower_bound gate with
+    lower_bound >= -5): fla then uses tensor-core sub-chunks.
+    """
+    _check_state(state)
+    max_len, total = max(lens), q.shape[0]
+    dev = q.device
+    cu_cpu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
+    cu = cu_cpu.to(dev, non_blocking=True)
+    if history is not None:
+        per_token = torch.empty(total, *state.shape[1:], device=dev, dtype=torch.float32)
+        starts = cu[:-1]
+        per_token[starts] = state[rows]
+        steps = torch.arange(max_len, device=dev)
+        indices = (starts[:, None] + steps[None, :]).clamp(max=total - 1)
+        o = _recurrent(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g.unsqueeze(0),
+            beta.unsqueeze(0),
+            per_token,
+            indices,
+            cu,
+        )[0]
+        lens_t = cu[1:] - starts
+        last = starts[:, None] + torch.minimum(steps[None, :], lens_t[:, None] - 1)
+        hist = per_token[last]  # [B, max_len, H, Dk, Dv]
+        history.append(hist)
+        state[rows] = hist[:, -1]
+        return o
+
+    from fla.ops.kda import chunk_kda
+
+    with torch.no_grad():
+        o, final = chunk_kda(
+            q=q.unsqueeze(0),
+            k=k.unsqueeze(0),
+            v=v.unsqueeze(0),
+            g=g.float().unsqueeze(0),
+            beta=beta.float().unsqueeze(0),
+            scale=q.shape[-1] ** -0.5,
+            initial_state=state[rows].contiguous(),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=False,
+            use_beta_sigmoid_in_kernel=False,
+            safe_gate=safe_gate,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+        )
+    state[rows] = final
+    return o[0].to(q.dtype)
+
+
+def kda_uniform(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    step_len: int,
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """kda_extend for a batch where every request adds step_len tokens. Graph-safe.
+
+    One fused recurrent launch. Without history the state is updated in place at state[rows]
+    (every step writes the row); with history the steps write history [B, L, H, Dk, Dv]
+    (seeded with state[rows] at step 0) and state[rows] takes its last step.
+    """
+    _check_state(state)
+    heads, dk, dv = state.shape[1:]
+    num_reqs = q.shape[0] // step_len
+
+    def per_req(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(num_reqs, step_len, *t.shape[1:])
+
+    args = (per_req(q), per_req(k), per_req(v), per_req(g), per_req(beta))
+    if history is None:
+        indices = rows.reshape(num_reqs, 1).expand(num_reqs, step_len).contiguous()
+        o = _recurrent(*args, state, indices, None)
+    else:
+        hist = torch.empty(num_reqs, step_len, heads, dk, dv, device=q.device, dtype=torch.float32)
+        hist[:, 0] = state[rows]
+        indices = torch.arange(num_reqs * step_len, device=q.device).view(num_reqs, step_len)
+        o = _recurrent(*args, hist.view(-1, heads, dk, dv), indices, None)
+        history.append(hist)
+        state[rows] = hist[:, -1]
+    return o.reshape(-1, heads, v.shape[-1])
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """One token per request (q, k, g [B, H, Dk]; v [B, H, Dv]; beta [B, H]). Graph-safe:
+    fla's fused recurrent kernel reads and writes state[rows] in place."""
+    _check_state(state)
+    o = _recurrent(
+        q.unsqueeze(1),
+        k.unsqueeze(1),
+        v.unsqueeze(1),
+        g.unsqueeze(1),
+        beta.unsqueeze(1),
+        state,
+        rows,
+        None,
+    )
+    return o[:, 0]

@@ -1,0 +1,499 @@
+"""Triton MoE and fla-core KDA (kernels/triton) against the torch references in kernels/.
+
+GPU cases (`@pytest.mark.gpu`) run the bench preset's and the real GLM-5.3-Flash shapes on
+CUDA. CPU cases run only under TRITON_INTERPRET=1 (Triton's interpreter, tiny shapes) and skip
+otherwise. Inputs are random (never zeros); freshly allocated outputs come from memory that was
+filled with NaN just before (see _poison), and in-place state tensors hold many random rows of
+which only a few, non-contiguous, are touched.
+
+Tolerances (relative to the reference's largest magnitude, on the same inputs):
+- float32 MoE: 1e-5 (IEEE fp32 dots).
+- bf16 MoE: 2e-2 max abs, 1e-2 relative Frobenius, against the float32 reference on the
+  bf16-rounded inputs (the kernel rounds the SwiGLU intermediate and each pair's output to
+  bf16; the torch bf16 path rounds gate/up, the product and the running sum too).
+- KDA float32: 1e-4 for the fused recurrent paths (elementwise fp32); on CUDA the chunked path
+  uses TF32 dots inside fla, so 5e-3 there; 2e-4 under the interpreter.
+- KDA bf16 inputs: 2e-2 on the fused recurrent paths (fp32 math, bf16 output); the chunked
+  path (fla normalises q/k into bf16 and uses bf16 dots) 4e-2 max and 1e-2 relative Frobenius
+  (5e-3 / 1e-3 for float32 inputs there).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kernels import kda as kda_ref  # noqa: E402
+from kernels import moe as moe_ref  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+
+cpu_interp = pytest.mark.skipif(not INTERPRET, reason="CPU cases need TRITON_INTERPRET=1")
+
+
+def _patch_triton_interpreter() -> None:
+    """Work around Triton 3.6 interpreter gaps (interpreter only; compiled kernels untouched):
+    runtime loop bounds (numpy >= 2.4 refuses int() of a 1-element array), tensor-valued loop
+    variables (fla calls .to() on them), bf16 tl.dot (the interpreter multiplies the raw
+    uint16 bits), and autotuning (it benchmarks through a GPU driver)."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_pdserve_patched", False):
+        return
+    interp._pdserve_patched = True
+
+    def tensor_range(a1, a2=None, step=None, **_):
+        start, end = (0, a1) if a2 is None else (a1, a2)
+        for i in range(int(start), int(end), int(1 if step is None else step)):
+            yield tl.core.tensor(
+                interp.TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32
+            )
+
+    orig_tensor = interp._patch_lang_tensor
+
+    def patch_tensor(tensor, scope):
+        orig_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patch_tensor
+
+    orig_core = interp._patch_lang_core
+
+    def patch_core(lang, scope):
+        orig_core(lang, scope)
+        scope.set_attr(lang, "range", tensor_range)
+
+    interp._patch_lang_core = patch_core
+
+    orig_lang = interp._patch_lang
+
+    def patch_lang(fn):
+        import sys
+
+        scope = orig_lang(fn)
+        module = sys.modules.get(fn.__module__)
+        if module is not None:  # builtin range() inside kernels: tensor induction variables
+            scope.set_attr(module, "range", tensor_range)
+        return scope
+
+    interp._patch_lang = patch_lang
+
+    orig_dot = interp.InterpreterBuilder.create_dot
+
+    def as_f32(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interp.TensorHandle(
+                (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
+            )
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig_dot(self, as_f32(a), as_f32(b), d, input_precision, max_num_imprecise_acc)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+    autotuner.Autotuner.prune_configs = lambda self, kwargs, *a: self.configs[:1]
+    autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [1.0, 1.0, 1.0]
+
+
+if INTERPRET:
+    _patch_triton_interpreter()
+
+
+def _poison(device) -> None:
+    """Fill recently freed allocator memory with NaN so that torch.empty outputs start as NaN."""
+    if torch.device(device).type == "cuda":
+        junk = torch.full((64 << 20,), float("nan"), device=device)  # 256 MiB
+        del junk
+
+
+def _dev() -> str:
+    return "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------
+
+# (hidden, experts, moe_intermediate, top_k)
+TINY = (64, 8, 32, 2)  # serving/tools/tiny_model.py's tiny preset
+BENCH = (2048, 64, 768, 4)  # bench preset
+REAL = (4096, 288, 2048, 8)  # GLM-5.3-Flash
+
+
+_EXPERT_WEIGHTS: dict = {}
+
+
+def _expert_weights(shape, dtype, device):
+    """Random w13, w2, made on the device and kept: the real shape is 14.5 GB in bf16."""
+    key = (shape, dtype, str(device))
+    if key not in _EXPERT_WEIGHTS:
+        if len(_EXPERT_WEIGHTS) >= 2:
+            _EXPERT_WEIGHTS.clear()
+        hidden, experts, inter, _ = shape
+        gen = torch.Generator(device=device).manual_seed(1234)
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=gen, device=device, dtype=dtype)
+        w13 *= hidden**-0.5 * 2
+        w2 = torch.randn(experts, hidden, inter, generator=gen, device=device, dtype=dtype)
+        w2 *= inter**-0.5
+        _EXPERT_WEIGHTS[key] = (w13, w2)
+    return _EXPERT_WEIGHTS[key]
+
+
+def _moe_inputs(tokens, shape, dtype, device, skew=False, seed=0):
+    hidden, experts, inter, top_k = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13, w2 = _expert_weights(shape, dtype, device)
+    if skew:  # most tokens on the same few experts: long segments, many empty experts
+        base = torch.arange(top_k).expand(tokens, top_k)
+        ids = (base + (torch.rand(tokens, 1, generator=gen) < 0.2).long() * top_k) % experts
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return x.to(device=device, dtype=dtype), w13, w2, weights.to(device), ids.to(device)
+
+
+def _check_moe(out, x, w13, w2, weights, ids, limit):
+    assert not out.isnan().any()
+    assert out.dtype == x.dtype and out.shape == x.shape
+    ref = moe_ref.experts(x.float(), w13.float(), w2.float(), weights, ids, limit)
+    scale = ref.abs().max().item()
+    err = (out.float() - ref).abs().max().item()
+    if x.dtype == torch.float32:
+        assert err <= 1e-5 * scale, (err, scale)
+    else:
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err <= 2e-2 * scale and rel <= 1e-2, (err, rel, scale)
+
+
+def _run_moe(tokens, shape, dtype, device, limit, skew=False, align_max=None, monkeypatch=None):
+    from kernels.triton import moe as tmoe
+
+    if align_max is not None:
+        monkeypatch.setattr(tmoe, "ALIGN_KERNEL_MAX_PAIRS", align_max)
+    inputs = _moe_inputs(tokens, shape, dtype, device, skew=skew, seed=tokens)
+    _poison(device)
+    out = tmoe.experts(*inputs, limit)
+    _check_moe(out, *inputs, limit)
+
+
+@cpu_interp
+@pytest.mark.parametrize("tokens", [1, 15, 16, 53])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("align", ["kernel", "torch"])
+def test_moe_interpreter_tiny(tokens, dtype, align, monkeypatch):
+    # limit 0.7 clamps a good share of gate and up values
+    align_max = 10**9 if align == "kernel" else 0
+    _run_moe(tokens, TINY, dtype, "cpu", 0.7, align_max=align_max, monkeypatch=monkeypatch)
+
+
+@cpu_interp
+@pytest.mark.parametrize("align", ["kernel", "torch"])
+def test_moe_interpreter_skewed_odd_shapes(align, monkeypatch):
+    # dims that are not multiples of the tiles, 3 of 5 experts, most tokens on two experts
+    align_max = 10**9 if align == "kernel" else 0
+    _run_moe(40, (48, 5, 40, 3), torch.float32, "cpu", 1.0, True, align_max, monkeypatch)
+
+
+def _check_align(tokens, experts, top_k, block_m, device):
+    from kernels.triton import moe as tmoe
+
+    gen = torch.Generator(device="cpu").manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = ids.to(device)
+    num_blocks = tmoe.max_padded_rows(ids.numel(), experts, block_m) // block_m
+    ref = tmoe._align_torch(ids, experts, block_m, num_blocks)
+    got = tmoe.moe_align(ids, experts, block_m)  # the one-program kernel at these sizes
+    names = ["sorted", "block_expert", "seg_start", "counts", "row_of_pair"]
+    for name, a, b in zip(names, got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+    _, block_expert, seg_start, counts, _ = ref
+    assert torch.equal(got[4], ref[4])
+    pair_ids = torch.arange(ids.numel(), device=device, dtype=torch.int32)
+    assert torch.equal(got[0][got[4].long()], pair_ids)
+    assert torch.equal(got[1], block_expert) and torch.equal(got[2], seg_start)
+    assert torch.equal(got[3], counts)
+    rows = torch.arange(num_blocks * block_m, device=device)
+    expert_of_row = block_expert.repeat_interleave(block_m).long()
+    live = expert_of_row < experts
+    valid = torch.zeros_like(live)
+    valid[live] = (rows[live] - seg_start[expert_of_row[live]]) < counts[expert_of_row[live]]
+    assert torch.equal(got[0][valid], ref[0][valid])
+    assert int(valid.sum()) == ids.numel()
+    # every pair once, under its own expert (order within an expert: equal to the stable sort)
+    pairs = got[0][valid].long()
+    assert torch.equal(pairs.sort().values, torch.arange(ids.numel(), device=device))
+    assert torch.equal(ids.flatten()[pairs], expert_of_row[valid])
+
+
+@cpu_interp
+@pytest.mark.parametrize("tokens, shape", [(1, REAL), (5, REAL), (33, BENCH)])
+def test_moe_align_interpreter(tokens, shape):
+    _check_align(tokens, shape[1], shape[3], 16, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32, 128, 256])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align_gpu(tokens, block_m):
+    _check_align(tokens, REAL[1], REAL[3], block_m, "cuda")
+
+
+@cpu_interp
+@pytest.mark.parametrize(
+    "tokens, shape",
+    [
+        (40, (256, 16, 96, 4)),  # 10 pairs per expert: BLOCK_M 16, narrowed N tiles
+        (120, (128, 16, 64, 4)),  # 30: BLOCK_M 32
+        (200, (256, 16, 128, 4)),  # 50: BLOCK_M 64, several K steps
+        (600, (128, 4, 64, 4)),  # 600: BLOCK_M 128, torch align (2,400 pairs)
+    ],
+)
+def test_moe_interpreter_tile_configs(tokens, shape):
+    from kernels.triton import moe as tmoe
+
+    hidden, experts, inter, top_k = shape
+    cfg = tmoe.moe_config(tokens * top_k, experts, hidden, inter, torch.bfloat16)
+    assert cfg.block_m == {40: 16, 120: 32, 200: 64, 600: 128}[tokens]
+    _run_moe(tokens, shape, torch.bfloat16, "cpu", 2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [TINY, BENCH, REAL], ids=["tiny", "bench", "real"])
+@pytest.mark.parametrize("tokens", [1, 15, 16, 53, 4001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_gpu(shape, tokens, dtype):
+    _run_moe(tokens, shape, dtype, "cuda", 10.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 128, 8192])
+def test_moe_gpu_skewed_and_clamped(tokens):
+    _run_moe(tokens, BENCH, torch.bfloat16, "cuda", 0.7, skew=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32])
+@pytest.mark.parametrize("shape", [BENCH, REAL], ids=["bench", "real"])
+@pytest.mark.parametrize("align", ["kernel", "torch"])
+def test_moe_cuda_graph(tokens, shape, align, monkeypatch):
+    from kernels.triton import moe as tmoe
+
+    if align == "torch":
+        monkeypatch.setattr(tmoe, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    x, w13, w2, weights, ids = _moe_inputs(tokens, shape, torch.bfloat16, "cuda", seed=1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile outside the capture
+            tmoe.experts(x, w13, w2, weights, ids, 10.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tmoe.experts(x, w13, w2, weights, ids, 10.0)
+    for seed in (2, 3):
+        nx, _, _, nweights, nids = _moe_inputs(tokens, shape, torch.bfloat16, "cuda", seed=seed)
+        x.copy_(nx)
+        weights.copy_(nweights)
+        ids.copy_(nids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_moe(out, x, w13, w2, weights, ids, 10.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: causal conv
+# ---------------------------------------------------------------------------------------------
+
+
+def _conv_inputs(total, chans, kernel, num_rows, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(total, chans, generator=gen).to(device=device, dtype=dtype)
+    weight = torch.randn(chans, kernel, generator=gen).to(device)
+    conv_state = torch.randn(num_rows, chans, kernel - 1, generator=gen).to(device, dtype)
+    return x, weight, conv_state
+
+
+def _rows(n, num_rows, device):
+    # non-contiguous, unsorted, some beyond a small running count
+    picks = [num_rows - 1, 2, num_rows - 4, 5, 1, num_rows - 2, 7, 9]
+    assert n <= len(picks)
+    return torch.tensor(picks[:n], device=device)
+
+
+def _check_close(out, ref, tol, what, rel=None):
+    """max |out - ref| <= tol * max |ref|; with rel, also ||out - ref|| <= rel * ||ref||."""
+    assert not out.isnan().any(), what
+    scale = max(ref.abs().max().item(), 1e-6)
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol * scale, (what, err, scale)
+    if rel is not None:
+        ratio = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert ratio <= rel, (what, ratio)
+
+
+def _run_conv(mode, lens, chans, dtype, device, with_history):
+    from kernels.triton import kda as tkda
+
+    kernel, num_rows = 4, 16
+    x, weight, state = _conv_inputs(sum(lens), chans, kernel, num_rows, dtype, device)
+    rows = _rows(len(lens), num_rows, device)
+    state_ref = state.clone()
+    hist, hist_ref = ([], []) if with_history else (None, None)
+    _poison(device)
+    if mode == "extend":
+        out = tkda.causal_conv_extend(x, weight, state, rows, lens, hist)
+        ref = kda_ref.causal_conv_extend(x, weight, state_ref, rows, lens, hist_ref)
+    elif mode == "uniform":
+        out = tkda.causal_conv_uniform(x, weight, state, rows, lens[0], hist)
+        ref = kda_ref.causal_conv_uniform(x, weight, state_ref, rows, lens[0], hist_ref)
+    else:
+        out = tkda.causal_conv_decode(x, weight, state, rows)
+        ref = kda_ref.causal_conv_decode(x, weight, state_ref, rows)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    _check_close(out, ref, tol, "conv out")
+    assert out.dtype == ref.dtype
+    assert torch.equal(state, state_ref), "conv state (every row)"
+    if with_history:
+        _check_close(hist[0], hist_ref[0], 0, "conv history")
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_interpreter(dtype):
+    _run_conv("extend", [1, 15, 16, 53, 2], 24, dtype, "cpu", False)
+    _run_conv("extend", [1, 3, 2], 24, dtype, "cpu", True)
+    _run_conv("uniform", [3, 3, 3], 24, dtype, "cpu", True)
+    _run_conv("uniform", [2] * 4, 24, dtype, "cpu", False)
+    _run_conv("decode", [1] * 5, 24, dtype, "cpu", False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_gpu(dtype):
+    chans = 3 * 64 * 128  # real shape: q, k, v of 64 heads x 128
+    _run_conv("extend", [1, 15, 16, 53, 4001], chans, dtype, "cuda", False)
+    _run_conv("extend", [1, 15, 4], chans, dtype, "cuda", True)
+    _run_conv("uniform", [4] * 8, chans, dtype, "cuda", True)
+    _run_conv("uniform", [3] * 8, chans, dtype, "cuda", False)
+    _run_conv("decode", [1] * 8, chans, dtype, "cuda", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: recurrence (fla-core)
+# ---------------------------------------------------------------------------------------------
+
+
+def _kda_inputs(total, heads, dim, num_rows, dtype, device, seed=0, lower_bound=-5.0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(total, heads, dim, generator=gen) for _ in range(3))
+    # the model's gate: lower_bound * sigmoid(...) in (lower_bound, 0)
+    g = lower_bound * torch.sigmoid(torch.randn(total, heads, dim, generator=gen) - 2.0)
+    beta = torch.sigmoid(torch.randn(total, heads, generator=gen))
+    state = torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1
+    cast = lambda t: t.to(device=device, dtype=dtype)
+    return cast(q), cast(k), cast(v), g.to(device), beta.to(device), state.to(device)
+
+
+def _run_kda(mode, lens, heads, dim, dtype, device, with_history, tol, safe_gate=False, rel=None):
+    from kernels.triton import kda as tkda
+
+    num_rows = 16
+    q, k, v, g, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, dtype, device)
+    rows = _rows(len(lens), num_rows, device)
+    state_ref = state.clone()
+    hist, hist_ref = ([], []) if with_history else (None, None)
+    args = (q, k, v, g, beta)
+    _poison(device)
+    if mode == "extend":
+        out = tkda.kda_extend(*args, state, rows, lens, hist, safe_gate=safe_gate)
+        ref = kda_ref.kda_extend(*args, state_ref, rows, lens, hist_ref)
+    elif mode == "uniform":
+        out = tkda.kda_uniform(*args, state, rows, lens[0], hist)
+        ref = kda_ref.kda_uniform(*args, state_ref, rows, lens[0], hist_ref)
+    else:
+        out = tkda.kda_decode(*args, state, rows)
+        ref = kda_ref.kda_decode(*args, state_ref, rows)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    _check_close(out, ref, tol, f"{mode} out", rel)
+    untouched = torch.ones(num_rows, dtype=torch.bool, device=device)
+    untouched[rows] = False
+    assert torch.equal(state[untouched], state_ref[untouched]), "rows outside `rows` changed"
+    _check_close(state[rows], state_ref[rows], tol, f"{mode} state", rel)
+    if with_history:
+        assert hist[0].shape == hist_ref[0].shape
+        _check_close(hist[0], hist_ref[0], tol, f"{mode} history")
+
+
+# fla's safe_gate path uses a helper (gather) that the interpreter cannot run: GPU only.
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_interpreter_extend_chunked(dtype):
+    pytest.importorskip("fla")
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    _run_kda("extend", [1, 15, 16, 53], 2, 32, dtype, "cpu", False, tol)
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_interpreter_recurrent_paths(dtype):
+    pytest.importorskip("fla")
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    _run_kda("extend", [1, 3, 5], 2, 16, dtype, "cpu", True, tol)
+    _run_kda("uniform", [3] * 3, 2, 16, dtype, "cpu", True, tol)
+    _run_kda("uniform", [4] * 2, 2, 16, dtype, "cpu", False, tol)
+    _run_kda("decode", [1] * 4, 2, 16, dtype, "cpu", False, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("safe_gate", [False, True])
+def test_kda_gpu_extend(dtype, safe_gate):
+    pytest.importorskip("fla")
+    tol, rel = (5e-3, 1e-3) if dtype == torch.float32 else (4e-2, 1e-2)
+    _run_kda("extend", [1, 15, 16, 53, 4001], 64, 128, dtype, "cuda", False, tol, safe_gate, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gpu_recurrent(dtype):
+    pytest.importorskip("fla")
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    _run_kda("extend", [1, 3, 4, 2], 64, 128, dtype, "cuda", True, tol)
+    for step_len in (1, 2, 4):
+        _run_kda("uniform", [step_len] * 8, 64, 128, dtype, "cuda", True, tol)
+        _run_kda("uniform", [step_len] * 8, 64, 128, dtype, "cuda", False, tol)
+    _run_kda("decode", [1] * 8, 64, 128, dtype, "cuda", False, tol)
+
+
+@pytest.mark.gpu
+def test_kda_decode_cuda_graph():
+    pytest.importorskip("fla")
+    from kernels.triton import kda as tkda
+
+    q, k, v, g, beta, state = _kda_inputs(8, 64, 128, 16, torch.bfloat16, "cuda")
+    rows = _rows(8, 16, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tkda.kda_decode(q, k, v, g, beta, state.clone(), rows)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tkda.kda_decode(q, k, v, g, beta, state, rows)
+    nq, nk, nv, ng, nbeta, nstate = _kda_inputs(8, 64, 128, 16, torch.bfloat16, "cuda", seed=5)
+    for t, n in ((q, nq), (k, nk), (v, nv), (g, ng), (beta, nbeta), (state, nstate)):
+        t.copy_(n)
+    out.fill_(float("nan"))
+    graph.replay()
+    ref = kda_ref.kda_decode(nq, nk, nv, ng, nbeta, nstate, rows)
+    _check_close(out, ref, 2e-2, "graph decode")
