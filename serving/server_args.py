@@ -77,13 +77,23 @@ class ServerArgs:
         default=8192, metadata={"help": "tokens per prefill chunk; a multiple of index_kpool"}
     )
     max_prefill_tokens: int = field(default=16384, metadata={"help": "tokens per prefill batch"})
-    # parallelism (one device today)
-    tp_size: int = 1
-    ep_size: int = 1
+    # parallelism: max(tp, ep) rank processes, one per GPU (CPU: gloo processes)
+    tp_size: int = field(default=1, metadata={"help": "attention/dense/vocab tensor parallelism"})
+    ep_size: int = field(
+        default=1, metadata={"help": "routed-expert parallelism: 1 or the number of ranks"}
+    )
     pp_size: int = 1
     dp_size: int = 1
     dcp_size: int = 1
-    nccl_port: int | None = field(default=None, metadata={"help": "accepted; unused with one rank"})
+    nccl_port: int | None = field(
+        default=None, metadata={"help": "rendezvous port of the ranks (default: a free one)"}
+    )
+    dist_init_addr: str | None = field(
+        default=None, metadata={"help": "HOST:PORT rendezvous for a worker spanning --nnodes"}
+    )
+    nnodes: int = 1
+    node_rank: int = 0
+    base_gpu_id: int = field(default=0, metadata={"help": "the first GPU this worker uses"})
     # kernels
     dsa_prefill_backend: str = field(
         default="torch", metadata={"choices": ["torch", "tilelang", "flashmla_sparse"]}
@@ -167,6 +177,21 @@ class ServerArgs:
         mrr = self.max_running_requests
         return 2 * mrr if mrr is not None and mrr <= 32 else 0
 
+    @property
+    def world_size(self) -> int:
+        """Rank processes of this worker (all nodes)."""
+        return max(self.tp_size, self.ep_size)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def dist_init_method(self) -> str:
+        if self.dist_init_addr:
+            return f"tcp://{self.dist_init_addr}"
+        assert self.nccl_port is not None, "the launcher picks --nccl-port"
+        return f"tcp://127.0.0.1:{self.nccl_port}"
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -194,6 +219,12 @@ class ServerArgs:
                 f"--speculative-algorithm {self.speculative_algorithm}: the checkpoint has no "
                 "NextN layer (num_nextn_predict_layers is 0)"
             )
+        from serving.distributed import check_sizes
+
+        try:
+            check_sizes(config, self.tp_size, self.ep_size)
+        except ValueError as exc:
+            raise ArgsError(str(exc)) from None
         if self.context_length and self.context_length > config.max_position_embeddings:
             raise ArgsError(
                 f"--context-length {self.context_length}: the model supports at most "
@@ -211,15 +242,7 @@ class ServerArgs:
             raise ArgsError("--device cuda: no CUDA device is visible")
         if not Path(self.model_path).is_dir():
             raise ArgsError(f"--model-path {self.model_path}: not a directory")
-        for flag in ("tp_size", "ep_size"):
-            n = getattr(self, flag)
-            if n > num_devices:
-                raise ArgsError(
-                    f"--{_dash(flag)} {n}: needs {n} devices, this machine has {num_devices} "
-                    f"({device})"
-                )
-            if n > 1:
-                raise ArgsError(f"--{_dash(flag)} {n}: multi-device parallelism is not built yet")
+        self._validate_parallel(device, num_devices)
         for flag in ("pp_size", "dp_size", "dcp_size"):
             if getattr(self, flag) != 1:
                 raise ArgsError(f"--{_dash(flag)} {getattr(self, flag)}: only 1 is supported")
@@ -259,6 +282,34 @@ class ServerArgs:
                 self.disaggregation_decode_extra_slots < 0
             ):
                 raise ArgsError("--disaggregation-decode-extra-slots: must be >= 0")
+
+    def _validate_parallel(self, device: str, num_devices: int) -> None:
+        world = self.world_size
+        for flag in ("tp_size", "ep_size"):
+            n = getattr(self, flag)
+            if n < 1 or n not in (1, world):
+                raise ArgsError(
+                    f"--{_dash(flag)} {n}: --tp-size and --ep-size must each be 1 or the number "
+                    f"of ranks ({world})"
+                )
+        if self.nnodes < 1 or world % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise ArgsError(
+                f"--nnodes {self.nnodes} --node-rank {self.node_rank}: the {world} ranks must "
+                "split evenly over the nodes, and node-rank be below nnodes"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ArgsError("--nnodes > 1: needs --dist-init-addr HOST:PORT (node 0's)")
+        if device == "cuda" and self.base_gpu_id + self.ranks_per_node > num_devices:
+            raise ArgsError(
+                f"--tp-size {self.tp_size} --ep-size {self.ep_size}: needs "
+                f"{self.ranks_per_node} devices from --base-gpu-id {self.base_gpu_id}, this "
+                f"machine has {num_devices} (cuda)"
+            )
+        if world > 1 and self.disaggregation_mode != "null":
+            raise ArgsError(
+                f"--disaggregation-mode {self.disaggregation_mode}: not built yet with "
+                "--tp-size/--ep-size > 1"
+            )
 
     def _validate_speculative(self) -> None:
         steps, topk = self.speculative_num_steps, self.speculative_eagle_topk

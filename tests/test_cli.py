@@ -46,7 +46,8 @@ def test_every_seed_flag_parses(tiny_ckpt):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--tp-size", "8"], "--tp-size 8: needs 8 devices"),
+        (["--tp-size", "8"], "--tp-size 8: the checkpoint's linear_num_heads (KDA heads) = 4"),
+        (["--tp-size", "2", "--ep-size", "4"], "--tp-size 2: --tp-size and --ep-size must each"),
         (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
         (["--dsa-decode-backend", "tilelang"], "--dsa-decode-backend tilelang"),
         (["--cuda-graph-backend-decode", "full"], "--cuda-graph-backend-decode full: needs a CUDA"),

@@ -3,8 +3,9 @@ lower layer to a higher one, the router apart, and the HTTP front free of torch.
 
 Layers, low to high (a module may import its own layer and the ones below):
 kernels < shared definitions (serving.config, serving.protocol, serving.forward_batch,
-serving.server_args) < memory < layers < models < executor < speculative < engine < workers <
-front < launch_server < tools. Imports under `if TYPE_CHECKING:` are types only and do not count.
+serving.server_args, serving.distributed) < memory < layers < models < executor < speculative <
+engine < workers < front < launch_server < tools. Imports under `if TYPE_CHECKING:` are types
+only and do not count.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("serving", "workers", "kernels", "router")
 LAYERS = [
     ("kernels",),
-    ("serving.config", "serving.protocol", "serving.forward_batch", "serving.server_args"),
+    (
+        "serving.config",
+        "serving.protocol",
+        "serving.forward_batch",
+        "serving.server_args",
+        "serving.distributed",
+    ),
     ("serving.memory",),
     ("serving.layers",),
     ("serving.models",),

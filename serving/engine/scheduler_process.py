@@ -27,18 +27,13 @@ from serving.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 
-def build_engine(args: ServerArgs, role=None):
-    """Model + pool + runner + sampler + scheduler for `args` (also used in-process by tests).
-
-    `role` plugs a worker role (workers/prefill.py, workers/decode.py) into the scheduler."""
+def build_model(args: ServerArgs):
+    """This rank's model shard, draft, pool and runner (every rank builds these the same way)."""
     import torch
-    from tokenizers import Tokenizer
 
     from serving.config import ModelConfig
-    from serving.engine.request import SchedulerConfig
-    from serving.engine.scheduler import Scheduler
+    from serving.distributed import min_over_ranks, state
     from serving.executor.model_runner import ModelRunner
-    from serving.executor.sampler import Sampler
     from serving.memory.pool import MemoryPool, plan_pool
     from serving.models.loader import load_weights, resolve_dtype
 
@@ -65,11 +60,19 @@ def build_engine(args: ServerArgs, role=None):
         with_draft=steps > 0,
         num_draft_tokens=steps + 1,
     )
+    ps = state()
+    if ps.world > 1:  # rank 0 hands out pages that every rank's pool must have
+        plan = dataclasses.replace(plan, pages=min_over_ranks(plan.pages))
     pool = MemoryPool(config, plan, kv_dtype, device)
     log.info(
-        "loaded %s: %.1f M parameters, %s on %s; pool: %s",
+        "rank %d/%d (tp %d, ep %d): loaded %s: %.1f M parameters (%.2f GiB), %s on %s; pool: %s",
+        ps.rank,
+        ps.world,
+        ps.tp_size,
+        ps.ep_size,
         args.model_path,
         weight_bytes / dtype.itemsize / 1e6,
+        weight_bytes / 2**30,
         dtype,
         device,
         pool.describe(),
@@ -77,6 +80,27 @@ def build_engine(args: ServerArgs, role=None):
     runner = ModelRunner(model, pool)
     if args.use_decode_graphs() and steps == 0:  # with EAGLE, decode is Eagle.step
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)
+    return config, dtype, model, draft, pool, plan, runner, context
+
+
+def build_engine(args: ServerArgs, role=None):
+    """Model + pool + runner + sampler + scheduler for `args` (also used in-process by tests).
+
+    `role` plugs a worker role (workers/prefill.py, workers/decode.py) into the scheduler.
+    Under TP/EP this is rank 0; its runner fans every forward out to the other ranks."""
+    from tokenizers import Tokenizer
+
+    from serving.distributed import state
+    from serving.engine.request import SchedulerConfig
+    from serving.engine.scheduler import Scheduler
+    from serving.engine.tp_worker import RankFanout
+    from serving.executor.sampler import Sampler
+
+    device = args.resolved_device()
+    config, dtype, model, draft, pool, plan, runner, context = build_model(args)
+    steps = args.speculative_steps
+    fanout = RankFanout(pool) if state().world > 1 else None
+    runner.fanout = fanout
     tokenizer_file = os.path.join(args.tokenizer_path or args.model_path, "tokenizer.json")
     sampler = Sampler(config.vocab_size, device, args.random_seed, tokenizer_file=tokenizer_file)
     spec = None
@@ -84,6 +108,7 @@ def build_engine(args: ServerArgs, role=None):
         from serving.speculative.eagle import Eagle, SpecConfig
 
         spec = Eagle(model, draft, pool, sampler, SpecConfig(steps))
+        spec.fanout = fanout
         if args.use_decode_graphs():
             spec.enable_graphs(args.cuda_graph_max_bs_decode)
     tokenizer = Tokenizer.from_file(tokenizer_file)
@@ -159,6 +184,10 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
     send = ctx.socket(zmq.PUSH)
     send.connect(send_addr)
     try:
+        if args.world_size > 1:
+            from serving.engine.tp_worker import join_group
+
+            join_group(args, 0)
         role = make_role(args) if make_role is not None else None
         scheduler, ready = build_engine(args, role)
         if not args.skip_server_warmup:
@@ -171,6 +200,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
     send.send_pyobj(ready)
     watchdog = Watchdog(args.watchdog_timeout)
     role = scheduler.role
+    fanout = scheduler.runner.fanout  # TP/EP: the other ranks follow this one's forwards
     last_stats = None
     poller = zmq.Poller()
     for sock in [recv, *role.sockets()]:
@@ -181,6 +211,8 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
             events.pop(recv, None)
             msg = recv.recv_pyobj()
             if msg == SHUTDOWN:
+                if fanout is not None:
+                    fanout.stop()
                 return
             if isinstance(msg, GenerateRequest):
                 role.submit(msg)
@@ -194,6 +226,56 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
         else:
             outputs = []
             scheduler.refresh_stats()
+            if fanout is not None:
+                fanout.keepalive()
         if outputs or scheduler.stats != last_stats:
             last_stats = dataclasses.replace(scheduler.stats)
             send.send_pyobj(BatchOutput(outputs, last_stats))
+
+
+def run_follower(args: ServerArgs, rank: int) -> None:
+    """Process main of TP/EP rank `rank` > 0: the same model shard and pool as rank 0, running
+    whatever forward rank 0 broadcasts, until rank 0 says stop. Any failure exits non-zero
+    (the launcher names the rank); the group's timeout bounds every wait."""
+    import torch
+
+    from serving.distributed import broadcast_object, broadcast_tensor, destroy_parallel
+    from serving.engine.tp_worker import KEEPALIVE, STOP, join_group
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s",
+    )
+    Watchdog(args.watchdog_timeout)  # exits with the launcher
+    join_group(args, rank)
+    log.info("rank %d of %d: pid %d", rank, args.world_size, os.getpid())
+    config, dtype, model, draft, pool, _, runner, _ = build_model(args)
+    spec = None
+    if args.speculative_steps > 0:
+        from serving.speculative.eagle import Eagle, SpecConfig
+
+        spec = Eagle(model, draft, pool, None, SpecConfig(args.speculative_steps))
+        if args.use_decode_graphs():
+            spec.enable_graphs(args.cuda_graph_max_bs_decode)
+    pending = None
+    while True:
+        msg = broadcast_object()
+        if msg == STOP:
+            break
+        if msg == KEEPALIVE:
+            continue
+        pool.replay(msg.journal)
+        if msg.kind == "forward":
+            runner.forward(*msg.payload)
+        elif msg.kind == "extend_draft":
+            rows, starts, tokens = msg.payload
+            hidden = torch.empty(
+                sum(len(t) for t in tokens), config.hidden_size, dtype=dtype, device=pool.device
+            )
+            spec.extend_draft(rows, starts, tokens, broadcast_tensor(hidden))
+        elif msg.kind == "spec_verify":
+            pending = spec.verify(msg.payload)
+        elif msg.kind == "spec_commit":
+            spec.commit(pending, *msg.payload)
+            pending = None
+    destroy_parallel()

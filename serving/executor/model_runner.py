@@ -26,6 +26,9 @@ class ModelRunner:
     def __init__(self, model: Glm5NextForCausalLM, pool: MemoryPool) -> None:
         self.model, self.pool = model, pool
         self.graphs = None  # set by enable_decode_graphs
+        # TP rank 0: called with (items, logits) before every forward, so the other ranks run
+        # the same forward (serving/engine/tp_worker.py). Followers leave it None.
+        self.fanout = None
 
     def enable_decode_graphs(self, max_bs: int) -> None:
         from serving.executor.cuda_graph import DecodeGraphs
@@ -46,6 +49,8 @@ class ModelRunner:
         )
 
     def forward(self, items: list[StepInput], logits: str | list[bool] = "last") -> ForwardOutput:
+        if self.fanout is not None:
+            self.fanout(items, logits)
         if (
             self.graphs is not None
             and logits == "last"

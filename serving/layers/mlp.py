@@ -8,17 +8,20 @@ from torch import nn
 from kernels import fast_path
 from kernels import moe as moe_kernels
 from serving.config import ModelConfig
-from serving.layers.linear import Linear, param
+from serving.distributed import all_reduce, split, state
+from serving.layers.linear import Linear, param, shard
 
 
 class DenseMLP(nn.Module):
     """SwiGLU with the GLM clamp; gate/up column-parallel, down row-parallel (all-reduce after)."""
 
-    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden: int, inter: int, limit: float, dtype: torch.dtype, reduce: bool = True
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, dtype)
-        self.up_proj = Linear(hidden, inter, dtype)
-        self.down_proj = Linear(inter, hidden, dtype)
+        self.gate_proj = Linear(hidden, inter, dtype, split="column")
+        self.up_proj = Linear(hidden, inter, dtype, split="column")
+        self.down_proj = Linear(inter, hidden, dtype, split="row", reduce=reduce)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,16 +37,29 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked [E, ...], shardable by expert id) plus shared experts."""
+    """Routed experts (stacked [E, ...], shardable by expert id) plus shared experts.
+
+    Tokens are replicated on every rank. EP: this rank holds experts `experts` (a slice of the
+    ids) and computes them for every token; TP without EP: every expert, a slice of its
+    intermediate size. Either way the routed and shared outputs are partial sums that meet in
+    one all-reduce. The router is replicated, so every rank picks the same experts."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        ps = state()
+        self.experts = split(e, ps.ep_size, ps.ep_rank)
+        e_local, i_local = e // ps.ep_size, i // ps.moe_tp_size
         self.gate = Router(config, dtype)
-        self.w13 = param(e, 2 * i, h, dtype=dtype)  # per expert: gate_proj rows, then up_proj rows
-        self.w2 = param(e, h, i, dtype=dtype)
-        self.shared_experts = DenseMLP(h, i * config.n_shared_experts, config.swiglu_limit, dtype)
+        # per expert: gate_proj rows, then up_proj rows (each this rank's share of them)
+        self.w13 = param(e_local, 2 * i_local, h, dtype=dtype)
+        self.w2 = param(e_local, h, i_local, dtype=dtype)
+        shard(self.w13, 0, ps.moe_tp_size, ps.tp_rank)  # dims of one expert's checkpoint tensor
+        shard(self.w2, 1, ps.moe_tp_size, ps.tp_rank)
+        self.shared_experts = DenseMLP(
+            h, i * config.n_shared_experts, config.swiglu_limit, dtype, reduce=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -57,8 +73,17 @@ class MoE(nn.Module):
             c.norm_topk_prob,
             c.routed_scaling_factor,
         )
+        ps = state()
+        if ps.ep_size > 1:  # other ranks' experts: weight 0 on local expert 0
+            local = ids - self.experts.start
+            mine = (local >= 0) & (local < self.w13.shape[0])
+            weights, ids = torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
         routed = _experts(x)(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
-        return routed + self.shared_experts(x)  # all-reduce point under TP/EP
+        if ps.tp_size > 1:  # shared expert TP-split too: one all-reduce for both
+            return all_reduce(routed + self.shared_experts(x))
+        if ps.ep_size > 1:
+            return all_reduce(routed) + self.shared_experts(x)
+        return routed + self.shared_experts(x)
 
 
 # With the torch kernels on CUDA (PDSERVE_TORCH_KERNELS=1), batches this small use the sync-free

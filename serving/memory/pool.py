@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.config import ModelConfig
+from serving.distributed import rank_cache_config
 from serving.memory.allocator import FreeList, PageAllocator
 from serving.memory.cache import (
     ModelCache,
@@ -93,6 +94,27 @@ def row_bytes(config: ModelConfig, elem: int, tail_slots: int, with_draft: bool)
     return kda + tails * config.index_head_dim * elem
 
 
+def fit_kv_tokens(
+    total_memory: int,
+    mem_fraction_static: float,
+    weight_bytes: int,
+    rows: int,
+    max_context: int,
+    per_row: int,
+    per_token: int,
+) -> int:
+    """KV tokens that fit in mem_fraction_static of one device after this rank's weights, the
+    request state of rows + 1 rows (padding row 0) and the request table (int64 per position)."""
+    budget = int(total_memory * mem_fraction_static) - weight_bytes - (rows + 1) * per_row
+    budget -= (rows + 1) * max_context * 8  # request table
+    if budget <= 0:
+        raise ValueError(
+            f"--mem-fraction-static {mem_fraction_static}: weights ({weight_bytes / 2**30:.1f}"
+            f" GiB) and request state leave no room for KV pages"
+        )
+    return budget // per_token
+
+
 def plan_pool(
     config: ModelConfig,
     *,
@@ -110,18 +132,14 @@ def plan_pool(
     """Size the token pool: --max-total-tokens if given; on CUDA what fits in
     mem_fraction_static of device memory after weights and request state; on CPU 131072 tokens."""
     elem = torch.tensor([], dtype=dtype).element_size()
+    config = rank_cache_config(config)  # TP: this rank's KDA heads
     per_token = token_bytes(config, elem, with_draft)
     per_row = row_bytes(config, elem, tail_slots_for(config, num_draft_tokens), with_draft)
     if max_total_tokens is None and device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        budget = int(total * mem_fraction_static) - weight_bytes - (rows + 1) * per_row
-        budget -= (rows + 1) * max_context * 8  # request table
-        if budget <= 0:
-            raise ValueError(
-                f"--mem-fraction-static {mem_fraction_static}: weights ({weight_bytes / 2**30:.1f}"
-                f" GiB) and request state leave no room for KV pages"
-            )
-        max_total_tokens = budget // per_token
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        max_total_tokens = fit_kv_tokens(
+            total, mem_fraction_static, weight_bytes, rows, max_context, per_row, per_token
+        )
     elif max_total_tokens is None:
         max_total_tokens = 131072
     pages = max_total_tokens // page_size
@@ -152,8 +170,9 @@ class MemoryPool:
         self.rows = FreeList(plan.rows, "request row")
         self.pages = PageAllocator(plan.pages, plan.page_size)
         num_slots = self.pages.num_slots
+        local = rank_cache_config(config)  # TP: KDA states hold this rank's heads only
         self.target: ModelCache = allocate_model_cache(
-            config,
+            local,
             self.req_to_token,
             num_slots,
             dtype,
@@ -163,10 +182,13 @@ class MemoryPool:
         self.aux = AuxRows.allocate(
             request_rows(self.req_to_token), config.hidden_size, dtype, device
         )
+        # TP rank 0 records what followers must mirror (row resets, page maps) here; they
+        # replay it before the next forward (serving/engine/tp_worker.py). None: not recorded.
+        self.journal: list[tuple] | None = None
         self.draft: ModelCache | None = None
         if plan.with_draft:
             self.draft = allocate_model_cache(
-                config,
+                local,
                 self.req_to_token,
                 num_slots,
                 dtype,
@@ -194,10 +216,15 @@ class MemoryPool:
         got = self.rows.alloc(1)
         if got is None:
             return None
-        rows = torch.tensor(got, device=self.device)
-        for cache in self.caches():
-            reset_request_state(cache, rows)
+        self._reset_rows(got)
         return got[0]
+
+    def _reset_rows(self, rows: list[int]) -> None:
+        if self.journal is not None:
+            self.journal.append(("reset", rows))
+        index = torch.tensor(rows, device=self.device)
+        for cache in self.caches():
+            reset_request_state(cache, index)
 
     def free_row(self, row: int) -> None:
         self.rows.free([row])
@@ -213,16 +240,35 @@ class MemoryPool:
         new = self.pages.alloc(need)
         if new is None:
             return False
+        self._map_pages(row, len(pages), new)
+        pages.extend(new)
+        return True
+
+    def _map_pages(self, row: int, first: int, new: list[int]) -> None:
+        """Point positions from page index `first` of `row` at pages `new`."""
+        if self.journal is not None:
+            self.journal.append(("map", row, first, new))
         size = self.plan.page_size
-        start = len(pages) * size
+        start = first * size
         slots = (
             torch.tensor(new, device=self.device)[:, None] * size
             + torch.arange(size, device=self.device)
         ).flatten()
         end = min(start + slots.numel(), self.plan.max_context)  # the last page may overhang
         self.req_to_token[row, start:end] = slots[: end - start]
-        pages.extend(new)
-        return True
+
+    def take_journal(self) -> list[tuple]:
+        entries, self.journal = self.journal or [], []
+        return entries
+
+    def replay(self, entries: list[tuple]) -> None:
+        """A TP follower applies rank 0's row resets and page maps, in order, so its request
+        table and fresh states equal rank 0's (its own allocators stay unused)."""
+        for entry in entries:
+            if entry[0] == "reset":
+                self._reset_rows(entry[1])
+            else:
+                self._map_pages(*entry[1:])
 
     def free_pages(self, pages: list[int]) -> None:
         self.pages.free(pages)

@@ -3,7 +3,8 @@
 Projections and the absorbed-form math; what touches the caches (latent and pooled-key writes,
 the tail ring, selection, sparse attention) is serving/layers/attention/dsa.py.
 Heads shard under TP: q_b/kv_b column-parallel, o_proj row-parallel (all-reduce after); the
-indexer's heads shard like q_b and its scores would need one sum across ranks.
+indexer's heads shard like q_b and its pool scores are summed across ranks before top-k, so
+every rank selects the same tokens; the latent cache and pooled keys are per token, replicated.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.config import ModelConfig
+from serving.distributed import state
 from serving.forward_batch import ForwardBatch
 from serving.layers.attention.dsa import (
     IndexerShape,
@@ -29,18 +31,20 @@ class Indexer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         d, heads = config.index_head_dim, config.index_n_heads
-        self.d, self.heads = d, heads
+        # this rank's heads; the head weights keep the full count's scale, so the partial pool
+        # scores of the ranks sum (select_positions all-reduces them) to the unsplit score
+        self.d, self.heads, self.scale = d, heads // state().tp_size, heads**-0.5
         self.shape = IndexerShape(
             config.index_kpool,
             config.index_select_pools,
             config.index_kpool_always_select_tail,
             d,
         )
-        self.wq_b = Linear(config.q_lora_rank, heads * d, dtype)
+        self.wq_b = Linear(config.q_lora_rank, heads * d, dtype, split="column")
         self.wk = Linear(config.hidden_size, d, dtype)
         self.k_norm_weight = param(d, dtype=dtype)
         self.k_norm_bias = param(d, dtype=dtype)
-        self.weights_proj = Linear(config.hidden_size, heads, dtype)
+        self.weights_proj = Linear(config.hidden_size, heads, dtype, split="column")
         self.index_kpool_compress_gate = param(d, config.hidden_size, dtype=dtype)
         self.index_kpool_compress_ape = param(config.index_kpool, d, dtype=torch.float32)
 
@@ -51,7 +55,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_lora).view(-1, self.heads, self.d)
         k = F.layer_norm(self.wk(x), (self.d,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
         gates = F.linear(x, self.index_kpool_compress_gate)
-        head_w = self.weights_proj(x).float() * self.heads**-0.5
+        head_w = self.weights_proj(x).float() * self.scale
         return select_positions(
             self.shape, q, k, gates, head_w, self.index_kpool_compress_ape, batch, cache
         )
@@ -61,16 +65,16 @@ class DSAttention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, has_indexer: bool) -> None:
         super().__init__()
         h, r = config.num_attention_heads, config.kv_lora_rank
-        self.heads, self.rank = h, r
+        self.heads, self.rank = h // state().tp_size, r  # this rank's heads
         self.nope, self.v_dim = config.qk_nope_head_dim, config.v_head_dim
         self.scale = self.nope**-0.5
         self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, dtype)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype)
-        self.q_b_proj = Linear(config.q_lora_rank, h * self.nope, dtype)
+        self.q_b_proj = Linear(config.q_lora_rank, h * self.nope, dtype, split="column")
         self.kv_a_proj_with_mqa = Linear(config.hidden_size, r, dtype)
         self.kv_a_layernorm = RMSNorm(r, config.rms_norm_eps, dtype)
-        self.kv_b_proj = Linear(r, h * (self.nope + self.v_dim), dtype)
-        self.o_proj = Linear(h * self.v_dim, config.hidden_size, dtype)
+        self.kv_b_proj = Linear(r, h * (self.nope + self.v_dim), dtype, split="column")
+        self.o_proj = Linear(h * self.v_dim, config.hidden_size, dtype, split="row")
         self.indexer = Indexer(config, dtype) if has_indexer else None
 
     def forward(

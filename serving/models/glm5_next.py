@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from serving.config import KDA, ModelConfig
+from serving.distributed import state, tp_all_reduce
 from serving.forward_batch import ForwardBatch
-from serving.layers.linear import Linear, param
+from serving.layers.linear import Linear, tp_param
 from serving.layers.mhc import HyperConnection
 from serving.layers.mlp import make_mlp
 from serving.layers.norm import RMSNorm
@@ -71,15 +72,23 @@ class Glm5NextForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = param(config.vocab_size, config.hidden_size, dtype=dtype)
+        # vocab-parallel under TP: rank r holds rows [r*V/tp, (r+1)*V/tp) of both
+        self.embed_tokens = tp_param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, "column", gather=True)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens[input_ids]  # vocab-parallel under TP: all-reduce after
+        tp = state()
+        if tp.tp_size == 1:
+            return self.embed_tokens[input_ids]
+        # vocab-parallel: each rank looks up the ids it owns, zeros elsewhere, one all-reduce
+        local = input_ids - tp.tp_rank * self.embed_tokens.shape[0]
+        mine = (local >= 0) & (local < self.embed_tokens.shape[0])
+        x = self.embed_tokens[torch.where(mine, local, 0)] * mine.unsqueeze(-1).to(self.dtype)
+        return tp_all_reduce(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: pre-norm [N, Hd] -> float32 logits [N, V]."""

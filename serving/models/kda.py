@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from serving.config import ModelConfig
+from serving.distributed import state
 from serving.forward_batch import ForwardBatch
 from serving.layers.attention.kda import delta_rule, short_conv
-from serving.layers.linear import Linear, param
+from serving.layers.linear import Linear, param, shard, tp_param
 from serving.memory.cache import KDALayerCache
 
 
@@ -22,23 +23,31 @@ class KDAttention(nn.Module):
         super().__init__()
         hidden, heads, dim = config.hidden_size, config.linear_num_heads, config.linear_head_dim
         qkv = heads * dim
-        self.heads, self.dim = heads, dim
+        tp = state()
+        self.heads, self.dim = heads // tp.tp_size, dim  # this rank's heads
         self.lower_bound = config.linear_lower_bound
-        self.q_proj = Linear(hidden, qkv, dtype)
-        self.k_proj = Linear(hidden, qkv, dtype)
-        self.v_proj = Linear(hidden, qkv, dtype)
-        # q, k, v depthwise conv kernels concatenated in that order; kept in float32.
-        self.conv_weight = param(3 * qkv, config.linear_conv_kernel_dim, dtype=torch.float32)
+        self.q_proj = Linear(hidden, qkv, dtype, split="column")
+        self.k_proj = Linear(hidden, qkv, dtype, split="column")
+        self.v_proj = Linear(hidden, qkv, dtype, split="column")
+        # q, k, v depthwise conv kernels concatenated in that order (each this rank's channels);
+        # kept in float32. The loader fills each third from its own checkpoint tensor.
+        local_qkv = qkv // tp.tp_size
+        self.conv_weight = shard(
+            param(3 * local_qkv, config.linear_conv_kernel_dim, dtype=torch.float32),
+            0,
+            tp.tp_size,
+            tp.tp_rank,
+        )
         self.f_a_proj = Linear(hidden, dim, dtype)
-        self.f_b_proj = Linear(dim, qkv, dtype)
-        self.dt_bias = param(qkv, dtype=torch.float32)
-        self.A_log = param(heads, dtype=torch.float32)
-        self.b_proj = Linear(hidden, heads, dtype)
+        self.f_b_proj = Linear(dim, qkv, dtype, split="column")
+        self.dt_bias = tp_param(qkv, dtype=torch.float32)
+        self.A_log = tp_param(heads, dtype=torch.float32)
+        self.b_proj = Linear(hidden, heads, dtype, split="column")
         self.g_a_proj = Linear(hidden, dim, dtype)
-        self.g_b_proj = Linear(dim, qkv, dtype)
+        self.g_b_proj = Linear(dim, qkv, dtype, split="column")
         self.o_norm = param(dim, dtype=torch.float32)
         self.norm_eps = config.rms_norm_eps
-        self.o_proj = Linear(qkv, hidden, dtype)
+        self.o_proj = Linear(qkv, hidden, dtype, split="row")
 
     def _forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay g [T, H, Dk] (float32)."""

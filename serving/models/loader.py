@@ -7,6 +7,10 @@ The NextN layer sits at `layers.{num_hidden_layers}`.
 
 Every parameter must be filled exactly; an unknown tensor, a missing one or a shape mismatch is
 an error that names it. Vision-tower tensors are skipped (this is the text path).
+
+Under TP/EP each rank reads only its own slices (safe_open + get_slice): a parameter marked with
+`shard` (serving/layers/linear.py) gets its piece of the checkpoint tensor, routed experts of
+other EP ranks are never read. No rank materialises the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from serving.config import ModelConfig
+from serving.distributed import ParallelState, split, state
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
 
@@ -96,6 +101,31 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _iter_slices(model_dir: str | Path):
+    """(name, read) per checkpoint tensor; read(shard) returns the whole tensor (shard None) or
+    piece `rank` of `size` along `dim` for shard = (dim, size, rank), reading only that piece."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+
+                def read(spec, f=f, name=name) -> torch.Tensor:
+                    if spec is None:
+                        return f.get_tensor(name)
+                    dim, size, rank = spec
+                    sl = f.get_slice(name)
+                    shape = sl.get_shape()
+                    if shape[dim] % size:
+                        raise CheckpointError(
+                            f"{name!r}: dim {dim} of {tuple(shape)} does not split over {size} "
+                            "ranks"
+                        )
+                    index = [slice(None)] * len(shape)
+                    index[dim] = split(shape[dim], size, rank)
+                    return sl[tuple(index)]
+
+                yield name, read
+
+
 def rewrite_checkpoint(model_dir: str | Path, out_dir: str | Path, new: dict[str, torch.Tensor]):
     """Copy model_dir to out_dir (may be the same) with the `new` tensors replaced, each stored
     in the dtype of the tensor it replaces; shards that hold none of them are left as they are."""
@@ -124,8 +154,12 @@ def rewrite_checkpoint(model_dir: str | Path, out_dir: str | Path, new: dict[str
         )
 
 
-def _map_name(name: str, config: ModelConfig, load_draft: bool) -> tuple[str, Target] | None:
-    """Checkpoint name -> ("target"|"draft", Target), or None when skipped on purpose."""
+def _map_name(
+    name: str, config: ModelConfig, load_draft: bool, ps: ParallelState | None = None
+) -> tuple[str, Target] | None:
+    """Checkpoint name -> ("target"|"draft", Target), or None when skipped on purpose (also:
+    another EP rank's expert). Rows and expert ids of the Target are this rank's."""
+    ps = ps or ParallelState()
     if _SKIPPED.search(name):
         return None
     if name == "lm_head.weight":
@@ -155,16 +189,20 @@ def _map_name(name: str, config: ModelConfig, load_draft: bool) -> tuple[str, Ta
         rest = pattern.sub(repl, rest)
     if em := _EXPERT.search(rest):
         expert, kind = int(em.group(1)), em.group(2)
+        mine = split(config.n_routed_experts, ps.ep_size, ps.ep_rank)
+        if not mine.start <= expert < mine.stop:
+            return None
+        expert -= mine.start
         base = rest[: em.start()] + ".mlp."
         if kind == "down_proj":
             return role, _target(f"{prefix_out}{base}w2", expert)
         half = 0 if kind == "gate_proj" else 1
-        inter = config.moe_intermediate_size
+        inter = config.moe_intermediate_size // ps.moe_tp_size
         rows = slice(half * inter, (half + 1) * inter)
         return role, _target(f"{prefix_out}{base}w13", expert, rows)
     if cm := _CONV.search(rest):
         part = "qkv".index(cm.group(1))
-        qkv = config.kda_qkv_dim
+        qkv = config.kda_qkv_dim // ps.tp_size
         param = f"{prefix_out}{rest[: cm.start()]}.self_attn.conv_weight"
         return role, _target(param, rows=slice(part * qkv, (part + 1) * qkv))
     return role, _target(prefix_out + rest)
@@ -189,14 +227,18 @@ def load_weights(
         modules["draft"] = NextNDraft(config, dtype)
     params = {role: dict(module.named_parameters()) for role, module in modules.items()}
     filled: dict[tuple[str, str], int] = {}
-    for name, tensor in iter_tensors(model_dir):
-        mapped = _map_name(name, config, load_draft)
+    ps = state()
+    read_bytes = 0
+    for name, read in _iter_slices(model_dir):
+        mapped = _map_name(name, config, load_draft, ps)
         if mapped is None:
             continue
         role, target = mapped
         param = params[role].get(target.param)
         if param is None:
             raise CheckpointError(f"unknown tensor {name!r} (no parameter {role}.{target.param})")
+        tensor = read(getattr(param, "shard", None))
+        read_bytes += tensor.numel() * tensor.element_size()
         dst = target.view(param.data)
         if target.param.endswith("conv_weight") and tensor.dim() == 3:
             tensor = tensor.squeeze(1)  # depthwise conv1d weights are stored [C, 1, K]
@@ -218,7 +260,15 @@ def load_weights(
         raise CheckpointError(
             f"checkpoint tensors missing (or given twice) for: {', '.join(sorted(missing))}"
         )
+    total = sum(f.stat().st_size for f in checkpoint_files(model_dir))
+    log.info(
+        "rank %d: read %.1f MiB of the checkpoint's %.1f MiB",
+        ps.rank,
+        read_bytes / 2**20,
+        total / 2**20,
+    )
     target_model = modules["target"].to(device).eval()
+    target_model.checkpoint_bytes_read = read_bytes  # type: ignore[assignment]
     draft = modules.get("draft")
     return target_model, (draft.to(device).eval() if draft is not None else None)
 

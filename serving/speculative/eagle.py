@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.distributed import broadcast_tensor
 from serving.executor.sampler import Sampler, SamplingState
 from serving.forward_batch import ForwardBatch
 from serving.memory.cache import ModelCache
@@ -59,6 +60,17 @@ class Verified:
     logits: torch.Tensor  # [B*(N+1), V] target logits at positions n..n+N
     hidden: torch.Tensor  # [B*(N+1), Hd] target hiddens there (the draft's catch-up input)
     kda_history: dict[int, list[torch.Tensor]]
+
+
+@dataclass
+class PendingStep:
+    """A step between verify and commit: the verify outputs and what commit needs."""
+
+    verified: Verified
+    graphs: SpecGraphs | None
+    rows: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    seq_len: int = 0
 
 
 @dataclass
@@ -100,6 +112,10 @@ class Eagle:
         self.target, self.draft, self.pool, self.sampler = target, draft, pool, sampler
         self.steps = config.num_steps
         self.graphs = None  # SpecGraphs, set by enable_graphs
+        # TP rank 0: RankFanout (serving/engine/tp_worker.py). Every device program below runs
+        # on every rank; only rank 0 samples, and it sends the host inputs of each program
+        # (and the committed tokens) first. Followers have no sampler.
+        self.fanout = None
 
     def enable_graphs(self, max_bs: int) -> None:
         self.graphs = SpecGraphs(self, max_bs)
@@ -116,6 +132,9 @@ class Eagle:
 
         target_hidden: [sum(len), H], requests back to back. Stores each request's proposal for
         the position after its last one, and the draft's hidden there, in its aux row."""
+        if self.fanout is not None:
+            self.fanout.send("extend_draft", (rows, starts, next_tokens))
+            broadcast_tensor(target_hidden)  # followers hold the same hiddens; one copy is simpler
         ids = [t for toks in next_tokens for t in toks]
         batch = ForwardBatch.build(
             ids, rows, starts, [len(t) for t in next_tokens], self.pool.req_to_token
@@ -180,18 +199,15 @@ class Eagle:
 
         want: per request, the number of top logprobs to return (-1: no logprobs)."""
         n_steps, num = self.steps, len(proposals)
-        graphs = self.graphs if self.graphs is not None and self.graphs.fits(num) else None
         host = torch.tensor(
             [[p.token for p in proposals], [p.position for p in proposals]]
             + [[p.row for p in proposals]],
             dtype=torch.int64,
         )
-        if graphs is not None:
-            verified = graphs.draft_and_verify(host)
-        else:
-            tokens, positions, rows = host.to(self.pool.device).unbind(0)
-            seq_len = max(p.position for p in proposals) + n_steps + 1
-            verified = self.draft_and_verify(tokens, positions, rows, seq_len)
+        if self.fanout is not None:
+            self.fanout.send("spec_verify", host)
+        pending = self.verify(host)
+        verified = pending.verified
         chains = verified.chains[:num].tolist()
         logits = verified.logits[: num * (n_steps + 1)]
         sampled, logprobs = self._sample_positions(logits, chains, states, want)
@@ -203,20 +219,37 @@ class Eagle:
             committed.append(chain[:a] + [samp[a]])
             last.append(a)
         padded = [c + [0] * (n_steps + 1 - len(c)) for c in committed]
-        if graphs is not None:
-            graphs.roll_back_and_catch_up(padded, last)
-        else:
-            self.roll_back_and_catch_up(
-                verified,
-                rows,
-                positions,
-                torch.tensor(padded, device=self.pool.device),
-                torch.tensor(last, device=self.pool.device),
-                seq_len,
-            )
+        if self.fanout is not None:
+            self.fanout.send("spec_commit", (padded, last))
+        self.commit(pending, padded, last)
         return committed, [
             None if lp is None else lp[: len(c)] for lp, c in zip(logprobs, committed)
         ]
+
+    def verify(self, host: torch.Tensor) -> PendingStep:
+        """Steps 1-2 for host = [tokens y; positions n; rows] ([3, B] int64 on the host)."""
+        num = host.shape[1]
+        graphs = self.graphs if self.graphs is not None and self.graphs.fits(num) else None
+        if graphs is not None:
+            return PendingStep(graphs.draft_and_verify(host), graphs)
+        tokens, positions, rows = host.to(self.pool.device).unbind(0)
+        seq_len = int(host[1].max()) + self.steps + 1
+        verified = self.draft_and_verify(tokens, positions, rows, seq_len)
+        return PendingStep(verified, None, rows, positions, seq_len)
+
+    def commit(self, pending: PendingStep, padded: list[list[int]], last: list[int]) -> None:
+        """Steps 4-5 once the committed tokens are known."""
+        if pending.graphs is not None:
+            pending.graphs.roll_back_and_catch_up(padded, last)
+            return
+        self.roll_back_and_catch_up(
+            pending.verified,
+            pending.rows,
+            pending.positions,
+            torch.tensor(padded, device=self.pool.device),
+            torch.tensor(last, device=self.pool.device),
+            pending.seq_len,
+        )
 
     def _sample_positions(
         self,

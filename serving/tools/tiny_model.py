@@ -2,6 +2,7 @@
 
     python -m serving.tools.tiny_model DIR              # tiny default, runs fast on 2 CPU cores
     python -m serving.tools.tiny_model DIR --preset bench --device cuda   # 3B GPU benchmark config
+    python -m serving.tools.tiny_model DIR --preset real     # GLM-5.3-Flash's config.json only
 
 The checkpoint is what transformers' glm5_next save_pretrained writes (nested text_config,
 original tensor names) plus the NextN layer at layers.{num_hidden_layers}, a byte-level BPE
@@ -92,7 +93,40 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=65536,
         dtype="bfloat16",
     ),
+    # transformers' Glm5NextConfig() defaults: the real GLM-5.3-Flash shape (~314 B parameters).
+    # Config only (no weights): for `python -m serving.tools.plan` and start-up checks.
+    "real": dict(
+        vocab_size=154880,
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        num_hidden_layers=45,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        n_routed_experts=288,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=256,
+        qk_rope_head_dim=0,
+        v_head_dim=256,
+        index_n_heads=32,
+        index_head_dim=128,
+        index_topk=2048,
+        index_kpool=16,
+        linear_num_heads=64,
+        linear_head_dim=128,
+        layer_types=[DSA if i % 4 == 3 else KDA for i in range(45)],  # 34 KDA + 11 DSA
+        indexer_types=["full"] * 45,
+        mlp_layer_types=["dense"] * 3 + ["sparse"] * 42,
+        max_position_embeddings=1048576,
+        dtype="bfloat16",
+    ),
 }
+CONFIG_ONLY = {"real"}  # presets written without weights
 
 COMMON: dict[str, Any] = dict(
     model_type="glm5_next_text",
@@ -196,6 +230,8 @@ def write_checkpoint(
         )
         + "\n"
     )
+    if preset in CONFIG_ONLY:
+        return out
     config, target, draft = random_model(raw, device, seed)
     tensors = export_checkpoint(config, target, draft)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -17,6 +17,7 @@ import torch
 from kernels import fast_path
 from kernels import indexer as idx_kernels
 from kernels import sparse_mla as mla_kernels
+from serving.distributed import tp_all_reduce
 from serving.forward_batch import ForwardBatch
 from serving.memory.cache import DSALayerCache
 
@@ -82,7 +83,14 @@ def _indexer_ops(t: torch.Tensor):
 
 def _score(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
     """Pool scores [N, max_pools] of queries q [N, Hi, D] that come in len(rows) equal groups,
-    one per request row (extend: one request; decode and verify: step_len queries each)."""
+    one per request row (extend: one request; decode and verify: step_len queries each).
+
+    Under TP each rank holds Hi/tp of the heads: the scores are summed over the ranks here, so
+    every rank selects the same tokens."""
+    return tp_all_reduce(_score_heads(shape, q, head_w, r2t, rows, positions, max_pools, cache))
+
+
+def _score_heads(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
     if fast_path(q):
         from kernels.triton.indexer import score_pools_paged
 

@@ -1,0 +1,155 @@
+"""Tensor and expert parallelism on CPU (gloo, 2 rank processes, float32, tiny checkpoint).
+
+Every parallel layout computes the same logits as one rank, within 1e-5 relative: ragged batches
+(prefill then decode) and a prefill fed in chunks unaligned to kpool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tp_ranks import run_ranks, scenario
+
+TOL = 1e-5
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    torch.manual_seed(0)
+    return scenario(str(tiny_ckpt))
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "ep2", "tp2ep2"])
+def test_logits_equal_one_rank(tiny_ckpt, reference, tmp_path, tp, ep):
+    out = tmp_path / "logits.pt"
+    run_ranks(tiny_ckpt, tp, ep, out)
+    ours = torch.load(out)
+    assert len(ours) == len(reference)
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        assert a.shape == b.shape
+        assert rel_err(a, b) <= TOL, f"step {i}: {rel_err(a, b):.2e}"
+
+
+def test_rank_reads_only_its_slices(tiny_ckpt):
+    """Rank 1 of TP2+EP2 holds half the heads, half the vocab and the second half of the
+    experts, each equal to that slice of the one-rank model (no process group needed)."""
+    from serving.config import ModelConfig
+    from serving.distributed import ParallelState, set_state
+    from serving.models.loader import load_weights
+
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    full, _ = load_weights(tiny_ckpt, config, torch.float32)
+    set_state(ParallelState(rank=1, tp_size=2, ep_size=2))
+    try:
+        part, _ = load_weights(tiny_ckpt, config, torch.float32)
+    finally:
+        set_state(ParallelState())
+    f, p = dict(full.named_parameters()), dict(part.named_parameters())
+    half = config.vocab_size // 2
+    assert torch.equal(p["embed_tokens"], f["embed_tokens"][half:])
+    q = f["layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(p["layers.0.self_attn.q_proj.weight"], q[q.shape[0] // 2 :])
+    o = f["layers.1.self_attn.o_proj.weight"]
+    assert torch.equal(p["layers.1.self_attn.o_proj.weight"], o[:, o.shape[1] // 2 :])
+    e = config.n_routed_experts // 2
+    assert torch.equal(p["layers.1.mlp.w13"], f["layers.1.mlp.w13"][e:])
+    conv, qkv = f["layers.0.self_attn.conv_weight"], config.kda_qkv_dim
+    local = torch.cat([conv[i * qkv + qkv // 2 : (i + 1) * qkv] for i in range(3)])
+    assert torch.equal(p["layers.0.self_attn.conv_weight"], local)
+
+
+def test_plan_of_the_real_config(tmp_path, capsys):
+    """The plan command from config.json alone: the real preset at the seed's decode settings."""
+    from serving.tools.plan import main
+    from serving.tools.tiny_model import write_checkpoint
+
+    real = write_checkpoint(tmp_path / "real", preset="real")
+    assert not list(real.glob("*.safetensors"))
+    flags = ["--model-path", str(real), "--mem-fraction-static", "0.70"]
+    flags += ["--context-length", "69632", "--max-running-requests", "32"]
+    flags += ["--disaggregation-decode-extra-slots", "64", "--gpu-memory-gib", "141"]
+    main([*flags, "--tp-size", "8", "--ep-size", "8"])
+    out = capsys.readouterr().out
+    assert "313.4 B parameters" in out, out
+    assert "request rows                  97" in out, out
+    weights = float(out.split("weights per rank")[1].split()[0])
+    assert 583.7 / 8 < weights < 583.7 / 8 + 2, out  # a little replicated on every rank
+    assert "KV tokens per GPU" in out, out
+    with pytest.raises(SystemExit, match="linear_num_heads .KDA heads. = 64 does not divide"):
+        main([*flags, "--tp-size", "3", "--ep-size", "3"])
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2), (4, 1), (4, 4)])
+def test_tiny_loads_at_every_size_it_divides_by(tiny_ckpt, tp, ep):
+    """Each rank reads only its slices: the last rank's bytes read are its parameters' bytes,
+    well under the checkpoint's (replicated tensors are read by every rank)."""
+    from serving.config import ModelConfig
+    from serving.distributed import ParallelState, set_state
+    from serving.models.loader import load_weights
+
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    full, _ = load_weights(tiny_ckpt, config, torch.float32)
+    world = max(tp, ep)
+    set_state(ParallelState(rank=world - 1, tp_size=tp, ep_size=ep))
+    try:
+        part, _ = load_weights(tiny_ckpt, config, torch.float32)
+    finally:
+        set_state(ParallelState())
+    own = sum(p.numel() * p.element_size() for p in part.parameters())
+    assert part.checkpoint_bytes_read == own
+    assert own < (0.75 if tp > 1 else 0.95) * full.checkpoint_bytes_read, own
+
+
+def test_sizes_that_do_not_divide_are_named(tiny_ckpt):
+    from serving.config import ModelConfig
+    from serving.distributed import check_sizes
+    from serving.tools.tiny_model import build_config
+
+    tiny = ModelConfig.from_pretrained(tiny_ckpt)
+    with pytest.raises(ValueError, match=r"--tp-size 8: .*linear_num_heads \(KDA heads\) = 4"):
+        check_sizes(tiny, 8, 8)
+    with pytest.raises(ValueError, match=r"--ep-size 3: .*n_routed_experts = 8"):
+        check_sizes(tiny, 1, 3)
+    with pytest.raises(ValueError, match="each must be 1 or 4"):
+        check_sizes(tiny, 2, 4)
+    specials = {"<|endoftext|>": 0, "<|user|>": 1, "<|observation|>": 2}
+    for preset in ("bench", "real"):
+        config = ModelConfig.from_dict(build_config(preset, specials))
+        for n in (1, 2, 4, 8):
+            check_sizes(config, n, n)
+            check_sizes(config, n, 1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tp-size", "2", "--nnodes", "2"], "--nnodes > 1: needs --dist-init-addr"),
+        (["--tp-size", "4", "--nnodes", "3"], "--nnodes 3 --node-rank 0: the 4 ranks"),
+        (["--tp-size", "2", "--ep-size", "4"], "each be 1 or the number of ranks (4)"),
+        (
+            ["--tp-size", "2", "--disaggregation-mode", "decode"],
+            "--disaggregation-mode decode: not built yet with --tp-size",
+        ),
+    ],
+)
+def test_parallel_flags_that_cannot_take_effect(tiny_ckpt, flags, message):
+    from serving.server_args import ArgsError, ServerArgs
+
+    args = ServerArgs.from_cli(["--model-path", str(tiny_ckpt), "--device", "cpu", *flags])
+    with pytest.raises(ArgsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        args.validate()
+
+
+def test_rendezvous_address(tiny_ckpt):
+    from serving.server_args import ServerArgs
+
+    base = ["--model-path", str(tiny_ckpt), "--tp-size", "4"]
+    args = ServerArgs.from_cli([*base, "--nccl-port", "22171"])
+    assert args.dist_init_method() == "tcp://127.0.0.1:22171" and args.ranks_per_node == 4
+    args = ServerArgs.from_cli([*base, "--dist-init-addr", "10.0.0.1:5000", "--nnodes", "2"])
+    assert args.dist_init_method() == "tcp://10.0.0.1:5000" and args.ranks_per_node == 2
