@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"PD workers: {_WHY}")
 
 PROMPT = list(range(5, 37))
 MARK_DOWN_S = 2.0  # issue 17: a dead worker leaves rotation within this
+CLIENT_TIMEOUT_S = 300  # a held head waits for its row: minutes on a loaded 2-core machine
 D0_FLAGS = ("--disaggregation-mode", "decode", "--max-running-requests", "2",
             "--disaggregation-decode-extra-slots", "6")  # fmt: skip
 
@@ -101,7 +102,7 @@ class Streams:
         text = ""
         try:
             with httpx.stream("POST", url + "/v1/completions", json=body(max_tokens),
-                              timeout=120) as r:  # fmt: skip
+                              timeout=CLIENT_TIMEOUT_S) as r:  # fmt: skip
                 lines = r.iter_lines()
                 for line in lines:
                     text += line + "\n"
@@ -115,11 +116,11 @@ class Streams:
             self.started.release()
             self.results.append((0, repr(e)))
 
-    def wait_started(self, count: int | None = None, timeout: float = 120) -> None:
+    def wait_started(self, count: int | None = None, timeout: float = CLIENT_TIMEOUT_S) -> None:
         for _ in range(len(self.threads) if count is None else count):
             assert self.started.acquire(timeout=timeout)
 
-    def join(self, timeout: float = 120) -> list[tuple[int, str]]:
+    def join(self, timeout: float = CLIENT_TIMEOUT_S) -> list[tuple[int, str]]:
         for t in self.threads:
             t.join(timeout)
         return self.results
@@ -158,11 +159,11 @@ def test_waiting_for_a_decode_row_is_not_a_handoff_timeout(stack):
     bootstrap timeout (4 s here). That wait is queueing: decode runs no deadline on it and keeps
     prefill from timing the rooms out, so every stream completes."""
     bootstrap_timeout = float(FAST_TIMEOUTS["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"])
-    streams = Streams(stack.router.url, 10, 120)
+    streams = Streams(stack.router.url, 10, 24)
     t0 = time.monotonic()
-    streams.wait_started(10, timeout=300)
+    streams.wait_started(10)
     slowest_start = time.monotonic() - t0
-    results = streams.join(300)
+    results = streams.join()
     print(f"row wait: the last stream started after {slowest_start:.1f} s")
     assert slowest_start > bootstrap_timeout + 1, slowest_start  # the wait did happen
     assert len(results) == 10 and all(s == 200 and completed(t) for s, t in results), results
@@ -177,19 +178,21 @@ def test_kill_decode_mid_stream_marks_it_down_then_it_rejoins(stack, monkeypatch
     killed_at = time.monotonic()
     down_after = wait_for(lambda: not stack.healthy(stack.d0.url), 10)
     results = streams.join()
+    ended_after = time.monotonic() - killed_at
+    # with D0 out, the only decode left refuses: a clean 503 at once
+    t0 = time.monotonic()
+    r = httpx.post(stack.router.url + "/v1/completions", json=body(4, False), timeout=60)
+    refused_in = time.monotonic() - t0
+    stack.d0.proc.wait()
+    stack.restart("d0", monkeypatch)  # first, so that a failure below leaves the stack whole
     print(f"decode killed: out of rotation after {down_after:.2f} s")
     assert down_after < MARK_DOWN_S, down_after
     # ended, none hung: those that had begun with an error event, the others with a 503
     started = [t for s, t in results if s == 200 and '"error"' in t]
     assert len(started) >= 2 and all(s in (200, 503) for s, _ in results), results
-    assert time.monotonic() - killed_at < 30
-    # with D0 out, the only decode left refuses: a clean 503 at once
-    t0 = time.monotonic()
-    r = httpx.post(stack.router.url + "/v1/completions", json=body(4, False), timeout=60)
+    assert ended_after < 30, ended_after
     assert r.status_code == 503 and r.headers.get("retry-after"), r.text
-    assert time.monotonic() - t0 < 10
-    stack.d0.proc.wait()
-    stack.restart("d0", monkeypatch)
+    assert refused_in < 10, refused_in
     wait_for(lambda: stack.healthy(stack.d0.url), 30, 0.2)  # active probes bring it back
     results = Streams(stack.router.url, 4, 8).join()
     assert all(s == 200 and completed(t) for s, t in results), results
@@ -202,7 +205,7 @@ def test_kill_prefill_spares_requests_whose_kv_arrived(stack, monkeypatch):
     fail them. The router sees the death at the next request and /readiness turns 503."""
     handed_over = 'pdserve:requests_total{finish_reason="length"}'  # prefill's 1-token answers
     shipped = _metric(stack.prefill.url, handed_over)
-    streams = Streams(stack.router.url, 6, 200)
+    streams = Streams(stack.router.url, 6, 60)
     # every KV handed over: 2 requests run on D0, 4 wait there for a running slot
     wait_for(lambda: _metric(stack.prefill.url, handed_over) >= shipped + 6, 60)
     streams.wait_started(2)
@@ -215,12 +218,13 @@ def test_kill_prefill_spares_requests_whose_kv_arrived(stack, monkeypatch):
         return httpx.get(stack.router.url + "/readiness", timeout=5).status_code == 503
 
     wait_for(not_ready, 10)
-    print(f"prefill killed: /readiness 503 after {time.monotonic() - killed_at:.2f} s")
-    assert time.monotonic() - killed_at < MARK_DOWN_S + 1
+    not_ready_after = time.monotonic() - killed_at
     results = streams.join()
-    assert len(results) == 6 and all(s == 200 and completed(t) for s, t in results), results
     stack.prefill.proc.wait()
-    stack.restart("prefill", monkeypatch)
+    stack.restart("prefill", monkeypatch)  # first, so that a failure below leaves the stack whole
+    print(f"prefill killed: /readiness 503 after {not_ready_after:.2f} s")
+    assert not_ready_after < MARK_DOWN_S + 1, not_ready_after
+    assert len(results) == 6 and all(s == 200 and completed(t) for s, t in results), results
     wait_for(lambda: not not_ready(), 30, 0.2)
     results = Streams(stack.router.url, 4, 8).join()
     assert all(s == 200 and completed(t) for s, t in results), results
