@@ -282,7 +282,9 @@ def test_a_20mb_request_does_not_stall_the_worker(stack):
     assert max(t for _, t, _ in refused) < 20, refused  # before: 30-50 s of tokenising
     assert normal["status"] == 200, normal
     assert '"finish_reason":"length"' in normal["text"].replace(" ", ""), normal
-    assert gaps and max(gaps) < 3.0, max(gaps)  # before: /health silent for 30-50 s
+    # the health probes never went silent (before: 30-50 s); the bound leaves room for a loaded
+    # 2-core machine, where one probe was seen to take 3.5 s
+    assert gaps and max(gaps) < 10.0, max(gaps)
     rss_after = _rss_kib(worker.proc.pid)
     print(f"big requests: refused in {[round(t, 2) for _, t, _ in refused]} s; /health + "
           f"bootstrap probes: {len(gaps)}, slowest {max(gaps):.2f} s; front RSS "
