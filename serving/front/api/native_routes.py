@@ -66,7 +66,7 @@ def native_router(ctx: FrontContext) -> APIRouter:
                     "max_new_tokens: prompt logprobs need max_new_tokens >= 1 on PD workers",
                     "max_new_tokens",
                 )
-        samplings = [_sampling(ctx, p, ready, len(ids)) for p, ids in zip(params, prompts)]
+        samplings = [_sampling(ctx, p, ready, len(ids), scoring) for p, ids in zip(params, prompts)]
         seqs = make_seqs(
             ctx.tokenizer,
             body.rid or uuid.uuid4().hex,
@@ -127,7 +127,11 @@ async def _prompts(
 
 
 def _sampling(
-    ctx: FrontContext, p: NativeSamplingParams, ready: SchedulerReady, prompt_len: int
+    ctx: FrontContext,
+    p: NativeSamplingParams,
+    ready: SchedulerReady,
+    prompt_len: int,
+    scoring_prompt: bool,
 ) -> SamplingParams:
     sampling = make_sampling(
         ctx.sampling_defaults,
@@ -158,6 +162,7 @@ def _sampling(
         ready.context_length,
         ready.vocab_size,
         NATIVE_DEFAULT_MAX_NEW_TOKENS,
+        scoring_prompt,
     )
     ctx.check_constraint(sampling)
     return sampling

@@ -109,7 +109,15 @@ def openai_router(ctx: FrontContext) -> APIRouter:
             raise APIError(400, "best_of: only best_of == n is supported", "best_of")
         prompts = await _completion_prompts(ctx, body.prompt, ready)
         samplings = [
-            _sampling(ctx, body, ready, body.max_tokens, len(ids), COMPLETION_DEFAULT_MAX_TOKENS)
+            _sampling(
+                ctx,
+                body,
+                ready,
+                body.max_tokens,
+                len(ids),
+                COMPLETION_DEFAULT_MAX_TOKENS,
+                scoring_prompt=bool(body.echo) and body.logprobs is not None,
+            )
             for ids in prompts
         ]
         constraint = requested_constraint(
@@ -351,6 +359,7 @@ def _sampling(
     max_tokens: int | None,
     prompt_len: int,
     default_max_tokens: int | None,
+    scoring_prompt: bool = False,
 ) -> SamplingParams:
     sampling = make_sampling(
         ctx.sampling_defaults,
@@ -378,6 +387,7 @@ def _sampling(
         ready.context_length,
         ready.vocab_size,
         default_max_tokens,
+        scoring_prompt,
     )
     return sampling
 

@@ -50,8 +50,12 @@ def fit_to_context(
     context_length: int,
     vocab_size: int,
     default_max_tokens: int | None = None,
+    scoring_prompt: bool = False,
 ) -> None:
     """Set max_new_tokens (given, else the default, else all the room left) and validate.
+    max_tokens 0 is refused unless the request scores its prompt (echo with logprobs,
+    logprob_start_len): then it means "the prompt's logprobs, no output", as OpenAI's and
+    vLLM's evaluation clients use it.
 
     Raises APIError or SamplingError (both HTTP 400).
     """
@@ -64,7 +68,7 @@ def fit_to_context(
             f"the prompt has {prompt_len} tokens; the context length is {context_length} tokens",
             "prompt",
         )
-    if max_tokens is not None and max_tokens < 1:
+    if max_tokens is not None and max_tokens < (0 if scoring_prompt else 1):
         raise APIError(400, f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
