@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"PD workers: {_WHY}")
 PROMPT = list(range(5, 37))
 MARK_DOWN_S = 2.0  # issue 17: a dead worker leaves rotation within this
 CLIENT_TIMEOUT_S = 300  # a held head waits for its row: minutes on a loaded 2-core machine
+# A short bootstrap timeout: test_waiting_for_a_decode_row_is_not_a_handoff_timeout shows a
+# row wait far longer than it does not fail (decode's keepalive); the other timeouts as in tests.
+ENV = {**FAST_TIMEOUTS, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "4"}
 D0_FLAGS = ("--disaggregation-mode", "decode", "--max-running-requests", "2",
             "--disaggregation-decode-extra-slots", "6")  # fmt: skip
 
@@ -39,9 +42,9 @@ class Stack:
         self.model, self.logs = model, logs
         self.bootstrap_port = free_port()
         self.prefill = self._prefill()
-        self.d0 = Server(model, *D0_FLAGS, log_dir=logs, env=FAST_TIMEOUTS)
+        self.d0 = Server(model, *D0_FLAGS, log_dir=logs, env=ENV)
         self.d1 = Server(model, "--disaggregation-mode", "decode", "--max-queued-requests", "0",
-                         log_dir=logs, env=FAST_TIMEOUTS)  # fmt: skip
+                         log_dir=logs, env=ENV)  # fmt: skip
         # a long probe interval: detection here must come from the requests themselves
         self.router = RouterProc(
             "--pd-disaggregation", "--prefill", self.prefill.url, str(self.bootstrap_port),
@@ -54,7 +57,7 @@ class Stack:
     def _prefill(self) -> Server:
         return Server(self.model, "--disaggregation-mode", "prefill",
                       "--disaggregation-bootstrap-port", str(self.bootstrap_port),
-                      log_dir=self.logs, env=FAST_TIMEOUTS)  # fmt: skip
+                      log_dir=self.logs, env=ENV)  # fmt: skip
 
     def restart(self, name: str, monkeypatch) -> None:
         old: Server = getattr(self, name)
@@ -65,7 +68,7 @@ class Stack:
                 setattr(self, name, self._prefill())
             else:
                 setattr(self, name, Server(self.model, *D0_FLAGS, log_dir=self.logs,
-                                           env=FAST_TIMEOUTS))  # fmt: skip
+                                           env=ENV))  # fmt: skip
 
     def healthy(self, url: str) -> bool:
         return next(w["healthy"] for w in self.router.state()["workers"] if w["url"] == url)
@@ -155,18 +158,41 @@ def test_a_refusal_before_the_first_token_is_retried_on_another_decode(stack):
 
 
 def test_waiting_for_a_decode_row_is_not_a_handoff_timeout(stack):
-    """10 streams on D0's 8 rows (2 running): the last ones wait for a row far longer than the
-    bootstrap timeout (4 s here). That wait is queueing: decode runs no deadline on it and keeps
-    prefill from timing the rooms out, so every stream completes."""
-    bootstrap_timeout = float(FAST_TIMEOUTS["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"])
-    streams = Streams(stack.router.url, 10, 24)
+    """Two long streams hold D0's running slots; 8 more take its 6 other rows and wait, the
+    last 2 for a row. The blockers are closed only after the bootstrap timeout (4 s here) has
+    passed twice over, so the wait outlasts it on any machine. That wait is queueing: decode
+    runs no deadline on it and keeps prefill from timing the rooms out, so every stream
+    completes."""
+    bootstrap_timeout = float(ENV["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"])
+    release = threading.Event()
+    blocking = threading.Semaphore(0)
+
+    def blocker() -> None:
+        with httpx.stream("POST", stack.router.url + "/v1/completions", json=body(4000),
+                          timeout=CLIENT_TIMEOUT_S) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    blocking.release()
+                    release.wait(CLIENT_TIMEOUT_S)
+                    return  # closing the stream aborts it and frees its row
+
+    blockers = [threading.Thread(target=blocker) for _ in range(2)]
+    for t in blockers:
+        t.start()
+    for _ in blockers:
+        assert blocking.acquire(timeout=CLIENT_TIMEOUT_S)
+    streams = Streams(stack.router.url, 8, 24)
     t0 = time.monotonic()
-    streams.wait_started(10)
+    time.sleep(2 * bootstrap_timeout)
+    release.set()
+    for t in blockers:
+        t.join(CLIENT_TIMEOUT_S)
+    streams.wait_started(8)
     slowest_start = time.monotonic() - t0
     results = streams.join()
     print(f"row wait: the last stream started after {slowest_start:.1f} s")
-    assert slowest_start > bootstrap_timeout + 1, slowest_start  # the wait did happen
-    assert len(results) == 10 and all(s == 200 and completed(t) for s, t in results), results
+    assert slowest_start > bootstrap_timeout + 1, slowest_start
+    assert len(results) == 8 and all(s == 200 and completed(t) for s, t in results), results
     stack.prefill.idle_pool(30)
     stack.d0.idle_pool(30)
 

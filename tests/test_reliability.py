@@ -213,10 +213,14 @@ def test_a_reused_rid_is_409_and_not_retried(stack):
     with httpx.stream("POST", stack.router.url + "/v1/completions", json=first, headers=AUTH,
                       timeout=60) as r1:  # fmt: skip
         assert r1.status_code == 200
-        next(r1.iter_lines())  # the first token is out: the rid is live on decode
+        # keep the line iterator: a dropped one closes the stream, which aborts the request
+        lines = r1.iter_lines()
+        next(lines)  # the first token is out: the rid is live on decode
+        stack.prefill.idle_pool(timeout=30)  # ...and no longer on prefill (its part is done)
         second = {**completion(""), "rid": "same-rid"}
         r2 = httpx.post(stack.router.url + "/v1/completions", json=second, headers=AUTH,
                         timeout=60)  # fmt: skip
+        del lines
     assert r2.status_code == 409 and "rid" in r2.json()["error"]["message"], r2.text
     assert _metric(stack.router.url, "router_retries_total") == retries_before
     stack.idle()

@@ -6,11 +6,11 @@ rank ends the whole worker non-zero with a message naming the rank, and nothing 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -97,24 +97,38 @@ def test_killed_rank_ends_the_worker(tiny_ckpt, tmp_path):
         assert generate(srv.url, prompt(4, 9), 4).status_code == 200  # TP2+EP2 serves
         m = re.search(r"rank 1 of 2: pid (\d+)", srv.log_path.read_text())
         assert m, srv.log_path.read_text()
-        statuses: list[int] = []
+        events: list[str] = []
+        streaming = threading.Event()
 
         def long_request() -> None:
+            body = {
+                "input_ids": prompt(5, 20),
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True},
+            }
             try:
-                statuses.append(generate(srv.url, prompt(5, 20), 200, timeout=60).status_code)
+                with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            streaming.set()
             except httpx.HTTPError:
-                statuses.append(-1)  # the front went away first
+                events.append("cut")  # the front went away first
+            streaming.set()
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(0.5)
+        assert streaming.wait(timeout=60)  # the rank dies while the request runs, not before
         os.kill(int(m.group(1)), signal.SIGKILL)
         code = srv.proc.wait(timeout=60)  # nothing hangs: the worker exits by itself
         t.join(timeout=60)
         log = srv.log_path.read_text()
         assert code != 0
         assert "scheduler rank 1 of 2 exited first (code -9)" in log, log
-        assert statuses and statuses[0] in (503, -1), statuses
+        # the request did not finish as if nothing happened: it ended with an error or was cut
+        last = json.loads(events[-2]) if len(events) > 1 and events[-1] == "[DONE]" else None
+        finished = last is not None and last.get("meta_info", {}).get("completion_tokens") == 200
+        assert not finished, events[-3:]
     finally:
         srv.stop()
 
