@@ -180,6 +180,13 @@ def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def gather_object(obj: Any) -> list[Any] | None:
+    """Every rank's obj in rank order on rank 0 (None on the others), over the gloo group."""
+    out = [None] * _state.world if _state.rank == 0 else None
+    dist.gather_object(obj, out, dst=0, group=_cpu_group)
+    return out
+
+
 def broadcast_object(obj: Any = None) -> Any:
     """Rank 0 sends `obj`; every rank returns it (pickled over the gloo group)."""
     box = [obj]

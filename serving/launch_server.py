@@ -132,10 +132,14 @@ def _spawn_followers(args: ServerArgs, ctx) -> dict[int, mp.Process]:
     from serving.engine.scheduler_process import run_follower
 
     first = args.node_rank * args.ranks_per_node
+    make_role = follower_role(args)
     procs = {}
     for rank in range(max(first, 1), first + args.ranks_per_node):
         procs[rank] = ctx.Process(
-            target=run_follower, args=(args, rank), daemon=True, name=f"pdserve-rank{rank}"
+            target=run_follower,
+            args=(args, rank, make_role),
+            daemon=True,
+            name=f"pdserve-rank{rank}",
         )
         procs[rank].start()
     return procs
@@ -172,6 +176,15 @@ def pick_role(args: ServerArgs):
 
         return DecodeRole, None
     return None, None
+
+
+def follower_role(args: ServerArgs):
+    """The PD role's end on ranks > 0 (their own Mooncake engine and transfers), or None."""
+    if args.disaggregation_mode == "null":
+        return None
+    from workers.rank_transfer import FollowerKV
+
+    return FollowerKV
 
 
 if __name__ == "__main__":

@@ -305,11 +305,6 @@ class ServerArgs:
                 f"{self.ranks_per_node} devices from --base-gpu-id {self.base_gpu_id}, this "
                 f"machine has {num_devices} (cuda)"
             )
-        if world > 1 and self.disaggregation_mode != "null":
-            raise ArgsError(
-                f"--disaggregation-mode {self.disaggregation_mode}: not built yet with "
-                "--tp-size/--ep-size > 1"
-            )
 
     def _validate_speculative(self) -> None:
         steps, topk = self.speculative_num_steps, self.speculative_eagle_topk

@@ -62,6 +62,13 @@ class PDPair:
             self.prefill.stop()
             raise
 
+    @classmethod
+    def join(cls, prefill: Server, bootstrap_port: int, decode: Server) -> PDPair:
+        """A pair of workers already running (tests that pair one worker with several)."""
+        pair = cls.__new__(cls)
+        pair.prefill, pair.bootstrap_port, pair.decode = prefill, bootstrap_port, decode
+        return pair
+
     def bootstrap(self, room: int | None = None) -> dict:
         return {
             "bootstrap_host": "127.0.0.1",

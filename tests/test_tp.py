@@ -131,10 +131,6 @@ def test_sizes_that_do_not_divide_are_named(tiny_ckpt):
         (["--tp-size", "2", "--nnodes", "2"], "--nnodes > 1: needs --dist-init-addr"),
         (["--tp-size", "4", "--nnodes", "3"], "--nnodes 3 --node-rank 0: the 4 ranks"),
         (["--tp-size", "2", "--ep-size", "4"], "each be 1 or the number of ranks (4)"),
-        (
-            ["--tp-size", "2", "--disaggregation-mode", "decode"],
-            "--disaggregation-mode decode: not built yet with --tp-size",
-        ),
     ],
 )
 def test_parallel_flags_that_cannot_take_effect(tiny_ckpt, flags, message):

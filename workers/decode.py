@@ -9,6 +9,12 @@ A request keeps the row it got here for its whole life, so rows up to max_runnin
 extra slots are live while only max_running_requests decode at once. Memory whose destinations
 were sent is reused only after prefill acknowledged an abort (or stopped, or a timeout): a late
 write must never land in another request's pages.
+
+Under TP/EP this role runs on rank 0 and decides everything; every rank has registered its own
+pool with its own Mooncake engine (workers/rank_transfer.FollowerKV), and the registration sent
+to prefill lists each rank's session and addresses. Prefill says Success only when every one of
+its ranks has written, so decode needs nothing from its followers but their addresses, and that
+their row resets are applied before the destinations go out (RankFanout.ask).
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from serving.distributed import state
 from serving.engine.request import Req, Role
 from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, TokenLogprob
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
-from workers.kv_layout import layout_mismatch, model_fingerprint
+from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
 from workers.messages import (
     Abort,
     AbortAck,
@@ -38,6 +45,7 @@ from workers.messages import (
     advance,
     decode_logprobs,
 )
+from workers.rank_transfer import DESCRIBE
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
 
@@ -138,6 +146,10 @@ class DecodeRole(Role):
             self.args.disaggregation_ib_device,
             self.args.host,
         )
+        self.tp_size = state().tp_size
+        self.fanout = scheduler.runner.fanout  # None on one rank
+        followers = self.fanout.ask(DESCRIBE) if self.fanout is not None else []
+        self.memory = [self.endpoint.memory, *followers]  # entry r: decode rank r's
         self.directory = PrefillDirectory(self.timeouts, self.args.api_key)
         self.directory.start()
 
@@ -224,6 +236,9 @@ class DecodeRole(Role):
                     self.directory.watched.add(addr)
                 for t in waiting:
                     if mismatch is not None:
+                        # prefill's request for the room fails at once with the reason too
+                        refusal = Abort(t.room, self.endpoint.addr, mismatch)
+                        self.endpoint.send(payload["rank"], refusal)
                         self._fail(t, f"prefill/decode mismatch: {mismatch}", 502)
                     else:
                         self._wait_for_memory(t)
@@ -274,6 +289,9 @@ class DecodeRole(Role):
         return len(self.transfers)
 
     def _handshake_problem(self, info: dict) -> str | None:
+        tp = tp_mismatch(info.get("attn_tp_size"), self.tp_size)
+        if tp is not None:
+            return tp
         if info.get("model") != model_fingerprint(self.scheduler.pool.config):
             return (
                 f"model config differs: prefill serves {info.get('model_path')}, decode "
@@ -285,6 +303,7 @@ class DecodeRole(Role):
 
     def _preallocate(self) -> None:
         pool = self.scheduler.pool
+        ready: list[Transfer] = []
         for t in self.transfers.values():
             if t.state != KVPoll.WaitingForInput:
                 continue
@@ -292,38 +311,49 @@ class DecodeRole(Role):
             n = len(req.input_ids)
             reserve = len(self.scheduler.running)
             if pool.pages.num_free - pool.pages.pages_for(n + 1) < reserve:
-                return  # FIFO: later requests wait behind this one
+                break  # FIFO: later requests wait behind this one
             row = pool.alloc_row()
             if row is None:
-                return
+                break
             req.row = row
             if not pool.grow(row, req.pages, n):
                 pool.free_row(row)
                 req.row = None
-                return
-            info = self.prefills[t.bootstrap]
-            t.rank = info["rank"]
-            if t.rank not in self.registered:
-                register = Register(
-                    session=self.endpoint.engine.session_id,
-                    decode_addr=self.endpoint.addr,
-                    page_addrs=[b.addr for b in self.endpoint.page_buffers],
-                    row_addrs=[b.addr for b in self.endpoint.row_buffers],
-                    layout=self.endpoint.layout,
-                )
-                self.endpoint.send(t.rank, register)
-                self.registered.add(t.rank)
-            dest = Destination(
-                room=t.room,
-                session=self.endpoint.engine.session_id,
+                break
+            ready.append(t)
+        if ready and self.fanout is not None:
+            # Hazard: a follower resets a fresh row when it replays rank 0's journal; had it
+            # not done so before prefill's writes land, the reset would wipe the request state.
+            self.fanout.ask([])
+        for t in ready:
+            self._send_destination(t)
+
+    def _send_destination(self, t: Transfer) -> None:
+        req = t.req
+        info = self.prefills[t.bootstrap]
+        t.rank = info["rank"]
+        if t.rank not in self.registered:
+            register = Register(
                 decode_addr=self.endpoint.addr,
-                pages=req.pages,
-                row=row,
-                prompt_len=n,
+                tp_size=self.tp_size,
+                sessions=[m.session for m in self.memory],
+                page_addrs=[m.page_addrs for m in self.memory],
+                row_addrs=[m.row_addrs for m in self.memory],
+                layout=self.endpoint.layout,
             )
-            self.endpoint.send(t.rank, dest)
-            t.state = advance(t.state, KVPoll.Transferring)
-            t.deadline = time.monotonic() + self.timeouts.waiting
+            self.endpoint.send(t.rank, register)
+            self.registered.add(t.rank)
+        dest = Destination(
+            room=t.room,
+            session=self.endpoint.engine.session_id,
+            decode_addr=self.endpoint.addr,
+            pages=req.pages,
+            row=req.row,
+            prompt_len=len(req.input_ids),
+        )
+        self.endpoint.send(t.rank, dest)
+        t.state = advance(t.state, KVPoll.Transferring)
+        t.deadline = time.monotonic() + self.timeouts.waiting
 
     def _on_status(self, msg: Status) -> None:
         t = self.transfers.get(msg.room)

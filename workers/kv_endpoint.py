@@ -1,5 +1,6 @@
-"""A worker's end of the handoff: the Mooncake engine with the pool registered, one ZMQ PULL
-socket for control messages, and PUSH sockets to peers."""
+"""Rank 0's end of the handoff: the Mooncake engine with its pool registered, one ZMQ PULL
+socket for control messages, and PUSH sockets to peers (ranks > 0 have only the engine:
+workers/rank_transfer.FollowerKV)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import zmq
 from serving.memory.pool import MemoryPool
 from workers import messages
 from workers.kv_layout import layout, page_buffers, row_buffers
+from workers.rank_transfer import RankMemory
 from workers.transfer_engine import MooncakeEngine
 
 log = logging.getLogger(__name__)
@@ -25,6 +27,11 @@ class KVEndpoint:
         self.row_buffers = row_buffers(pool)
         self.engine.register([(b.addr, b.nbytes) for b in self.page_buffers + self.row_buffers])
         self.layout = layout(pool)
+        self.memory = RankMemory(
+            self.engine.session_id,
+            [b.addr for b in self.page_buffers],
+            [b.addr for b in self.row_buffers],
+        )
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.port = self.pull.bind_to_random_port(f"tcp://{host}")

@@ -95,6 +95,16 @@ def layout_mismatch(ours: list[list], theirs: list[list]) -> str | None:
     return "buffer order differs"
 
 
+def tp_mismatch(prefill_tp: int, decode_tp: int) -> str | None:
+    """Why a prefill and a decode worker of these --tp-size values cannot hand off, or None."""
+    if prefill_tp == decode_tp:
+        return None
+    return (
+        f"prefill tp {prefill_tp} / decode tp {decode_tp}: KDA states are split by heads over "
+        "the TP ranks, so both sides must run the same --tp-size"
+    )
+
+
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Merge (src page, dst page) pairs into runs contiguous on both sides: (src, dst, count)."""
     runs: list[tuple[int, int, int]] = []

@@ -1,8 +1,10 @@
 """The worker-to-worker control plane: KVPoll states and the typed messages on ZMQ.
 
-decode -> prefill   Register     once per prefill rank: session, buffer addresses, layout
+decode -> prefill   Register     once per prefill worker: its TP size and, per decode rank, that
+                                 rank's Mooncake session and buffer addresses; the layout
 decode -> prefill   Destination  per request: where its pages, state rows and aux row go
-decode -> prefill   Abort        the request ended at decode; prefill answers AbortAck
+decode -> prefill   Abort        the request ended at decode (with a reason when decode refused
+                                 the handoff); prefill answers AbortAck
 decode -> prefill   Waiting      rooms still queued at decode for memory (a keepalive)
 prefill -> decode   Status       KVPoll.Success (everything landed, with the prompt logprobs
                                  prefill scored, if asked) or KVPoll.Failed
@@ -44,11 +46,15 @@ def advance(current: KVPoll, new: KVPoll) -> KVPoll:
 
 @dataclass(frozen=True)
 class Register:
-    session: str  # the decode side's Mooncake session id
-    decode_addr: str  # its control socket, host:port
-    page_addrs: list[int]  # base address of every page buffer, in layout order
-    row_addrs: list[int]  # base address of every request-row buffer, in layout order
-    layout: list[list]  # [name, bytes per item] of every buffer (kv_layout.layout)
+    """Decode's memory, rank by rank: each decode rank registered its own buffers with its own
+    Mooncake engine, so entry r of sessions/page_addrs/row_addrs is decode rank r's."""
+
+    decode_addr: str  # decode rank 0's control socket, host:port
+    tp_size: int  # decode's --tp-size: must equal prefill's (KDA states split by heads)
+    sessions: list[str]  # per decode rank: its Mooncake session id
+    page_addrs: list[list[int]]  # per decode rank: every page buffer's base, in layout order
+    row_addrs: list[list[int]]  # per decode rank: every request-row buffer's, in layout order
+    layout: list[list]  # [name, bytes per item] of every buffer (kv_layout.layout), every rank
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class Destination:
 class Abort:
     room: int
     decode_addr: str
+    reason: str = ""  # set when decode refused the handoff (e.g. at the handshake): prefill's
+    # client gets it as a 502; empty: decode's client left (499)
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,18 @@ _KINDS: dict[str, type] = {
     "abort_ack": AbortAck,
 }
 _KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
-_CHECKS = {"int": int, "str": str, "list[int]": list, "list[list]": list}
+
+
+def _has_type(value: Any, kind: str) -> bool:
+    """Whether a JSON value is of a field's declared type ("int", "str", "list[...]")."""
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "list":
+        return isinstance(value, list)
+    inner = kind.removeprefix("list[").removesuffix("]")
+    return isinstance(value, list) and all(_has_type(v, inner) for v in value)
 
 
 def encode(msg: ControlMessage) -> bytes:
@@ -142,12 +161,6 @@ def decode(raw: bytes) -> ControlMessage:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ValueError(f"{kind}: missing field {name}")
             continue
-        want = _CHECKS[f.type]
-        value = body[name]
-        if not isinstance(value, want) or isinstance(value, bool):
-            raise ValueError(f"{kind}.{name}: expected {f.type}, got {type(value).__name__}")
-        if f.type == "list[int]" and not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
-        ):
-            raise ValueError(f"{kind}.{name}: expected a list of integers")
+        if not _has_type(body[name], f.type):
+            raise ValueError(f"{kind}.{name}: expected {f.type}, got {body[name]!r:.60}")
     return cls(**body)

@@ -7,32 +7,30 @@ Per room (SGLang's KVPoll, forward only):
     WaitingForInput   destinations arrived; the request is queued in the scheduler
     Transferring      at least one chunk is on its way
     Success | Failed  decode is told; the request's memory is released and reported
+
+Under TP/EP every rank writes its own share (workers/rank_transfer.py); this role runs on rank 0
+only and orders the other ranks' writes through the step fanout. A room reaches Success only
+once every rank has reported its writes done.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-import queue
-import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from serving.distributed import state
 from serving.engine.request import Req, Role
 from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
-from workers.kv_layout import (
-    Writes,
-    layout_mismatch,
-    model_fingerprint,
-    page_writes,
-    row_writes,
-)
+from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
 from workers.messages import (
     Abort,
     AbortAck,
@@ -44,20 +42,22 @@ from workers.messages import (
     advance,
     encode_logprobs,
 )
+from workers.rank_transfer import PeerMemory, RankMemory, RankSender, Ship
 from workers.timeouts import Timeouts
-from workers.transfer_engine import TransferError, advertise_host
+from workers.transfer_engine import advertise_host
 
 log = logging.getLogger(__name__)
+
+# While followers still owe writes, rank 0 asks them at most this often (a broadcast + gather).
+RANK_POLL_S = 0.01
 
 
 @dataclass
 class Peer:
-    """A decode worker that registered with us."""
+    """A decode worker that registered with us: its memory, decode rank by decode rank."""
 
-    session: str
-    page_addrs: list[int]
-    row_addrs: list[int]
-    error: str | None  # layout mismatch: every room from this peer fails with it
+    ranks: list[RankMemory]
+    error: str | None  # TP size or layout mismatch: every room from this peer fails with it
 
 
 @dataclass
@@ -75,30 +75,12 @@ class Room:
 
 @dataclass
 class Job:
+    """One Ship order: done when no rank is left that still owes its writes."""
+
     room: int
-    session: str
-    writes: Writes
     final: bool
-    error: str | None = field(default=None)
-
-
-class Sender(threading.Thread):
-    """Runs Mooncake writes off the scheduler thread, in order (a room's chunks stay ordered)."""
-
-    def __init__(self, endpoint: KVEndpoint) -> None:
-        super().__init__(daemon=True, name="kv-sender")
-        self.endpoint = endpoint
-        self.jobs: queue.Queue[Job] = queue.Queue()
-        self.results: queue.Queue[Job] = queue.Queue()
-
-    def run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            try:
-                self.endpoint.engine.write(job.session, *job.writes)
-            except TransferError as exc:
-                job.error = str(exc)
-            self.results.put(job)
+    left: set[int]  # ranks that have not reported it
+    error: str | None = None
 
 
 class PrefillRole(Role):
@@ -107,11 +89,14 @@ class PrefillRole(Role):
         self.timeouts = Timeouts.from_env()
         self.rooms: dict[int, Room] = {}
         self.by_rid: dict[str, int] = {}
-        self.early_dest: dict[
-            int, tuple[float, Destination]
-        ] = {}  # dest that beat the HTTP request
+        # decode's destinations or abort that beat the HTTP request, by room
+        self.early: dict[int, tuple[float, Destination | Abort]] = {}
         self.peers: dict[str, Peer] = {}
         self.to_ship: list[tuple[int, bool]] = []  # (room, final) recorded during the step
+        self.orders: list[PeerMemory | Ship] = []  # for every rank, at the end of this poll
+        self.jobs: dict[int, Job] = {}
+        self.job_ids = itertools.count(1)
+        self.last_ask = 0.0
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
@@ -119,7 +104,12 @@ class PrefillRole(Role):
         self.endpoint = KVEndpoint(
             scheduler.pool, host, self.args.disaggregation_ib_device, self.args.host
         )
-        self.sender = Sender(self.endpoint)
+        ps = state()
+        self.world, self.tp_size = ps.world, ps.tp_size
+        self.fanout = scheduler.runner.fanout  # None on one rank
+        self.sender = RankSender(
+            self.endpoint.engine, self.endpoint.page_buffers, self.endpoint.row_buffers, 0, ps.world
+        )
         self.sender.start()
         self._register_with_bootstrap(host)
 
@@ -131,7 +121,7 @@ class PrefillRole(Role):
             "cp_rank": 0,
             "tp_rank": 0,
             "pp_rank": 0,
-            "attn_tp_size": 1,
+            "attn_tp_size": self.tp_size,
             "attn_cp_size": 1,
             "dp_size": 1,
             "pp_size": 1,
@@ -177,9 +167,11 @@ class PrefillRole(Role):
             )
         self.rooms[room] = Room(request, time.monotonic() + self.timeouts.bootstrap)
         self.by_rid[request.rid] = room
-        early = self.early_dest.pop(room, None)
-        if early is not None:
-            self._on_dest(early[1])
+        _, early = self.early.pop(room, (0.0, None))
+        if isinstance(early, Destination):
+            self._on_dest(early)
+        elif isinstance(early, Abort):
+            self._on_abort(early)
 
     def abort(self, rid: str, reason: str) -> None:
         room = self.by_rid.get(rid)
@@ -203,12 +195,7 @@ class PrefillRole(Role):
                     self._on_waiting(msg)
                 case _:
                     log.warning("unexpected control message at prefill: %s", msg)
-        while True:
-            try:
-                job = self.sender.results.get_nowait()
-            except queue.Empty:
-                break
-            self._on_job_done(job)
+        self._drive_ranks()
         now = time.monotonic()
         for room_id, room in list(self.rooms.items()):
             if room.state == KVPoll.Bootstrapping and now > room.deadline:
@@ -218,15 +205,27 @@ class PrefillRole(Role):
                     f"{self.timeouts.bootstrap:.0f} s (is decode up?)",
                     504,
                 )
-        for room_id, (t, _) in list(self.early_dest.items()):
+        for room_id, (t, _) in list(self.early.items()):
             if now - t > self.timeouts.bootstrap:
-                del self.early_dest[room_id]
+                del self.early[room_id]
 
     def _on_register(self, msg: Register) -> None:
-        error = layout_mismatch(self.endpoint.layout, msg.layout)
+        ranks = [RankMemory(*m) for m in zip(msg.sessions, msg.page_addrs, msg.row_addrs)]
+        pages, rows = len(self.endpoint.page_buffers), len(self.endpoint.row_buffers)
+        error = tp_mismatch(self.tp_size, msg.tp_size) or layout_mismatch(
+            self.endpoint.layout, msg.layout
+        )
+        if not error and (
+            not ranks
+            or len({len(msg.sessions), len(msg.page_addrs), len(msg.row_addrs)}) != 1
+            or any(len(r.page_addrs) != pages or len(r.row_addrs) != rows for r in ranks)
+        ):
+            error = "the registration's per-rank addresses do not match its layout"
         if error:
             log.error("decode %s refused at handshake: %s", msg.decode_addr, error)
-        self.peers[msg.decode_addr] = Peer(msg.session, msg.page_addrs, msg.row_addrs, error)
+        else:
+            self.orders.append(PeerMemory(msg.decode_addr, ranks))
+        self.peers[msg.decode_addr] = Peer(ranks, error)
 
     @property
     def queued(self) -> int:
@@ -245,7 +244,7 @@ class PrefillRole(Role):
         room_id = msg.room
         room = self.rooms.get(room_id)
         if room is None:
-            self.early_dest[room_id] = (time.monotonic(), msg)
+            self.early[room_id] = (time.monotonic(), msg)
             return
         if room.dest is not None:
             return
@@ -268,15 +267,16 @@ class PrefillRole(Role):
 
     def _on_abort(self, msg: Abort) -> None:
         room_id = msg.room
-        self.early_dest.pop(room_id, None)
         room = self.rooms.get(room_id)
-        if room is None:
+        if room is None:  # kept for a request still on its way here: it fails at once
+            self.early[room_id] = (time.monotonic(), msg)
             self.endpoint.send(msg.decode_addr, AbortAck(room_id))
             return
         room.abort_from = msg.decode_addr
-        room.failure = room.failure or "aborted by decode"
+        why = f"decode refused the handoff: {msg.reason}" if msg.reason else "aborted by decode"
+        room.failure = room.failure or why
         if room.req is None:
-            self._fail(room_id, "aborted by decode", 499)
+            self._fail(room_id, why, 502 if msg.reason else 499)
         elif room.req.finish_reason is None:
             self.scheduler.abort(room.request.rid, "aborted by decode")
         # else: held, its last write in flight; _on_job_done finishes it
@@ -312,22 +312,16 @@ class PrefillRole(Role):
             room = self.rooms.get(room_id)
             if room is None or room.failure is not None:
                 continue
-            req, peer = room.req, self.peers[room.dest.decode_addr]
+            req = room.req
             end = len(req.pages) if final else req.cached // self.scheduler.pool.plan.page_size
             if end <= room.sent_pages and not final:
                 continue
-            writes = page_writes(
-                self.endpoint.page_buffers,
-                peer.page_addrs,
-                req.pages[room.sent_pages : end],
-                room.dest.pages[room.sent_pages : end],
-            )
+            src, dst = req.pages[room.sent_pages : end], room.dest.pages[room.sent_pages : end]
             room.sent_pages = end
             if final:
                 self._write_aux(req, room)
-                rows = row_writes(self.endpoint.row_buffers, peer.row_addrs, req.row, room.dest.row)
-                writes = tuple(a + b for a, b in zip(writes, rows))
-            self._ship(room_id, room, writes, final=final)
+            rows = (req.row, room.dest.row) if final else None
+            self._ship(room_id, room, src, dst, rows, final)
 
     def owned(self) -> list[Req]:
         """Finished requests held until their transfer ends."""
@@ -358,13 +352,45 @@ class PrefillRole(Role):
         if top:
             aux.top_ids[req.row, : len(top)] = torch.tensor([t for t, _ in top])
 
-    def _ship(self, room_id: int, room: Room, writes: Writes, final: bool) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the forward that wrote these pages must be done
+    def _ship(
+        self,
+        room_id: int,
+        room: Room,
+        src: list[int],
+        dst: list[int],
+        rows: tuple[int, int] | None,
+        final: bool,
+    ) -> None:
         room.state = advance(room.state, KVPoll.Transferring)
         room.in_flight += 1
-        session = self.peers[room.dest.decode_addr].session
-        self.sender.jobs.put(Job(room_id, session, writes, final))
+        job = next(self.job_ids)
+        self.jobs[job] = Job(room_id, final, set(range(self.world)))
+        self.orders.append(Ship(job, room.dest.decode_addr, src, dst, rows))
+
+    def _drive_ranks(self) -> None:
+        """Hand this poll's orders to every rank (rank 0's own sender, the followers through the
+        fanout) and collect what each rank finished. Followers with writes still owed are asked
+        again at most every RANK_POLL_S, with no orders."""
+        orders, self.orders = self.orders, []
+        self.sender.apply(orders)
+        done = [(job, 0, error) for job, error in self.sender.done()]
+        if self.fanout is not None:
+            now = time.monotonic()
+            owed = any(job.left - {0} for job in self.jobs.values())
+            if orders or (owed and now - self.last_ask >= RANK_POLL_S):
+                self.last_ask = now
+                for rank, finished in enumerate(self.fanout.ask(orders), 1):
+                    done += [(job, rank, error) for job, error in finished]
+        for job_id, rank, error in done:
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            job.left.discard(rank)
+            if error and job.error is None:
+                job.error = f"rank {rank}: {error}" if self.world > 1 else error
+            if not job.left:
+                del self.jobs[job_id]
+                self._on_job_done(job)
 
     def _on_job_done(self, job: Job) -> None:
         room = self.rooms.get(job.room)

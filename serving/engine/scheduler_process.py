@@ -233,13 +233,20 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
             send.send_pyobj(BatchOutput(outputs, last_stats))
 
 
-def run_follower(args: ServerArgs, rank: int) -> None:
+def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
     """Process main of TP/EP rank `rank` > 0: the same model shard and pool as rank 0, running
     whatever forward rank 0 broadcasts, until rank 0 says stop. Any failure exits non-zero
-    (the launcher names the rank); the group's timeout bounds every wait."""
+    (the launcher names the rank); the group's timeout bounds every wait. `make_role(args,
+    pool)` builds the follower's end of a PD role (workers/rank_transfer.py), which answers
+    rank 0's "role" messages; None: a plain worker."""
     import torch
 
-    from serving.distributed import broadcast_object, broadcast_tensor, destroy_parallel
+    from serving.distributed import (
+        broadcast_object,
+        broadcast_tensor,
+        destroy_parallel,
+        gather_object,
+    )
     from serving.engine.tp_worker import KEEPALIVE, STOP, join_group
 
     logging.basicConfig(
@@ -257,6 +264,7 @@ def run_follower(args: ServerArgs, rank: int) -> None:
         spec = Eagle(model, draft, pool, None, SpecConfig(args.speculative_steps))
         if args.use_decode_graphs():
             spec.enable_graphs(args.cuda_graph_max_bs_decode)
+    role = make_role(args, pool) if make_role is not None else None
     pending = None
     while True:
         msg = broadcast_object()
@@ -278,4 +286,6 @@ def run_follower(args: ServerArgs, rank: int) -> None:
         elif msg.kind == "spec_commit":
             spec.commit(pending, *msg.payload)
             pending = None
+        elif msg.kind == "role":
+            gather_object(role.handle(msg.payload))
     destroy_parallel()

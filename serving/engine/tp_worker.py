@@ -10,6 +10,9 @@ request table and run the same programs; rank 0 samples.
 Hazard: every rank must enter the same collectives in the same order. So all forwards go
 through ModelRunner.forward or Eagle's programs (the fanout points), and a follower never
 decides anything itself.
+A PD role drives the other ranks' KV transfers the same way (RankFanout.ask): rank 0 sends the
+role's orders, every follower hands them to its role plug and all of them answer in one gather,
+so rank 0 learns what the followers have done without a follower ever acting on its own.
 When rank 0 idles, it broadcasts a keepalive every KEEPALIVE_S, so the followers' wait never
 reaches the group timeout; a dead peer breaks the gloo connection and every rank exits.
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from serving.distributed import ParallelState, broadcast_object, init_parallel
+from serving.distributed import ParallelState, broadcast_object, gather_object, init_parallel
 from serving.executor.model_runner import StepInput
 from serving.memory.pool import MemoryPool
 from serving.server_args import ServerArgs
@@ -33,7 +36,8 @@ KEEPALIVE = "keepalive"
 class StepMessage:
     """kind: "forward" (payload (items, logits)), or one of EAGLE's programs: "extend_draft"
     ((rows, starts, next tokens); the target hiddens follow as a tensor broadcast),
-    "spec_verify" (host [3, B] tensor), "spec_commit" ((padded, last))."""
+    "spec_verify" (host [3, B] tensor), "spec_commit" ((padded, last)), or "role" (the PD
+    role's orders for its follower plug; every follower answers in a gather)."""
 
     kind: str
     journal: list[tuple]
@@ -54,6 +58,13 @@ class RankFanout:
     def send(self, kind: str, payload: object) -> None:
         broadcast_object(StepMessage(kind, self.pool.take_journal(), payload))
         self.last = time.monotonic()
+
+    def ask(self, payload: object) -> list:
+        """The followers' answers (ranks 1..N-1, in order) to the role's `payload`. The journal
+        goes first, so a follower has applied every row reset and page map rank 0 made before
+        it answers (decode relies on this before it sends destinations out)."""
+        self.send("role", payload)
+        return gather_object(None)[1:]
 
     def keepalive(self) -> None:
         if time.monotonic() - self.last > KEEPALIVE_S:

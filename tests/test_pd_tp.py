@@ -1,0 +1,208 @@
+"""PD with TP/EP on CPU: real prefill and decode workers of 2 gloo ranks each (tiny checkpoint,
+float32), every rank writing its own share over the real Mooncake engine on loopback TCP.
+
+One set of four workers serves every test: prefill TP2, decode TP2, prefill EP2, decode TP1.
+Greedy tokens of a TP2 pair (and of our router in front of it), and of an EP2 prefill feeding a
+one-rank decode, equal one rank's; pairs of different TP sizes are refused at the handshake with
+both sizes named, and every worker keeps serving; afterwards no row or page is in use.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+from tests.pd_pair import FAST_TIMEOUTS, PDPair
+from tests.router_proc import RouterProc
+from tests.server_proc import Server, free_port
+
+pytest.importorskip("mooncake.engine")
+
+CONTEXT = ("--context-length", "256")
+# ragged, longer than index_topk (32), unaligned to the page (16) and kpool (4); 70 and 90 take
+# several prefill chunks of 16
+LENGTHS = (5, 17, 38, 70, 90)
+NEW_TOKENS = 8
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (n,), generator=g).tolist()
+
+
+def greedy_body(ids: list[int]) -> dict:
+    return {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    """One rank's greedy tokens (the engine's own step loop, in this process)."""
+    from serving.config import ModelConfig
+    from serving.models.loader import load_weights
+    from serving.tools.generate import StepRunner
+
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    model, _ = load_weights(tiny_ckpt, config, torch.float32)
+    return lambda ids: StepRunner(model, 1, 256).greedy([ids], NEW_TOKENS)[0]
+
+
+class Workers:
+    """Prefill TP2, decode TP2, prefill EP2, decode TP1, started at once."""
+
+    def __init__(self, model, logs) -> None:
+        self.ports = {"p_tp2": free_port(), "p_ep2": free_port()}
+        flags = {
+            "p_tp2": ("--tp-size", "2", "--chunked-prefill-size", "16"),
+            "d_tp2": ("--tp-size", "2", "--max-running-requests", "3"),
+            "p_ep2": ("--ep-size", "2", "--chunked-prefill-size", "16"),
+            "d_tp1": ("--max-running-requests", "3"),
+        }
+        self.servers: dict[str, Server] = {}
+
+        def start(name: str) -> None:
+            role = "prefill" if name.startswith("p") else "decode"
+            extra = ("--disaggregation-decode-extra-slots", "2") if role == "decode" else ()
+            if role == "prefill":
+                extra = ("--disaggregation-bootstrap-port", str(self.ports[name]))
+            self.servers[name] = Server(
+                model,
+                "--disaggregation-mode",
+                role,
+                *CONTEXT,
+                *flags[name],
+                *extra,
+                log_dir=logs,
+                env=FAST_TIMEOUTS,
+            )
+
+        threads = [threading.Thread(target=start, args=(name,)) for name in flags]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(self.servers) != len(flags):
+            self.stop()
+            raise RuntimeError(f"a worker did not start; see the logs in {logs}")
+
+    def pair(self, prefill: str, decode: str) -> PDPair:
+        return PDPair.join(self.servers[prefill], self.ports[prefill], self.servers[decode])
+
+    def idle(self) -> None:
+        """Rank 0 holds the only free lists (followers replay its row resets and page maps):
+        every row (and so every aux row) and every page is back on them."""
+        for srv in self.servers.values():
+            stats = srv.idle_pool(timeout=30)
+            assert stats["used_rows"] == 0 and stats["used_pages"] == 0, stats
+
+    def stop(self) -> None:
+        for srv in self.servers.values():
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_ckpt, tmp_path_factory):
+    w = Workers(tiny_ckpt, tmp_path_factory.mktemp("pd-tp"))
+    yield w
+    w.stop()
+
+
+def run_concurrently(pair: PDPair, prompts: list[list[int]]) -> list[list[int] | None]:
+    got: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        decode, prefill = pair.dispatch("/generate", greedy_body(prompts[i]), timeout=120)
+        assert prefill.status_code == 200, prefill.text
+        assert decode.status_code == 200, decode.text
+        got[i] = decode.json()["output_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    return [got.get(i) for i in range(len(prompts))]
+
+
+def test_tp2_pair_equals_one_rank(workers, reference):
+    """Each rank's KDA heads go to the matching decode rank, the replicated pages to both; one
+    request alone, then all at once (more than decode's 3 running slots: extra slots used)."""
+    pair = workers.pair("p_tp2", "d_tp2")
+    prompts = [prompt(i, n) for i, n in enumerate(LENGTHS)]
+    want = [reference(p) for p in prompts]
+    assert run_concurrently(pair, prompts[3:4]) == want[3:4]
+    assert run_concurrently(pair, prompts) == want
+    workers.idle()
+
+
+def test_ep2_prefill_feeds_one_rank_decode(workers, reference):
+    """tp 1 on both sides: every EP rank holds the whole state, prefill rank 0 feeds decode's
+    only rank, and rank 1 has nothing to send."""
+    pair = workers.pair("p_ep2", "d_tp1")
+    prompts = [prompt(10 + i, n) for i, n in enumerate(LENGTHS[1:4])]
+    assert run_concurrently(pair, prompts) == [reference(p) for p in prompts]
+    workers.idle()
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "sizes"),
+    [
+        ("p_tp2", "d_tp1", "prefill tp 2 / decode tp 1"),
+        ("p_ep2", "d_tp2", "prefill tp 1 / decode tp 2"),
+    ],
+)
+def test_different_tp_sizes_are_refused_and_both_keep_serving(
+    workers, reference, prefill, decode, sizes
+):
+    decode_r, prefill_r = workers.pair(prefill, decode).dispatch(
+        "/generate", greedy_body(prompt(20, 12)), timeout=60
+    )
+    assert decode_r.status_code == 502, decode_r.text
+    assert sizes in decode_r.json()["error"]["message"]
+    assert prefill_r.status_code == 502, prefill_r.text  # at once, not after its 15 s timeout
+    assert sizes in prefill_r.json()["error"]["message"]
+    partner = {"p_tp2": "d_tp2", "d_tp1": "p_ep2", "p_ep2": "d_tp1", "d_tp2": "p_tp2"}
+    p = prompt(21, 9)
+    for pair in (workers.pair(prefill, partner[prefill]), workers.pair(partner[decode], decode)):
+        assert run_concurrently(pair, [p]) == [reference(p)]
+    workers.idle()
+
+
+def test_router_in_front_of_a_tp2_pair(workers, reference, tmp_path):
+    router = RouterProc(
+        "--pd-disaggregation",
+        "--prefill",
+        workers.servers["p_tp2"].url,
+        str(workers.ports["p_tp2"]),
+        "--decode",
+        workers.servers["d_tp2"].url,
+        "--health-check-interval-secs",
+        "0.3",
+        "--health-success-threshold",
+        "1",
+        log_dir=tmp_path,
+    )
+    try:
+        router.wait_ready()
+        prompts = [prompt(30 + i, n) for i, n in enumerate(LENGTHS[:3])]
+        got: dict[int, list[int]] = {}
+
+        def one(i: int) -> None:
+            r = httpx.post(router.url + "/generate", json=greedy_body(prompts[i]), timeout=120)
+            assert r.status_code == 200, r.text
+            got[i] = r.json()["output_ids"]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert [got.get(i) for i in range(len(prompts))] == [reference(p) for p in prompts]
+    finally:
+        router.stop()
+    workers.idle()
