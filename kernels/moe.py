@@ -52,11 +52,13 @@ def experts(
     """x: [T, Hd]; w13: [E, 2I, Hd] (gate rows then up rows); w2: [E, Hd, I].
 
     Returns sum_k weights[t,k] * expert_{ids[t,k]}(x[t]), shape [T, Hd], in x's dtype.
+    An id equal to E selects no expert: the pair adds nothing and costs nothing (under EP, the
+    experts another rank holds).
     """
     out = torch.zeros_like(x)
     flat_ids = ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    order = torch.argsort(flat_ids, stable=True)  # id-E pairs sort last and are never visited
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0])[: w13.shape[0]].tolist()
     token_of = order // ids.shape[1]
     weight_of = weights.flatten()[order]
     start = 0
@@ -79,13 +81,15 @@ def experts_dense(
     ids: torch.Tensor,
     limit: float,
 ) -> torch.Tensor:
-    """Same result as `experts`, computed for every expert with zero weight where unselected.
+    """Same result as `experts` (ids equal to E included), computed for every expert with zero
+    weight where unselected.
 
     No host sync and static shapes, so decode can be captured in a CUDA graph; it reads every
     expert's weights, which small decode batches on a GPU do anyway at bandwidth cost only.
     """
-    dense = torch.zeros(x.shape[0], w13.shape[0], device=x.device, dtype=torch.float32)
-    dense.scatter_(1, ids, weights.float())
+    e = w13.shape[0]
+    dense = torch.zeros(x.shape[0], e + 1, device=x.device, dtype=torch.float32)
+    dense = dense.scatter_(1, ids, weights.float())[:, :e]  # column E: the no-expert pairs
     gate, up = torch.einsum("th,eih->eti", x, w13).chunk(2, dim=-1)
     y = torch.einsum("eti,ehi->eth", swiglu(gate, up, limit), w2)
     return torch.einsum("eth,te->th", y.float(), dense).to(x.dtype)

@@ -144,3 +144,22 @@ def test_dense_experts_equal_sparse_experts():
         moe.experts_dense(x, w13, w2, weights, ids, 10.0),
         moe.experts(x, w13, w2, weights, ids, 10.0),
     )
+
+
+def test_expert_id_e_selects_nothing():
+    """EP passes the experts other ranks hold as id E: both paths skip those pairs, exactly as
+    if their weight were 0."""
+    from kernels import moe
+
+    torch.manual_seed(1)
+    t, e, h, i = 9, 4, 16, 8
+    x = torch.randn(t, h)
+    w13, w2 = torch.randn(e, 2 * i, h) * 0.3, torch.randn(e, h, i) * 0.3
+    weights, ids = torch.rand(t, 3), torch.randint(0, e + 1, (t, 3))
+    ids[0] = e  # a token with no local expert at all
+    skip = ids == e
+    zeroed = (weights.masked_fill(skip, 0.0), ids.masked_fill(skip, 0))
+    want = moe.experts(x, w13, w2, *zeroed, 10.0)
+    torch.testing.assert_close(moe.experts(x, w13, w2, weights, ids, 10.0), want)
+    torch.testing.assert_close(moe.experts_dense(x, w13, w2, weights, ids, 10.0), want)
+    assert torch.equal(want[0], torch.zeros(h))

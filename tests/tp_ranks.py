@@ -88,3 +88,45 @@ def run_ranks(ckpt: Path, tp: int, ep: int, out_path: Path, timeout: float = 180
         failures.append(errors.get())
     assert not alive, f"ranks still running after {timeout}s"
     assert not failures and all(p.exitcode == 0 for p in procs), "\n".join(failures)
+
+
+def _vm_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _load_main(ckpt, rank, tp, ep, results) -> None:
+    try:
+        from serving.config import ModelConfig
+        from serving.distributed import ParallelState, set_state
+        from serving.models.loader import load_weights
+
+        torch.set_num_threads(1)
+        config = ModelConfig.from_pretrained(ckpt)
+        before = _vm_kib("VmHWM")  # interpreter + torch + our modules, nothing loaded yet
+        set_state(ParallelState(rank=rank, tp_size=tp, ep_size=ep))
+        load_weights(ckpt, config, torch.float32)
+        results.put((rank, tp, ep, before, _vm_kib("VmHWM")))
+    except BaseException:
+        results.put((rank, tp, ep, traceback.format_exc(), None))
+        raise
+
+
+def load_peaks(ckpt: Path, layouts: list[tuple[int, int, int]], timeout: float = 180.0) -> dict:
+    """{(rank, tp, ep): (VmHWM before loading, VmHWM after) in KiB}, each layout loaded in its
+    own spawned process (no process group: loading needs none), all at once."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_load_main, args=(str(ckpt), *lay, results)) for lay in layouts]
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in procs:
+        rank, tp, ep, before, after = results.get(timeout=timeout)
+        assert after is not None, before
+        out[(rank, tp, ep)] = (before, after)
+    for p in procs:
+        p.join(timeout)
+    return out

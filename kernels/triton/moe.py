@@ -370,9 +370,14 @@ def experts(
     weights [T, k] float32; ids [T, k] int64.
 
     Returns sum_k weights[t,k] * expert_{ids[t,k]}(x[t]), shape [T, Hd], in x's dtype.
+    Ids equal to E add nothing, as in kernels.moe.experts; here they still run, as expert 0
+    with weight 0 (align and combine know no pair without a row; dropping them in the kernels
+    waits for a GPU to verify it on).
     """
     tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
+    skip = ids >= num_experts
+    weights, ids = weights.masked_fill(skip, 0.0), ids.masked_fill(skip, 0)
     inter = two_inter // 2
     top_k = ids.shape[1]
     out = torch.empty_like(x)

@@ -40,9 +40,10 @@ class MoE(nn.Module):
     """Routed experts (stacked [E, ...], shardable by expert id) plus shared experts.
 
     Tokens are replicated on every rank. EP: this rank holds experts `experts` (a slice of the
-    ids) and computes them for every token; TP without EP: every expert, a slice of its
-    intermediate size. Either way the routed and shared outputs are partial sums that meet in
-    one all-reduce. The router is replicated, so every rank picks the same experts."""
+    ids) and computes only those (a token's picks held by other ranks are skipped, not computed
+    with weight 0); TP without EP: every expert, a slice of its intermediate size. Either way
+    the routed and shared outputs are partial sums that meet in one all-reduce. The router is
+    replicated, so every rank picks the same experts."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -74,10 +75,9 @@ class MoE(nn.Module):
             c.routed_scaling_factor,
         )
         ps = state()
-        if ps.ep_size > 1:  # other ranks' experts: weight 0 on local expert 0
-            local = ids - self.experts.start
-            mine = (local >= 0) & (local < self.w13.shape[0])
-            weights, ids = torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
+        if ps.ep_size > 1:  # other ranks' experts: id E, which the kernels skip
+            local, e = ids - self.experts.start, self.w13.shape[0]
+            ids = torch.where((local >= 0) & (local < e), local, e)
         routed = _experts(x)(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
         if ps.tp_size > 1:  # shared expert TP-split too: one all-reduce for both
             return all_reduce(routed + self.shared_experts(x))
