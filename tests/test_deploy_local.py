@@ -142,11 +142,11 @@ def test_the_printed_curl_answers_and_ctrl_c_stops_all_three(tiny_ckpt: Path) ->
 
 
 def test_a_worker_that_cannot_start_is_named_and_the_rest_stopped(tiny_ckpt: Path) -> None:
-    run = Run("--model-path", str(tiny_ckpt), "--prefill-args", "--tp-size 2")
+    run = Run("--model-path", str(tiny_ckpt), "--prefill-args", "--tp-size 3")
     code, out = run.finish()
     assert code == 1, out
     assert "error: prefill exited with code 1" in out, out
-    assert "--disaggregation-mode prefill: not built yet with --tp-size" in out, out  # its log
+    assert "--tp-size 3: the checkpoint's linear_num_heads (KDA heads) = 4" in out, out  # its log
     assert "Answer" not in out
     run.assert_nothing_left()
 
