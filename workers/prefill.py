@@ -53,14 +53,6 @@ RANK_POLL_S = 0.01
 
 
 @dataclass
-class Peer:
-    """A decode worker that registered with us: its memory, decode rank by decode rank."""
-
-    ranks: list[RankMemory]
-    error: str | None  # TP size or layout mismatch: every room from this peer fails with it
-
-
-@dataclass
 class Room:
     request: GenerateRequest
     deadline: float
@@ -91,7 +83,9 @@ class PrefillRole(Role):
         self.by_rid: dict[str, int] = {}
         # decode's destinations or abort that beat the HTTP request, by room
         self.early: dict[int, tuple[float, Destination | Abort]] = {}
-        self.peers: dict[str, Peer] = {}
+        # decode workers that registered (by control address) -> their handshake error (TP size
+        # or layout mismatch: every room from that peer fails with it), or None
+        self.peers: dict[str, str | None] = {}
         self.to_ship: list[tuple[int, bool]] = []  # (room, final) recorded during the step
         self.orders: list[PeerMemory | Ship] = []  # for every rank, at the end of this poll
         self.jobs: dict[int, Job] = {}
@@ -225,7 +219,7 @@ class PrefillRole(Role):
             log.error("decode %s refused at handshake: %s", msg.decode_addr, error)
         else:
             self.orders.append(PeerMemory(msg.decode_addr, ranks))
-        self.peers[msg.decode_addr] = Peer(ranks, error)
+        self.peers[msg.decode_addr] = error
 
     @property
     def queued(self) -> int:
@@ -249,12 +243,11 @@ class PrefillRole(Role):
         if room.dest is not None:
             return
         room.dest = msg
-        peer = self.peers.get(msg.decode_addr)
         n = len(room.request.input_ids)
-        if peer is None:
+        if msg.decode_addr not in self.peers:
             return self._fail(room_id, "decode sent destinations before registering", 502)
-        if peer.error:
-            return self._fail(room_id, f"prefill/decode mismatch: {peer.error}", 502)
+        if error := self.peers[msg.decode_addr]:
+            return self._fail(room_id, f"prefill/decode mismatch: {error}", 502)
         if msg.prompt_len != n:
             return self._fail(
                 room_id,
