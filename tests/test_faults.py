@@ -23,9 +23,6 @@ from tests import server_proc
 from tests.pd_pair import FAST_TIMEOUTS
 from tests.router_proc import RouterProc
 from tests.server_proc import Server, free_port
-from tests.test_router_pd import _WHY
-
-pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"PD workers: {_WHY}")
 
 PROMPT = list(range(5, 37))
 MARK_DOWN_S = 2.0  # issue 17: a dead worker leaves rotation within this

@@ -4,32 +4,12 @@ them, with `--reasoning-parser glm45 --tool-call-parser glm47`, on the scripted 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-from serving.server_args import ArgsError, ServerArgs
 from tests.scripted_checkpoint import write_scripted_checkpoint
 from tests.test_openai_server import SCENARIOS, WORKER_FLAGS, make_peer, scenario_id
-
-
-def _pd_missing() -> str | None:
-    """Why the PD stack cannot run here, or None."""
-    if not (Path(__file__).resolve().parents[1] / "router" / "launch_router.py").is_file():
-        return "router/launch_router.py does not exist yet"
-    if importlib.util.find_spec("mooncake") is None:
-        return "the mooncake transfer engine is not installed"
-    argv = ["--model-path", str(Path(__file__).parent), "--disaggregation-mode", "prefill"]
-    try:
-        ServerArgs.from_cli(argv).validate()
-    except ArgsError as e:
-        if "not built" in str(e):
-            return f"PD workers are not built: {e}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_pd_missing() is not None, reason=str(_pd_missing()))
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,6 @@ import pytest
 from tests.pd_pair import FAST_TIMEOUTS
 from tests.router_proc import RouterProc
 from tests.server_proc import Server, free_port
-from tests.test_router_pd import _WHY
-
-pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"PD workers: {_WHY}")
 
 KEY = "test-key-i17"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import tempfile
 import threading
 import time
 
@@ -20,27 +19,6 @@ import pytest
 from tests import server_proc
 from tests.router_proc import RouterProc
 from tests.server_proc import Server, free_port
-
-
-def _pd_not_built() -> str | None:
-    """Why PD workers cannot run here, or None."""
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError:
-        return "mooncake is not installed"
-    from serving.server_args import ArgsError, ServerArgs
-
-    argv = ["--model-path", tempfile.gettempdir(), "--disaggregation-mode", "prefill"]
-    try:
-        ServerArgs.from_cli(argv).validate()
-    except ArgsError as e:
-        if "not built" in str(e):
-            return str(e)
-    return None
-
-
-_WHY = _pd_not_built()
-pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"PD workers: {_WHY}")
 
 
 def _fast_timeouts() -> dict[str, str]:
