@@ -330,7 +330,7 @@ def _decode_constrained(
     params: SamplingParams, tokenizer_file: Path, eos: tuple[int, ...], steps: int = 60
 ) -> tuple[list[int], dict[str, Any] | None]:
     sampler = Sampler(1024, "cpu", seed=0, tokenizer_file=str(tokenizer_file))
-    state = SamplingState(params, [1, 2, 3], [], None, frozenset(eos))
+    state = SamplingState(params, [1, 2, 3], [], frozenset(eos))
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         logits = torch.randn(1, 1024, generator=gen) * 3
@@ -383,13 +383,13 @@ def test_grammar_catches_up_with_tokens_it_did_not_sample(
 ) -> None:
     sampler = Sampler(1024, "cpu", tokenizer_file=str(tokenizer_file))
     params = SamplingParams(temperature=0.0, regex="abc")
-    state = SamplingState(params, [1], tokenizer.encode("a").ids, None, frozenset(eos))
+    state = SamplingState(params, [1], tokenizer.encode("a").ids, frozenset(eos))
     token = sampler.sample(torch.zeros(1, 1024), [state])[0][0]
     assert tokenizer.decode([token]) in ("b", "bc")
 
 
 def test_sampler_without_a_tokenizer_aborts_constrained_requests(eos: tuple[int, ...]) -> None:
-    state = SamplingState(SamplingParams(regex="a"), [1], [], None, frozenset(eos))
+    state = SamplingState(SamplingParams(regex="a"), [1], [], frozenset(eos))
     Sampler(1024, "cpu").sample(torch.zeros(1, 1024), [state])
     reason = state.grammar_finish_reason()
     assert reason.kind == "abort" and "tokenizer" in reason.message

@@ -82,6 +82,22 @@ def test_pd_greedy_equals_single_worker_with_extra_slots(pair, single):
     pair.idle()
 
 
+def test_pd_seeded_sampling_equals_single_worker(pair, single):
+    """Decode continues prefill's first token with its own sampler; a seeded draw is keyed by
+    output position, so the pair samples exactly what one worker samples, seed by seed."""
+
+    def body(seed: int) -> dict:
+        sampling = {"max_new_tokens": 6, "temperature": 1.0, "seed": seed, "ignore_eos": True}
+        return {"input_ids": prompts()[2], "sampling_params": sampling}
+
+    seeds = range(6)
+    want = [httpx.post(single.url + "/generate", json=body(s), timeout=60).json() for s in seeds]
+    got = [pair.dispatch("/generate", body(s))[0].json() for s in seeds]
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert len({tuple(w["output_ids"]) for w in want}) == len(seeds)  # the seeds really sample
+    pair.idle()
+
+
 def test_pd_chat_streaming_through_decode(pair, single):
     body = {
         "messages": [{"role": "user", "content": "hello there"}],

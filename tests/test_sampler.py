@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from serving.executor.sampler import Sampler, SamplingState, apply_penalties, make_generator
+from serving.executor.sampler import Sampler, SamplingState, apply_penalties
 from serving.protocol import SamplingParams
 
 EOS = 5
@@ -20,10 +20,9 @@ def state(
     **params: object,
 ) -> SamplingState:
     return SamplingState(
-        params=SamplingParams(**params),
+        params=SamplingParams(seed=seed, **params),
         prompt_ids=list(prompt),
         output_ids=list(output),
-        generator=make_generator(seed, "cpu"),
         eos_token_ids=frozenset({EOS}),
     )
 
@@ -63,12 +62,9 @@ def test_greedy_is_argmax_and_ties_go_to_lowest_id():
 
 def test_greedy_rows_consume_no_random_numbers():
     logits = torch.randn(1, 20, generator=torch.Generator().manual_seed(1))
-    seeded = state(seed=11, temperature=0.0)
-    before = seeded.generator.get_state()
-
     with_greedy = Sampler(20, "cpu", seed=5)
-    with_greedy.sample(logits.expand(3, -1), [seeded, state(temperature=0.0), state(top_k=1)])
-    assert torch.equal(seeded.generator.get_state(), before)
+    greedy = [state(seed=11, temperature=0.0), state(temperature=0.0), state(top_k=1)]
+    with_greedy.sample(logits.expand(3, -1), greedy)
 
     alone = Sampler(20, "cpu", seed=5)
     batch = logits.expand(64, -1)
@@ -114,6 +110,7 @@ def seeded_run(params: dict, position: int, others: list[dict], steps: int = 12)
         noise[position] = target_logits
         tokens, _ = sampler.sample(noise, rows)
         drawn.append(tokens[position])
+        target.output_ids.append(tokens[position])  # as the scheduler does
     return drawn
 
 
@@ -132,6 +129,27 @@ def test_seeded_row_reproducible_across_runs_positions_and_mixes(params: dict):
     for others in MIXES:
         for position in range(len(others) + 1):
             assert seeded_run(params, position, others) == reference
+
+
+def test_seeded_draw_depends_only_on_seed_and_output_position():
+    """A PD decode worker continues prefill's first token with a fresh sampler, and EAGLE's
+    verify draws at positions that may be rejected: neither may shift a seeded row's later
+    draws, so a draw is keyed by (seed, output position) alone."""
+    vocab, steps = 40, 10
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(7))
+
+    def run(sampler: Sampler, output: list[int], extra_draws: int = 0) -> list[int]:
+        target = state(seed=42, prompt=(1, 2), output=tuple(output), temperature=1.3)
+        while len(target.output_ids) < steps:
+            for _ in range(extra_draws):  # draws whose tokens are thrown away
+                sampler.sample(logits, [state(seed=42, output=(9,) * 7, temperature=1.3)])
+            target.output_ids.append(sampler.sample(logits, [target])[0][0])
+        return target.output_ids
+
+    whole = run(Sampler(vocab, "cpu"), [])
+    assert len(set(whole)) > 2
+    assert run(Sampler(vocab, "cpu", seed=9), whole[:1]) == whole  # PD: decode from token 1
+    assert run(Sampler(vocab, "cpu"), whole[:4], extra_draws=2) == whole
 
 
 # ---------------------------------------------------------------- truncation

@@ -26,7 +26,7 @@ from serving.engine.decode_batch import run_decode
 from serving.engine.prefill_batch import run_prefill
 from serving.engine.request import Req, Role, SchedulerConfig
 from serving.executor.model_runner import ModelRunner
-from serving.executor.sampler import Sampler, SamplingState, make_generator
+from serving.executor.sampler import Sampler, SamplingState
 from serving.memory.pool import MemoryPool
 from serving.protocol import (
     FinishReason,
@@ -84,7 +84,6 @@ class Scheduler:
             params=p,
             prompt_ids=list(request.input_ids),
             output_ids=[],
-            generator=make_generator(p.seed, self.pool.device),
             eos_token_ids=self.eos,
         )
         req = Req(

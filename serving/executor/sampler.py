@@ -2,8 +2,11 @@
 temperature-top_k-top_p-min_p.
 
 Per-row parameters may differ inside one batch. Every row's sampling distribution is computed
-with row-wise tensor ops in vocabulary order, and a seeded row draws only from its own
-generator, so its tokens do not depend on the other rows of the batch or its position in it.
+with row-wise tensor ops in vocabulary order. A seeded row's draw for output position k comes
+from a generator seeded with draw_seed(seed, k) and nothing else, so its tokens depend neither
+on the other rows of the batch nor on where the earlier draws ran: PD decode continues prefill's
+first token, EAGLE's verify samples every draft position (accepted or not), and both give the
+tokens a single plain worker gives.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ class SamplingState:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]  # tokens generated so far (the scheduler appends after sample())
-    generator: torch.Generator | None  # created by make_generator(); None = the sampler's default
     eos_token_ids: frozenset[int]
     grammar: SequenceGrammar | None = None  # the sampler's, for a constrained request
 
@@ -34,11 +36,17 @@ class SamplingState:
         return self.grammar.finish_reason() if self.grammar is not None else None
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A generator for a request's seed (on the sampler's device), or None without a seed."""
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
+_MASK64 = 2**64 - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed for a request's draw at output position `position`: output
+    position + 1 of splitmix64 started at `seed` (well mixed, so seed + i for the i-th of n
+    samples and position k never collide in practice), folded into torch's [0, 2^63)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def apply_penalties(
@@ -89,6 +97,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seeded = torch.Generator(device=self.device)  # re-seeded before each seeded draw
         self._tokenizer_file = tokenizer_file
 
     def sample(
@@ -170,13 +179,14 @@ class Sampler:
             [p.min_p for p in params],
         )
         picks = torch.empty(len(states), dtype=torch.long, device=logits.device)
-        shared = [j for j, s in enumerate(states) if s.generator is None]
+        shared = [j for j, p in enumerate(params) if p.seed is None]
         if shared:
             drawn = torch.multinomial(probs[shared], 1, generator=self._generator)
             picks[shared] = drawn.squeeze(1)
         for j, s in enumerate(states):
-            if s.generator is not None:
-                picks[j : j + 1] = torch.multinomial(probs[j], 1, generator=s.generator)
+            if s.params.seed is not None:
+                self._seeded.manual_seed(draw_seed(s.params.seed, len(s.output_ids)))
+                picks[j : j + 1] = torch.multinomial(probs[j], 1, generator=self._seeded)
         return picks
 
 

@@ -10,9 +10,10 @@ One decode step over a batch:
   1. draft steps k = 2..N at positions n+k-2: (embed(d_{k-1}), draft hidden) -> d_k
   2. verify: the target runs [y, d1..dN] at positions n..n+N in one forward
   3. accept: each position is sampled exactly as plain decoding would sample it (same penalties,
-     same generator); drafts are accepted while they equal the sampled token; the first
-     mismatch (or the token after dN) is the bonus. With deterministic drafts this is
-     rejection sampling with a one-hot proposal, so the output distribution is the target's.
+     a seeded row's draw keyed by its output position); drafts are accepted while they equal
+     the sampled token; the first mismatch (or the token after dN) is the bonus. With
+     deterministic drafts this is rejection sampling with a one-hot proposal, so the output
+     distribution is the target's.
   4. roll back: KDA recurrent and conv states are restored to "after the last accepted token"
      from the per-position history the verify forward recorded. Nothing else needs undoing:
      latents, pooled keys and tail-ring slots of rejected positions are rewritten before anything
@@ -261,9 +262,7 @@ class Eagle:
         """Sample every verify position as plain decoding would, given the drafts before it."""
         n = self.steps + 1
         virtual = [
-            SamplingState(
-                s.params, s.prompt_ids, s.output_ids + chain[:j], s.generator, s.eos_token_ids
-            )
+            SamplingState(s.params, s.prompt_ids, s.output_ids + chain[:j], s.eos_token_ids)
             for s, chain in zip(states, chains)
             for j in range(n)
         ]
