@@ -213,12 +213,16 @@ class TestOpenAIServer:
         content = response.choices[0].message.content
         assert content == script_text(target.peer, 12, start="</think>")[len("<tool_call>lookup") :]
 
+    @pytest.mark.sglang_router_refuses(
+        "sglang-router answers /v1/models itself, without max_model_len"
+    )
     def test_model_list(self, target) -> None:
         """::test_model_list"""
         models = list(target.peer.client.models.list())
         assert len(models) == 1
         assert isinstance(getattr(models[0], "max_model_len", None), int)
 
+    @pytest.mark.sglang_router_refuses("sglang-router answers /v1/models/{id} with 404")
     def test_retrieve_model(self, target) -> None:
         """::test_retrieve_model"""
         card = target.peer.client.models.retrieve(MODEL)
@@ -800,6 +804,9 @@ class TestMatchedStop:
         """::test_finish_stop_str (stop "ids" where upstream stops at a newline)"""
         self._both(target, "stop", "ids", max_tokens=64, stop="ids")
 
+    @pytest.mark.sglang_router_refuses(
+        "sglang-router drops stop_regex from /v1/chat/completions (it forwards it on completions)"
+    )
     def test_finish_stop_regex_str(self, target) -> None:
         """::test_finish_stop_regex_str"""
         self._both(target, "stop", "ok|up", max_tokens=64, stop_regex="ok|up")
