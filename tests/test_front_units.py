@@ -485,3 +485,20 @@ def test_bootstrap_lists_per_prompt_or_per_sequence(tokenizer: Tokenizer) -> Non
     assert rooms(1, 3, 2**63 - 1) == [2**63 - 1, 0, 1]
     with pytest.raises(APIError, match="bootstrap_room: 3 values for 2 prompts of 2 samples"):
         rooms(2, 2, [1, 2, 3])
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_responses_tool_choice_mode_without_tools(choice):
+    """The Responses API sends tool_choice "auto" by default, with or without tools (SGLang's
+    TestOpenAIServerv1Responses does): without tools a mode asks for nothing, where a chat
+    completion would refuse a tool_choice without tools. A named function still needs one."""
+    from serving.front.api.responses_protocol import ResponsesRequest, chat_request
+
+    chat = chat_request(ResponsesRequest(model="m", input="hi", tool_choice=choice))
+    assert chat.tool_choice is None and not chat.tools
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    with_tools = chat_request(ResponsesRequest(model="m", input="hi", tools=[tool],
+                                               tool_choice=choice))  # fmt: skip
+    assert with_tools.tool_choice == choice
+    named = ResponsesRequest(model="m", input="hi", tool_choice={"type": "function", "name": "f"})
+    assert chat_request(named).tool_choice.function.name == "f"

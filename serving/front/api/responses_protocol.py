@@ -68,7 +68,9 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     }
     if body.tools:
         fields["tools"] = [_chat_tool(t) for t in body.tools]
-    if body.tool_choice is not None:
+    # "auto" and "none" without tools ask for nothing: the Responses API sends "auto" by
+    # default (SGLang's tests do), where a chat completion would refuse a choice without tools.
+    if body.tool_choice is not None and (body.tools or body.tool_choice not in ("auto", "none")):
         fields["tool_choice"] = _chat_tool_choice(body.tool_choice)
     if body.text and body.text.get("format"):
         fields["response_format"] = _response_format(body.text["format"])
