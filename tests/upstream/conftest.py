@@ -42,9 +42,6 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "sglang_router_refuses(reason, **params): xfail(strict=True) on the sglang-router set-up",
     )
-    config.addinivalue_line(
-        "markers", "xfail_on(*setups, reason): xfail(strict=True) on those set-ups (a known defect)"
-    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -56,9 +53,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        for mark in item.iter_markers("xfail_on"):
-            if params.get("stack") in mark.args:
-                item.add_marker(pytest.mark.xfail(strict=True, reason=mark.kwargs["reason"]))
         if params.get("stack") != "sglang-router":
             continue
         for mark in item.iter_markers("sglang_router_refuses"):

@@ -28,10 +28,6 @@ from tests.upstream.helpers import chat, closing_bias, complete, script_after, s
 
 TOKEN_IDS_REFUSED = "sglang-router refuses a completions prompt given as token ids (422)"
 CONTINUOUS_DROPPED = "sglang-router drops stream_options.continuous_usage_stats"
-SEEDED_SAMPLES_REPEAT = (
-    "defect, open: in PD the n samples of one seeded request are not independent (all three "
-    "start with the same token, two of three repeat), where a single worker's all differ"
-)
 # A prompt off the script: its first reply token is a tie among all logits, so samples differ.
 OFF_SCRIPT = "What is an LLM?"
 # Special tokens shown and end tokens ignored: a tie may pick either, and the samples are
@@ -159,7 +155,6 @@ class TestCompletion:
         assert chunk.choices[0].finish_reason == "length" and chunk.choices[0].text
         assert "".join(chunks) == single
 
-    @pytest.mark.xfail_on("pd", "sglang-router", reason=SEEDED_SAMPLES_REPEAT)
     def test_parallel_no_streaming(self, target) -> None:
         """::test_parallel_no_streaming — n samples, each indexed and finished; off the script
         they differ. Upstream's "finished at different times" is left out: off the script
@@ -172,7 +167,6 @@ class TestCompletion:
             assert len(choice.logprobs.tokens) <= 12
         assert len({c.text for c in completion.choices}) == 3
 
-    @pytest.mark.xfail_on("pd", "sglang-router", reason=SEEDED_SAMPLES_REPEAT)
     def test_parallel_streaming(self, target) -> None:
         """::test_parallel_streaming"""
         chunks: list[list[str]] = [[] for _ in range(3)]
