@@ -190,6 +190,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "top_p": 7}, 400),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, 400),
+    ("/generate", {"input_ids": [1, 2], "require_reasoning": True}, 400),  # no parser
     ("/v1/nothing", {}, 404),
 ]
 

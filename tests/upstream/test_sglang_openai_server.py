@@ -41,6 +41,7 @@ from tests.upstream.helpers import (
 TOKEN_IDS_REFUSED = "sglang-router refuses a completions prompt given as token ids (422)"
 RESPONSES_501 = "sglang-router answers /v1/responses with 501 in PD mode"
 CONTINUOUS_DROPPED = "sglang-router drops stream_options.continuous_usage_stats"
+REASONING_DROPPED = "sglang-router drops require_reasoning from /generate"
 RAW = {"skip_special_tokens": False}
 
 
@@ -568,8 +569,7 @@ class TestUsageTokens:
         final = [c for c in stream if c.usage][-1]
         assert final.usage.completion_tokens_details.reasoning_tokens == 2
 
-    @pytest.mark.xfail(strict=True, reason="/generate does not report meta_info.reasoning_tokens "
-                       "(require_reasoning is not implemented)")  # fmt: skip
+    @pytest.mark.sglang_router_refuses(REASONING_DROPPED)
     def test_generate_api_non_streaming(self, target) -> None:
         """::test_generate_api_non_streaming"""
         prompt = target.peer.template.render(USER)
@@ -578,6 +578,25 @@ class TestUsageTokens:
         result = httpx.post(target.url + "/generate", json=body, timeout=60).json()
         end = target.peer.tokenizer.token_to_id("</think>")
         assert result["meta_info"]["reasoning_tokens"] == result["output_ids"].index(end) + 1
+
+    @pytest.mark.sglang_router_refuses(REASONING_DROPPED)
+    def test_generate_api_streaming(self, target) -> None:
+        """::test_generate_api_streaming — every cumulative chunk counts the reasoning so far."""
+        prompt = target.peer.template.render(USER)
+        body = {"text": prompt, "require_reasoning": True, "stream": True,
+                "sampling_params": {"max_new_tokens": 64, "temperature": 0}}  # fmt: skip
+        end = target.peer.tokenizer.token_to_id("</think>")
+        seen = 0
+        with httpx.stream("POST", target.url + "/generate", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                ids = data["output_ids"]
+                want = ids.index(end) + 1 if end in ids else len(ids)
+                assert data["meta_info"]["reasoning_tokens"] == want
+                seen += 1
+        assert seen > 1
 
 
 # ---- function_call/ ----

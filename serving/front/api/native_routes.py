@@ -58,6 +58,7 @@ def native_router(ctx: FrontContext) -> APIRouter:
                 f"got {body.logprob_start_len}",
                 "logprob_start_len",
             )
+        think_end = _think_end(ctx) if body.require_reasoning else None
         scoring = body.return_logprob and body.logprob_start_len >= 0
         if scoring and ctx.args.disaggregation_mode != "null":
             if any(p.max_new_tokens == 0 for p in params):
@@ -83,9 +84,9 @@ def native_router(ctx: FrontContext) -> APIRouter:
         many = batched or n > 1
         if body.stream:
             updates = await start_seqs(request, ctx.client, seqs)
-            return event_stream(_stream(ctx, updates, many))
+            return event_stream(_stream(ctx, updates, many, think_end))
         await collect(request, ctx.client, seqs)
-        results = [_result(ctx, seq) for seq in seqs]
+        results = [_result(ctx, seq, think_end) for seq in seqs]
         return JSONResponse(results if many else results[0])
 
     @router.post("/abort_request")
@@ -168,7 +169,21 @@ def _sampling(
     return sampling
 
 
-def _result(ctx: FrontContext, seq: Seq) -> dict[str, Any]:
+def _think_end(ctx: FrontContext) -> int:
+    """`</think>`'s id, for require_reasoning (SGLang: the output starts in reasoning)."""
+    if ctx.args.reasoning_parser is None or ctx.glm_tokens is None:
+        raise APIError(
+            400,
+            "require_reasoning: needs a server started with --reasoning-parser",
+            "require_reasoning",
+        )
+    return ctx.glm_tokens.think_end
+
+
+def _result(ctx: FrontContext, seq: Seq, think_end: int | None = None) -> dict[str, Any]:
+    """SGLang's /generate result. With think_end (require_reasoning), meta_info's
+    reasoning_tokens counts the output up to and including `</think>` (all of it while the
+    reasoning is still open), as SGLang counts it."""
     meta: dict[str, Any] = {
         "id": seq.request.rid,
         "finish_reason": seq.finish_reason.to_json() if seq.finish_reason else None,
@@ -176,6 +191,9 @@ def _result(ctx: FrontContext, seq: Seq) -> dict[str, Any]:
         "completion_tokens": len(seq.output_ids),
         "cached_tokens": seq.cached_tokens,
     }
+    if think_end is not None:
+        ids = seq.output_ids
+        meta["reasoning_tokens"] = ids.index(think_end) + 1 if think_end in ids else len(ids)
     if seq.request.return_logprob:
         meta.update(native_logprobs(seq.logprobs))
         if seq.request.logprob_start_len >= 0:
@@ -188,7 +206,7 @@ def _result(ctx: FrontContext, seq: Seq) -> dict[str, Any]:
 
 
 async def _stream(
-    ctx: FrontContext, updates: AsyncIterator[Update], many: bool
+    ctx: FrontContext, updates: AsyncIterator[Update], many: bool, think_end: int | None
 ) -> AsyncIterator[str]:
     """Cumulative results, one event per update; batch items carry their "index"."""
     try:
@@ -198,7 +216,7 @@ async def _stream(
                 if (error := seq.error()) is not None:
                     yield stream_error(error)
                     break
-                result = _result(ctx, seq)
+                result = _result(ctx, seq, think_end)
                 yield sse({**result, "index": seq.index} if many else result)
     except Exception as e:
         yield stream_error(e)
