@@ -1,6 +1,7 @@
 """The model's fast path (kernels/triton/, fla-core) beside its torch path on one GPU.
 
     python -m serving.tools.bench_fast_path --out results.jsonl [--budget-s 240]
+        [--stages logits,prefill,decode,greedy,profile]
 
 In one process, on random weights built in memory (tiny_model's init):
 1. bench preset, bf16: last-token logits of a prefill, fast path vs torch path (relative error);
@@ -191,28 +192,37 @@ def stage_profile(run: Run, model, device: str) -> None:
     run.record(stage="profile", **tables)
 
 
+STAGES = ("logits", "prefill", "decode", "greedy", "profile")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--preset", default="bench", help="the model of stages 1-3 and 5")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--stages", default=",".join(STAGES), help="which stages, in this order")
     args = ap.parse_args()
+    wanted = args.stages.split(",")
+    if unknown := set(wanted) - set(STAGES):
+        ap.error(f"unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}")
     run = Run(Path(args.out), args.budget_s)
     device = args.device
     _, model = make_model(args.preset, device)
     run.record(stage="built", seconds_left=run.time_left())
-    stages = [
-        lambda: stage_logits(run, model, device),
-        lambda: stage_prefill(run, model, device),
-        lambda: stage_decode(run, model, device),
-        lambda: stage_greedy_tiny(run, device),
-    ]
-    if device == "cuda":
-        stages.append(lambda: stage_profile(run, model, device))
-    for stage in stages:
+    stages = {
+        "logits": lambda: stage_logits(run, model, device),
+        "prefill": lambda: stage_prefill(run, model, device),
+        "decode": lambda: stage_decode(run, model, device),
+        "greedy": lambda: stage_greedy_tiny(run, device),
+        "profile": lambda: stage_profile(run, model, device),
+    }
+    for name in wanted:
         if run.time_left() < 15:
             break
+        if name == "profile" and device != "cuda":
+            continue
+        stage = stages[name]
         try:
             stage()
         except Exception as e:  # one failing stage must not lose the others' numbers
