@@ -14,8 +14,9 @@ Tolerances (relative to the reference's largest magnitude, on the same inputs):
 - KDA float32: 1e-4 for the fused recurrent paths (elementwise fp32); on CUDA the chunked path
   uses TF32 dots inside fla, so 5e-3 there; 2e-4 under the interpreter.
 - KDA bf16 inputs: 2e-2 on the fused recurrent paths (fp32 math, bf16 output); the chunked
-  path (fla normalises q/k into bf16 and uses bf16 dots) 4e-2 max and 1e-2 relative Frobenius
-  (5e-3 / 1e-3 for float32 inputs there).
+  path (fla normalises q/k into bf16 and uses bf16 dots) 4e-2 max and 1e-2 relative Frobenius;
+  for float32 inputs there 5e-3 max and 4e-3 relative Frobenius (TF32 dots: unit roundoff
+  2^-11; an H200 measured 1.2e-3 and 1.8e-3 over 4,001 tokens).
 """
 
 from __future__ import annotations
@@ -459,7 +460,7 @@ def test_kda_interpreter_recurrent_paths(dtype):
 @pytest.mark.parametrize("safe_gate", [False, True])
 def test_kda_gpu_extend(dtype, safe_gate):
     pytest.importorskip("fla")
-    tol, rel = (5e-3, 1e-3) if dtype == torch.float32 else (4e-2, 1e-2)
+    tol, rel = (5e-3, 4e-3) if dtype == torch.float32 else (4e-2, 1e-2)
     _run_kda("extend", [1, 15, 16, 53, 4001], 64, 128, dtype, "cuda", False, tol, safe_gate, rel)
 
 
