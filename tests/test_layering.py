@@ -1,5 +1,6 @@
 """The tree's import rules, read from the source with ast: no import circles, no import from a
-lower layer to a higher one, the router apart, and the HTTP front free of torch.
+lower layer to a higher one, the router apart, and the HTTP front free of torch. And the map:
+every module is named on docs/ARCHITECTURE.md.
 
 Layers, low to high (a module may import its own layer and the ones below):
 kernels < shared definitions (serving.config, serving.protocol, serving.forward_batch,
@@ -11,6 +12,7 @@ only and do not count.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +181,16 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
         assert layer_of("serving.models.glm5_next") > layer_of(module_name(fake))
     finally:
         fake.unlink()
+
+
+def test_every_module_is_on_the_map() -> None:
+    """docs/ARCHITECTURE.md is the repository's map: a module it does not name is one a
+    newcomer cannot find from it."""
+    names = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    missing = [
+        str(path.relative_to(ROOT))
+        for package in PACKAGES
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.name != "__init__.py" and not re.search(rf"\b{path.stem}\b", names)
+    ]
+    assert not missing, f"modules docs/ARCHITECTURE.md does not name: {missing}"

@@ -52,7 +52,7 @@ def _run_speculative(s: Scheduler, batch: list[Req]) -> None:
             s.stats.generation_tokens_total += 1
             lp = [lps[j]] if lps is not None else None
             req.last_logprob = lp[0] if lp else None
-            reason = s.finish_reason_of(req, tok)
+            reason = s.stops.reason(req, tok)
             if reason is not None:
                 s.finish(req, reason, new_tokens=[tok], logprobs=lp)
                 break

@@ -10,14 +10,14 @@ them at once.
        +------------- retract (decode out of pages: state freed, recomputed) ---+
 
 The step's two halves are prefill_batch.run_prefill and decode_batch.run_decode; this file holds
-intake, finishing and the outputs. Req, SchedulerConfig and the Role plug: request.py.
+intake, finishing and the outputs. Req, SchedulerConfig and the Role plug: request.py; when a
+request stops: stop_conditions.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from collections import deque
 
 import torch
@@ -25,6 +25,7 @@ import torch
 from serving.engine.decode_batch import run_decode
 from serving.engine.prefill_batch import run_prefill
 from serving.engine.request import Req, Role, SchedulerConfig
+from serving.engine.stop_conditions import StopConditions
 from serving.executor.model_runner import ModelRunner
 from serving.executor.sampler import Sampler, SamplingState
 from serving.memory.pool import MemoryPool
@@ -62,7 +63,7 @@ class Scheduler:
         self.role = role or Role()
         self.role.attach(self)
         self.eos = eos_token_ids
-        self.detokenize = detokenize  # list[int] -> str, for stop strings
+        self.stops = StopConditions(eos_token_ids, config.context_length, detokenize)
         self.waiting: deque[Req] = deque()
         self.prefilling: Req | None = None  # the one request part-way through chunked prefill
         self.running: list[Req] = []
@@ -147,7 +148,7 @@ class Scheduler:
         req.output_ids.append(first_token)
         self.stats.prompt_tokens_total += len(req.input_ids)
         self.stats.generation_tokens_total += 1
-        reason = self.finish_reason_of(req, first_token)
+        reason = self.stops.reason(req, first_token)
         if reason is not None:
             self.finish(req, reason, new_tokens=[first_token], logprobs=logprobs)
         else:
@@ -227,35 +228,11 @@ class Scheduler:
             self.stats.generation_tokens_total += 1
             lp = [logprobs[i]] if logprobs is not None and want[i] >= 0 else None
             req.last_logprob = lp[0] if lp else None
-            reason = self.finish_reason_of(req, tok)
+            reason = self.stops.reason(req, tok)
             if reason is not None:
                 self.finish(req, reason, new_tokens=[tok], logprobs=lp)
             else:
                 self.outputs.append(self.output_of(req, [tok], lp))
-
-    def finish_reason_of(self, req: Req, tok: int) -> FinishReason | None:
-        p = req.sampling.params
-        if tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
-            return FinishReason.stop(tok)
-        if p.stop and self.detokenize is not None:
-            window = max(len(s) for s in p.stop) + 8
-            tail = self.detokenize(req.output_ids[-window:])
-            for s in p.stop:
-                if s in tail:
-                    return FinishReason.stop(s)
-        if p.stop_regex and self.detokenize is not None:
-            # The whole output: a match may span any number of tokens. `re` caches the patterns.
-            text = self.detokenize(req.output_ids)
-            for pattern in p.stop_regex:
-                if re.search(pattern, text):
-                    return FinishReason.stop(pattern)
-        if (grammar_reason := req.sampling.grammar_finish_reason()) is not None:
-            return grammar_reason
-        if len(req.output_ids) >= p.max_new_tokens:
-            return FinishReason.length()
-        if len(req.fill_ids) >= self.cfg.context_length:
-            return FinishReason.length()
-        return None
 
     def output_of(self, req: Req, tokens: list[int], logprobs=None) -> SequenceOutput:
         scored = None
