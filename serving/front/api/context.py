@@ -87,16 +87,19 @@ class FrontContext:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def check_text_length(self, text: str, context_length: int, param: str) -> None:
-        """APIError 400 for a text that cannot fit the context, decided before tokenising it:
-        every token covers at most max_token_chars characters, so a longer text has more tokens
-        than the context holds. Hazard: a normalizer that drops characters would break this;
-        the byte-level BPE tokenizers served here keep every byte."""
+    def check_text_length(
+        self, chars: int, context_length: int, param: str, what: str = "the prompt"
+    ) -> None:
+        """APIError 400 for a text of `chars` characters that cannot fit the context, decided
+        before tokenising (or rendering) it: every token covers at most max_token_chars
+        characters, so a longer text has more tokens than the context holds. Hazard: a
+        normalizer that drops characters would break this; the byte-level BPE tokenizers served
+        here keep every byte."""
         bound = context_length * self.max_token_chars
-        if len(text) > bound:
+        if chars > bound:
             raise APIError(
                 400,
-                f"the prompt has {len(text)} characters, more than {bound} (the context length, "
+                f"{what} has {chars} characters, more than {bound} (the context length, "
                 f"{context_length} tokens, times the longest token, {self.max_token_chars} "
                 "characters)",
                 param,
@@ -108,7 +111,7 @@ class FrontContext:
         """Token ids of `text` after the length check. Long texts are tokenised in a thread
         through encode_batch, which releases the GIL (encode does not): /health, the bootstrap
         server and other requests keep being served meanwhile."""
-        self.check_text_length(text, context_length, param)
+        self.check_text_length(len(text), context_length, param)
         if len(text) <= INLINE_ENCODE_CHARS:
             return self.encode(text, add_special_tokens)
         batch = await asyncio.to_thread(

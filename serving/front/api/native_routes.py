@@ -113,7 +113,7 @@ async def _prompts(
     if body.text is not None:
         texts = body.text if isinstance(body.text, list) else [body.text]
         for text in texts:
-            ctx.check_text_length(text, ready.context_length, "text")
+            ctx.check_text_length(len(text), ready.context_length, "text")
         prompts = [await ctx.encode_checked(t, True, ready.context_length, "text") for t in texts]
         batched = isinstance(body.text, list)
     else:

@@ -19,6 +19,7 @@ from serving.front.api.logprobs import chat_logprobs, completion_logprobs
 from serving.front.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ContentPart,
     NamedToolChoice,
     SamplingRequest,
 )
@@ -180,6 +181,10 @@ async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRu
     check_top_logprobs(top, "top_logprobs")
     if top and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs true", "top_logprobs")
+    # The template renders every message's content: content past the bound is refused here,
+    # before the copies that rendering and model_dump make of it.
+    chars = sum(_content_chars(m.content) for m in body.messages)
+    ctx.check_text_length(chars, ready.context_length, "messages", "the messages' content")
     tools, forced = _tool_choice(body)
     prompt = ctx.chat_template.render(
         [m.model_dump(exclude_none=True) for m in body.messages],
@@ -211,6 +216,12 @@ async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRu
         **_bootstrap(body),
     )
     return ChatRun(seqs, rid, reasoning, opens, parsed_tools)
+
+
+def _content_chars(content: str | list[ContentPart] | None) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.text or "") for part in content or ())
 
 
 def _chat_choice(
@@ -411,7 +422,7 @@ async def _completion_prompts(
         prompt = [prompt]  # type: ignore[list-item]
     for p in prompt:  # every text is length-checked before any is tokenised
         if isinstance(p, str):
-            ctx.check_text_length(p, ready.context_length, "prompt")
+            ctx.check_text_length(len(p), ready.context_length, "prompt")
     prompts = [
         await ctx.encode_checked(p, True, ready.context_length, "prompt")
         if isinstance(p, str)
