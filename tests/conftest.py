@@ -39,6 +39,15 @@ def tiny_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture(scope="session")
+def scripted_ckpt(tiny_ckpt, tmp_path_factory):
+    """The tiny checkpoint with a scripted greedy reply (tests/scripted_checkpoint.py), written
+    once per session; every server started on it only reads it."""
+    from tests.scripted_checkpoint import write_scripted_checkpoint
+
+    return write_scripted_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("scripted"))
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests run only where CUDA is; everything else runs everywhere."""
     try:

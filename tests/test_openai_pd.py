@@ -8,22 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripted_checkpoint import write_scripted_checkpoint
 from tests.test_openai_server import SCENARIOS, WORKER_FLAGS, make_peer, scenario_id
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_scripted_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("scripted-pd"))
-
-
-@pytest.fixture(scope="module")
-def stack(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+def stack(scripted_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
     from tests.pd_pair import PDPair
     from tests.router_proc import RouterProc
 
     logs = tmp_path_factory.mktemp("openai-pd")
-    pair = PDPair(checkpoint, logs, prefill_flags=WORKER_FLAGS, decode_flags=WORKER_FLAGS)
+    pair = PDPair(scripted_ckpt, logs, prefill_flags=WORKER_FLAGS, decode_flags=WORKER_FLAGS)
     try:
         router = RouterProc(
             "--pd-disaggregation",
@@ -51,7 +45,7 @@ def stack(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=scenario_id)
-def test_router_and_pd_pair(stack, checkpoint: Path, scenario) -> None:
+def test_router_and_pd_pair(stack, scripted_ckpt: Path, scenario) -> None:
     router, pair = stack
-    scenario(make_peer(router.url, checkpoint))
+    scenario(make_peer(router.url, scripted_ckpt))
     pair.idle()

@@ -21,7 +21,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from serving.front.chat import ChatTemplate, load_chat_template
-from tests.scripted_checkpoint import script_ids, write_scripted_checkpoint
+from tests.scripted_checkpoint import script_ids
 from tests.server_proc import Server, eagle_flags
 
 MODEL = "GLM-5.3-Flash"
@@ -521,11 +521,6 @@ SCENARIOS: list[Callable[[Peer], None]] = [
 
 def scenario_id(scenario: Callable[[Peer], None]) -> str:
     return scenario.__name__.removeprefix("scenario_")
-
-
-@pytest.fixture(scope="session")
-def scripted_ckpt(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_scripted_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("scripted"))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripted_checkpoint import write_scripted_checkpoint
 from tests.test_openai_server import (
     WORKER_FLAGS,
     make_peer,
@@ -46,17 +45,16 @@ SCENARIOS = [
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+def stack(scripted_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
     from tests.pd_pair import PDPair
     from tests.sglang_router_proc import SglangRouter
 
-    checkpoint = write_scripted_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("scripted-sgl"))
     logs = tmp_path_factory.mktemp("openai-sglang-router")
-    pair = PDPair(checkpoint, logs, prefill_flags=WORKER_FLAGS, decode_flags=WORKER_FLAGS)
-    router = SglangRouter(pair, checkpoint, logs)
+    pair = PDPair(scripted_ckpt, logs, prefill_flags=WORKER_FLAGS, decode_flags=WORKER_FLAGS)
+    router = SglangRouter(pair, scripted_ckpt, logs)
     try:
         router.wait_serving()
-        yield router, pair, checkpoint
+        yield router, pair, scripted_ckpt
     finally:
         router.stop()
         pair.stop()

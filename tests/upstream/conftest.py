@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripted_checkpoint import write_scripted_checkpoint
 from tests.test_openai_server import WORKER_FLAGS, Peer, make_peer
 
 SETUPS = ("single", "pd", "sglang-router")
@@ -71,26 +70,21 @@ class Target:
 
 
 @pytest.fixture(scope="package")
-def upstream_ckpt(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_scripted_checkpoint(tiny_ckpt, tmp_path_factory.mktemp("scripted-upstream"))
-
-
-@pytest.fixture(scope="package")
-def upstream_single(upstream_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+def upstream_single(scripted_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
     from tests.server_proc import Server
 
-    srv = Server(upstream_ckpt, *WORKER_FLAGS, log_dir=tmp_path_factory.mktemp("up-single"))
+    srv = Server(scripted_ckpt, *WORKER_FLAGS, log_dir=tmp_path_factory.mktemp("up-single"))
     yield srv
     assert srv.stop() == 0
 
 
 @pytest.fixture(scope="package")
-def upstream_pair(upstream_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+def upstream_pair(scripted_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
     """One PD pair, shared by our router and sglang-router (both may front it at once)."""
     from tests.pd_pair import PDPair
 
     logs = tmp_path_factory.mktemp("up-pd")
-    pair = PDPair(upstream_ckpt, logs, prefill_flags=WORKER_FLAGS, decode_flags=WORKER_FLAGS)
+    pair = PDPair(scripted_ckpt, logs, prefill_flags=WORKER_FLAGS, decode_flags=WORKER_FLAGS)
     yield pair, logs
     pair.stop()
 
@@ -113,11 +107,11 @@ def upstream_router(upstream_pair):
 
 
 @pytest.fixture(scope="package")
-def upstream_sglang_router(upstream_pair, upstream_ckpt: Path):
+def upstream_sglang_router(upstream_pair, scripted_ckpt: Path):
     from tests.sglang_router_proc import SglangRouter
 
     pair, logs = upstream_pair
-    router = SglangRouter(pair, upstream_ckpt, logs)
+    router = SglangRouter(pair, scripted_ckpt, logs)
     try:
         router.wait_serving()
         yield router
@@ -126,17 +120,17 @@ def upstream_sglang_router(upstream_pair, upstream_ckpt: Path):
 
 
 @pytest.fixture(scope="package")
-def stack(request: pytest.FixtureRequest, upstream_ckpt: Path) -> Target:
+def stack(request: pytest.FixtureRequest, scripted_ckpt: Path) -> Target:
     setup = request.param
     if (why := _missing(setup)) is not None:
         pytest.skip(why)
     if setup == "single":
         srv = request.getfixturevalue("upstream_single")
-        return Target(setup, srv.url, make_peer(srv.url, upstream_ckpt), srv.idle_pool)
+        return Target(setup, srv.url, make_peer(srv.url, scripted_ckpt), srv.idle_pool)
     pair, _ = request.getfixturevalue("upstream_pair")
     name = "upstream_router" if setup == "pd" else "upstream_sglang_router"
     url = request.getfixturevalue(name).url
-    return Target(setup, url, make_peer(url, upstream_ckpt), pair.idle)
+    return Target(setup, url, make_peer(url, scripted_ckpt), pair.idle)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from itertools import product
 from typing import Any
 
 import httpx
@@ -43,6 +44,8 @@ RESPONSES_501 = "sglang-router answers /v1/responses with 501 in PD mode"
 CONTINUOUS_DROPPED = "sglang-router drops stream_options.continuous_usage_stats"
 REASONING_DROPPED = "sglang-router drops require_reasoning from /generate"
 RAW = {"skip_special_tokens": False}
+# upstream's completion matrix: echo x logprobs x list input x n
+COMPLETION_MATRIX = list(product((False, True), (None, 5), (True, False), (1, 2)))
 
 
 def _prompt_arg(target, token_input: bool, use_list: bool) -> tuple[Any, int]:
@@ -63,29 +66,26 @@ class TestOpenAIServer:
         """::test_completion — echo x logprobs x list input x n; the reply is the script's."""
         peer = target.peer
         reply = script_text(peer, 6, raw=False)
-        for echo in (False, True):
-            for logprobs in (None, 5):
-                for use_list in (True, False):
-                    for n in (1, 2):
-                        prompt_arg, prompt_tokens = _prompt_arg(target, prompt == "ids", use_list)
-                        response = complete(peer, prompt=prompt_arg, max_tokens=6, echo=echo,
-                                            logprobs=logprobs, n=n)  # fmt: skip
-                        assert len(response.choices) == (2 if use_list else 1) * n
-                        text = response.choices[0].text
-                        assert text == (COMPLETION_PROMPT if echo else "") + reply
-                        if logprobs:
-                            lp = response.choices[0].logprobs
-                            assert isinstance(lp.tokens[0], str)
-                            assert isinstance(lp.top_logprobs[1], dict)
-                            assert len(lp.top_logprobs[1]) > 0
-                            if not echo:  # upstream: a truthy float; the script's is ~0.0
-                                assert lp.token_logprobs[0] is not None
-                                assert lp.token_logprobs[0] <= 0
-                        assert response.id and response.created
-                        usage = response.usage
-                        assert usage.prompt_tokens == prompt_tokens
-                        assert usage.completion_tokens == 6 * len(response.choices)
-                        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        for echo, logprobs, use_list, n in COMPLETION_MATRIX:
+            prompt_arg, prompt_tokens = _prompt_arg(target, prompt == "ids", use_list)
+            response = complete(peer, prompt=prompt_arg, max_tokens=6, echo=echo,
+                                logprobs=logprobs, n=n)  # fmt: skip
+            assert len(response.choices) == (2 if use_list else 1) * n
+            text = response.choices[0].text
+            assert text == (COMPLETION_PROMPT if echo else "") + reply
+            if logprobs:
+                lp = response.choices[0].logprobs
+                assert isinstance(lp.tokens[0], str)
+                assert isinstance(lp.top_logprobs[1], dict)
+                assert len(lp.top_logprobs[1]) > 0
+                if not echo:  # upstream: a truthy float; the script's is ~0.0
+                    assert lp.token_logprobs[0] is not None
+                    assert lp.token_logprobs[0] <= 0
+            assert response.id and response.created
+            usage = response.usage
+            assert usage.prompt_tokens == prompt_tokens
+            assert usage.completion_tokens == 6 * len(response.choices)
+            assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
     @pytest.mark.sglang_router_refuses(TOKEN_IDS_REFUSED, prompt="ids")
     @pytest.mark.parametrize("prompt", ["text", "ids"])
@@ -93,100 +93,95 @@ class TestOpenAIServer:
         """::test_completion_stream — the same matrix streamed with include_usage."""
         peer = target.peer
         reply = script_text(peer, 6, raw=False)
-        for echo in (False, True):
-            for logprobs in (None, 5):
-                for use_list in (True, False):
-                    for n in (1, 2):
-                        prompt_arg, prompt_tokens = _prompt_arg(target, prompt == "ids", use_list)
-                        stream = complete(peer, prompt=prompt_arg, max_tokens=6, echo=echo,
-                                          logprobs=logprobs, n=n, stream=True,
-                                          stream_options={"include_usage": True})  # fmt: skip
-                        texts: dict[int, str] = {}
-                        usages = []
-                        for chunk in stream:
-                            if chunk.usage is not None:
-                                usages.append(chunk.usage)
-                                continue
-                            choice = chunk.choices[0]
-                            first = choice.index not in texts
-                            if logprobs:
-                                assert choice.logprobs
-                                assert isinstance(choice.logprobs.tokens[0], str)
-                                if not (first and echo):
-                                    assert isinstance(choice.logprobs.top_logprobs[0], dict)
-                                    assert len(choice.logprobs.top_logprobs[0]) > 0
-                            if first and echo:
-                                assert choice.text.startswith(COMPLETION_PROMPT)
-                            texts[choice.index] = texts.get(choice.index, "") + choice.text
-                            assert chunk.id and chunk.created
-                        count = (2 if use_list else 1) * n
-                        assert sorted(texts) == list(range(count))
-                        want = (COMPLETION_PROMPT if echo else "") + reply
-                        assert set(texts.values()) == {want}
-                        (usage,) = usages
-                        assert usage.prompt_tokens == prompt_tokens
-                        assert usage.completion_tokens == 6 * count
-                        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        for echo, logprobs, use_list, n in COMPLETION_MATRIX:
+            prompt_arg, prompt_tokens = _prompt_arg(target, prompt == "ids", use_list)
+            stream = complete(peer, prompt=prompt_arg, max_tokens=6, echo=echo,
+                              logprobs=logprobs, n=n, stream=True,
+                              stream_options={"include_usage": True})  # fmt: skip
+            texts: dict[int, str] = {}
+            usages = []
+            for chunk in stream:
+                if chunk.usage is not None:
+                    usages.append(chunk.usage)
+                    continue
+                choice = chunk.choices[0]
+                first = choice.index not in texts
+                if logprobs:
+                    assert choice.logprobs
+                    assert isinstance(choice.logprobs.tokens[0], str)
+                    if not (first and echo):
+                        assert isinstance(choice.logprobs.top_logprobs[0], dict)
+                        assert len(choice.logprobs.top_logprobs[0]) > 0
+                if first and echo:
+                    assert choice.text.startswith(COMPLETION_PROMPT)
+                texts[choice.index] = texts.get(choice.index, "") + choice.text
+                assert chunk.id and chunk.created
+            count = (2 if use_list else 1) * n
+            assert sorted(texts) == list(range(count))
+            want = (COMPLETION_PROMPT if echo else "") + reply
+            assert set(texts.values()) == {want}
+            (usage,) = usages
+            assert usage.prompt_tokens == prompt_tokens
+            assert usage.completion_tokens == 6 * count
+            assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
     def test_chat_completion(self, target) -> None:
         """::test_chat_completion — logprobs None/5 x n 1/2."""
         peer = target.peer
         messages = [{"role": "system", "content": "You are a helpful AI assistant"}, *USER]
-        for logprobs in (None, 5):
-            for n in (1, 2):
-                response = chat(peer, messages=messages, max_tokens=8, n=n,
-                                logprobs=logprobs is not None, top_logprobs=logprobs)  # fmt: skip
-                if logprobs:
-                    top = response.choices[0].logprobs.content[0].top_logprobs
-                    assert isinstance(top[0].token, str) and len(top) == logprobs
-                assert len(response.choices) == n
-                message = response.choices[0].message
-                assert message.role == "assistant" and isinstance(message.content, str)
-                assert message.model_extra["reasoning_content"] == "Hm"
-                reply = script_text(peer, 8, start="</think>")
-                assert message.content == reply[: len(message.content)]
-                assert response.id and response.created
-                assert response.usage.prompt_tokens == peer.prompt_tokens(messages)
-                assert response.usage.completion_tokens == 8 * n
-                assert response.usage.total_tokens == 8 * n + response.usage.prompt_tokens
+        for logprobs, n in product((None, 5), (1, 2)):
+            response = chat(peer, messages=messages, max_tokens=8, n=n,
+                            logprobs=logprobs is not None, top_logprobs=logprobs)  # fmt: skip
+            if logprobs:
+                top = response.choices[0].logprobs.content[0].top_logprobs
+                assert isinstance(top[0].token, str) and len(top) == logprobs
+            assert len(response.choices) == n
+            message = response.choices[0].message
+            assert message.role == "assistant" and isinstance(message.content, str)
+            assert message.model_extra["reasoning_content"] == "Hm"
+            reply = script_text(peer, 8, start="</think>")
+            assert message.content == reply[: len(message.content)]
+            assert response.id and response.created
+            assert response.usage.prompt_tokens == peer.prompt_tokens(messages)
+            assert response.usage.completion_tokens == 8 * n
+            assert response.usage.total_tokens == 8 * n + response.usage.prompt_tokens
 
     def test_chat_completion_stream(self, target) -> None:
         """::test_chat_completion_stream — role first, top_logprobs per token, one finish."""
         peer = target.peer
-        for logprobs in (None, 5):
-            for n in (1, 2):
-                stream = chat(peer, max_tokens=8, n=n, logprobs=logprobs is not None,
-                              top_logprobs=logprobs, stream=True,
-                              stream_options={"include_usage": True})  # fmt: skip
-                firsts: set[int] = set()
-                finishes: dict[int, int] = {}
-                usages = []
-                for chunk in stream:
-                    if chunk.usage is not None:
-                        usages.append(chunk.usage)
-                        continue
-                    choice = chunk.choices[0]
-                    if choice.finish_reason is not None:
-                        finishes[choice.index] = finishes.get(choice.index, 0) + 1
-                    delta = choice.delta
-                    if choice.index not in firsts:
-                        assert delta.role == "assistant"
-                        firsts.add(choice.index)
-                        continue
-                    if logprobs and choice.finish_reason is None:
-                        top = choice.logprobs.content[0].top_logprobs
-                        assert isinstance(top, list) and isinstance(top[0].token, str)
-                        assert len(top) == logprobs
-                    extra = delta.model_extra or {}
-                    assert (isinstance(delta.content, str)
-                            or isinstance(extra.get("reasoning_content"), str)
-                            or delta.tool_calls or choice.finish_reason)  # fmt: skip
-                    assert chunk.id and chunk.created
-                assert firsts == set(range(n))
-                assert finishes == dict.fromkeys(range(n), 1)
-                (usage,) = usages
-                assert usage.prompt_tokens > 0 and usage.completion_tokens == 8 * n
-                assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        for logprobs, n in product((None, 5), (1, 2)):
+            stream = chat(peer, max_tokens=8, n=n, logprobs=logprobs is not None,
+                          top_logprobs=logprobs, stream=True,
+                          stream_options={"include_usage": True})  # fmt: skip
+            firsts: set[int] = set()
+            finishes: dict[int, int] = {}
+            usages = []
+            for chunk in stream:
+                if chunk.usage is not None:
+                    usages.append(chunk.usage)
+                    continue
+                choice = chunk.choices[0]
+                if choice.finish_reason is not None:
+                    finishes[choice.index] = finishes.get(choice.index, 0) + 1
+                delta = choice.delta
+                if choice.index not in firsts:
+                    assert delta.role == "assistant"
+                    firsts.add(choice.index)
+                    continue
+                if logprobs and choice.finish_reason is None:
+                    top = choice.logprobs.content[0].top_logprobs
+                    assert isinstance(top, list) and isinstance(top[0].token, str)
+                    assert len(top) == logprobs
+                extra = delta.model_extra or {}
+                assert (isinstance(delta.content, str)
+                        or isinstance(extra.get("reasoning_content"), str)
+                        or delta.tool_calls or choice.finish_reason)  # fmt: skip
+                assert chunk.id and chunk.created
+            assert firsts == set(range(n))
+            assert finishes == dict.fromkeys(range(n), 1)
+            (usage,) = usages
+            assert usage.prompt_tokens > 0 and usage.completion_tokens == 8 * n
+            assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
     def test_regex(self, target) -> None:
         """::test_regex — upstream's pattern with bounded repeats: the scripted checkpoint
