@@ -201,7 +201,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--preset", default="bench", help="the model of stages 1-3 and 5")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--stages", default=",".join(STAGES), help="which stages, in this order")
+    ap.add_argument(
+        "--stages",
+        default=",".join(STAGES),
+        help=f"comma-separated, run in the order given (default {','.join(STAGES)})",
+    )
     args = ap.parse_args()
     wanted = args.stages.split(",")
     if unknown := set(wanted) - set(STAGES):
