@@ -209,6 +209,8 @@ def test_decode_killed_under_a_stream(cluster):
             cluster.workers["d1"].proc.send_signal(signal.SIGKILL)
             events = [ln[6:] for ln in lines if ln.startswith("data: ")]
             break
+    else:
+        pytest.fail("neither of two round-robin streams ran on d1")
     assert events[-1] == "[DONE]"
     assert "decode worker" in json.loads(events[-2])["error"]["message"]
     for i in range(3):

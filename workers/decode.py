@@ -19,13 +19,13 @@ their row resets are applied before the destinations go out (RankFanout.ask).
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
+
+import httpx
 
 from serving.distributed import state
 from serving.engine.request import Req, Role
@@ -73,12 +73,18 @@ class Quarantined:
 
 
 class PrefillDirectory(threading.Thread):
-    """Looks prefill ranks up on their bootstrap servers and heartbeats those in use."""
+    """Looks prefill ranks up on their bootstrap servers and heartbeats those in use.
+
+    Hazard: this thread must outlive any answer a dying prefill gives (refused, reset, a body
+    cut short): if it died, decode would never again find a prefill rank and every new room
+    would wait out prefill's bootstrap timeout. Every transport failure is an httpx.HTTPError,
+    counted as unreachable; a malformed answer is unreachable too."""
 
     def __init__(self, timeouts: Timeouts, api_key: str | None) -> None:
         super().__init__(daemon=True, name="prefill-directory")
         self.timeouts = timeouts
-        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(headers=headers, timeout=2.0)
         self.lookups: queue.Queue[str] = queue.Queue()
         self.events: queue.Queue[tuple[str, str, object]] = queue.Queue()
         self.watched: set[str] = set()
@@ -97,26 +103,26 @@ class PrefillDirectory(threading.Thread):
                 for addr in list(self.watched):
                     self._heartbeat(addr)
 
-    def _get(self, url: str) -> dict:
-        with urllib.request.urlopen(
-            urllib.request.Request(url, headers=self.headers), timeout=2
-        ) as r:
-            return json.loads(r.read() or b"{}")
-
     def _lookup(self, addr: str) -> tuple[str, str, object]:
         base = f"http://{addr}/route?"
         try:
-            cluster = self._get(base + "&".join(f"{k}=-1" for k in _QUERY))
-            rank = self._get(base + "&".join(f"{k}=0" for k in _QUERY))
-        except (OSError, ValueError) as exc:
-            return "unreachable", addr, str(exc)
-        return "found", addr, {**cluster, "rank": f"{rank['rank_ip']}:{rank['rank_port']}"}
+            cluster = self._get_json(base + "&".join(f"{k}=-1" for k in _QUERY))
+            rank = self._get_json(base + "&".join(f"{k}=0" for k in _QUERY))
+            rank_addr = f"{rank['rank_ip']}:{rank['rank_port']}"
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            return "unreachable", addr, f"{type(exc).__name__}: {exc}"
+        return "found", addr, {**cluster, "rank": rank_addr}
+
+    def _get_json(self, url: str) -> dict:
+        r = self.client.get(url)
+        r.raise_for_status()
+        return r.json() if r.content else {}
 
     def _heartbeat(self, addr: str) -> None:
         try:
-            urllib.request.urlopen(f"http://{addr}/health", timeout=2).read()
+            self.client.get(f"http://{addr}/health").raise_for_status()
             self._misses[addr] = 0
-        except OSError:
+        except httpx.HTTPError:
             self._misses[addr] = self._misses.get(addr, 0) + 1
             if self._misses[addr] >= self.timeouts.heartbeat_max_failures:
                 self._misses[addr] = 0

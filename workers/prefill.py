@@ -19,9 +19,9 @@ import itertools
 import json
 import logging
 import time
-import urllib.request
 from dataclasses import dataclass
 
+import httpx
 import torch
 
 from serving.distributed import state
@@ -135,10 +135,9 @@ class PrefillRole(Role):
                 headers = {"content-type": "application/json"}
                 if self.args.api_key:
                     headers["authorization"] = f"Bearer {self.args.api_key}"
-                req = urllib.request.Request(url, data=body, method="PUT", headers=headers)
-                urllib.request.urlopen(req, timeout=5).read()
+                httpx.put(url, content=body, headers=headers, timeout=5).raise_for_status()
                 return
-            except OSError as exc:
+            except httpx.HTTPError as exc:
                 if attempt == 49:
                     raise RuntimeError(f"cannot register with the bootstrap server {url}") from exc
                 time.sleep(0.1)
