@@ -1,6 +1,7 @@
 """The whole PD stack on one machine, in one command: prefill + decode + router.
 
-    python deploy/launch_local.py                    # the tiny checkpoint (written on first use)
+    python deploy/launch_local.py                    # the shipped small model, EAGLE 1 step
+    python deploy/launch_local.py --tiny             # the random tiny checkpoint (written once)
     python deploy/launch_local.py --model-path DIR --served-model-name GLM-5.3-Flash
     python deploy/launch_local.py --once             # exit after printing the first answer
 
@@ -31,6 +32,12 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
+SMALL = REPO / "serving" / "assets" / "small_model"  # trained: serving/tools/train_small.py
+# The seed's flags for the shipped model: EAGLE with the checkpoint's NextN layer (one draft
+# step), GLM's reasoning and tool-call parsers.
+SMALL_FLAGS = ("--speculative-algorithm EAGLE --speculative-num-steps 1 "
+               "--speculative-eagle-topk 1 --speculative-num-draft-tokens 2 "
+               "--reasoning-parser glm45 --tool-call-parser glm47")  # fmt: skip
 PROMPT = "List three things to check when an HTTP service returns 503."
 STOP_TIMEOUT_S = 30
 PR_SET_PDEATHSIG = 1
@@ -70,11 +77,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python deploy/launch_local.py",
         description="Prefill + decode + router on this machine (Mooncake over loopback TCP).",
     )
-    ap.add_argument("--model-path", help=f"checkpoint directory (default: {TINY}, written once)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument(
+        "--model-path",
+        help=f"checkpoint directory (default: the shipped small model, {SMALL}, with EAGLE 1 "
+        "step and GLM's reasoning and tool-call parsers on both workers)",
+    )
+    which.add_argument(
+        "--tiny",
+        action="store_true",
+        help=f"serve the random tiny checkpoint instead ({TINY}, written on first use)",
+    )
     ap.add_argument(
         "--served-model-name",
-        help='model id in the API (default: "tiny" for the tiny checkpoint, else the directory '
-        "name, e.g. GLM-5.3-Flash)",
+        help='model id in the API (default: "small", "tiny", else the directory name)',
     )
     ap.add_argument("--host", default="127.0.0.1", help="the router's bind address")
     ap.add_argument("--port", type=int, default=30000, help="router port (0: any free port)")
@@ -86,8 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--max-tokens",
         type=int,
-        help="of the example request (default: the seed's 1024; 32 for the tiny checkpoint, "
-        "whose random weights answer noise)",
+        help="of the example request (default: the seed's 1024; 256 for the small model, 32 "
+        "for the tiny checkpoint, whose random weights answer noise)",
     )
     ap.add_argument("--log-dir", type=Path, help="default: a new directory under the temp dir")
     ap.add_argument("--timeout", type=float, default=900, help="seconds to wait for health")
@@ -128,10 +144,14 @@ def write_tiny() -> None:
 
 
 def model_and_name(args: argparse.Namespace) -> tuple[Path, str]:
-    if args.model_path is None:
+    if args.tiny:
         if not TINY.is_dir():
             write_tiny()
         return TINY, args.served_model_name or "tiny"
+    if args.model_path is None:
+        if not (SMALL / "config.json").is_file():
+            raise StackError(f"the shipped small model is missing from {SMALL}")
+        return SMALL, args.served_model_name or "small"
     path = Path(args.model_path).resolve()
     if not (path / "config.json").is_file():
         raise StackError(f"--model-path {args.model_path}: no config.json there")
@@ -164,10 +184,11 @@ def build(args: argparse.Namespace, model: Path, name: str, log_dir: Path) -> li
     ]
     router_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     bootstrap = ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    spec = shlex.split(SMALL_FLAGS) if model == SMALL else []
     return [
         Proc(
             "prefill",
-            worker("prefill", prefill_port, bootstrap, args.prefill_args),
+            worker("prefill", prefill_port, [*bootstrap, *spec], args.prefill_args),
             prefill_url,
             "/health",
             log_dir / "prefill.log",
@@ -175,7 +196,7 @@ def build(args: argparse.Namespace, model: Path, name: str, log_dir: Path) -> li
         ),
         Proc(
             "decode",
-            worker("decode", decode_port, [], args.decode_args),
+            worker("decode", decode_port, spec, args.decode_args),
             decode_url,
             "/health",
             log_dir / "decode.log",
@@ -281,6 +302,9 @@ def ask(router_url: str, body: dict) -> None:
         f"{choice['finish_reason']}, {time.monotonic() - t0:.1f} s):",
         flush=True,
     )
+    reasoning = choice["message"].get("reasoning_content")
+    if reasoning:
+        print(f"[reasoning] {printable(reasoning)}", flush=True)
     print(printable(choice["message"]["content"] or ""), flush=True)
 
 
@@ -327,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         print("waiting until all three are healthy ...", flush=True)
         wait_ready(procs, args.timeout, t0)
         router = procs[-1]
-        max_tokens = args.max_tokens or (32 if model == TINY else 1024)
+        max_tokens = args.max_tokens or {TINY: 32, SMALL: 256}.get(model, 1024)
         curl, body = example_request(router.url, name, max_tokens)
         print(f"\nTry it (this is the request sent now):\n{curl}", flush=True)
         ask(router.url, body)

@@ -55,7 +55,13 @@ class ServerArgs:
             "(default: 4 x the request rows)"
         },
     )
-    dtype: str = field(default="auto", metadata={"choices": ["auto", "bfloat16", "float32"]})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "choices": ["auto", "bfloat16", "float32"],
+            "help": "auto: the checkpoint's dtype on CUDA, float32 on the CPU",
+        },
+    )
     device: str = field(default="auto", metadata={"choices": ["auto", "cuda", "cpu"]})
     kv_cache_dtype: str = field(
         default="auto",

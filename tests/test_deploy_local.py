@@ -91,11 +91,11 @@ class Run:
         assert not [p for p in self.seen if _alive(p)], "processes of the stack outlived it"
 
 
-def assert_status_and_answer(out: str) -> None:
+def assert_status_and_answer(out: str, name: str = "tiny") -> None:
     for role in ROLES:
         assert f"  {role}" in out and f"{role}.log" in out, out
         assert any(ln.strip().startswith(f"{role}") and "up after" in ln for ln in out.split("\n"))
-    assert "curl --fail-with-body --max-time 600" in out and '"model": "tiny"' in out, out
+    assert "curl --fail-with-body --max-time 600" in out and f'"model": "{name}"' in out, out
     assert "List three things to check when an HTTP service returns 503." in out
     assert "Answer (8 tokens" in out, out
 
@@ -106,12 +106,24 @@ def assert_stopped_in_order(out: str) -> None:
     assert out.count("stopped (exit 0)") == 3, out
 
 
+def test_by_default_it_serves_the_shipped_small_model_with_eagle(tmp_path: Path) -> None:
+    run = Run("--once", "--log-dir", str(tmp_path / "logs"))
+    code, out = run.finish()
+    assert code == 0, out
+    assert_status_and_answer(out, name="small")
+    assert_stopped_in_order(out)
+    for role in ("prefill", "decode"):
+        log = (tmp_path / "logs" / f"{role}.log").read_text()
+        assert "small_model" in log and "speculative EAGLE 1 step(s)" in log, log
+    run.assert_nothing_left()
+
+
 def test_once_writes_the_tiny_checkpoint_and_answers(tmp_path: Path) -> None:
-    """A fresh checkout: no models/ yet. The launcher writes models/tiny beside its deploy/."""
+    """A fresh checkout: no models/ yet. --tiny writes models/tiny beside its deploy/."""
     script = tmp_path / "deploy" / "launch_local.py"
     script.parent.mkdir()
     shutil.copy(LAUNCHER, script)
-    run = Run("--once", "--log-dir", str(tmp_path / "logs"), script=script)
+    run = Run("--tiny", "--once", "--log-dir", str(tmp_path / "logs"), script=script)
     code, out = run.finish()
     assert code == 0, out
     assert "writing the tiny default checkpoint" in out, out

@@ -39,7 +39,7 @@ def build_model(args: ServerArgs):
 
     device = args.resolved_device()
     config = ModelConfig.from_pretrained(args.model_path)
-    dtype = resolve_dtype(args.dtype, args.model_path)
+    dtype = resolve_dtype(args.dtype, args.model_path, device)
     torch.manual_seed(args.random_seed)
     steps = args.speculative_steps
     model, draft = load_weights(args.model_path, config, dtype, device, load_draft=steps > 0)
@@ -65,7 +65,8 @@ def build_model(args: ServerArgs):
         plan = dataclasses.replace(plan, pages=min_over_ranks(plan.pages))
     pool = MemoryPool(config, plan, kv_dtype, device)
     log.info(
-        "rank %d/%d (tp %d, ep %d): loaded %s: %.1f M parameters (%.2f GiB), %s on %s; pool: %s",
+        "rank %d/%d (tp %d, ep %d): loaded %s: %.1f M parameters (%.2f GiB), %s on %s, %s; "
+        "pool: %s",
         ps.rank,
         ps.world,
         ps.tp_size,
@@ -75,6 +76,7 @@ def build_model(args: ServerArgs):
         weight_bytes / 2**30,
         dtype,
         device,
+        f"speculative EAGLE {steps} step(s) with the NextN draft" if steps else "no speculation",
         pool.describe(),
     )
     runner = ModelRunner(model, pool)

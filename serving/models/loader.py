@@ -66,9 +66,12 @@ class Target:
         return data if self.rows is None else data[self.rows]
 
 
-def resolve_dtype(name: str, model_dir: str | Path) -> torch.dtype:
-    """--dtype: auto (the checkpoint's own dtype, bfloat16 if unstated), bfloat16, float32."""
+def resolve_dtype(name: str, model_dir: str | Path, device: str | None = None) -> torch.dtype:
+    """--dtype: auto (the checkpoint's own dtype, bfloat16 if unstated; float32 when `device` is
+    the CPU, which has no fast bf16 matmul on most x86 machines), bfloat16, float32."""
     table = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if name == "auto" and device is not None and torch.device(device).type == "cpu":
+        return torch.float32
     if name == "auto":
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         text = raw.get("text_config") or {}
@@ -306,37 +309,42 @@ def export_checkpoint(
     config: ModelConfig, target: Glm5NextForCausalLM, draft: NextNDraft | None
 ) -> dict[str, torch.Tensor]:
     """The inverse of load_weights: our parameters under the glm5_next checkpoint names."""
+    out = export_module("", target)
+    if draft is not None:
+        out.update(export_module(f"layers.{config.num_hidden_layers}.", draft))
+    return out
+
+
+def export_module(layer_prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One module's parameters under checkpoint names: the target ("") or the NextN draft
+    (`layers.{num_hidden_layers}.`)."""
     prefix = "model.language_model."
     out: dict[str, torch.Tensor] = {}
-    modules: list[tuple[str, torch.nn.Module]] = [("", target)]
-    if draft is not None:
-        modules.append((f"layers.{config.num_hidden_layers}.", draft))
-    for layer_prefix, module in modules:
-        for pname, p in module.named_parameters():
-            name = layer_prefix + pname
-            t = p.detach().cpu().contiguous()
-            if name == "lm_head.weight":
-                out[name] = t
-                continue
-            if name == "embed_tokens":
-                out[prefix + "embed_tokens.weight"] = t
-                continue
-            for pattern, repl in _EXPORT_RENAMES:
-                name = pattern.sub(repl, name)
-            if name.endswith(".self_attn.conv_weight"):
-                base = name[: -len("conv_weight")]
-                for part, chunk in zip("qkv", t.chunk(3)):
-                    out[f"{prefix}{base}{part}_conv1d.weight"] = chunk.unsqueeze(1).contiguous()
-            elif name.endswith(".mlp.w13"):
-                base = name[: -len("w13")]
-                for e in range(t.shape[0]):
-                    gate, up = t[e].chunk(2)
-                    out[f"{prefix}{base}experts.{e}.gate_proj.weight"] = gate.contiguous()
-                    out[f"{prefix}{base}experts.{e}.up_proj.weight"] = up.contiguous()
-            elif name.endswith(".mlp.w2"):
-                base = name[: -len("w2")]
-                for e in range(t.shape[0]):
-                    out[f"{prefix}{base}experts.{e}.down_proj.weight"] = t[e].contiguous()
-            else:
-                out[prefix + name] = t
+    for pname, p in module.named_parameters():
+        name = layer_prefix + pname
+        t = p.detach().cpu().contiguous()
+        if name == "lm_head.weight":
+            out[name] = t
+            continue
+        if name == "embed_tokens":
+            out[prefix + "embed_tokens.weight"] = t
+            continue
+        for pattern, repl in _EXPORT_RENAMES:
+            name = pattern.sub(repl, name)
+        if name.endswith(".self_attn.conv_weight"):
+            base = name[: -len("conv_weight")]
+            for part, chunk in zip("qkv", t.chunk(3)):
+                out[f"{prefix}{base}{part}_conv1d.weight"] = chunk.unsqueeze(1).contiguous()
+        elif name.endswith(".mlp.w13"):
+            base = name[: -len("w13")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2)
+                out[f"{prefix}{base}experts.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}{base}experts.{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith(".mlp.w2"):
+            base = name[: -len("w2")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{base}experts.{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            out[prefix + name] = t
     return out

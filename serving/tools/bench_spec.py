@@ -25,11 +25,20 @@ from serving.tools.distill_nextn import training_prompts
 
 
 def measure(
-    model_path: str, steps: int, batch: int, prompt_len: int, new: int, graphs: str, seen: bool
+    model_path: str,
+    steps: int,
+    prompts: list[list[int]],
+    new: int,
+    graphs: str = "disabled",
+    ignore_eos: bool = True,
+    flags: tuple[str, ...] = (),
 ) -> dict:
+    """Greedy decode of `prompts` together (steps 0: no speculation)."""
     spec = (
         ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps)] if steps else []
     )
+    batch = len(prompts)
+    longest = max(map(len, prompts))
     args = ServerArgs.from_cli(
         [
             "--model-path",
@@ -38,27 +47,22 @@ def measure(
             "--cuda-graph-backend-decode",
             graphs,
             "--max-total-tokens",
-            str(batch * (prompt_len + new + 128)),
+            str(batch * (longest + new + 128)),
             *spec,
+            *flags,
         ]
     )
     sched = build_engine(args)[0]
-    g = torch.Generator().manual_seed(4242)
-    seen_prompts = training_prompts(1000, batch, prompt_len, seed=0) if seen else None
-    for i in range(batch):
-        ids = (
-            seen_prompts[i] if seen else torch.randint(0, 1000, (prompt_len,), generator=g).tolist()
-        )
-        sched.add(
-            GenerateRequest(
-                f"r{i}", ids, SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
-            )
-        )
+    for i, ids in enumerate(prompts):
+        params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=ignore_eos)
+        sched.add(GenerateRequest(f"r{i}", ids, params))
     first = None
     produced = 0
+    outputs: dict[str, list[int]] = {}
     while sched.has_work:
         for o in sched.step():
             produced += len(o.new_token_ids)
+            outputs.setdefault(o.rid, []).extend(o.new_token_ids)
         if first is None and produced >= batch:
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             first, base = time.perf_counter(), produced
@@ -66,6 +70,7 @@ def measure(
     elapsed = time.perf_counter() - first
     per_req_tokens = (produced - base) / batch
     st = sched.stats
+    sched.check_invariants()
     accept = st.spec_committed_tokens / st.spec_verify_steps if st.spec_verify_steps else None
     return {
         "spec_steps": steps,
@@ -74,6 +79,7 @@ def measure(
         "ms_per_token": round(1000 * elapsed / per_req_tokens, 3),
         "accept_length": None if accept is None else round(accept, 3),
         "acceptance_rate": None if accept is None else round((accept - 1) / steps, 3),
+        "outputs": [outputs.get(f"r{i}", []) for i in range(batch)],
     }
 
 
@@ -95,15 +101,13 @@ def main() -> None:
     rows = []
     for bs in args.batch_sizes:
         for steps in args.steps:
-            row = measure(
-                args.model_path,
-                steps,
-                bs,
-                args.prompt_len,
-                args.new_tokens,
-                args.graphs,
-                args.seen_prompts,
-            )
+            if args.seen_prompts:
+                prompts = training_prompts(1000, bs, args.prompt_len, seed=0)
+            else:
+                g = torch.Generator().manual_seed(4242)
+                prompts = torch.randint(0, 1000, (bs, args.prompt_len), generator=g).tolist()
+            row = measure(args.model_path, steps, prompts, args.new_tokens, args.graphs)
+            row.pop("outputs")
             rows.append(row)
             print(json.dumps(row), flush=True)
     prompts = "seen (distillation) prompts" if args.seen_prompts else "new prompts"

@@ -53,12 +53,33 @@ def training_prompts(vocab: int, count: int, prompt_len: int, seed: int) -> list
     ]
 
 
-def make_data(
-    runner: StepRunner, vocab: int, count: int, prompt_len: int, gen_len: int, seed: int
+def corpus_prompts(
+    model_path: str, corpus: str, count: int, prompt_len: int, seed: int
 ) -> list[list[int]]:
-    prompts = training_prompts(vocab, count, prompt_len, seed)
+    """`count` windows of `prompt_len` tokens at random places of the corpus's training
+    documents (serving/tools/corpus.py), in the checkpoint's tokenizer."""
+    import random
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from serving.tools.corpus import read_docs
+
+    tok = Tokenizer.from_file(f"{model_path}/tokenizer.json")
+    docs = [d["text"] for d in read_docs(Path(corpus) / "train.jsonl.gz")]
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    while len(out) < count:
+        ids = tok.encode(rng.choice(docs)[:20000], add_special_tokens=False).ids
+        if len(ids) > prompt_len:
+            at = rng.randrange(len(ids) - prompt_len)
+            out.append(ids[at : at + prompt_len])
+    return out
+
+
+def make_data(runner: StepRunner, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
     out = []
-    for i in range(0, count, GEN_BATCH):
+    for i in range(0, len(prompts), GEN_BATCH):
         chunk = prompts[i : i + GEN_BATCH]
         gens = runner.greedy(chunk, gen_len)
         out += [p + c for p, c in zip(chunk, gens)]
@@ -98,6 +119,8 @@ def train(
     labels: str | None = None,
     fit_target_head: bool = False,
     fit_tokens: int = 65536,
+    corpus: str | None = None,
+    dtype: str = "auto",
 ) -> dict:
     """Distil the draft of model_path into out_dir (module docstring). labels: "text" or
     "target" (None: "target" with fit_target_head, else "text")."""
@@ -114,7 +137,7 @@ def train(
     config = ModelConfig.from_pretrained(model_path)
     # The text comes from the target in the dtype it is served in: on random weights, bfloat16
     # and float32 greedy continuations part ways within a few tokens.
-    served, _ = load_weights(model_path, config, resolve_dtype("auto", model_path), device)
+    served, _ = load_weights(model_path, config, resolve_dtype(dtype, model_path), device)
     page = max(16, config.index_kpool)
     runner = StepRunner(
         served,
@@ -124,7 +147,11 @@ def train(
         device=device,
     )
     t0 = time.perf_counter()
-    seqs = make_data(runner, config.vocab_size, count, prompt_len, gen_len, seed)
+    if corpus is not None:
+        prompts = corpus_prompts(model_path, corpus, count, prompt_len, seed)
+    else:
+        prompts = training_prompts(config.vocab_size, count, prompt_len, seed)
+    seqs = make_data(runner, prompts, gen_len)
     hiddens, choices = target_hidden(runner, seqs)
     data_s = time.perf_counter() - t0
     del served, runner
@@ -224,6 +251,16 @@ def main() -> None:
         "(serving/tools/fit_target_head.py), then distil on it",
     )
     ap.add_argument("--fit-tokens", type=int, default=65536, help="corpus tokens for the head fit")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="the target's dtype while it writes the distillation text (as it will be served)",
+    )
+    ap.add_argument(
+        "--corpus",
+        default=None,
+        help="prompts from this corpus (serving.tools.corpus's output) instead of random tokens",
+    )
     args = ap.parse_args()
     summary = train(
         args.model_path,
@@ -239,6 +276,8 @@ def main() -> None:
         labels=args.labels,
         fit_target_head=args.fit_target_head,
         fit_tokens=args.fit_tokens,
+        corpus=args.corpus,
+        dtype=args.dtype,
     )
     print(json.dumps(summary))
 

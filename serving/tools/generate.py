@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     config = ModelConfig.from_pretrained(args.model_path)
-    dtype = resolve_dtype(args.dtype, args.model_path)
+    dtype = resolve_dtype(args.dtype, args.model_path, args.device)
     model, _ = load_weights(args.model_path, config, dtype, args.device)
     tok = Tokenizer.from_file(f"{args.model_path}/tokenizer.json")
     ids = tok.encode(args.prompt).ids

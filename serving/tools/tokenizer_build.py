@@ -1,9 +1,11 @@
-"""Build the byte-level BPE tokenizer and chat template files of the tiny default checkpoint."""
+"""Build the byte-level BPE tokenizer and chat template files of our checkpoints: the tiny one
+(trained on serving/assets/corpus.txt) and the small trained model (on its corpus)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -41,7 +43,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 EOS_TOKEN = "<|endoftext|>"
 
 
-def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
+def build_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = None) -> Tokenizer:
+    """BPE over `texts` (default: the tiny corpus's lines), GLM's special tokens last."""
     bpe_size = vocab_size - len(SPECIAL_TOKENS)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if bpe_size < len(alphabet):
@@ -56,8 +59,11 @@ def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
         initial_alphabet=alphabet,
         special_tokens=[],
     )
-    with CORPUS_PATH.open(encoding="utf-8") as corpus:
-        tokenizer.train_from_iterator(corpus, trainer=trainer)
+    if texts is None:
+        with CORPUS_PATH.open(encoding="utf-8") as corpus:
+            tokenizer.train_from_iterator(corpus, trainer=trainer)
+    else:
+        tokenizer.train_from_iterator(texts, trainer=trainer)
     if tokenizer.get_vocab_size() != bpe_size:
         raise RuntimeError(
             f"corpus yields {tokenizer.get_vocab_size()} BPE tokens, need {bpe_size}"
@@ -74,11 +80,14 @@ def build_tokenizer(vocab_size: int = 1024) -> Tokenizer:
 
 
 def write_tokenizer_files(
-    out_dir: str | Path, vocab_size: int = 1024, model_max_length: int = 8192
+    out_dir: str | Path,
+    vocab_size: int = 1024,
+    model_max_length: int = 8192,
+    texts: Iterable[str] | None = None,
 ) -> dict[str, int]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, texts)
     tokenizer.save(str(out / "tokenizer.json"))
 
     special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}

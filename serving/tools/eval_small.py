@@ -1,0 +1,201 @@
+"""Measure a trained checkpoint (the small model): held-out perplexity, sample answers, EAGLE
+accept length, and on CUDA the fast path against the torch path and bf16 against float32.
+
+    python -m serving.tools.eval_small --model-path serving/assets/small_model \\
+        [--heldout data/corpus/heldout.jsonl.gz] [--device cuda] [--stages ...] [--out F.json]
+
+Stages (default all that the device allows):
+  ppl        perplexity of the held-out documents, windows of --window tokens, our model
+  samples    greedy answers to SAMPLE_QUESTIONS through the chat template
+  accept     EAGLE accept length at 1 and 3 steps on held-out prompts (the real scheduler)
+  agreement  (CUDA) fast path vs torch path, and bf16 vs float32, on --prompts held-out prompts
+             x --new-tokens greedy tokens: the share of prompts whose tokens are all equal, the
+             share of token positions equal before the first difference, and both perplexities
+Held-out text is never trained on: documents that serving/tools/corpus.py holds out by hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import kernels
+from serving.config import ModelConfig
+from serving.front.chat import ChatTemplate
+from serving.models.loader import load_weights
+from serving.tools.generate import StepRunner
+
+SAMPLE_QUESTIONS = (
+    "What does `os.path.join` do?",
+    "Explain list comprehensions.",
+    "How do I undo the last git commit?",
+    "What is the weather in Paris?",
+    "What is 23 + 19?",
+    "Tell me a fortune.",
+)
+STOP_TEXTS = ("<|user|>", "<|endoftext|>", "<|observation|>")
+
+
+def heldout_texts(path: Path) -> list[str]:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["text"] for line in f]
+    return [t for t in path.read_text(encoding="utf-8").split("\n\n\n") if t.strip()]
+
+
+def token_windows(tok, texts: list[str], window: int, limit: int) -> list[list[int]]:
+    """Non-overlapping windows of `window` tokens from the texts, at most `limit`."""
+    out = []
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        out += [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def load(model_path: str, dtype: torch.dtype, device: str, draft: bool = False):
+    config = ModelConfig.from_pretrained(model_path)
+    return load_weights(model_path, config, dtype, device, load_draft=draft)
+
+
+@torch.inference_mode()
+def perplexity(model, windows: list[list[int]], device: str, batch: int = 8) -> dict:
+    nll, count = 0.0, 0
+    length = max(map(len, windows))
+    runner = StepRunner(model, max_requests=batch, max_context=length + 16, device=device)
+    for i in range(0, len(windows), batch):
+        chunk = windows[i : i + batch]
+        seqs = [runner.add(w) for w in chunk]
+        out = runner.step(seqs, [len(w) for w in chunk], logits="all")
+        logp = torch.log_softmax(out.logits.float(), -1)
+        at = 0
+        for w in chunk:
+            target = torch.tensor(w[1:], device=logp.device)
+            nll -= float(logp[at : at + len(w) - 1].gather(1, target[:, None]).sum())
+            count += len(w) - 1
+            at += len(w)
+        for s in seqs:
+            runner.release(s)
+    return {"perplexity": math.exp(nll / count), "tokens": count}
+
+
+def greedy(model, prompts: list[list[int]], new: int, device: str) -> list[list[int]]:
+    longest = max(map(len, prompts))
+    runner = StepRunner(model, max_requests=len(prompts), max_context=longest + new + 16,
+                        device=device)  # fmt: skip
+    return runner.greedy(prompts, new)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = 0
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x))
+        prefix += n
+    total = sum(map(len, a))
+    return {"prompts_identical": same / len(a), "tokens_before_first_difference": prefix / total}
+
+
+def chat_prompt(model_path: str, tok, question: str) -> list[int]:
+    template = ChatTemplate((Path(model_path) / "chat_template.jinja").read_text())
+    text = template.render([{"role": "user", "content": question}])
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def samples(model, tok, model_path: str, device: str, new: int = 96) -> list[dict]:
+    prompts = [chat_prompt(model_path, tok, q) for q in SAMPLE_QUESTIONS]
+    out = []
+    for q, ids in zip(SAMPLE_QUESTIONS, greedy(model, prompts, new, device)):
+        text = tok.decode(ids, skip_special_tokens=False)
+        for stop in STOP_TEXTS:
+            text = text.split(stop)[0]
+        out.append({"question": q, "answer": text})
+    return out
+
+
+def accept_lengths(model_path: str, prompts: list[list[int]], new: int, flags=()) -> dict:
+    from serving.tools.bench_spec import measure
+
+    plain = measure(model_path, 0, prompts, new, ignore_eos=True, flags=flags)
+    out = {}
+    for steps in (1, 3):
+        row = measure(model_path, steps, prompts, new, ignore_eos=True, flags=flags)
+        out[f"steps_{steps}"] = {
+            "accept_length": row["accept_length"],
+            "acceptance_rate": row["acceptance_rate"],
+            "greedy_equal_to_plain": row["outputs"] == plain["outputs"],
+        }
+    return out
+
+
+def main() -> None:
+    from tokenizers import Tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model-path", default="serving/assets/small_model")
+    ap.add_argument("--heldout", default="data/corpus/heldout.jsonl.gz")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--stages", default="ppl,samples,accept,agreement")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--ppl-windows", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--out", default=None, help="write the results here as JSON")
+    args = ap.parse_args()
+    stages = set(args.stages.split(","))
+    tok = Tokenizer.from_file(str(Path(args.model_path) / "tokenizer.json"))
+    texts = heldout_texts(Path(args.heldout))
+    windows = token_windows(tok, texts, args.window, args.ppl_windows)
+    prompt_windows = token_windows(tok, texts[::-1], args.prompt_len, args.prompts)
+    served = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    result: dict = {"model_path": args.model_path, "device": args.device}
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+
+    def record(key: str, value) -> None:
+        result[key] = value
+        print(json.dumps({key: value}), flush=True)
+
+    t0 = time.perf_counter()
+    if "ppl" in stages:
+        model, _ = load(args.model_path, served, args.device)
+        record("ppl", {**perplexity(model, windows, args.device), "dtype": str(served),
+                       "window": args.window})  # fmt: skip
+    if "samples" in stages:
+        model, _ = load(args.model_path, served, args.device)
+        record("samples", samples(model, tok, args.model_path, args.device))
+    if "accept" in stages:
+        flags = ("--dtype", "bfloat16" if served == torch.bfloat16 else "float32")
+        record("accept", {**accept_lengths(args.model_path, prompt_windows, args.new_tokens,
+                                           flags), "prompts": len(prompt_windows),
+                          "new_tokens": args.new_tokens})  # fmt: skip
+    if "agreement" in stages and args.device.startswith("cuda"):
+        bf16, _ = load(args.model_path, torch.bfloat16, args.device)
+        fast = greedy(bf16, prompt_windows, args.new_tokens, args.device)
+        fast_ppl = perplexity(bf16, windows, args.device)
+        kernels.TORCH_ONLY = True
+        slow = greedy(bf16, prompt_windows, args.new_tokens, args.device)
+        slow_ppl = perplexity(bf16, windows, args.device)
+        kernels.TORCH_ONLY = False
+        record("fast_vs_torch_bf16", {**agreement(fast, slow), "ppl_fast": fast_ppl["perplexity"],
+                                      "ppl_torch": slow_ppl["perplexity"]})  # fmt: skip
+        fp32, _ = load(args.model_path, torch.float32, args.device)
+        full = greedy(fp32, prompt_windows, args.new_tokens, args.device)
+        full_ppl = perplexity(fp32, windows, args.device)
+        record("bf16_vs_fp32_fast", {**agreement(fast, full), "ppl_bf16": fast_ppl["perplexity"],
+                                     "ppl_fp32": full_ppl["perplexity"]})  # fmt: skip
+    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""serving/tools/train_small.py on CPU with the tiny preset (transformers' torch KDA path): a
+run split in two with --resume ends with exactly the weights of one straight run, the export
+reads the same in transformers and our loader, and every refusal is one clear line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving.tools.train_small import main
+
+REPO = Path(__file__).resolve().parents[1]
+ARGS = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "64",
+        "--steps", "4", "--warmup", "2", "--log-every", "1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """The tiny tokenizer's corpus, one document per paragraph."""
+    out = tmp_path_factory.mktemp("corpus")
+    text = (REPO / "serving" / "assets" / "corpus.txt").read_text()
+    docs = [p for p in text.split("\n\n") if len(p) > 200]
+    for split, part in (("train", docs), ("heldout", docs[:4])):
+        with gzip.open(out / f"{split}.jsonl.gz", "wt") as f:
+            for i, d in enumerate(part):
+                f.write(json.dumps({"source": "t", "id": f"{split}{i}", "text": d}) + "\n")
+    return out
+
+
+def test_resumed_run_equals_a_straight_run_and_exports(corpus, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    main(["--run", str(straight), "--corpus", str(corpus), *ARGS])
+    main(["--run", str(split), "--corpus", str(corpus), *ARGS, "--run-steps", "2"])
+    assert torch.load(split / "state.pt", weights_only=False)["step"] == 2
+    main(["--run", str(split), "--corpus", str(corpus), *ARGS, "--resume"])
+    a = torch.load(straight / "state.pt", weights_only=False)
+    b = torch.load(split / "state.pt", weights_only=False)
+    assert a["step"] == b["step"] == 4
+    for part in ("model", "mtp"):
+        for name, t in a[part].items():
+            assert torch.equal(t, b[part][name]), f"{part}.{name} differs after the resume"
+    log = [json.loads(x) for x in (split / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    main(["--run", str(split), "--export", str(tmp_path / "ckpt")])
+    check = json.loads((tmp_path / "ckpt.export_check.json").read_text())
+    assert check["target_rel_err"] < 1e-5 and check["target_argmax_equal"] == 1.0, check
+    assert check["draft_rel_err"] < 1e-5 and check["draft_argmax_equal"] == 1.0, check
+
+
+def test_refusals_name_the_problem(corpus, tmp_path, capsys):
+    def _refusal(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            main(list(argv))
+        assert exit_.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert "no corpus at" in _refusal("--run", str(tmp_path / "r1"), "--corpus",
+                                      str(tmp_path / "nowhere"), *ARGS)  # fmt: skip
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with gzip.open(empty / "train.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"source": "t", "id": "0", "text": "  "}) + "\n")
+    assert "is empty" in _refusal("--run", str(tmp_path / "r2"), "--corpus", str(empty), *ARGS)
+    assert "no " in _refusal("--run", str(tmp_path / "r3"), "--resume", *ARGS)
+    run = tmp_path / "r4"
+    main(["--run", str(run), "--corpus", str(corpus), *ARGS, "--run-steps", "1"])
+    assert "pass --resume" in _refusal("--run", str(run), "--corpus", str(corpus), *ARGS)
+    raw = json.loads((run / "config.json").read_text())
+    raw["text_config"]["hidden_size"] = 96
+    (run / "config.json").write_text(json.dumps(raw))
+    line = _refusal("--run", str(run), "--resume", *ARGS)
+    assert "does not match" in line and "hidden_size" in line, line
+    other = ARGS[:1] + ["small"] + ARGS[2:]
+    assert "--preset tiny, not small" in _refusal("--run", str(run), "--resume", *other)
