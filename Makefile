@@ -1,10 +1,10 @@
 # The two commands a new user runs:
-#   make run    installs, writes the tiny checkpoint (first use), brings up prefill + decode +
-#               router on :30000 (deploy/launch_local.py; more flags: make run ARGS="...")
+#   make run    installs, brings up prefill + decode (EAGLE 1 step) + router on :30000 serving the
+#               shipped small model (deploy/launch_local.py; more flags: make run ARGS="...",
+#               e.g. ARGS=--tiny for the random tiny checkpoint)
 #   make test   installs everything and runs lint + the test suite (what CI runs)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TINY := models/tiny
 
 .PHONY: install run test
 $(PY):
@@ -17,10 +17,7 @@ install: $(PY)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,cpu]"
 
-$(TINY)/config.json: | install
-	$(PY) -m serving.tools.tiny_model $(TINY)
-
-run: install $(TINY)/config.json
+run: install
 	$(PY) deploy/launch_local.py $(ARGS)
 
 test: install
