@@ -7,14 +7,7 @@ from typing import Any
 
 import torch
 
-TINY_VISION = dict(
-    depth=1,
-    hidden_size=32,
-    num_heads=2,
-    intermediate_size=32,
-    out_hidden_size=64,
-    projection_intermediate_size=32,
-)
+from serving.tools.train_small import VISION as TINY_VISION  # the smallest vision tower
 
 
 def text_config(**overrides: Any) -> dict[str, Any]:
