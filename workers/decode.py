@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import httpx
 
 from serving.distributed import state
-from serving.engine.request import Req, Role
+from serving.engine.request import Req
+from serving.engine.role import Role
 from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, TokenLogprob
 from serving.server_args import ServerArgs
@@ -308,24 +309,16 @@ class DecodeRole(Role):
         return layout_mismatch(self.endpoint.layout, info.get("layout") or [])
 
     def _preallocate(self) -> None:
-        pool = self.scheduler.pool
+        scheduler = self.scheduler
         ready: list[Transfer] = []
         for t in self.transfers.values():
             if t.state != KVPoll.WaitingForInput:
                 continue
             req = t.req
-            n = len(req.input_ids)
-            reserve = len(self.scheduler.running)
-            if pool.pages.num_free - pool.pages.pages_for(n + 1) < reserve:
+            # the whole prompt at once (prefill writes it); one page per running request kept
+            reserve = len(scheduler.running)
+            if scheduler.admission.admit(req, len(req.input_ids), reserve) is None:
                 break  # FIFO: later requests wait behind this one
-            row = pool.alloc_row()
-            if row is None:
-                break
-            req.row = row
-            if not pool.grow(row, req.pages, n):
-                pool.free_row(row)
-                req.row = None
-                break
             ready.append(t)
         if ready and self.fanout is not None:
             # Hazard: a follower resets a fresh row when it replays rank 0's journal; had it
@@ -444,9 +437,7 @@ class DecodeRole(Role):
         self.scheduler.fail_request(req, message, status)
 
     def _free(self, holder: Req) -> None:
-        self.scheduler.pool.free_pages(holder.pages)
-        self.scheduler.pool.free_row(holder.row)
-        holder.row = None
+        self.scheduler.admission.release(holder)
 
     # ---- scheduler hooks ----
     def owned(self) -> list[Req]:

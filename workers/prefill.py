@@ -25,7 +25,8 @@ import httpx
 import torch
 
 from serving.distributed import state
-from serving.engine.request import Req, Role
+from serving.engine.request import Req
+from serving.engine.role import Role
 from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs

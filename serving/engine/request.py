@@ -1,43 +1,22 @@
-"""A request inside the scheduler (Req), the scheduler's limits (SchedulerConfig) and the Role
-plug through which the PD roles (workers/) change what happens at intake, after a chunk and at
-the finish."""
+"""A request inside the scheduler (Req), the scheduler's limits (SchedulerConfig) and the hooks
+through which the engine tells a worker role (serving/engine/role.py, workers/) what happened
+to a request (RoleHooks)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from serving.executor.sampler import SamplingState
-from serving.protocol import FinishReason, GenerateRequest, TokenLogprob
-
-if TYPE_CHECKING:
-    from serving.engine.scheduler import Scheduler
+from serving.protocol import FinishReason, TokenLogprob
 
 
-class Role:
-    """A worker role's plug into the batching loop. The plain worker uses this one as is;
-    workers/prefill.py and workers/decode.py override what differs for PD.
+class RoleHooks:
+    """What the engine calls on a worker role; the plain worker's answers. Role
+    (serving/engine/role.py) adds the role's side: intake, polling, its sockets.
 
     Invariant: a request the role holds (finished() returned True) keeps its row and pages
     until the role calls Scheduler.release_held(); nothing else frees them.
     """
-
-    scheduler: Scheduler
-
-    def attach(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
-    def submit(self, request: GenerateRequest) -> None:
-        full = self.scheduler.queue_full()
-        if full is not None:
-            return self.scheduler.fail_request(request, full, 503)
-        self.scheduler.add(request)
-
-    def abort(self, rid: str, reason: str) -> None:
-        self.scheduler.abort(rid, reason)
-
-    def poll(self) -> None:
-        """Called before every step: advance the role's own queues."""
 
     def chunk_prefilled(self, req: Req) -> None:
         """req.cached tokens of req are now in the cache (after every prefill chunk)."""
@@ -45,15 +24,6 @@ class Role:
     def finished(self, req: Req) -> bool:
         """req just finished; True = the role holds its memory and reports it later."""
         return False
-
-    @property
-    def busy(self) -> bool:
-        """Work outside the scheduler's queues (transfers in flight)."""
-        return False
-
-    def sockets(self) -> list:
-        """ZMQ sockets the process loop should wake up for."""
-        return []
 
     def owned(self) -> list[Req]:
         """Requests outside the scheduler's queues that own rows or pages (for the invariant)."""
