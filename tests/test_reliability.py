@@ -328,7 +328,7 @@ def test_overload_is_served_or_refused_fast_never_failed_late(stack):
 
     def watch_queue() -> None:
         while not done.is_set():
-            queued_seen.append(_metric(stack.decode.url, "pdserve:num_queue_reqs"))
+            queued_seen.append(_metric(stack.decode.url, "sglang:num_queue_reqs"))
             time.sleep(0.1)
 
     watcher = threading.Thread(target=watch_queue)

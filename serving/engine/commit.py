@@ -93,11 +93,14 @@ class Commit:
         )
 
     def output_of(self, req: Req, tokens: list[int], logprobs=None) -> SequenceOutput:
-        scored = None
+        scored = queue_time = None
         if req.input_logprobs and not req.input_logprobs_sent:
             scored, req.input_logprobs_sent = req.input_logprobs, True
+        if req.queue_time is not None and not req.queue_time_sent:
+            queue_time, req.queue_time_sent = req.queue_time, True
         return SequenceOutput(
             input_logprobs=scored,
+            queue_time=queue_time,
             rid=req.rid,
             new_token_ids=tokens,
             finished=req.finish_reason is not None,

@@ -61,12 +61,15 @@ class DecodeManager:
         reqs = batch.reqs
         if not reqs:
             return
+        committed = self.stats.generation_tokens_total
         if self.spec is not None:
-            return self._run_speculative(reqs)
-        out = self.runner.forward([StepInput(r.row, r.cached, [r.fill_ids[-1]]) for r in reqs])
-        for r in reqs:
-            r.cached += 1
-        self.commit.sample(reqs, out.logits)
+            self._run_speculative(reqs)
+        else:
+            out = self.runner.forward([StepInput(r.row, r.cached, [r.fill_ids[-1]]) for r in reqs])
+            for r in reqs:
+                r.cached += 1
+            self.commit.sample(reqs, out.logits)
+        self.stats.decode_tokens_total += self.stats.generation_tokens_total - committed
 
     def _run_speculative(self, reqs: list[Req]) -> None:
         proposals = [Proposal(r.row, r.cached, r.fill_ids[-1]) for r in reqs]

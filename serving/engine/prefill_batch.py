@@ -87,6 +87,7 @@ class PrefillManager:
             if n is None:
                 break
             self.waiting.popleft()
+            req.started()
             plan.append((req, n))
             budget -= n
             if n < req.uncached:

@@ -4,10 +4,11 @@ to a request (RoleHooks)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from serving.executor.sampler import SamplingState
-from serving.protocol import FinishReason, TokenLogprob
+from serving.protocol import FinishReason, SchedulerStats, TokenLogprob
 
 
 class RoleHooks:
@@ -34,6 +35,10 @@ class RoleHooks:
         """Requests the role holds that have not started running (waiting for a peer, for
         memory, for their KV); counted in num_queue_reqs and against the queue bound."""
         return 0
+
+    def report(self, stats: SchedulerStats) -> None:
+        """Write the role's own figures (PD queues, failures, transfers) into `stats`; called
+        whenever the scheduler refreshes them."""
 
 
 @dataclass
@@ -63,6 +68,17 @@ class Req:
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_scored: int = 0
     input_logprobs_sent: bool = False
+    # Queue time: from joining the queue (PD decode: from its KV's arrival) until it first
+    # starts running; goes out once, with the first output after that.
+    queued_at: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None
+    queue_time_sent: bool = False
+
+    def started(self) -> None:
+        """It runs (admitted, or adopted by PD decode); a retracted request restarting keeps
+        its first queue time."""
+        if self.queue_time is None:
+            self.queue_time = time.monotonic() - self.queued_at
 
     @property
     def output_ids(self) -> list[int]:

@@ -135,6 +135,7 @@ class Scheduler:
         admission.admit, its KV written by prefill) and whose first token was sampled there;
         it decodes from here on, like any running request."""
         self.stats.prompt_tokens_total += len(req.input_ids)
+        req.started()
         self.commit.commit(req, [first_token], logprobs)
         if req.finish_reason is None:
             self.decode.running.append(req)
@@ -224,6 +225,7 @@ class Scheduler:
         s.used_rows = len(self.pool.rows.used)
         s.peak_used_rows = max(s.peak_used_rows, max(self.pool.rows.used, default=0))
         s.used_pages = len(self.pool.pages.used)
+        self.hooks.report(s)
 
     def check_invariants(self) -> None:
         live = self._live()
