@@ -142,12 +142,12 @@ def wait_for(predicate, timeout: float, step: float = 0.02) -> float:
 def test_a_refusal_before_the_first_token_is_retried_on_another_decode(stack):
     """D1 refuses every request before its first token; as a stream's head is held until
     then, the refusal is an HTTP 503 and the router retries the request on D0."""
-    retries = _metric(stack.router.url, "router_retries_total")
+    retries = _metric(stack.router.url, "smg_worker_retries_total")
     results = []
     for _ in range(8):  # one at a time: round robin then alternates D0, D1 deterministically
         results += Streams(stack.router.url, 1, 8).join()
     assert len(results) == 8 and all(s == 200 and completed(t) for s, t in results), results
-    assert _metric(stack.router.url, "router_retries_total") >= retries + 3  # round robin
+    assert _metric(stack.router.url, "smg_worker_retries_total") >= retries + 3  # round robin
     refused = _metric(stack.d1.url, "sglang:num_aborted_requests_total")
     assert refused >= 3
     stack.prefill.idle_pool(30)
