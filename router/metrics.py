@@ -84,6 +84,10 @@ class RouterMetrics:
             "smg_worker_retries_exhausted", "Requests that failed every attempt",
             ["worker_type", "endpoint"], registry=r,
         )  # fmt: skip
+        for role in ROLES:  # every series from the start: a dashboard's rate() sees a 0
+            for endpoint in ENDPOINTS.values() if workers.by_role[role] else ():
+                self.retries.labels(role, endpoint)
+                self.exhausted.labels(role, endpoint)
         r.register(_State(workers, admission))
         self._children: dict[tuple[str, int, bool], tuple[Any, ...]] = {}
 
