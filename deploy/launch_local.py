@@ -171,6 +171,7 @@ def build(args: argparse.Namespace, model: Path, name: str, log_dir: Path) -> li
             *(sys.executable, "-m", "serving.launch_server", "--model-path", str(model)),
             *("--served-model-name", name, "--host", loop, "--port", str(port)),
             *("--disaggregation-mode", mode, "--disaggregation-transfer-backend", "mooncake"),
+            "--enable-metrics",
             *flags,
             *shlex.split(extra),
         ]

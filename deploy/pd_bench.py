@@ -54,7 +54,8 @@ from deploy.launch_local import (  # noqa: E402
     wait_ready,
 )
 
-SPEC_METRICS = ("pdserve:spec_accept_length", "pdserve:spec_acceptance_rate")
+# over the worker's life (its /metrics gauges of the same names cover the last seconds only)
+SPEC_METRICS = ("spec_accept_length", "spec_accept_rate")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -219,13 +220,14 @@ def run_bench(args: argparse.Namespace, url: str, concurrency: int, requests: in
 
 
 def spec_metrics(decode_url: str) -> dict[str, float]:
-    text = httpx.get(decode_url + "/metrics", timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("pdserve:spec_"):
-            out[name] = float(value)
-    return out
+    """EAGLE's acceptance over the decode worker's life, from its scheduler's counters
+    (/server_info), with SGLang's definitions (serving/front/metrics.py)."""
+    stats = httpx.get(decode_url + "/server_info", timeout=10).json()["internal_states"][0]
+    if not stats.get("spec_verify_steps") or not stats.get("spec_num_steps"):
+        return {}
+    length = stats["spec_committed_tokens"] / stats["spec_verify_steps"]
+    return {"spec_accept_length": length,
+            "spec_accept_rate": length / (stats["spec_num_steps"] + 1)}  # fmt: skip
 
 
 def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, report: dict) -> None:
@@ -286,7 +288,7 @@ def summary(report: dict) -> None:
         print(" | ".join([run["variant"], *(str(run.get(c)) for c in cols)]), flush=True)
     for name, err in report["errors"].items():
         print(f"{name}: FAILED ({err['error'].splitlines()[0]})", flush=True)
-    print("\ndecode worker /metrics at the end of each variant:", flush=True)
+    print("\ndecode worker's EAGLE acceptance over each variant:", flush=True)
     for name, metrics in report["metrics"].items():
         for metric in SPEC_METRICS:
             print(f"  [{name}] {metric} {metrics.get(metric, 'absent')}", flush=True)

@@ -58,7 +58,7 @@ class RouterApp:
         self.admission = Admission(
             config.max_concurrent_requests, config.queue_size, config.queue_timeout_secs
         )
-        self.metrics = RouterMetrics(self.registry, self.admission)
+        self.metrics = RouterMetrics(self.registry, self.admission, config.pd_disaggregation)
         self.dispatcher = Dispatcher(config, self.registry, self.metrics)
         self.health = HealthChecker(config, self.registry)
         self.roles = ("prefill", "decode") if config.pd_disaggregation else ("regular",)
@@ -161,7 +161,8 @@ class RouterApp:
                 self.admission.release()
             ttfb = client.first_byte_at - t0 if client.started else None
             status = 499 if client.gone else client.status
-            self.metrics.observe(route, status, time.perf_counter() - t0, ttfb)
+            duration = time.perf_counter() - t0
+            self.metrics.observe(route, status, duration, ttfb, client.streamed)
 
     async def _read_body(self, receive: Any, declared: int) -> bytes | None:
         """The body, None if the client left; 413 past --max-payload-size, 408 when no bytes

@@ -42,7 +42,8 @@ _SSE_DONE = b"data: [DONE]\n\n"
 class ClientSink:
     """The client's side: uvicorn's `send`, and what has gone out through it."""
 
-    __slots__ = ("send", "extra_headers", "started", "finished", "gone", "status", "first_byte_at")
+    __slots__ = ("send", "extra_headers", "started", "finished", "gone", "status",
+                 "first_byte_at", "streamed")  # fmt: skip
 
     def __init__(self, send: Any, extra_headers: list[tuple[bytes, bytes]]) -> None:
         self.send = send
@@ -52,6 +53,7 @@ class ClientSink:
         self.gone = False  # the client disconnected first
         self.status = 0
         self.first_byte_at = 0.0
+        self.streamed = False  # the answer went out as a stream
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """A complete response in one go."""
@@ -68,6 +70,7 @@ class ClientSink:
         await self.respond(status, headers, body)
 
     async def open_stream(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.streamed = True
         await self._start(status, [*headers, *self.extra_headers])
 
     async def chunk(self, data: bytes) -> None:
@@ -121,9 +124,10 @@ class Dispatcher:
                 raise ClientError(400, "the request body must be a JSON object")
         text = prompt_text(route, body) if self.needs_text else None
         path = route.encode()
+        error: UpstreamError | None = None
         for attempt in range(self.attempts):
             if attempt:
-                self.metrics.retries.inc()
+                self.metrics.retry(error.origin, route)  # type: ignore[union-attr]
                 await asyncio.sleep(min(0.01 * 2 ** (attempt - 1), 0.5))
             try:
                 if self.pd:
@@ -135,6 +139,8 @@ class Dispatcher:
                 error = r.error
                 if self._overloaded_alone(error):
                     break
+        else:
+            self.metrics.retries_exhausted(error.origin, route)  # type: ignore[union-attr]
         tries = f"after {attempt + 1} attempt{'s' if attempt else ''}"
         raise ClientError(error.status, f"{self._describe(error)} ({tries})")
 

@@ -42,6 +42,8 @@ class Worker:
     in_flight: int = 0  # requests started and not finished, as the router counts them
     requests: int = 0  # requests sent, in all
     failures: int = 0  # requests that ended in a connect error, a disconnect or a 5xx
+    probes_ok: int = 0  # health probes, in all
+    probes_failed: int = 0
     on_change: Callable[[Worker], None] = field(default=lambda w: None, repr=False)
     on_suspect: Callable[[Worker], None] = field(default=lambda w: None, repr=False)
 
@@ -53,6 +55,7 @@ class Worker:
         """Feed one health probe's outcome into the state machine. (A probe refused outright
         takes the worker out at once: health.py calls mark_down for it.)"""
         if ok:
+            self.probes_ok += 1
             self.last_error = ""
             self.bad_probes = 0
             self.good_probes += 1
@@ -61,6 +64,7 @@ class Worker:
             ):
                 self._set(True, "")
         else:
+            self.probes_failed += 1
             self.good_probes = 0
             self.bad_probes += 1
             self.last_error = error

@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> None:
 
         ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
         to_scheduler, to_front = f"ipc://{ipc_dir}/scheduler", f"ipc://{ipc_dir}/front"
-        client = EngineClient(send_addr=to_scheduler, recv_addr=to_front)
+        metrics = None
+        if args.enable_metrics:
+            from serving.front.metrics import WorkerMetrics
+
+            metrics = WorkerMetrics(args.model_name, args.disaggregation_mode)
+        client = EngineClient(send_addr=to_scheduler, recv_addr=to_front, metrics=metrics)
         app = create_app(args, client)
         make_role, bootstrap = pick_role(args)
     except (ArgsError, ConfigError) as exc:

@@ -164,13 +164,19 @@ class SequenceOutput:
     logprobs: list[TokenLogprob] | None = None
     # the scored prompt tokens (logprob_start_len on), once, with the sequence's first output
     input_logprobs: list[TokenLogprob] | None = None
+    # seconds from joining the queue to starting to run (SGLang's queue time), once, with the
+    # first output after it started
+    queue_time: float | None = None
 
 
 @dataclass
 class SchedulerStats:
+    """The scheduler's state, sent to the front after every step that changed it; the front's
+    /metrics reads it (serving/front/metrics.py). Fields ending in _total only grow."""
+
     running: int = 0
     queued: int = 0
-    used_rows: int = 0
+    used_rows: int = 0  # request rows: each holds a request's KDA state (the state pool)
     peak_used_rows: int = 0  # highest request row handed out so far (PD extra slots in use)
     total_rows: int = 0
     used_pages: int = 0
@@ -182,6 +188,21 @@ class SchedulerStats:
     spec_num_steps: int = 0  # draft tokens proposed per verify step (0: no speculation)
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    decode_tokens_total: int = 0  # committed by decode steps: not prefill's or a handoff's first
+    # The prefix cache's lookups at admission: prompt tokens looked up, and those found cached.
+    # Both stay 0 until a prefix cache feeds them; /metrics turns them into cache_hit_rate.
+    cache_lookup_tokens_total: int = 0
+    cache_hit_tokens_total: int = 0
+    # PD, filled by the role (RoleHooks.report), with SGLang's meanings
+    num_prefill_prealloc_queue_reqs: int = 0  # prefill: rooms waiting for decode's destinations
+    num_prefill_inflight_queue_reqs: int = 0  # prefill: prefilled, their KV still being written
+    num_decode_prealloc_queue_reqs: int = 0  # decode: finding prefill, or waiting for memory
+    num_decode_transfer_queue_reqs: int = 0  # decode: destinations sent, KV not all arrived
+    num_bootstrap_failed_reqs_total: int = 0  # failed before any KV was on its way (not 499)
+    num_transfer_failed_reqs_total: int = 0  # failed while their KV was on its way (not 499)
+    kv_transfer_latency_ms: float = 0.0  # prefill, last room: its last write order to all done
+    kv_transfer_speed_gb_s: float = 0.0  # prefill, last room: its bytes / time its writes ran
+    kv_transfer_total_mb: float = 0.0  # prefill, last room: bytes written (10^6 B)
 
 
 @dataclass

@@ -155,7 +155,13 @@ class ServerArgs:
     random_seed: int = 0
     log_level: str = field(default="info", metadata={"choices": ["debug", "info", "warning"]})
     trust_remote_code: bool = field(default=False, metadata={"help": "accepted; no remote code"})
-    enable_metrics: bool = field(default=True, metadata={"help": "accepted; /metrics is on"})
+    enable_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "serve Prometheus metrics on /metrics, under SGLang's names (off: no "
+            "/metrics route, as in SGLang)"
+        },
+    )
 
     # ---- derived ----
     @property

@@ -53,6 +53,7 @@ class Server:
             str(self.port),
             "--page-size",
             "16",
+            "--enable-metrics",  # tests read /metrics
             *flags,
         ]
         self.log = open(self.log_path, "w")

@@ -1,10 +1,13 @@
 """deploy/docker-compose.yml without a Docker engine: it validates (Debian's docker-compose, which
-`make install` puts there), deploy/compose_command.py reads it as compose does, every service's
-command parses with our CLIs, the seed's values give back the seed's three commands flag for
-flag, and the CPU deployment of the multi-host test passes start-up validation."""
+`make install` puts there), with the monitoring profile too, deploy/compose_command.py reads it as
+compose does, every service's command parses with our CLIs, the seed's values give back the
+seed's three commands flag for flag, the CPU deployment of the multi-host test passes start-up
+validation, and Prometheus scrapes every role where the compose file puts it, for Grafana's
+provisioned dashboard."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -28,6 +31,8 @@ COMPOSE = REPO / "deploy" / "docker-compose.yml"
 RDMA = REPO / "deploy" / "docker-compose.rdma.yml"
 ENV_EXAMPLE = REPO / "deploy" / "pdserve.env.example"
 SERVICES = ("prefill", "decode", "router")
+MONITORING = ("prometheus", "grafana")  # the "monitoring" profile
+GRAFANA = REPO / "deploy" / "monitoring" / "grafana"
 
 # The seed's router command (shared/seed), after `python3 -m sglang_router.launch_router`.
 SEED_ROUTER = """--pd-disaggregation --prefill-policy round_robin --decode-policy round_robin
@@ -84,7 +89,56 @@ def compose_variables() -> dict[str, str | None]:
 @pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, RDMA)], ids=["base", "rdma"])
 def test_compose_files_validate(files: tuple[Path, ...]) -> None:
     config = docker_compose_config(read_env_file(ENV_EXAMPLE), *files)
-    assert set(config["services"]) == set(SERVICES)
+    assert set(config["services"]) == {*SERVICES, *MONITORING}
+    for name, service in config["services"].items():
+        assert service.get("profiles") == (["monitoring"] if name in MONITORING else None), name
+
+
+@needs_compose
+def test_the_monitoring_profile_validates_and_scrapes_every_role() -> None:
+    """With the profile on, compose accepts the file; Prometheus's config (written by its
+    service's shell command, which must parse) targets each service where the compose file
+    puts it, under job = role."""
+    env = {**read_env_file(ENV_EXAMPLE), "PREFILL_HOST": "10.0.0.1", "DECODE_HOST": "10.0.0.2"}
+    flags = ["--profile", "monitoring", "-f", str(COMPOSE), "config", "--services"]
+    out = subprocess.run(["docker-compose", *flags], capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], **env}, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert set(out.stdout.split()) == {*SERVICES, *MONITORING}
+    script = docker_compose_config(env, COMPOSE)["services"]["prometheus"]["command"][0]
+    assert script == load_service("prometheus", env)[0][0]  # our reader agrees
+    assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0
+    config = yaml.safe_load(script.split("<<'CONFIG'\n")[1].split("\nCONFIG\n")[0])
+    targets = {j["job_name"]: j["static_configs"][0]["targets"] for j in config["scrape_configs"]}
+    want = {}
+    for role in SERVICES:
+        command, environment = load_service(role, env)
+        host = environment.get("SGLANG_HOST_IP") or command[command.index("--host") + 1]
+        want[role] = [f"{host}:{command[command.index('--port') + 1]}"]
+    assert targets == want == {"prefill": ["10.0.0.1:32171"], "decode": ["10.0.0.2:32172"],
+                               "router": ["127.0.0.1:30000"]}  # fmt: skip
+    for role in ("prefill", "decode"):  # the workers serve /metrics
+        assert ServerArgs.from_cli(load_service(role, env)[0][3:]).enable_metrics
+    assert "--web.listen-address=127.0.0.1:9090" in script
+
+
+def test_grafana_is_provisioned_with_the_datasource_and_the_dashboard() -> None:
+    service = yaml.safe_load(COMPOSE.read_text())["services"]["grafana"]
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in service["volumes"] if "./" in v)
+    assert mounts == {"./monitoring/grafana/provisioning": "/etc/grafana/provisioning",
+                      "./monitoring/grafana/dashboards": "/etc/pdserve/dashboards"}  # fmt: skip
+    datasource = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())
+    (source,) = datasource["datasources"]
+    assert source["url"] == "$PROMETHEUS_URL" and "PROMETHEUS_URL" in service["environment"]
+    provider = yaml.safe_load((GRAFANA / "provisioning/dashboards/pdserve.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/etc/pdserve/dashboards"
+    home = service["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    dashboard = json.loads((GRAFANA / "dashboards" / Path(home).name).read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert panels and all(p["targets"] for p in panels)
+    for panel in panels:
+        for target in [panel, *panel["targets"]]:
+            assert target["datasource"]["uid"] == source["uid"], panel["title"]
 
 
 @needs_compose
@@ -114,10 +168,11 @@ def test_the_seed_values_give_the_seed_commands() -> None:
     for role in ("prefill", "decode"):
         command, environment = load_service(role, SEED_ENV)
         assert command[:3] == ["python3", "-m", "serving.launch_server"]
-        # one deliberate difference: a worker binds the address it advertises, not 0.0.0.0
+        # two deliberate differences: a worker binds the address it advertises, not 0.0.0.0,
+        # and serves /metrics (for the monitoring profile)
         want = substitute(seed[role], SEED_ENV)
         want[want.index("--host") + 1] = SEED_ENV[f"{role.upper()}_HOST"]
-        assert command[3:] == want
+        assert command[3:] == [*want, "--enable-metrics"]
         assert environment["SGLANG_HOST_IP"] == SEED_ENV[f"{role.upper()}_HOST"]
         assert environment["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
     command, _ = load_service("router", SEED_ENV)
@@ -172,11 +227,14 @@ def test_the_env_example_lists_every_variable_with_its_default() -> None:
 
 def test_services_have_health_checks_restart_gpus_and_the_model_volume() -> None:
     config = yaml.safe_load(COMPOSE.read_text())
-    ports = {"prefill": "PREFILL_PORT", "decode": "DECODE_PORT", "router": "ROUTER_PORT"}
+    ports = {"prefill": "PREFILL_PORT", "decode": "DECODE_PORT", "router": "ROUTER_PORT",
+             "prometheus": "PROMETHEUS_PORT", "grafana": "GRAFANA_PORT"}  # fmt: skip
     for name, service in config["services"].items():
         assert service["network_mode"] == "host"
         assert service["restart"] == "unless-stopped"
         assert ports[name] in " ".join(service["healthcheck"]["test"])
+        if name in MONITORING:
+            continue
         volume = service["volumes"][0]
         assert volume.startswith("model:${MODEL_PATH") and volume.endswith(":ro")
         gpus = service.get("deploy", {}).get("resources", {}).get("reservations", {})

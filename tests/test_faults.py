@@ -142,13 +142,13 @@ def wait_for(predicate, timeout: float, step: float = 0.02) -> float:
 def test_a_refusal_before_the_first_token_is_retried_on_another_decode(stack):
     """D1 refuses every request before its first token; as a stream's head is held until
     then, the refusal is an HTTP 503 and the router retries the request on D0."""
-    retries = _metric(stack.router.url, "router_retries_total")
+    retries = _metric(stack.router.url, "smg_worker_retries_total")
     results = []
     for _ in range(8):  # one at a time: round robin then alternates D0, D1 deterministically
         results += Streams(stack.router.url, 1, 8).join()
     assert len(results) == 8 and all(s == 200 and completed(t) for s, t in results), results
-    assert _metric(stack.router.url, "router_retries_total") >= retries + 3  # round robin
-    refused = _metric(stack.d1.url, 'pdserve:requests_total{finish_reason="abort"}')
+    assert _metric(stack.router.url, "smg_worker_retries_total") >= retries + 3  # round robin
+    refused = _metric(stack.d1.url, "sglang:num_aborted_requests_total")
     assert refused >= 3
     stack.prefill.idle_pool(30)
     stack.d0.idle_pool(30)
@@ -226,11 +226,16 @@ def test_kill_decode_mid_stream_marks_it_down_then_it_rejoins(stack, monkeypatch
 def test_kill_prefill_spares_requests_whose_kv_arrived(stack, monkeypatch):
     """Streams past their first token have all their KV on decode: prefill's death must not
     fail them. The router sees the death at the next request and /readiness turns 503."""
-    handed_over = 'pdserve:requests_total{finish_reason="length"}'  # prefill's 1-token answers
-    shipped = _metric(stack.prefill.url, handed_over)
+
+    def handed_over() -> float:  # prefill's 1-token answers
+        url = stack.prefill.url
+        done = _metric(url, "sglang:num_requests_total")
+        return done - _metric(url, "sglang:num_aborted_requests_total")
+
+    shipped = handed_over()
     streams = Streams(stack.router.url, 6, 60)
     # every KV handed over: 2 requests run on D0, 4 wait there for a running slot
-    wait_for(lambda: _metric(stack.prefill.url, handed_over) >= shipped + 6, 60)
+    wait_for(lambda: handed_over() >= shipped + 6, 60)
     streams.wait_started(2)
     os.kill(stack.prefill.proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()

@@ -28,6 +28,7 @@ from serving.front.detokenizer import (
 )
 from serving.front.engine_client import EngineClient
 from serving.front.http_server import create_app
+from serving.front.metrics import WorkerMetrics
 from serving.protocol import FinishReason, GenerateRequest, SchedulerReady, SequenceOutput
 from serving.server_args import ArgsError, ServerArgs
 from serving.tools.tokenizer_build import CHAT_TEMPLATE_PATH
@@ -465,8 +466,108 @@ def test_information_routes(http: TestClient, model_dir: Path) -> None:
     assert server["model_path"] == str(model_dir) and "version" in server
     assert server["internal_states"] == [{}]
     assert server["max_total_num_tokens"] == READY.total_pages * READY.page_size
-    metrics = http.get("/metrics")
-    assert metrics.status_code == 200 and "pdserve:num_running_reqs" in metrics.text
+    assert http.get("/metrics").status_code == 404  # as SGLang: no /metrics without the flag
+
+
+# ---- /metrics (serving/front/metrics.py) ----
+
+
+def _samples(metrics: WorkerMetrics) -> dict[str, float]:
+    """{'name{labels}': value} of a scrape, labels sorted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(metrics.text().decode()):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def test_metrics_route_and_labels_follow_sglang(model_dir: Path) -> None:
+    metrics = WorkerMetrics("tiny", "decode")
+    client = EngineClient("ipc:///unused-send", "ipc:///unused-recv", metrics=metrics)
+    http = TestClient(create_app(ServerArgs(model_path=str(model_dir)), client))
+    text = http.get("/metrics").text
+    assert 'sglang:num_running_reqs{engine_type="decode",model_name="tiny",pp_rank="0",' \
+        'tp_rank="0"} 0.0' in text  # fmt: skip
+    assert 'sglang:time_to_first_token_seconds_count{model_name="tiny"} 0.0' in text
+    assert "# TYPE sglang:time_to_first_token_seconds histogram" in text
+    assert "# TYPE sglang:num_transfer_failed_reqs_total counter" in text
+    assert "pdserve:" not in text
+
+
+def test_request_metrics_count_what_sglang_counts() -> None:
+    """Two requests: one of 4 tokens (one, then three at once, as an EAGLE step commits them)
+    and one aborted before its first token."""
+    from serving.front.metrics import RequestTimes
+
+    m = WorkerMetrics("tiny")
+    a, b = RequestTimes(created=10.0), RequestTimes(created=10.0)
+    m.observe_output(a, SequenceOutput("a", [7], queue_time=0.25), 10.5)  # first token
+    m.observe_output(a, SequenceOutput("a", [8, 9, 10], finished=True,
+                                       finish_reason=FinishReason.length(), prompt_tokens=5,
+                                       completion_tokens=4), 10.8)  # fmt: skip
+    aborted = FinishReason.abort("gone", 499)
+    m.observe_output(b, SequenceOutput("b", [], True, aborted, prompt_tokens=3), 11.0)
+    s = _samples(m)
+    one = '{model_name="tiny"}'
+    assert s[f"sglang:time_to_first_token_seconds_count{one}"] == 1
+    assert s[f"sglang:time_to_first_token_seconds_sum{one}"] == pytest.approx(0.5)
+    # the 0.3 s gap of three tokens: three observations of 0.1 s, summing to the gap
+    assert s[f"sglang:inter_token_latency_seconds_count{one}"] == 3
+    assert s[f"sglang:inter_token_latency_seconds_sum{one}"] == pytest.approx(0.3)
+    assert s['sglang:inter_token_latency_seconds_bucket{le="0.08",model_name="tiny"}'] == 0
+    assert s['sglang:inter_token_latency_seconds_bucket{le="0.2",model_name="tiny"}'] == 3
+    assert s[f"sglang:time_per_output_token_seconds_count{one}"] == 1  # b has no 2 tokens
+    assert s[f"sglang:time_per_output_token_seconds_sum{one}"] == pytest.approx(0.1)
+    assert s[f"sglang:e2e_request_latency_seconds_count{one}"] == 2
+    assert s[f"sglang:e2e_request_latency_seconds_sum{one}"] == pytest.approx(0.8 + 1.0)
+    assert s[f"sglang:queue_time_seconds_count{one}"] == 1
+    assert s[f"sglang:prompt_tokens_total{one}"] == 8
+    assert s[f"sglang:generation_tokens_total{one}"] == 4
+    assert s[f"sglang:num_requests_total{one}"] == 2
+    assert s[f"sglang:num_aborted_requests_total{one}"] == 1
+
+
+def test_scheduler_rates_are_over_the_last_window() -> None:
+    from serving.front.metrics import WINDOW_S
+    from serving.protocol import SchedulerStats
+
+    m = WorkerMetrics("tiny")
+    now = [100.0]
+    m.scheduler.clock = lambda: now[0]
+    base = dict(total_pages=10, page_size=16, total_rows=8, spec_num_steps=1)
+    # 100 decode tokens, 40 verify steps committing 60 tokens, a retraction, within the window
+    m.observe_stats(SchedulerStats(**base, used_pages=5, used_rows=2, running=2,
+                                   decode_tokens_total=100, spec_verify_steps=40,
+                                   spec_committed_tokens=60, retractions=1), 100.0)  # fmt: skip
+    labels = '{engine_type="unified",model_name="tiny",pp_rank="0",tp_rank="0"}'
+    s = _samples(m)
+    assert s[f"sglang:gen_throughput{labels}"] == pytest.approx(100 / WINDOW_S)
+    assert s[f"sglang:spec_accept_length{labels}"] == pytest.approx(1.5)
+    assert s[f"sglang:spec_accept_rate{labels}"] == pytest.approx(0.75)  # 1.5 / (1 + 1)
+    assert s[f"sglang:num_retracted_reqs{labels}"] == 1
+    assert s[f"sglang:num_retracted_requests_total{labels}"] == 1
+    assert s[f"sglang:token_usage{labels}"] == 0.5
+    assert s[f"sglang:num_used_tokens{labels}"] == 80
+    assert s[f"sglang:max_total_num_tokens{labels}"] == 160
+    assert s[f"sglang:mamba_usage{labels}"] == 0.25
+    assert s[f"sglang:cache_hit_rate{labels}"] == 0  # no prefix cache has fed it
+    # idle for a window: throughput and retractions fall to 0, acceptance keeps its last value
+    now[0] += WINDOW_S + 1
+    s = _samples(m)
+    assert s[f"sglang:gen_throughput{labels}"] == 0
+    assert s[f"sglang:num_retracted_reqs{labels}"] == 0
+    assert s[f"sglang:spec_accept_length{labels}"] == pytest.approx(1.5)
+    assert s[f"sglang:num_retracted_requests_total{labels}"] == 1
+    # 50 more tokens 1 s later: 50 over the window (not since the start), 2 s of it elapsed
+    m.observe_stats(SchedulerStats(**base, decode_tokens_total=150, cache_lookup_tokens_total=10,
+                                   cache_hit_tokens_total=4), now[0] + 1)  # fmt: skip
+    now[0] += 2
+    s = _samples(m)
+    assert s[f"sglang:gen_throughput{labels}"] == pytest.approx(50 / WINDOW_S)
+    assert s[f"sglang:cache_hit_rate{labels}"] == pytest.approx(0.4)
 
 
 def test_bootstrap_lists_per_prompt_or_per_sequence(tokenizer: Tokenizer) -> None:

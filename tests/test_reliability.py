@@ -206,7 +206,7 @@ def test_a_stalled_body_gets_408_within_the_read_timeout(stack, target):
 
 def test_a_reused_rid_is_409_and_not_retried(stack):
     first = {**completion("", max_tokens=400, stream=True), "rid": "same-rid"}
-    retries_before = _metric(stack.router.url, "router_retries_total")
+    retries_before = _metric(stack.router.url, "smg_worker_retries_total")
     with httpx.stream("POST", stack.router.url + "/v1/completions", json=first, headers=AUTH,
                       timeout=60) as r1:  # fmt: skip
         assert r1.status_code == 200
@@ -219,7 +219,7 @@ def test_a_reused_rid_is_409_and_not_retried(stack):
                         timeout=60)  # fmt: skip
         del lines
     assert r2.status_code == 409 and "rid" in r2.json()["error"]["message"], r2.text
-    assert _metric(stack.router.url, "router_retries_total") == retries_before
+    assert _metric(stack.router.url, "smg_worker_retries_total") == retries_before
     stack.idle()
 
 
@@ -328,7 +328,7 @@ def test_overload_is_served_or_refused_fast_never_failed_late(stack):
 
     def watch_queue() -> None:
         while not done.is_set():
-            queued_seen.append(_metric(stack.decode.url, "pdserve:num_queue_reqs"))
+            queued_seen.append(_metric(stack.decode.url, "sglang:num_queue_reqs"))
             time.sleep(0.1)
 
     watcher = threading.Thread(target=watch_queue)

@@ -185,7 +185,9 @@ def test_5xx_is_retried_with_a_fresh_room(make):
     # prefill got the last attempt (earlier ones may have been aborted before they were sent)
     _until(lambda: rooms[-1] in [s.body["bootstrap_room"] for s in p.generation_requests()])
     assert {s.body["bootstrap_room"] for s in p.generation_requests()} <= set(rooms)
-    assert "router_retries_total 2.0" in httpx.get(router.url + "/metrics").text
+    metrics = httpx.get(router.url + "/metrics").text
+    assert 'smg_worker_retries_total{endpoint="chat",worker_type="decode"} 2.0' in metrics
+    assert 'smg_worker_retries_exhausted_total{endpoint="chat",worker_type="decode"} 0.0' in metrics
 
 
 def test_gives_up_after_max_retries_with_one_clean_error(make):
@@ -378,7 +380,7 @@ def test_client_disconnect_cancels_both_upstream_requests(make):
         next(r.iter_lines())
     _until(lambda: p.disconnects == 1 and d.disconnects == 1)
     _until(lambda: all(w.in_flight == 0 for w in router.app.registry.workers))
-    assert 'status="499"' in httpx.get(router.url + "/metrics").text
+    assert 'status_code="499"' in httpx.get(router.url + "/metrics").text
 
 
 def test_info_routes_and_metrics(make):
@@ -393,8 +395,22 @@ def test_info_routes_and_metrics(make):
     assert httpx.get(router.url + "/health_generate").status_code == 200
     metrics = httpx.get(router.url + "/metrics").text
     assert f'router_worker_requests_total{{role="decode",worker="{d.url}"}} 1.0' in metrics
-    assert 'router_requests_total{route="/v1/chat/completions",status="200"} 1.0' in metrics
-    assert "router_time_to_first_byte_seconds_bucket" in metrics
+    # (labels print sorted)
+    labels = 'backend_type="pd",connection_mode="http",endpoint="chat",model="default"'
+    assert f'smg_router_requests_total{{{labels},router_type="http",streaming="false"}} 1.0' in (
+        metrics
+    )
+    assert 'smg_http_requests_total{method="POST",path="/v1/chat/completions"} 1.0' in metrics
+    assert 'smg_http_responses_total{error_code="",status_code="200"} 1.0' in metrics
+    assert f'smg_router_request_duration_seconds_count{{{labels},router_type="http"}} 1.0' in (
+        metrics
+    )
+    ttft = 'smg_router_ttft_seconds_count{backend_type="pd",endpoint="chat",model="default"'
+    assert ttft + ',router_type="http"} 0.0' in metrics  # a JSON answer: no time to first token
+    assert f'smg_worker_health{{worker="{d.url}"}} 1.0' in metrics
+    assert 'smg_worker_pool_size{connection_mode="http",model="default",worker_type="decode"}' in (
+        metrics
+    )
     d.behaviour.health_status = p.behaviour.health_status = 503
     # Both roles must leave rotation: the two health loops run independently.
     _until(lambda: not any(router.app.registry.healthy.values()))

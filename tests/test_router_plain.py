@@ -124,10 +124,10 @@ def test_router_level_errors(worker, router):
     assert httpx.get(router.url + "/health_generate", timeout=60).status_code == 200
     for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
         assert httpx.get(router.url + path).status_code == 200, path
-    assert "router_requests_total" in httpx.get(router.url + "/metrics").text
+    assert "smg_router_requests_total" in httpx.get(router.url + "/metrics").text
     port = router.proc.args[router.proc.args.index("--prometheus-port") + 1]
     metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    assert f'router_worker_healthy{{role="regular",worker="{worker.url}"}} 1.0' in metrics
+    assert f'smg_worker_health{{worker="{worker.url}"}} 1.0' in metrics
 
 
 def test_client_disconnect_aborts_the_workers_request(worker, router):

@@ -205,10 +205,8 @@ def test_accept_length_is_reported_in_metrics(distilled, tmp_path):
         assert httpx.post(srv.url + "/generate", json=body, timeout=60).status_code == 200
         srv.idle_pool()
         metrics = httpx.get(srv.url + "/metrics").text
-        line = next(
-            ln for ln in metrics.splitlines() if ln.startswith("pdserve:spec_accept_length")
-        )
+        line = next(ln for ln in metrics.splitlines() if ln.startswith("sglang:spec_accept_length"))
         assert float(line.split()[-1]) > 1.0
-        assert "pdserve:spec_acceptance_rate" in metrics
+        assert "sglang:spec_accept_rate" in metrics
     finally:
         srv.stop()

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import httpx
 
 from serving.distributed import state
-from serving.engine.request import Req, Role
+from serving.engine.request import Req
+from serving.engine.role import Role
 from serving.memory.pool import DRAFT_TOKEN
-from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, TokenLogprob
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SchedulerStats, TokenLogprob
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
@@ -143,6 +144,9 @@ class DecodeRole(Role):
         self.registered: set[str] = set()  # prefill ranks we sent our buffers to
         self.quarantine: dict[int, Quarantined] = {}
         self._next_keepalive = 0.0
+        # for /metrics (report): failed rooms (not client aborts) by where they failed
+        self.bootstrap_failed = 0
+        self.transfer_failed = 0
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
@@ -294,6 +298,13 @@ class DecodeRole(Role):
     def queued(self) -> int:
         return len(self.transfers)
 
+    def report(self, stats: SchedulerStats) -> None:
+        states = [t.state for t in self.transfers.values()]
+        stats.num_decode_prealloc_queue_reqs = sum(s < KVPoll.Transferring for s in states)
+        stats.num_decode_transfer_queue_reqs = sum(s == KVPoll.Transferring for s in states)
+        stats.num_bootstrap_failed_reqs_total = self.bootstrap_failed
+        stats.num_transfer_failed_reqs_total = self.transfer_failed
+
     def _handshake_problem(self, info: dict) -> str | None:
         tp = tp_mismatch(info.get("attn_tp_size"), self.tp_size)
         if tp is not None:
@@ -308,24 +319,16 @@ class DecodeRole(Role):
         return layout_mismatch(self.endpoint.layout, info.get("layout") or [])
 
     def _preallocate(self) -> None:
-        pool = self.scheduler.pool
+        scheduler = self.scheduler
         ready: list[Transfer] = []
         for t in self.transfers.values():
             if t.state != KVPoll.WaitingForInput:
                 continue
             req = t.req
-            n = len(req.input_ids)
-            reserve = len(self.scheduler.running)
-            if pool.pages.num_free - pool.pages.pages_for(n + 1) < reserve:
+            # the whole prompt at once (prefill writes it); one page per running request kept
+            reserve = len(scheduler.running)
+            if scheduler.admission.admit(req, len(req.input_ids), reserve) is None:
                 break  # FIFO: later requests wait behind this one
-            row = pool.alloc_row()
-            if row is None:
-                break
-            req.row = row
-            if not pool.grow(row, req.pages, n):
-                pool.free_row(row)
-                req.row = None
-                break
             ready.append(t)
         if ready and self.fanout is not None:
             # Hazard: a follower resets a fresh row when it replays rank 0's journal; had it
@@ -371,6 +374,7 @@ class DecodeRole(Role):
             except ValueError as e:  # everything landed: nothing of the room is in flight
                 return self._fail(t, f"prefill's success message: {e}", 502, prefill_gone=True)
             t.state = advance(t.state, KVPoll.Success)
+            t.req.queued_at = time.monotonic()  # from here it waits for a running slot
         else:
             self._fail(
                 t,
@@ -422,8 +426,14 @@ class DecodeRole(Role):
         tell_prefill: bool = False,
         prefill_gone: bool = False,
     ) -> None:
-        """Report `t` failed. Its memory is freed now, unless prefill may still write into it."""
+        """Report `t` failed. Its memory is freed now, unless prefill may still write into it.
+        Counted by where it failed: before its destinations went out (finding prefill, the
+        handshake, waiting for memory) or after; a client's abort (499) is no failure."""
         log.warning("room %d (%s) failed: %s", t.room, t.req.rid, message)
+        if status != 499 and t.state < KVPoll.Transferring:
+            self.bootstrap_failed += 1
+        elif status != 499:
+            self.transfer_failed += 1
         self.transfers.pop(t.room, None)
         self.by_rid.pop(t.req.rid, None)
         req = t.req
@@ -444,9 +454,7 @@ class DecodeRole(Role):
         self.scheduler.fail_request(req, message, status)
 
     def _free(self, holder: Req) -> None:
-        self.scheduler.pool.free_pages(holder.pages)
-        self.scheduler.pool.free_row(holder.row)
-        holder.row = None
+        self.scheduler.admission.release(holder)
 
     # ---- scheduler hooks ----
     def owned(self) -> list[Req]:

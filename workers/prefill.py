@@ -25,9 +25,10 @@ import httpx
 import torch
 
 from serving.distributed import state
-from serving.engine.request import Req, Role
+from serving.engine.request import Req
+from serving.engine.role import Role
 from serving.memory.pool import DRAFT_TOKEN
-from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams, SchedulerStats
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
@@ -42,7 +43,7 @@ from workers.messages import (
     advance,
     encode_logprobs,
 )
-from workers.rank_transfer import PeerMemory, RankMemory, RankSender, Ship
+from workers.rank_transfer import JobDone, PeerMemory, RankMemory, RankSender, Ship
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
 
@@ -63,6 +64,9 @@ class Room:
     in_flight: int = 0  # transfer jobs queued or running
     failure: str | None = None
     abort_from: str | None = None  # decode asked to abort: ack once nothing is in flight
+    nbytes: int = 0  # written so far, all ranks
+    write_s: float = 0.0  # time its writes ran (per job: the slowest rank's)
+    final_at: float = 0.0  # when its last write was ordered (its prefill had finished)
 
 
 @dataclass
@@ -73,6 +77,8 @@ class Job:
     final: bool
     left: set[int]  # ranks that have not reported it
     error: str | None = None
+    nbytes: int = 0  # written, all ranks so far
+    seconds: float = 0.0  # the slowest rank's write time (the ranks write at once)
 
 
 class PrefillRole(Role):
@@ -91,6 +97,11 @@ class PrefillRole(Role):
         self.jobs: dict[int, Job] = {}
         self.job_ids = itertools.count(1)
         self.last_ask = 0.0
+        # for /metrics (report): failed rooms (not client aborts) by where they failed, and the
+        # last successful room's transfer
+        self.bootstrap_failed = 0
+        self.transfer_failed = 0
+        self.last_transfer = (0.0, 0.0, 0.0)  # latency ms, speed GB/s, total MB
 
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
@@ -224,6 +235,14 @@ class PrefillRole(Role):
     def queued(self) -> int:
         return sum(room.state == KVPoll.Bootstrapping for room in self.rooms.values())
 
+    def report(self, stats: SchedulerStats) -> None:
+        stats.num_prefill_prealloc_queue_reqs = self.queued
+        stats.num_prefill_inflight_queue_reqs = len(self.owned())
+        stats.num_bootstrap_failed_reqs_total = self.bootstrap_failed
+        stats.num_transfer_failed_reqs_total = self.transfer_failed
+        (stats.kv_transfer_latency_ms, stats.kv_transfer_speed_gb_s,
+         stats.kv_transfer_total_mb) = self.last_transfer  # fmt: skip
+
     def _on_waiting(self, msg: Waiting) -> None:
         """Decode still queues these rooms for memory: their wait for destinations is decode's
         back-pressure, not a lost decode, so their bootstrap deadline moves on."""
@@ -290,7 +309,7 @@ class PrefillRole(Role):
         room.req = req
         if req.finish_reason.kind == "abort" or room.failure:
             room.failure = room.failure or req.finish_reason.message or "aborted"
-            self._notify_failed(room_id, room)
+            self._notify_failed(room_id, room, req.finish_reason.status)
             if room.in_flight:
                 return True  # pages may still be read by a queued write; release after it
             self._forget(room_id)
@@ -355,6 +374,8 @@ class PrefillRole(Role):
     ) -> None:
         room.state = advance(room.state, KVPoll.Transferring)
         room.in_flight += 1
+        if final:
+            room.final_at = time.monotonic()
         job = next(self.job_ids)
         self.jobs[job] = Job(room_id, final, set(range(self.world)))
         self.orders.append(Ship(job, room.dest.decode_addr, src, dst, rows))
@@ -365,23 +386,25 @@ class PrefillRole(Role):
         again at most every RANK_POLL_S, with no orders."""
         orders, self.orders = self.orders, []
         self.sender.apply(orders)
-        done = [(job, 0, error) for job, error in self.sender.done()]
+        done: list[tuple[int, JobDone]] = [(0, d) for d in self.sender.done()]
         if self.fanout is not None:
             now = time.monotonic()
             owed = any(job.left - {0} for job in self.jobs.values())
             if orders or (owed and now - self.last_ask >= RANK_POLL_S):
                 self.last_ask = now
                 for rank, finished in enumerate(self.fanout.ask(orders), 1):
-                    done += [(job, rank, error) for job, error in finished]
-        for job_id, rank, error in done:
-            job = self.jobs.get(job_id)
+                    done += [(rank, d) for d in finished]
+        for rank, d in done:
+            job = self.jobs.get(d.job)
             if job is None:
                 continue
             job.left.discard(rank)
-            if error and job.error is None:
-                job.error = f"rank {rank}: {error}" if self.world > 1 else error
+            job.nbytes += d.nbytes
+            job.seconds = max(job.seconds, d.seconds)
+            if d.error and job.error is None:
+                job.error = f"rank {rank}: {d.error}" if self.world > 1 else d.error
             if not job.left:
-                del self.jobs[job_id]
+                del self.jobs[d.job]
                 self._on_job_done(job)
 
     def _on_job_done(self, job: Job) -> None:
@@ -389,12 +412,19 @@ class PrefillRole(Role):
         if room is None:
             return
         room.in_flight -= 1
+        room.nbytes += job.nbytes
+        room.write_s += job.seconds
         if job.error and room.failure is None:
             room.failure = f"KV transfer to decode failed: {job.error}"
             log.error("room %d: %s", job.room, room.failure)
-            self._notify_failed(job.room, room)
+            self._notify_failed(job.room, room, 502)
         if job.final and room.failure is None:
             room.state = advance(room.state, KVPoll.Success)
+            self.last_transfer = (
+                (time.monotonic() - room.final_at) * 1e3,
+                room.nbytes / room.write_s / 1e9 if room.write_s > 0 else 0.0,
+                room.nbytes / 1e6,
+            )
             scored = encode_logprobs(room.req.input_logprobs)
             success = Status(job.room, int(KVPoll.Success), input_logprobs=scored)
             self.endpoint.send(room.dest.decode_addr, success)
@@ -407,9 +437,15 @@ class PrefillRole(Role):
             else:  # still in the scheduler: aborting it releases through finished()
                 self.scheduler.abort(room.request.rid, room.failure, status=502)
 
-    def _notify_failed(self, room_id: int, room: Room) -> None:
+    def _notify_failed(self, room_id: int, room: Room, status: int) -> None:
+        """The room failed (`status`: the HTTP status its request fails with): tell decode,
+        once, and count it by where it failed (a client's abort, 499, is no failure)."""
         if room.state == KVPoll.Failed:
             return
+        if status != 499 and room.state == KVPoll.Bootstrapping:
+            self.bootstrap_failed += 1
+        elif status != 499 and room.state == KVPoll.Transferring:
+            self.transfer_failed += 1
         room.state = KVPoll.Failed
         if room.dest is not None:
             status = Status(room_id, int(KVPoll.Failed), room.failure or "")
@@ -420,7 +456,7 @@ class PrefillRole(Role):
         room = self.rooms[room_id]
         room.failure = message
         log.warning("room %d (%s) failed: %s", room_id, room.request.rid, message)
-        self._notify_failed(room_id, room)
+        self._notify_failed(room_id, room, status)
         self._forget(room_id)
         self.scheduler.fail_request(room.request, message, status)
 

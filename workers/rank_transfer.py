@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -75,9 +76,20 @@ def fed_ranks(rank: int, world: int, decode_world: int) -> list[int]:
     return list(range(rank, decode_world, world))
 
 
+@dataclass(frozen=True)
+class JobDone:
+    """One rank's report of a Ship order: its error (None: written), the bytes it wrote and
+    the seconds its writes ran."""
+
+    job: int
+    error: str | None
+    nbytes: int
+    seconds: float
+
+
 class RankSender(threading.Thread):
     """This rank's writer: turns orders into Mooncake writes, runs them off the caller's thread
-    in order (a room's chunks stay ordered), and reports (job, error) once each is done."""
+    in order (a room's chunks stay ordered), and reports a JobDone once each is done."""
 
     def __init__(
         self, engine: MooncakeEngine, pages: list[Buffer], rows: list[Buffer], rank: int, world: int
@@ -87,7 +99,7 @@ class RankSender(threading.Thread):
         self.rank, self.world = rank, world
         self.peers: dict[str, list[RankMemory]] = {}
         self.jobs: queue.Queue[tuple[int, list[tuple[str, Writes]]]] = queue.Queue()
-        self.results: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        self.results: queue.Queue[JobDone] = queue.Queue()
 
     def apply(self, orders: list[PeerMemory | Ship]) -> None:
         if any(isinstance(o, Ship) for o in orders) and torch.cuda.is_available():
@@ -111,14 +123,16 @@ class RankSender(threading.Thread):
         while True:
             job, writes = self.jobs.get()
             error = None
+            t0 = time.perf_counter()
             try:
                 for session, w in writes:
                     self.engine.write(session, *w)
             except TransferError as exc:
                 error = str(exc)
-            self.results.put((job, error))
+            nbytes = sum(sum(lens) for _, (_, _, lens) in writes)
+            self.results.put(JobDone(job, error, nbytes, time.perf_counter() - t0))
 
-    def done(self) -> list[tuple[int, str | None]]:
+    def done(self) -> list[JobDone]:
         out = []
         while True:
             try:
@@ -140,7 +154,7 @@ class FollowerKV:
         self.sender = RankSender(engine, pages, rows, ps.rank, ps.world)
         self.sender.start()
 
-    def handle(self, payload: str | list) -> RankMemory | list[tuple[int, str | None]]:
+    def handle(self, payload: str | list) -> RankMemory | list[JobDone]:
         if payload == DESCRIBE:
             return self.memory
         self.sender.apply(payload)

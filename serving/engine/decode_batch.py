@@ -1,75 +1,95 @@
-"""The decode half of a scheduler step: grow every running request by the tokens one step
-writes (retracting the newest other request when pages run out), then one decode forward, or an
-EAGLE draft + verify step, over all of them."""
+"""The decode half of the engine: it owns the running requests.
+
+schedule(): grow every running request by the tokens one step writes, retracting the newest
+other request when pages run out (the retracted ones go back to the prefill queue). run(): one
+decode forward, or an EAGLE draft + verify step, over all of them, and commit what it sampled.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
+from serving.engine.admission import Admission
+from serving.engine.commit import Commit
 from serving.engine.request import Req
-from serving.executor.model_runner import StepInput
-from serving.protocol import FinishReason
-from serving.speculative.eagle import Proposal
-
-if TYPE_CHECKING:
-    from serving.engine.scheduler import Scheduler
+from serving.executor.model_runner import ModelRunner, StepInput
+from serving.protocol import FinishReason, SchedulerStats
+from serving.speculative.eagle import Eagle, Proposal
 
 log = logging.getLogger(__name__)
 
 
-def run_decode(s: Scheduler) -> None:
-    for req in list(s.running):
-        if req not in s.running:
-            continue  # retracted for an earlier request of this loop
-        while req.finish_reason is None and not s.pool.grow(
-            req.row, req.pages, req.cached + s.tokens_per_decode
-        ):
-            if not _retract_one(s, keep=req):
-                reason = FinishReason.abort("out of KV cache memory while decoding", 503)
-                s.finish(req, reason)
-    batch = [r for r in s.running if r.finish_reason is None]
-    if not batch:
-        return
-    if s.spec is not None:
-        return _run_speculative(s, batch)
-    out = s.runner.forward([StepInput(r.row, r.cached, [r.fill_ids[-1]]) for r in batch])
-    for r in batch:
-        r.cached += 1
-    s.sample_and_advance(batch, out.logits)
+@dataclass
+class DecodeBatch:
+    reqs: list[Req]
+    retracted: list[Req] = field(default_factory=list)  # newest first: requeue in this order
 
 
-def _run_speculative(s: Scheduler, batch: list[Req]) -> None:
-    proposals = [Proposal(r.row, r.cached, r.fill_ids[-1]) for r in batch]
-    want = [r.top_logprobs_num if r.return_logprob else -1 for r in batch]
-    committed, logprobs = s.spec.step(proposals, [r.sampling for r in batch], want)
-    for req, tokens, lps in zip(batch, committed, logprobs):
-        s.stats.spec_verify_steps += 1
-        s.stats.spec_committed_tokens += len(tokens)
-        req.cached += len(tokens)
-        for j, tok in enumerate(tokens):
-            req.output_ids.append(tok)
-            s.stats.generation_tokens_total += 1
-            lp = [lps[j]] if lps is not None else None
-            req.last_logprob = lp[0] if lp else None
-            reason = s.stops.reason(req, tok)
-            if reason is not None:
-                s.finish(req, reason, new_tokens=[tok], logprobs=lp)
-                break
-            s.outputs.append(s.output_of(req, [tok], lp))
+class DecodeManager:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        admission: Admission,
+        commit: Commit,
+        stats: SchedulerStats,
+        spec: Eagle | None,
+    ) -> None:
+        self.runner, self.admission, self.commit, self.stats = runner, admission, commit, stats
+        self.spec = spec
+        # positions a decode step writes: 1, or y + N drafts when speculating
+        self.tokens_per_step = 1 if spec is None else spec.steps + 1
+        self.running: list[Req] = []
 
+    def schedule(self) -> DecodeBatch:
+        retracted: list[Req] = []
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # retracted for an earlier request of this loop
+            while req.finish_reason is None and not self.admission.grow(
+                req, req.cached + self.tokens_per_step
+            ):
+                victim = self._retract_one(keep=req)
+                if victim is None:
+                    reason = FinishReason.abort("out of KV cache memory while decoding", 503)
+                    self.commit.finish(req, reason)
+                else:
+                    retracted.append(victim)
+        return DecodeBatch([r for r in self.running if r.finish_reason is None], retracted)
 
-def _retract_one(s: Scheduler, keep: Req) -> bool:
-    """Free the newest other running request; it is recomputed from its tokens later."""
-    for victim in reversed(s.running):
-        if victim is keep or victim.finish_reason is not None:
-            continue
-        s.running.remove(victim)
-        s.release(victim)
-        victim.cached = 0
-        s.waiting.appendleft(victim)
-        s.hold_admission = True
-        s.stats.retractions += 1
-        log.info("retracted %s (%d tokens) to free KV pages", victim.rid, len(victim.fill_ids))
-        return True
-    return False
+    def run(self, batch: DecodeBatch) -> None:
+        reqs = batch.reqs
+        if not reqs:
+            return
+        committed = self.stats.generation_tokens_total
+        if self.spec is not None:
+            self._run_speculative(reqs)
+        else:
+            out = self.runner.forward([StepInput(r.row, r.cached, [r.fill_ids[-1]]) for r in reqs])
+            for r in reqs:
+                r.cached += 1
+            self.commit.sample(reqs, out.logits)
+        self.stats.decode_tokens_total += self.stats.generation_tokens_total - committed
+
+    def _run_speculative(self, reqs: list[Req]) -> None:
+        proposals = [Proposal(r.row, r.cached, r.fill_ids[-1]) for r in reqs]
+        want = [r.top_logprobs_num if r.return_logprob else -1 for r in reqs]
+        committed, logprobs = self.spec.step(proposals, [r.sampling for r in reqs], want)
+        for req, tokens, lps in zip(reqs, committed, logprobs):
+            self.stats.spec_verify_steps += 1
+            self.stats.spec_committed_tokens += len(tokens)
+            req.cached += len(tokens)
+            self.commit.commit(req, tokens, lps)
+
+    def _retract_one(self, keep: Req) -> Req | None:
+        """Free the newest other running request; it is recomputed from its tokens later."""
+        for victim in reversed(self.running):
+            if victim is keep or victim.finish_reason is not None:
+                continue
+            self.running.remove(victim)
+            self.admission.release(victim)
+            victim.cached = 0
+            self.stats.retractions += 1
+            log.info("retracted %s (%d tokens) to free KV pages", victim.rid, len(victim.fill_ids))
+            return victim
+        return None

@@ -1,43 +1,23 @@
-"""A request inside the scheduler (Req), the scheduler's limits (SchedulerConfig) and the Role
-plug through which the PD roles (workers/) change what happens at intake, after a chunk and at
-the finish."""
+"""A request inside the scheduler (Req), the scheduler's limits (SchedulerConfig) and the hooks
+through which the engine tells a worker role (serving/engine/role.py, workers/) what happened
+to a request (RoleHooks)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from serving.executor.sampler import SamplingState
-from serving.protocol import FinishReason, GenerateRequest, TokenLogprob
-
-if TYPE_CHECKING:
-    from serving.engine.scheduler import Scheduler
+from serving.protocol import FinishReason, SchedulerStats, TokenLogprob
 
 
-class Role:
-    """A worker role's plug into the batching loop. The plain worker uses this one as is;
-    workers/prefill.py and workers/decode.py override what differs for PD.
+class RoleHooks:
+    """What the engine calls on a worker role; the plain worker's answers. Role
+    (serving/engine/role.py) adds the role's side: intake, polling, its sockets.
 
     Invariant: a request the role holds (finished() returned True) keeps its row and pages
     until the role calls Scheduler.release_held(); nothing else frees them.
     """
-
-    scheduler: Scheduler
-
-    def attach(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
-    def submit(self, request: GenerateRequest) -> None:
-        full = self.scheduler.queue_full()
-        if full is not None:
-            return self.scheduler.fail_request(request, full, 503)
-        self.scheduler.add(request)
-
-    def abort(self, rid: str, reason: str) -> None:
-        self.scheduler.abort(rid, reason)
-
-    def poll(self) -> None:
-        """Called before every step: advance the role's own queues."""
 
     def chunk_prefilled(self, req: Req) -> None:
         """req.cached tokens of req are now in the cache (after every prefill chunk)."""
@@ -45,15 +25,6 @@ class Role:
     def finished(self, req: Req) -> bool:
         """req just finished; True = the role holds its memory and reports it later."""
         return False
-
-    @property
-    def busy(self) -> bool:
-        """Work outside the scheduler's queues (transfers in flight)."""
-        return False
-
-    def sockets(self) -> list:
-        """ZMQ sockets the process loop should wake up for."""
-        return []
 
     def owned(self) -> list[Req]:
         """Requests outside the scheduler's queues that own rows or pages (for the invariant)."""
@@ -64,6 +35,10 @@ class Role:
         """Requests the role holds that have not started running (waiting for a peer, for
         memory, for their KV); counted in num_queue_reqs and against the queue bound."""
         return 0
+
+    def report(self, stats: SchedulerStats) -> None:
+        """Write the role's own figures (PD queues, failures, transfers) into `stats`; called
+        whenever the scheduler refreshes them."""
 
 
 @dataclass
@@ -93,6 +68,17 @@ class Req:
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_scored: int = 0
     input_logprobs_sent: bool = False
+    # Queue time: from joining the queue (PD decode: from its KV's arrival) until it first
+    # starts running; goes out once, with the first output after that.
+    queued_at: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None
+    queue_time_sent: bool = False
+
+    def started(self) -> None:
+        """It runs (admitted, or adopted by PD decode); a retracted request restarting keeps
+        its first queue time."""
+        if self.queue_time is None:
+            self.queue_time = time.monotonic() - self.queued_at
 
     @property
     def output_ids(self) -> list[int]:

@@ -94,11 +94,13 @@ def build_engine(args: ServerArgs, role=None):
 
     from serving.distributed import state
     from serving.engine.request import SchedulerConfig
+    from serving.engine.role import Role
     from serving.engine.scheduler import Scheduler
     from serving.engine.tp_worker import RankFanout
     from serving.executor.sampler import Sampler
 
     device = args.resolved_device()
+    role = role if role is not None else Role()
     config, dtype, model, draft, pool, plan, runner, context = build_model(args)
     steps = args.speculative_steps
     fanout = RankFanout(pool) if state().world > 1 else None
@@ -127,9 +129,10 @@ def build_engine(args: ServerArgs, role=None):
         ),
         frozenset(config.eos_token_ids),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
-        role=role,
+        hooks=role,
         spec=spec,
     )
+    role.attach(scheduler)
     ready = SchedulerReady(
         vocab_size=config.vocab_size,
         context_length=context,
@@ -190,7 +193,9 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
             from serving.engine.tp_worker import join_group
 
             join_group(args, 0)
-        role = make_role(args) if make_role is not None else None
+        from serving.engine.role import Role
+
+        role = make_role(args) if make_role is not None else Role()
         scheduler, ready = build_engine(args, role)
         if not args.skip_server_warmup:
             warmup(scheduler)
@@ -201,7 +206,6 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
         return
     send.send_pyobj(ready)
     watchdog = Watchdog(args.watchdog_timeout)
-    role = scheduler.role
     fanout = scheduler.runner.fanout  # TP/EP: the other ranks follow this one's forwards
     last_stats = None
     poller = zmq.Poller()

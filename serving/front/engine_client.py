@@ -1,4 +1,5 @@
-"""The front's side of the ZMQ link to the scheduler, and the serving metrics it observes.
+"""The front's side of the ZMQ link to the scheduler; it feeds /metrics (serving/front/metrics.py)
+when metrics are on.
 
 The front binds a PULL socket at `recv_addr` (SchedulerReady or SchedulerFailed, then
 BatchOutput) and connects a PUSH socket to `send_addr` (GenerateRequest, AbortRequest).
@@ -14,8 +15,8 @@ from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from serving.front.metrics import RequestTimes, WorkerMetrics
 from serving.protocol import (
     SHUTDOWN,
     AbortRequest,
@@ -30,12 +31,6 @@ from serving.protocol import (
 
 log = logging.getLogger(__name__)
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
-_TTFT_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075)
-_ITL_BUCKETS += (0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
-
 
 class EngineUnavailable(RuntimeError):
     """The scheduler cannot take requests (starting, failed, shutting down); an HTTP 503."""
@@ -46,112 +41,28 @@ class RidInUse(ValueError):
 
 
 @dataclasses.dataclass
-class _Inflight:
+class _Inflight(RequestTimes):
     # None once the consumer has gone: outputs are then only counted until the final one.
-    queue: asyncio.Queue[SequenceOutput] | None
-    created: float
-    last_token_at: float | None = None
-
-
-class EngineMetrics:
-    """Prometheus metrics of the requests this front sent, in their own registry."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        p = "pdserve:"
-        self.requests = Counter(
-            p + "requests",
-            "Finished requests by finish reason",
-            ["finish_reason"],
-            registry=registry,
-        )
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens", registry=registry)
-        self.generation_tokens = Counter(
-            p + "generation_tokens", "Generated tokens", registry=registry
-        )
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Time to first token",
-            buckets=_TTFT_BUCKETS,
-            registry=registry,
-        )
-        self.itl = Histogram(
-            p + "inter_token_latency_seconds",
-            "Time between output tokens",
-            buckets=_ITL_BUCKETS,
-            registry=registry,
-        )
-        self.e2e = Histogram(
-            p + "e2e_request_latency_seconds",
-            "Request latency, sent to finished",
-            buckets=_E2E_BUCKETS,
-            registry=registry,
-        )
-        gauge = lambda name, doc: Gauge(p + name, doc, registry=registry)
-        self.running = gauge("num_running_reqs", "Requests running in the scheduler")
-        self.queued = gauge("num_queue_reqs", "Requests waiting in the scheduler")
-        self.used_rows = gauge("used_rows", "Request rows in use")
-        self.total_rows = gauge("total_rows", "Request rows")
-        self.used_pages = gauge("used_pages", "KV pages in use")
-        self.total_pages = gauge("total_pages", "KV pages")
-        self.page_usage = gauge("page_usage", "Fraction of KV pages in use")
-        self.retractions = gauge("num_retractions", "Requests retracted so far")
-        self.spec_accept_length = gauge(
-            "spec_accept_length",
-            "EAGLE: mean tokens committed per request per verify step (1 = no draft accepted)",
-        )
-        self.spec_acceptance_rate = gauge(
-            "spec_acceptance_rate", "EAGLE: accepted draft tokens / proposed draft tokens"
-        )
-        self.spec_num_steps = gauge("spec_num_steps", "EAGLE: draft tokens proposed per step")
-
-    def observe_stats(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.running)
-        self.queued.set(stats.queued)
-        self.used_rows.set(stats.used_rows)
-        self.total_rows.set(stats.total_rows)
-        self.used_pages.set(stats.used_pages)
-        self.total_pages.set(stats.total_pages)
-        self.page_usage.set(stats.used_pages / stats.total_pages if stats.total_pages else 0.0)
-        self.retractions.set(stats.retractions)
-        if stats.spec_verify_steps and stats.spec_num_steps:
-            accept = stats.spec_committed_tokens / stats.spec_verify_steps
-            self.spec_accept_length.set(accept)
-            self.spec_acceptance_rate.set((accept - 1) / stats.spec_num_steps)
-            self.spec_num_steps.set(stats.spec_num_steps)
-
-    def observe_output(self, req: _Inflight, out: SequenceOutput, now: float) -> None:
-        n = len(out.new_token_ids)
-        if n:
-            self.generation_tokens.inc(n)
-            if req.last_token_at is None:
-                self.ttft.observe(now - req.created)
-            else:
-                gap = (now - req.last_token_at) / n
-                for _ in range(n):
-                    self.itl.observe(gap)
-            req.last_token_at = now
-        if out.finished:
-            self.prompt_tokens.inc(out.prompt_tokens)
-            kind = out.finish_reason.kind if out.finish_reason is not None else "unknown"
-            self.requests.labels(finish_reason=kind).inc()
-            self.e2e.observe(now - req.created)
+    queue: asyncio.Queue[SequenceOutput] | None = None
 
 
 class EngineClient:
     """Sends requests to the scheduler and routes its outputs to per-rid queues.
 
-    Construct anywhere; `start` must run on the serving event loop.
+    Construct anywhere; `start` must run on the serving event loop. With `metrics` (None:
+    --enable-metrics is off) every output and stats message is observed there.
     """
 
-    def __init__(self, send_addr: str, recv_addr: str) -> None:
+    def __init__(
+        self, send_addr: str, recv_addr: str, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.send_addr = send_addr
         self.recv_addr = recv_addr
         self.ready: SchedulerReady | None = None
         self.failure: str | None = None
         self.stats: SchedulerStats | None = None
         self.draining = False
-        self.registry = CollectorRegistry()
-        self.metrics = EngineMetrics(self.registry)
+        self.metrics = metrics
         self._inflight: dict[str, _Inflight] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._push: zmq.asyncio.Socket | None = None
@@ -234,7 +145,7 @@ class EngineClient:
             raise EngineUnavailable(self.state)
         if req.rid in self._inflight:
             raise RidInUse(f"rid {req.rid!r} is already in use")
-        inflight = _Inflight(queue=asyncio.Queue(), created=time.perf_counter())
+        inflight = _Inflight(created=time.perf_counter(), queue=asyncio.Queue())
         self._inflight[req.rid] = inflight
         finished = False
         try:
@@ -259,9 +170,6 @@ class EngineClient:
         self._push.send_pyobj(AbortRequest(rid=rid, reason=reason))
         return True
 
-    def metrics_text(self) -> bytes:
-        return generate_latest(self.registry)
-
     async def _receive_loop(self) -> None:
         while True:
             try:
@@ -285,12 +193,14 @@ class EngineClient:
         now = time.perf_counter()
         if batch.stats is not None:
             self.stats = batch.stats
-            self.metrics.observe_stats(batch.stats)
+            if self.metrics is not None:
+                self.metrics.observe_stats(batch.stats, now)
         for out in batch.outputs:
             inflight = self._inflight.get(out.rid)
             if inflight is None:
                 continue
-            self.metrics.observe_output(inflight, out, now)
+            if self.metrics is not None:
+                self.metrics.observe_output(inflight, out, now)
             if out.finished:
                 del self._inflight[out.rid]
             if inflight.queue is not None:
@@ -305,7 +215,8 @@ class EngineClient:
                 finished=True,
                 finish_reason=FinishReason.abort(message, status),
             )
-            self.metrics.observe_output(inflight, out, now)
+            if self.metrics is not None:
+                self.metrics.observe_output(inflight, out, now)
             if inflight.queue is not None:
                 inflight.queue.put_nowait(out)
         self._inflight.clear()

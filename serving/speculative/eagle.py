@@ -41,7 +41,7 @@ from serving.memory.cache import ModelCache
 from serving.memory.pool import DRAFT_TOKEN, MemoryPool
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
-from serving.speculative.graphs import SpecGraphs
+from serving.speculative.graphs import SpecGraphs, Verified
 
 
 @dataclass(frozen=True)
@@ -51,16 +51,6 @@ class SpecConfig:
     @property
     def num_draft_tokens(self) -> int:
         return self.num_steps + 1
-
-
-@dataclass
-class Verified:
-    """What the draft-and-verify program leaves on the device (graph outputs under CUDA graphs)."""
-
-    chains: torch.Tensor  # [B, N] draft tokens d1..dN
-    logits: torch.Tensor  # [B*(N+1), V] target logits at positions n..n+N
-    hidden: torch.Tensor  # [B*(N+1), Hd] target hiddens there (the draft's catch-up input)
-    kda_history: dict[int, list[torch.Tensor]]
 
 
 @dataclass
@@ -119,7 +109,9 @@ class Eagle:
         self.fanout = None
 
     def enable_graphs(self, max_bs: int) -> None:
-        self.graphs = SpecGraphs(self, max_bs)
+        self.graphs = SpecGraphs(
+            self.draft_and_verify, self.roll_back_and_catch_up, self.pool, self.steps, max_bs
+        )
 
     # ---- the draft over known tokens (after a prefill chunk) ----
     def extend_draft(

@@ -5,30 +5,46 @@ entries use request row 0 and token slot 0, as in serving/executor/cuda_graph.py
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from serving.executor.cuda_graph import batch_ladder, capture
-
-if TYPE_CHECKING:
-    from serving.speculative.eagle import Eagle, Verified
+from serving.memory.pool import MemoryPool
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Verified:
+    """What the draft-and-verify program leaves on the device (graph outputs under CUDA graphs)."""
+
+    chains: torch.Tensor  # [B, N] draft tokens d1..dN
+    logits: torch.Tensor  # [B*(N+1), V] target logits at positions n..n+N
+    hidden: torch.Tensor  # [B*(N+1), Hd] target hiddens there (the draft's catch-up input)
+    kda_history: dict[int, list[torch.Tensor]]
+
+
 class SpecGraphs:
-    """Eagle.draft_and_verify and Eagle.roll_back_and_catch_up captured per batch size.
+    """Eagle.draft_and_verify and Eagle.roll_back_and_catch_up (passed in as `verify` and
+    `catch_up`, with the same signatures) captured per batch size.
 
     The second program reads the first's outputs (verify hiddens, KDA history) in place, so a
     step replays both graphs of one size back to back."""
 
-    def __init__(self, eagle: Eagle, max_bs: int) -> None:
-        self.eagle = eagle
-        pool = eagle.pool
-        self.sizes = batch_ladder(max_bs, pool.device, eagle.steps + 1)
+    def __init__(
+        self,
+        verify: Callable[..., Verified],
+        catch_up: Callable[..., None],
+        pool: MemoryPool,
+        steps: int,
+        max_bs: int,
+    ) -> None:
+        self.verify, self.catch_up = verify, catch_up
+        self.sizes = batch_ladder(max_bs, pool.device, steps + 1)
         self.max_seq_len = pool.plan.max_context
-        n, width = self.sizes[-1], eagle.steps + 1
+        n, width = self.sizes[-1], steps + 1
         self.inputs = torch.zeros(3, n, dtype=torch.int64, device=pool.device)  # y, n, row
         self.committed = torch.zeros(n, width, dtype=torch.int64, device=pool.device)
         self.last = torch.zeros(n, dtype=torch.int64, device=pool.device)
@@ -42,11 +58,11 @@ class SpecGraphs:
     def _capture(self, bs: int, pool_handle):
         tokens, positions, rows = (t[:bs] for t in self.inputs)
         verify_graph, verified = capture(
-            lambda: self.eagle.draft_and_verify(tokens, positions, rows, self.max_seq_len),
+            lambda: self.verify(tokens, positions, rows, self.max_seq_len),
             pool_handle,
         )
         catch_up_graph, _ = capture(
-            lambda: self.eagle.roll_back_and_catch_up(
+            lambda: self.catch_up(
                 verified, rows, positions, self.committed[:bs], self.last[:bs], self.max_seq_len
             ),
             pool_handle,

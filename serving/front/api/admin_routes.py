@@ -101,8 +101,10 @@ def admin_router(ctx: FrontContext) -> APIRouter:
             }
         )
 
-    @router.get("/metrics")
-    async def metrics() -> Response:
-        return Response(client.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+    if client.metrics is not None:  # --enable-metrics, as in SGLang: no route without it
+
+        @router.get("/metrics")
+        async def metrics() -> Response:
+            return Response(client.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -1,0 +1,41 @@
+"""The Role plug: what differs by worker role (plain, PD prefill, PD decode) around the engine.
+
+The plain worker uses Role as is; workers/prefill.py and workers/decode.py override intake
+(submit, abort), the per-iteration poll, and the hooks of RoleHooks (serving/engine/request.py)
+that the engine calls. A role reaches the engine only through the Scheduler's public verbs
+(add, fail_request, admission.admit/release, adopt, release_held, abort, queue_full).
+"""
+
+from __future__ import annotations
+
+from serving.engine.request import RoleHooks
+from serving.engine.scheduler import Scheduler
+from serving.protocol import GenerateRequest
+
+
+class Role(RoleHooks):
+    scheduler: Scheduler
+
+    def attach(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def submit(self, request: GenerateRequest) -> None:
+        full = self.scheduler.queue_full()
+        if full is not None:
+            return self.scheduler.fail_request(request, full, 503)
+        self.scheduler.add(request)
+
+    def abort(self, rid: str, reason: str) -> None:
+        self.scheduler.abort(rid, reason)
+
+    def poll(self) -> None:
+        """Called before every step: advance the role's own queues."""
+
+    @property
+    def busy(self) -> bool:
+        """Work outside the scheduler's queues (transfers in flight)."""
+        return False
+
+    def sockets(self) -> list:
+        """ZMQ sockets the process loop should wake up for."""
+        return []
