@@ -65,3 +65,29 @@ class TestSRTEndpoint:
             # the text skips special tokens; the entries keep them
             raw = target.peer.tokenizer.decode(res["output_ids"], skip_special_tokens=False)
             assert raw == "".join(e[-1] for e in meta["output_token_logprobs"])
+
+    @pytest.mark.parametrize("temperature", [1.0])
+    def test_logprob_match(self, target, temperature) -> None:
+        """::test_logprob_match — sample with logprobs, then score prompt + output as a prompt
+        (max_new_tokens 0): the output's logprobs come back as its input logprobs."""
+        prompt = "I have a very good idea on how to"
+        gen = generate(target, text=prompt, return_logprob=True, logprob_start_len=0,
+                       return_text_in_logprobs=True,
+                       sampling_params={"temperature": temperature, "max_new_tokens": 32,
+                                        "ignore_eos": True})  # fmt: skip
+        meta = gen["meta_info"]
+        n = meta["prompt_tokens"]
+        tokens = [e[1] for e in meta["input_token_logprobs"] + meta["output_token_logprobs"]]
+        score = generate(target, input_ids=tokens, return_logprob=True, logprob_start_len=0,
+                         return_text_in_logprobs=True,
+                         sampling_params={"temperature": temperature, "max_new_tokens": 0,
+                                          "ignore_eos": True})  # fmt: skip
+        scored = score["meta_info"]
+        assert scored["completion_tokens"] == 0 and score["output_ids"] == []
+        assert scored["finish_reason"]["type"] == "length"
+        assert [e[1] for e in scored["input_token_logprobs"]] == tokens
+        sampled = [e[0] for e in meta["output_token_logprobs"]]
+        rescored = [e[0] for e in scored["input_token_logprobs"][n:]]
+        assert len(rescored) == len(sampled) == 32
+        # upstream allows 0.5 for bf16 kernels; here both paths run the same float32 torch code
+        assert max(abs(a - b) for a, b in zip(sampled, rescored)) < 1e-3

@@ -62,13 +62,6 @@ def native_router(ctx: FrontContext) -> APIRouter:
         think_end = _think_end(ctx) if body.require_reasoning else None
         texts = ctx.tokenizer if body.return_text_in_logprobs else None
         scoring = body.return_logprob and body.logprob_start_len >= 0
-        if scoring and ctx.args.disaggregation_mode != "null":
-            if any(p.max_new_tokens == 0 for p in params):
-                raise APIError(
-                    400,
-                    "max_new_tokens: prompt logprobs need max_new_tokens >= 1 on PD workers",
-                    "max_new_tokens",
-                )
         samplings = [_sampling(ctx, p, ready, len(ids), scoring) for p, ids in zip(params, prompts)]
         seqs = make_seqs(
             ctx.tokenizer,

@@ -98,12 +98,6 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         if body.logprobs is not None:
             check_top_logprobs(body.logprobs, "logprobs")
         prompt_logprobs = body.echo and body.logprobs is not None  # scored from the prefill
-        if prompt_logprobs and body.max_tokens == 0 and ctx.args.disaggregation_mode != "null":
-            raise APIError(
-                400,
-                "max_tokens: echo with logprobs needs max_tokens >= 1 on PD workers",
-                "max_tokens",
-            )
         if body.suffix is not None:
             raise APIError(400, "suffix: not supported by this server", "suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -117,7 +111,7 @@ def openai_router(ctx: FrontContext) -> APIRouter:
                 body.max_tokens,
                 len(ids),
                 COMPLETION_DEFAULT_MAX_TOKENS,
-                scoring_prompt=bool(body.echo) and body.logprobs is not None,
+                scoring_prompt=prompt_logprobs,
             )
             for ids in prompts
         ]
