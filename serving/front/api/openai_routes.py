@@ -191,7 +191,7 @@ async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRu
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
-    sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None)
+    sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None, prompt_param="messages")
     reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
     opens = prompt_opens_reasoning(prompt)
     parsed_tools = tools if ctx.args.tool_call_parser else None
@@ -365,6 +365,7 @@ def _sampling(
     prompt_len: int,
     default_max_tokens: int | None,
     scoring_prompt: bool = False,
+    prompt_param: str = "prompt",
 ) -> SamplingParams:
     sampling = make_sampling(
         ctx.sampling_defaults,
@@ -393,6 +394,7 @@ def _sampling(
         ready.vocab_size,
         default_max_tokens,
         scoring_prompt,
+        prompt_param,
     )
     return sampling
 
