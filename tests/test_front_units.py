@@ -540,3 +540,21 @@ def test_responses_tool_choice_mode_without_tools(choice):
     assert with_tools.tool_choice == choice
     named = ResponsesRequest(model="m", input="hi", tool_choice={"type": "function", "name": "f"})
     assert chat_request(named).tool_choice.function.name == "f"
+
+
+def test_tool_choice_naming_a_function_not_in_tools(http: TestClient) -> None:
+    """A 400, as OpenAI and vLLM answer (SGLang's older 200 with a warning would run the request
+    without the forced call the client asked for); the message names the function, in SGLang's
+    and vLLM's words, and the tools offered. The Responses API maps onto the same check."""
+    lookup = {"name": "lookup", "parameters": {"type": "object", "properties": {}}}
+    named = {"type": "function", "function": {"name": "nonexistent_function"}}
+    response = _chat(http, tools=[{"type": "function", "function": lookup}], tool_choice=named)
+    error = _error(response, 400)
+    assert error["param"] == "tool_choice"
+    for phrase in ("Tool 'nonexistent_function' not found in tools list",
+                   "does not match any of the specified `tools`", "'lookup'"):  # fmt: skip
+        assert phrase in error["message"], error["message"]
+    body = {"model": "tiny", "input": "hi", "tools": [{"type": "function", **lookup}],
+            "tool_choice": {"type": "function", "name": "nonexistent_function"}}  # fmt: skip
+    error = _error(http.post("/v1/responses", json=body), 400)
+    assert "Tool 'nonexistent_function' not found in tools list" in error["message"]

@@ -768,11 +768,20 @@ class TestToolChoice:
         assert len(tool_calls) > 0 and all(call.function.name in names for call in tool_calls)
 
     def test_error_handling_invalid_tool_choice(self, target) -> None:
-        """::test_error_handling_invalid_tool_choice — upstream accepts a warning or an error;
-        ours is a 400 (as OpenAI) whose message names the missing function."""
+        """::test_error_handling_invalid_tool_choice — upstream's newer form: a 400 naming the
+        function in upstream's words (its older form accepted a 200 with a warning too;
+        docs/PROTOCOL.md says why ours is the 400, as OpenAI and vLLM answer). sglang-router
+        refuses it itself, in its own words, before any worker sees it."""
         named = {"type": "function", "function": {"name": "nonexistent_function"}}
-        with pytest.raises(openai.BadRequestError, match="nonexistent_function"):
+        with pytest.raises(openai.BadRequestError) as caught:
             self._create(target, False, tool_choice=named)
+        assert caught.value.status_code == 400
+        words = (
+            "function 'nonexistent_function' not found in 'tools'"
+            if target.name == "sglang-router"
+            else "Tool 'nonexistent_function' not found in tools list"
+        )
+        assert words in str(caught.value)
 
 
 class TestParallelToolCall:

@@ -307,8 +307,14 @@ def _tool_choice(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | No
         return tools, ""
     name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
     named = [t for t in tools if t["function"]["name"] == name]
-    if not named:
-        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
+    if not named:  # a 400, as OpenAI and vLLM (docs/PROTOCOL.md); worded as SGLang and vLLM
+        offered = ", ".join(repr(t["function"]["name"]) for t in tools)
+        raise APIError(
+            400,
+            f"tool_choice: Tool {name!r} not found in tools list ({offered}): the tool "
+            "specified in `tool_choice` does not match any of the specified `tools`",
+            "tool_choice",
+        )
     return named, name
 
 
