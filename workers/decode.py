@@ -154,10 +154,7 @@ class DecodeRole(Role):
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
         self.endpoint = KVEndpoint(
-            scheduler.pool,
-            advertise_host(self.args.host),
-            self.args.disaggregation_ib_device,
-            self.args.host,
+            scheduler.pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
         )
         self.tp_size = state().tp_size
         self.fanout = scheduler.runner.fanout  # None on one rank

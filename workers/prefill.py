@@ -102,9 +102,7 @@ class PrefillRole(Role):
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
         host = advertise_host(self.args.host)
-        self.endpoint = KVEndpoint(
-            scheduler.pool, host, self.args.disaggregation_ib_device, self.args.host
-        )
+        self.endpoint = KVEndpoint(scheduler.pool, host, self.args.disaggregation_ib_device)
         ps = state()
         self.world, self.tp_size = ps.world, ps.tp_size
         self.fanout = scheduler.runner.fanout  # None on one rank
