@@ -297,11 +297,37 @@ def http(model_dir: Path) -> TestClient:
     return TestClient(create_app(args, ReadyClient()))
 
 
-def _error(response: Any, status: int) -> dict[str, Any]:
+def _error(response: Any, status: int, code: str | None = None) -> dict[str, Any]:
+    """The OpenAI-form error of `response`: its code is OpenAI's where given, else the status;
+    the flat SGLang/vLLM form always has the status."""
     assert response.status_code == status, response.text
     body = response.json()
-    assert body["object"] == "error" and body["error"]["code"] == status
+    assert body["object"] == "error" and body["code"] == status
+    assert body["error"]["code"] == (code or status)
+    assert {k: v for k, v in body["error"].items() if k != "code"} == {
+        k: body[k] for k in ("message", "type", "param")
+    }
     return body["error"]
+
+
+# What clients match to tell a context-window error (serving/front/api/context_length.py):
+# SGLang's tests; LiteLLM's ContextWindowExceededError mapping; OpenAI's and vLLM's wording.
+PROMPT_TOO_LONG_PHRASES = (
+    "is longer than the model's context length",
+    "This model's maximum context length is",
+    "Input tokens exceed the configured limit",
+)
+REQUEST_TOO_LONG_PHRASES = (
+    "Requested token count exceeds the model's maximum context length of",
+    "This model's maximum context length is",
+)
+
+
+def _context_error(response: Any, phrases: tuple[str, ...], *numbers: int) -> dict[str, Any]:
+    error = _error(response, 400, "context_length_exceeded")
+    assert all(p in error["message"] for p in (*phrases, "context_length_exceeded")), error
+    assert all(str(n) in error["message"] for n in numbers), error["message"]
+    return error
 
 
 def _chat(http: TestClient, **fields: Any) -> Any:
@@ -355,23 +381,35 @@ def test_empty_prompts(http: TestClient) -> None:
     assert _error(http.post("/generate", json={}), 400)["param"] == "text"
 
 
-def test_prompt_longer_than_the_context(http: TestClient) -> None:
+def test_prompt_longer_than_the_context(http: TestClient, tokenizer: Tokenizer) -> None:
     long_text = "word " * (2 * CONTEXT)
-    error = _error(http.post("/v1/completions", json={"prompt": long_text}), 400)
-    assert f"the context length is {CONTEXT} tokens" in error["message"]
-    error = _error(_chat(http, messages=[{"role": "user", "content": long_text}]), 400)
-    assert "context length" in error["message"]
-    error = _error(http.post("/generate", json={"input_ids": list(range(CONTEXT))}), 400)
-    assert "context length" in error["message"]
+    n = len(tokenizer.encode(long_text).ids)
+    response = http.post("/v1/completions", json={"prompt": long_text})
+    assert _context_error(response, PROMPT_TOO_LONG_PHRASES, n, CONTEXT)["param"] == "prompt"
+    response = _chat(http, messages=[{"role": "user", "content": long_text}])
+    assert _context_error(response, PROMPT_TOO_LONG_PHRASES, CONTEXT)["param"] == "messages"
+    # exactly the context length leaves no room for an output token
+    response = http.post("/generate", json={"input_ids": list(range(CONTEXT))})
+    _context_error(response, PROMPT_TOO_LONG_PHRASES, CONTEXT, CONTEXT - 1)
+    # refused on its characters, before it is tokenised
+    response = http.post("/generate", json={"text": "x" * (CONTEXT * 1000)})
+    error = _context_error(response, PROMPT_TOO_LONG_PHRASES, CONTEXT * 1000, CONTEXT)
+    assert "characters" in error["message"] and error["param"] == "text"
 
 
 def test_prompt_plus_max_tokens_beyond_the_context(http: TestClient) -> None:
-    error = _error(_chat(http, max_tokens=CONTEXT), 400)
-    assert error["param"] == "max_tokens" and "context length" in error["message"]
-    error = _error(_chat(http, max_completion_tokens=CONTEXT), 400)
+    response = _chat(http, max_tokens=CONTEXT - 2)
+    error = _context_error(response, REQUEST_TOO_LONG_PHRASES, CONTEXT, CONTEXT - 2)
+    assert error["param"] == "max_tokens" and "max_completion_tokens" not in error["message"]
+    response = _chat(http, max_completion_tokens=CONTEXT + 1)
+    error = _context_error(response, REQUEST_TOO_LONG_PHRASES, CONTEXT, CONTEXT + 1)
+    assert f"max_completion_tokens is too large: {CONTEXT + 1}." in error["message"]
     assert error["param"] == "max_tokens"
-    body = {"text": "hi", "sampling_params": {"max_new_tokens": CONTEXT}}
-    assert _error(http.post("/generate", json=body), 400)["param"] == "max_tokens"
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": CONTEXT}}
+    response = http.post("/generate", json=body)
+    error = _context_error(response, REQUEST_TOO_LONG_PHRASES, CONTEXT, CONTEXT + 3)
+    assert "3 tokens from the input messages" in error["message"]
+    assert error["param"] == "max_tokens"
 
 
 @pytest.mark.parametrize(
@@ -603,3 +641,21 @@ def test_responses_tool_choice_mode_without_tools(choice):
     assert with_tools.tool_choice == choice
     named = ResponsesRequest(model="m", input="hi", tool_choice={"type": "function", "name": "f"})
     assert chat_request(named).tool_choice.function.name == "f"
+
+
+def test_tool_choice_naming_a_function_not_in_tools(http: TestClient) -> None:
+    """A 400, as OpenAI and vLLM answer (SGLang's older 200 with a warning would run the request
+    without the forced call the client asked for); the message names the function, in SGLang's
+    and vLLM's words, and the tools offered. The Responses API maps onto the same check."""
+    lookup = {"name": "lookup", "parameters": {"type": "object", "properties": {}}}
+    named = {"type": "function", "function": {"name": "nonexistent_function"}}
+    response = _chat(http, tools=[{"type": "function", "function": lookup}], tool_choice=named)
+    error = _error(response, 400)
+    assert error["param"] == "tool_choice"
+    for phrase in ("Tool 'nonexistent_function' not found in tools list",
+                   "does not match any of the specified `tools`", "'lookup'"):  # fmt: skip
+        assert phrase in error["message"], error["message"]
+    body = {"model": "tiny", "input": "hi", "tools": [{"type": "function", **lookup}],
+            "tool_choice": {"type": "function", "name": "nonexistent_function"}}  # fmt: skip
+    error = _error(http.post("/v1/responses", json=body), 400)
+    assert "Tool 'nonexistent_function' not found in tools list" in error["message"]

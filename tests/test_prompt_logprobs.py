@@ -5,12 +5,13 @@ The check that pins positions and values: greedy-generate G after a prompt P wit
 logprobs, then score P + G as a prompt. G's input logprobs must be G's output logprobs (same
 model, same positions), so an off-by-one or a chunk seam shows. Chunks of 8 tokens put seams
 inside every prompt here. Run on a single worker and on a PD pair behind our router (prefill
-scores, decode answers).
+scores, decode answers), scoring-only requests (max_tokens 0) included.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import httpx
@@ -90,6 +91,50 @@ def check_echo(url: str, model: str) -> None:
     assert plain.tokens == lp.tokens[len(p) + len(g) :]
 
 
+def check_scoring_only(url: str, single_url: str, pair, model: str) -> None:
+    """max_tokens 0 scores the prompt in PD as on one worker: prefill scores it and sends the
+    scores to decode with Success; no KV moves and nothing is sampled."""
+    p = prompt(5, 19)
+    body = {"input_ids": p, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 0}}  # fmt: skip
+    via_pd = httpx.post(url + "/generate", json=body, timeout=60)
+    alone = httpx.post(single_url + "/generate", json=body, timeout=60)
+    assert via_pd.status_code == alone.status_code == 200, via_pd.text
+    got, want = via_pd.json(), alone.json()
+    assert got["output_ids"] == want["output_ids"] == []
+    assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    for key in ("input_token_logprobs", "input_top_logprobs"):
+        assert len(got["meta_info"][key]) == len(p)
+    entries = [[e[0] for e in got["meta_info"]["input_token_logprobs"]],
+               [e[0] for e in want["meta_info"]["input_token_logprobs"]]]  # fmt: skip
+    assert close(*entries)
+    echo = {"model": model, "prompt": p, "max_tokens": 0, "echo": True, "logprobs": 1}
+    via_pd, alone = (httpx.post(u + "/v1/completions", json=echo, timeout=60).json()
+                     for u in (url, single_url))  # fmt: skip
+    assert via_pd["usage"] == alone["usage"] and via_pd["usage"]["completion_tokens"] == 0
+    lp, want_lp = via_pd["choices"][0]["logprobs"], alone["choices"][0]["logprobs"]
+    assert lp["tokens"] == want_lp["tokens"] and close(lp["token_logprobs"],
+                                                       want_lp["token_logprobs"])  # fmt: skip
+    # a worker that disagrees with its peer on max_new_tokens fails the room on both sides
+    decode, prefill = pair.dispatch("/generate", body)
+    assert decode.status_code == prefill.status_code == 200  # the same body: both agree
+    one = {**body, "sampling_params": {"max_new_tokens": 1}}
+    room = pair.bootstrap()
+    out: dict[str, httpx.Response] = {}
+
+    def post(name: str, url: str, payload: dict) -> None:
+        out[name] = httpx.post(url + "/generate", json={**payload, **room}, timeout=60)
+
+    sent = [threading.Thread(target=post, args=("prefill", pair.prefill.url, body)),
+            threading.Thread(target=post, args=("decode", pair.decode.url, one))]  # fmt: skip
+    for t in sent:
+        t.start()
+    for t in sent:
+        t.join()
+    assert out["prefill"].status_code == out["decode"].status_code == 502, out
+    assert "max_new_tokens" in out["prefill"].json()["error"]["message"]
+
+
 @pytest.fixture(scope="module")
 def single(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
     srv = Server(tiny_ckpt, *FLAGS, log_dir=tmp_path_factory.mktemp("prompt-logprobs"))
@@ -140,6 +185,7 @@ def test_pd_pair_behind_our_router(
             got, want = via_pd["meta_info"][key], alone["meta_info"][key]
             assert [e[1] for e in got] == [e[1] for e in want]
             assert close([e[0] for e in got], [e[0] for e in want])
+        check_scoring_only(router.url, single.url, pair, str(tiny_ckpt))
         pair.idle()
     finally:
         if router is not None:

@@ -202,8 +202,9 @@ def test_bad_input_gets_a_clear_error(server, path, body, status):
         server.url + path, headers={"content-type": "application/json"}, timeout=30, **kw
     )
     assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["message"] and err["code"] == status
+    body = r.json()  # the flat code is the status; the OpenAI-form one may be OpenAI's code
+    assert body["error"]["message"] and body["code"] == status
+    assert body["error"]["code"] in (status, "context_length_exceeded")
     assert generate(server.url, [5, 6, 7], 2)["output_ids"]  # still serving
 
 

@@ -31,11 +31,18 @@ from serving.distributed import state
 from serving.engine.request import Req
 from serving.engine.role import Role
 from serving.memory.pool import DRAFT_TOKEN
-from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SchedulerStats, TokenLogprob
+from serving.protocol import (
+    FAKE_BOOTSTRAP_HOST,
+    FinishReason,
+    GenerateRequest,
+    SchedulerStats,
+    TokenLogprob,
+)
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
 from workers.messages import (
+    NO_ROW,
     Abort,
     AbortAck,
     Destination,
@@ -62,6 +69,12 @@ class Transfer:
     deadline: float = 0.0
     rank: str | None = None  # the prefill scheduler rank's control address
     input_logprobs: list[TokenLogprob] | None = None  # scored by prefill, sent with Success
+
+    @property
+    def scores_only(self) -> bool:
+        """max_new_tokens 0 (the front allows it only with prompt logprobs): prefill scores the
+        prompt and sends the scores with Success; no memory is held here and nothing moves."""
+        return self.req.sampling.params.max_new_tokens == 0
 
 
 @dataclass
@@ -151,10 +164,7 @@ class DecodeRole(Role):
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
         self.endpoint = KVEndpoint(
-            scheduler.pool,
-            advertise_host(self.args.host),
-            self.args.disaggregation_ib_device,
-            self.args.host,
+            scheduler.pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
         )
         self.tp_size = state().tp_size
         self.fanout = scheduler.runner.fanout  # None on one rank
@@ -319,10 +329,14 @@ class DecodeRole(Role):
         return layout_mismatch(self.endpoint.layout, info.get("layout") or [])
 
     def _preallocate(self) -> None:
+        waiting = [t for t in self.transfers.values() if t.state == KVPoll.WaitingForInput]
+        for t in waiting:
+            if t.scores_only:  # needs no memory: its destination goes out at once
+                self._send_destination(t)
         scheduler = self.scheduler
         ready: list[Transfer] = []
-        for t in self.transfers.values():
-            if t.state != KVPoll.WaitingForInput:
+        for t in waiting:
+            if t.scores_only:
                 continue
             req = t.req
             # the whole prompt at once (prefill writes it); one page per running request kept
@@ -357,7 +371,7 @@ class DecodeRole(Role):
             session=self.endpoint.engine.session_id,
             decode_addr=self.endpoint.addr,
             pages=req.pages,
-            row=req.row,
+            row=NO_ROW if t.scores_only else req.row,
             prompt_len=len(req.input_ids),
         )
         self.endpoint.send(t.rank, dest)
@@ -394,8 +408,11 @@ class DecodeRole(Role):
         for t in list(self.transfers.values()):
             if t.state != KVPoll.Success:
                 continue
+            if t.scores_only:
+                self._finish_scored(t)
+                continue
             if self.scheduler.free_running_slots <= 0:
-                return
+                continue  # every later one waits too: FIFO
             req = t.req
             room, first, _cached, ntop = aux.ints[req.row, :DRAFT_TOKEN].tolist()
             if room != t.room:
@@ -417,6 +434,14 @@ class DecodeRole(Role):
                 req.input_scored = len(req.input_ids)
             self.scheduler.adopt(req, first, logprobs)
 
+    def _finish_scored(self, t: Transfer) -> None:
+        """A scoring-only request is answered with prefill's scores and no output token."""
+        del self.transfers[t.room]
+        del self.by_rid[t.req.rid]
+        t.req.input_logprobs = t.input_logprobs or []
+        t.req.input_scored = len(t.req.input_ids)
+        self.scheduler.commit.finish(t.req, FinishReason.length())
+
     # ---- failure ----
     def _fail(
         self,
@@ -437,11 +462,11 @@ class DecodeRole(Role):
         self.transfers.pop(t.room, None)
         self.by_rid.pop(t.req.rid, None)
         req = t.req
+        exposed = t.state >= KVPoll.Transferring and not prefill_gone
+        if exposed and tell_prefill and t.rank is not None:
+            self.endpoint.send(t.rank, Abort(t.room, self.endpoint.addr))
         if req.row is not None:
-            exposed = t.state >= KVPoll.Transferring and not prefill_gone
             if exposed:
-                if tell_prefill and t.rank is not None:
-                    self.endpoint.send(t.rank, Abort(t.room, self.endpoint.addr))
                 holder = Req(
                     f"{req.rid}#quarantined", [], req.sampling, row=req.row, pages=list(req.pages)
                 )

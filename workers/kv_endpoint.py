@@ -18,11 +18,9 @@ log = logging.getLogger(__name__)
 
 
 class KVEndpoint:
-    def __init__(
-        self, pool: MemoryPool, host: str, ib_device: str | None, bind_host: str | None = None
-    ) -> None:
+    def __init__(self, pool: MemoryPool, host: str, ib_device: str | None) -> None:
         self.host = host
-        self.engine = MooncakeEngine(host, ib_device, bind_host)
+        self.engine = MooncakeEngine(host, ib_device)
         self.page_buffers = page_buffers(pool)
         self.row_buffers = row_buffers(pool)
         self.engine.register([(b.addr, b.nbytes) for b in self.page_buffers + self.row_buffers])

@@ -2,7 +2,8 @@
 
 decode -> prefill   Register     once per prefill worker: its TP size and, per decode rank, that
                                  rank's Mooncake session and buffer addresses; the layout
-decode -> prefill   Destination  per request: where its pages, state rows and aux row go
+decode -> prefill   Destination  per request: where its pages, state rows and aux row go (none
+                                 for a scoring-only request: NO_ROW)
 decode -> prefill   Abort        the request ended at decode (with a reason when decode refused
                                  the handoff); prefill answers AbortAck
 decode -> prefill   Waiting      rooms still queued at decode for memory (a keepalive)
@@ -57,13 +58,18 @@ class Register:
     layout: list[list]  # [name, bytes per item] of every buffer (kv_layout.layout), every rank
 
 
+# Destination.row of a scoring-only request (max_new_tokens 0, prompt logprobs): decode holds no
+# memory for it (pages empty), prefill writes nothing and answers Success with the scores.
+NO_ROW = -1
+
+
 @dataclass(frozen=True)
 class Destination:
     room: int
     session: str
     decode_addr: str
     pages: list[int]
-    row: int
+    row: int  # NO_ROW: a scoring-only request
     prompt_len: int
 
 

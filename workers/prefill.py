@@ -33,6 +33,7 @@ from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
 from workers.messages import (
+    NO_ROW,
     Abort,
     AbortAck,
     Destination,
@@ -67,6 +68,12 @@ class Room:
     nbytes: int = 0  # written so far, all ranks
     write_s: float = 0.0  # time its writes ran (per job: the slowest rank's)
     final_at: float = 0.0  # when its last write was ordered (its prefill had finished)
+
+    @property
+    def scores_only(self) -> bool:
+        """max_new_tokens 0 with prompt logprobs: the prompt is scored here and the scores go
+        to decode with Success; no KV moves (decode holds no memory for it)."""
+        return self.request.sampling.max_new_tokens == 0
 
 
 @dataclass
@@ -106,9 +113,7 @@ class PrefillRole(Role):
     def attach(self, scheduler) -> None:
         super().attach(scheduler)
         host = advertise_host(self.args.host)
-        self.endpoint = KVEndpoint(
-            scheduler.pool, host, self.args.disaggregation_ib_device, self.args.host
-        )
+        self.endpoint = KVEndpoint(scheduler.pool, host, self.args.disaggregation_ib_device)
         ps = state()
         self.world, self.tp_size = ps.world, ps.tp_size
         self.fanout = scheduler.runner.fanout  # None on one rank
@@ -155,7 +160,11 @@ class PrefillRole(Role):
 
     # ---- intake ----
     def submit(self, request: GenerateRequest) -> None:
-        one = SamplingParams(**{**vars(request.sampling), "max_new_tokens": 1, "min_new_tokens": 0})
+        # prefill samples the first token only (none for a scoring-only request)
+        first = min(request.sampling.max_new_tokens, 1)
+        one = SamplingParams(
+            **{**vars(request.sampling), "max_new_tokens": first, "min_new_tokens": 0}
+        )
         request.sampling = one
         if request.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self.scheduler.add(request)  # local only (health checks): no peer, no transfer
@@ -273,6 +282,13 @@ class PrefillRole(Role):
                 f"{msg.prompt_len} (different tokenizer or chat template?)",
                 502,
             )
+        if (msg.row == NO_ROW) != room.scores_only or (msg.row == NO_ROW and msg.pages):
+            return self._fail(
+                room_id,
+                "prefill and decode disagree on max_new_tokens: a scoring-only request "
+                "(max_new_tokens 0) has no destination memory, any other one has",
+                502,
+            )
         room.state = advance(room.state, KVPoll.WaitingForInput)
         self.scheduler.add(room.request)
 
@@ -298,8 +314,10 @@ class PrefillRole(Role):
     def chunk_prefilled(self, req: Req) -> None:
         room_id = self.by_rid.get(req.rid)
         if room_id is not None and req.uncached > 0:  # the last chunk ships in finished()
-            self.rooms[room_id].req = req
-            self.to_ship.append((room_id, False))
+            room = self.rooms[room_id]
+            room.req = req
+            if not room.scores_only:
+                self.to_ship.append((room_id, False))
 
     def finished(self, req: Req) -> bool:
         room_id = self.by_rid.get(req.rid)
@@ -312,6 +330,14 @@ class PrefillRole(Role):
             self._notify_failed(room_id, room, req.finish_reason.status)
             if room.in_flight:
                 return True  # pages may still be read by a queued write; release after it
+            self._forget(room_id)
+            return False
+        if room.scores_only:  # nothing was written: the scores go out now, memory is freed
+            room.state = advance(room.state, KVPoll.Success)
+            scored = encode_logprobs(req.input_logprobs)
+            self.endpoint.send(
+                room.dest.decode_addr, Status(room_id, int(KVPoll.Success), input_logprobs=scored)
+            )
             self._forget(room_id)
             return False
         self.to_ship.append((room_id, True))

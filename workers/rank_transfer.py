@@ -146,7 +146,7 @@ class FollowerKV:
     that memory to rank 0 when asked, and makes the writes rank 0 orders. It decides nothing."""
 
     def __init__(self, args: ServerArgs, pool: MemoryPool) -> None:
-        engine = MooncakeEngine(advertise_host(args.host), args.disaggregation_ib_device, args.host)
+        engine = MooncakeEngine(advertise_host(args.host), args.disaggregation_ib_device)
         pages, rows = page_buffers(pool), row_buffers(pool)
         engine.register([(b.addr, b.nbytes) for b in pages + rows])
         self.memory = RankMemory(engine.session_id, [b.addr for b in pages], [b.addr for b in rows])

@@ -33,13 +33,19 @@ class TransferError(RuntimeError):
 
 
 class MooncakeEngine:
-    def __init__(self, host: str, ib_device: str | None, bind_host: str | None = None) -> None:
-        """Hazard: Mooncake 0.3.13 listens on 0.0.0.0 (handshake RPC) and [::] (TCP data)
-        whatever `host` says; MC_TCP_BIND_ADDRESS is set for builds that honour it. Both ports
-        lie in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]; docs/DEPLOY.md has the firewall rule."""
+    def __init__(self, host: str, ib_device: str | None) -> None:
+        """`host` is the address peers reach this engine at (the session's host).
+
+        Hazard: whatever `host` says, Mooncake (0.3.13, and its source to date) opens two
+        listeners on wildcard addresses that nothing configures: the handshake RPC socket on
+        0.0.0.0 (findAvailableTcpPort binds INADDR_ANY; [::] with MC_USE_IPV6), and, with the tcp
+        protocol, the data socket on [::] dual stack (TcpContext binds asio's tcp::v6() with
+        v6_only off; 0.0.0.0 where IPv6 is missing). MC_TCP_BIND_ADDRESS binds nothing: it is
+        read only with a metadata server, as the address to advertise (measured: the log says
+        "listening on <it>:<port>" while the socket is 0.0.0.0:<port>); under P2PHANDSHAKE the
+        advertised address is `host`. Both ports lie in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT];
+        docs/DEPLOY.md has the firewall rule."""
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-        if bind_host and bind_host not in ("0.0.0.0", "::"):
-            os.environ.setdefault("MC_TCP_BIND_ADDRESS", bind_host)
         from mooncake.engine import TransferEngine
 
         self.protocol = "rdma" if ib_device else "tcp"
@@ -50,6 +56,7 @@ class MooncakeEngine:
                 f"Mooncake initialize({host}, {self.protocol}, {ib_device or '-'}) returned {rc}"
             )
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
+        # tests/test_reliability.py reads the handshake port from this line
         log.info("Mooncake engine up: session %s, protocol %s", self.session_id, self.protocol)
 
     def register(self, regions: list[tuple[int, int]]) -> None:

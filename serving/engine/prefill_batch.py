@@ -115,8 +115,8 @@ class PrefillManager:
                 done.append((req, i))
                 if self.prefilling is req:
                     self.prefilling = None
-        # max_tokens 0 with prompt logprobs: scored, nothing to sample (the front refuses it on
-        # PD workers, where a handoff needs a first token)
+        # max_tokens 0 with prompt logprobs: scored, nothing to sample (on a PD prefill worker
+        # the scores then go to decode without a KV handoff)
         for req, _ in done:
             if req.sampling.params.max_new_tokens == 0:
                 self.commit.finish(req, FinishReason.length())

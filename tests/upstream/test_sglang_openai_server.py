@@ -768,11 +768,20 @@ class TestToolChoice:
         assert len(tool_calls) > 0 and all(call.function.name in names for call in tool_calls)
 
     def test_error_handling_invalid_tool_choice(self, target) -> None:
-        """::test_error_handling_invalid_tool_choice — upstream accepts a warning or an error;
-        ours is a 400 (as OpenAI) whose message names the missing function."""
+        """::test_error_handling_invalid_tool_choice — upstream's newer form: a 400 naming the
+        function in upstream's words (its older form accepted a 200 with a warning too;
+        docs/PROTOCOL.md says why ours is the 400, as OpenAI and vLLM answer). sglang-router
+        refuses it itself, in its own words, before any worker sees it."""
         named = {"type": "function", "function": {"name": "nonexistent_function"}}
-        with pytest.raises(openai.BadRequestError, match="nonexistent_function"):
+        with pytest.raises(openai.BadRequestError) as caught:
             self._create(target, False, tool_choice=named)
+        assert caught.value.status_code == 400
+        words = (
+            "function 'nonexistent_function' not found in 'tools'"
+            if target.name == "sglang-router"
+            else "Tool 'nonexistent_function' not found in tools list"
+        )
+        assert words in str(caught.value)
 
 
 class TestParallelToolCall:
@@ -848,13 +857,41 @@ def test_ignore_eos(target) -> None:
 
 class TestRequestLengthValidation:
     """validation/test_request_length_validation.py::TestRequestLengthValidation (our context
-    length is 1024, upstream's 1000; the messages are ours, so the check is on "context
-    length")."""
+    length is 1024, upstream's 1000). Upstream's phrases are matched as upstream matches them,
+    across its versions; the OpenAI-form error carries OpenAI's code, which langchain-openai
+    looks for (sglang-router replaces it with its own, "decode_bad_request", and keeps the
+    message, which names it too), and the phrase LiteLLM maps to ContextWindowExceededError."""
+
+    @staticmethod
+    def _context_error(target, call: Any, *phrases: str) -> openai.BadRequestError:
+        with pytest.raises(openai.BadRequestError) as caught:
+            call()
+        error = caught.value
+        ours = "decode_bad_request" if target.name == "sglang-router" else "context_length_exceeded"
+        assert error.status_code == 400 and error.code == ours
+        assert "context_length_exceeded" in str(error)  # langchain-openai's test (message only
+        # in the text with this openai-python; the whole body with 1.x)
+        for phrase in (*phrases, "This model's maximum context length is"):
+            assert phrase in str(error), str(error)
+        return error
 
     def test_input_length_longer_than_context_length(self, target) -> None:
         """::test_input_length_longer_than_context_length"""
-        with pytest.raises(openai.BadRequestError, match="context length"):
-            chat(target.peer, messages=[{"role": "user", "content": "hello " * 1200}])
+        messages = [{"role": "user", "content": "hello " * 1200}]
+        error = self._context_error(target, lambda: chat(target.peer, messages=messages),
+                                    "is longer than the model's context length")  # fmt: skip
+        assert f"{target.peer.prompt_tokens(messages)} tokens" in str(error)
+
+    @pytest.mark.sglang_router_refuses(
+        "sglang-router answers a refused stream with a 400 whose body is an SSE event, not JSON: "
+        "the client gets no message"
+    )
+    def test_input_length_longer_than_context_length_streaming(self, target) -> None:
+        """::test_input_length_longer_than_context_length_streaming — refused with a status
+        before the stream starts."""
+        messages = [{"role": "user", "content": "hello " * 1200}]
+        self._context_error(target, lambda: chat(target.peer, messages=messages, stream=True),
+                            "is longer than the model's context length")  # fmt: skip
 
     def test_input_length_longer_than_maximum_allowed_length(self, target) -> None:
         """::test_input_length_longer_than_maximum_allowed_length — a prompt of exactly the
@@ -868,10 +905,18 @@ class TestRequestLengthValidation:
             words = longer
         messages = [{"role": "user", "content": words}]
         assert peer.prompt_tokens(messages) == CONTEXT
-        with pytest.raises(openai.BadRequestError, match="context length"):
-            chat(peer, messages=messages)
+        self._context_error(target, lambda: chat(peer, messages=messages),
+                            "is longer than the model's context length")  # fmt: skip
 
     def test_max_tokens_validation(self, target) -> None:
-        """::test_max_tokens_validation"""
-        with pytest.raises(openai.BadRequestError, match="context length"):
-            chat(target.peer, messages=[{"role": "user", "content": "hello "}], max_tokens=1200)
+        """::test_max_tokens_validation — upstream's older phrase and its newer one (max_tokens
+        alone is over the context length)."""
+        messages = [{"role": "user", "content": "hello "}]
+        n = target.peer.prompt_tokens(messages)
+        error = self._context_error(
+            target,
+            lambda: chat(target.peer, messages=messages, max_tokens=1200),
+            "Requested token count exceeds the model's maximum context",
+            "max_completion_tokens is too large",
+        )
+        assert f"a total of {n + 1200} tokens: {n} tokens" in str(error)

@@ -19,6 +19,7 @@ from serving.executor.constrained import (
     grammar_of,
     load_tokenizer,
 )
+from serving.front.api.context_length import input_too_long
 from serving.front.api.errors import APIError
 from serving.front.api.structured_output import GlmTokens
 from serving.front.chat import ChatTemplate, load_chat_template
@@ -97,13 +98,11 @@ class FrontContext:
         here keep every byte."""
         bound = context_length * self.max_token_chars
         if chars > bound:
-            raise APIError(
-                400,
-                f"{what} has {chars} characters, more than {bound} (the context length, "
-                f"{context_length} tokens, times the longest token, {self.max_token_chars} "
-                "characters)",
-                param,
+            size = (
+                f"{what}: {chars} characters, more than the {bound} that {context_length} "
+                f"tokens of at most {self.max_token_chars} characters each can hold"
             )
+            raise input_too_long(size, context_length, param)
 
     async def encode_checked(
         self, text: str, add_special_tokens: bool, context_length: int, param: str

@@ -34,32 +34,44 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
 class APIError(Exception):
-    """A request the server refuses or cannot finish; becomes an error body with `status`."""
+    """A request the server refuses or cannot finish; becomes an error body with `status`.
+    `code` is OpenAI's error code where OpenAI defines one (e.g. "context_length_exceeded")."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's nested form, plus SGLang/vLLM's flat one for their clients."""
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's nested form, plus SGLang/vLLM's flat one for their clients. The flat `code` is
+    always the status (SGLang's and vLLM's clients read an int); the nested one is OpenAI's
+    code where one is given, since OpenAI's clients read it from there (openai-python's
+    `BadRequestError.code`; LangChain looks for "context_length_exceeded" in the error)."""
     error = {
         "message": message,
         "type": _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "ServerError"),
         "param": param,
         "code": status,
     }
-    return {"object": "error", "error": error, **error}
+    return {"object": "error", "error": {**error, "code": code or status}, **error}
 
 
 RETRY_AFTER_S = 1  # what 429 and 503 tell a client to wait before trying again
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    body = error_body(status, message, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
@@ -88,7 +100,7 @@ def _is_type_tag(part: Any) -> bool:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e.status, e.message, e.param)
+        return error_response(e.status, e.message, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

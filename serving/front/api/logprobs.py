@@ -58,13 +58,22 @@ def completion_logprobs(
     }
 
 
-def native_logprobs(logprobs: Sequence[TokenLogprob], kind: str = "output") -> dict[str, Any]:
+def native_logprobs(
+    logprobs: Sequence[TokenLogprob], kind: str = "output", tokenizer: Tokenizer | None = None
+) -> dict[str, Any]:
     """SGLang's meta_info fields: `kind` "output", or "input" for the scored prompt, whose
-    first token (logprob_start_len 0) has a null logprob and null top list."""
+    first token (logprob_start_len 0) has a null logprob and null top list. Each entry is
+    [logprob, token id, text]; the text is null unless a tokenizer is given
+    (return_text_in_logprobs): each token decoded alone, special tokens kept, as SGLang."""
+
+    def entry(token_id: int, logprob: float | None) -> list[Any]:
+        text = token_text(tokenizer, token_id) if tokenizer is not None else None
+        return [logprob, token_id, text]
+
     return {
-        f"{kind}_token_logprobs": [[lp.logprob, lp.token_id, None] for lp in logprobs],
+        f"{kind}_token_logprobs": [entry(lp.token_id, lp.logprob) for lp in logprobs],
         f"{kind}_top_logprobs": [
-            [[logprob, token_id, None] for token_id, logprob in lp.top]
+            [entry(token_id, logprob) for token_id, logprob in lp.top]
             if lp.logprob is not None
             else None
             for lp in logprobs

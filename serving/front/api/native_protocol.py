@@ -43,6 +43,7 @@ class GenerateBody(NativeBody):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # with return_logprob: score the prompt from here (-1: not)
+    return_text_in_logprobs: bool = False  # each logprob entry carries its token's text
     require_reasoning: bool = False  # the output starts in reasoning: report reasoning_tokens
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None

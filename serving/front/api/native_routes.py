@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from tokenizers import Tokenizer
 
 from serving.front.api.context import FrontContext
 from serving.front.api.errors import APIError
@@ -59,14 +60,8 @@ def native_router(ctx: FrontContext) -> APIRouter:
                 "logprob_start_len",
             )
         think_end = _think_end(ctx) if body.require_reasoning else None
+        texts = ctx.tokenizer if body.return_text_in_logprobs else None
         scoring = body.return_logprob and body.logprob_start_len >= 0
-        if scoring and ctx.args.disaggregation_mode != "null":
-            if any(p.max_new_tokens == 0 for p in params):
-                raise APIError(
-                    400,
-                    "max_new_tokens: prompt logprobs need max_new_tokens >= 1 on PD workers",
-                    "max_new_tokens",
-                )
         samplings = [_sampling(ctx, p, ready, len(ids), scoring) for p, ids in zip(params, prompts)]
         seqs = make_seqs(
             ctx.tokenizer,
@@ -84,9 +79,9 @@ def native_router(ctx: FrontContext) -> APIRouter:
         many = batched or n > 1
         if body.stream:
             updates = await start_seqs(request, ctx.client, seqs)
-            return event_stream(_stream(ctx, updates, many, think_end))
+            return event_stream(_stream(ctx, updates, many, think_end, texts))
         await collect(request, ctx.client, seqs)
-        results = [_result(ctx, seq, think_end) for seq in seqs]
+        results = [_result(ctx, seq, think_end, texts) for seq in seqs]
         return JSONResponse(results if many else results[0])
 
     @router.post("/abort_request")
@@ -180,10 +175,13 @@ def _think_end(ctx: FrontContext) -> int:
     return ctx.glm_tokens.think_end
 
 
-def _result(ctx: FrontContext, seq: Seq, think_end: int | None = None) -> dict[str, Any]:
+def _result(
+    ctx: FrontContext, seq: Seq, think_end: int | None = None, texts: Tokenizer | None = None
+) -> dict[str, Any]:
     """SGLang's /generate result. With think_end (require_reasoning), meta_info's
     reasoning_tokens counts the output up to and including `</think>` (all of it while the
-    reasoning is still open), as SGLang counts it."""
+    reasoning is still open), as SGLang counts it. With `texts` (return_text_in_logprobs)
+    every logprob entry carries its token's text."""
     meta: dict[str, Any] = {
         "id": seq.request.rid,
         "finish_reason": seq.finish_reason.to_json() if seq.finish_reason else None,
@@ -195,18 +193,22 @@ def _result(ctx: FrontContext, seq: Seq, think_end: int | None = None) -> dict[s
         ids = seq.output_ids
         meta["reasoning_tokens"] = ids.index(think_end) + 1 if think_end in ids else len(ids)
     if seq.request.return_logprob:
-        meta.update(native_logprobs(seq.logprobs))
+        meta.update(native_logprobs(seq.logprobs, "output", texts))
         if seq.request.logprob_start_len >= 0:
             # In PD the decode worker answers with the prompt's logprobs (prefill sends them
             # with the KV); sglang-router concatenates prefill's input_token_logprobs before
             # decode's, so a prefill worker answers with none.
             prefill = ctx.args.disaggregation_mode == "prefill"
-            meta.update(native_logprobs([] if prefill else seq.input_logprobs, "input"))
+            meta.update(native_logprobs([] if prefill else seq.input_logprobs, "input", texts))
     return {"text": seq.text.text, "output_ids": list(seq.output_ids), "meta_info": meta}
 
 
 async def _stream(
-    ctx: FrontContext, updates: AsyncIterator[Update], many: bool, think_end: int | None
+    ctx: FrontContext,
+    updates: AsyncIterator[Update],
+    many: bool,
+    think_end: int | None,
+    texts: Tokenizer | None,
 ) -> AsyncIterator[str]:
     """Cumulative results, one event per update; batch items carry their "index"."""
     try:
@@ -216,7 +218,7 @@ async def _stream(
                 if (error := seq.error()) is not None:
                     yield stream_error(error)
                     break
-                result = _result(ctx, seq, think_end)
+                result = _result(ctx, seq, think_end, texts)
                 yield sse({**result, "index": seq.index} if many else result)
     except Exception as e:
         yield stream_error(e)

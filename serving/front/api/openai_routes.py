@@ -98,12 +98,6 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         if body.logprobs is not None:
             check_top_logprobs(body.logprobs, "logprobs")
         prompt_logprobs = body.echo and body.logprobs is not None  # scored from the prefill
-        if prompt_logprobs and body.max_tokens == 0 and ctx.args.disaggregation_mode != "null":
-            raise APIError(
-                400,
-                "max_tokens: echo with logprobs needs max_tokens >= 1 on PD workers",
-                "max_tokens",
-            )
         if body.suffix is not None:
             raise APIError(400, "suffix: not supported by this server", "suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -117,7 +111,7 @@ def openai_router(ctx: FrontContext) -> APIRouter:
                 body.max_tokens,
                 len(ids),
                 COMPLETION_DEFAULT_MAX_TOKENS,
-                scoring_prompt=bool(body.echo) and body.logprobs is not None,
+                scoring_prompt=prompt_logprobs,
             )
             for ids in prompts
         ]
@@ -197,7 +191,7 @@ async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRu
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
-    sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None)
+    sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None, prompt_param="messages")
     reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
     opens = prompt_opens_reasoning(prompt)
     parsed_tools = tools if ctx.args.tool_call_parser else None
@@ -313,8 +307,14 @@ def _tool_choice(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | No
         return tools, ""
     name = choice.function.name if isinstance(choice, NamedToolChoice) else ""
     named = [t for t in tools if t["function"]["name"] == name]
-    if not named:
-        raise APIError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
+    if not named:  # a 400, as OpenAI and vLLM (docs/PROTOCOL.md); worded as SGLang and vLLM
+        offered = ", ".join(repr(t["function"]["name"]) for t in tools)
+        raise APIError(
+            400,
+            f"tool_choice: Tool {name!r} not found in tools list ({offered}): the tool "
+            "specified in `tool_choice` does not match any of the specified `tools`",
+            "tool_choice",
+        )
     return named, name
 
 
@@ -371,6 +371,7 @@ def _sampling(
     prompt_len: int,
     default_max_tokens: int | None,
     scoring_prompt: bool = False,
+    prompt_param: str = "prompt",
 ) -> SamplingParams:
     sampling = make_sampling(
         ctx.sampling_defaults,
@@ -399,6 +400,7 @@ def _sampling(
         ready.vocab_size,
         default_max_tokens,
         scoring_prompt,
+        prompt_param,
     )
     return sampling
 

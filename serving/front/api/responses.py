@@ -33,7 +33,7 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 def stream_error(e: Exception) -> str:
     """The SSE event for a failure after the stream has started (the status is already 200)."""
     if isinstance(e, APIError):
-        return sse(error_body(e.status, e.message, e.param))
+        return sse(error_body(e.status, e.message, e.param, e.code))
     if isinstance(e, EngineUnavailable):
         return sse(error_body(503, str(e)))
     if isinstance(e, RidInUse):

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from serving.front.api.context_length import input_too_long, request_too_long
 from serving.front.api.errors import APIError
 from serving.protocol import SamplingParams
 
@@ -51,23 +52,20 @@ def fit_to_context(
     vocab_size: int,
     default_max_tokens: int | None = None,
     scoring_prompt: bool = False,
+    prompt_param: str = "prompt",
 ) -> None:
     """Set max_new_tokens (given, else the default, else all the room left) and validate.
     max_tokens 0 is refused unless the request scores its prompt (echo with logprobs,
     logprob_start_len): then it means "the prompt's logprobs, no output", as OpenAI's and
     vLLM's evaluation clients use it.
 
-    Raises APIError or SamplingError (both HTTP 400).
+    Raises APIError or SamplingError (both HTTP 400); a prompt too long names `prompt_param`.
     """
     if prompt_len == 0:
         raise APIError(400, "the prompt is empty", "prompt")
     room = context_length - prompt_len
     if room <= 0:
-        raise APIError(
-            400,
-            f"the prompt has {prompt_len} tokens; the context length is {context_length} tokens",
-            "prompt",
-        )
+        raise input_too_long(f"{prompt_len} tokens", context_length, prompt_param)
     if max_tokens is not None and max_tokens < (0 if scoring_prompt else 1):
         raise APIError(400, f"max_tokens: must be >= 1, got {max_tokens}", "max_tokens")
     if max_tokens is None:
@@ -75,13 +73,7 @@ def fit_to_context(
     sampling.max_new_tokens = max_tokens
     sampling.validate(vocab_size)
     if prompt_len + max_tokens > context_length:
-        raise APIError(
-            400,
-            f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
-            f"{prompt_len + max_tokens} tokens, more than the context length "
-            f"({context_length} tokens)",
-            "max_tokens",
-        )
+        raise request_too_long(prompt_len, max_tokens, context_length)
 
 
 def check_top_logprobs(value: int, name: str) -> None:
