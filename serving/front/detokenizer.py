@@ -5,56 +5,50 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from serving.protocol import FinishReason
 
-REPLACEMENT_CHAR = "\ufffd"
+REPLACEMENT_CHAR = "\ufffd"  # what a character cut off at the end decodes to
 
 
 class IncrementalDetokenizer:
     """Turns a growing token sequence into text that only ever grows.
 
-    Each token decodes the window `ids[prefix_offset:]` and compares it with the decoding of
-    `ids[prefix_offset:read_offset]`; the difference is new text. A window ending in U+FFFD is
-    a multi-byte character split across tokens and is held back until a later token completes
-    it (or `flush` at the end). The decoder must be prefix-stable, as byte-level BPE is: a
-    window decodes the same whether or not earlier tokens precede it.
+    tokenizers' DecodeStream does the work (2.1 -> 0.9 us per token against the window-decode
+    this replaced, docs/BENCHMARKS.md): it returns a token's text once the bytes so far form
+    whole characters, so a multi-byte character split across tokens is held back until a later
+    token completes it. `flush` releases what is still held (as U+FFFD) when the sequence ends.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # tokens since the stream last returned text
         self.token_ids: list[int] = []
         self.text = ""
-        self._prefix_offset = 0
-        self._read_offset = 0
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they completed."""
         start = len(self.text)
         for token_id in token_ids:
             self.token_ids.append(token_id)
-            prefix, window = self._windows()
-            if len(window) > len(prefix) and not window.endswith(REPLACEMENT_CHAR):
-                self.text += window[len(prefix) :]
-                self._prefix_offset = self._read_offset
-                self._read_offset = len(self.token_ids)
+            piece = self._stream.step(self._tokenizer, token_id)
+            if piece:
+                self.text += piece
+                self._held.clear()
+            else:
+                self._held.append(token_id)
         return self.text[start:]
 
     def flush(self) -> str:
         """The held-back tail, U+FFFD included; call once, when the sequence has finished."""
-        prefix, window = self._windows()
-        tail = window[len(prefix) :]
+        tail = self._tokenizer.decode(self._held, self._skip_special_tokens) if self._held else ""
         self.text += tail
-        self._prefix_offset = self._read_offset = len(self.token_ids)
+        self._held.clear()
+        self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
         return tail
-
-    def _windows(self) -> tuple[str, str]:
-        ids = self.token_ids
-        skip = self._skip_special_tokens
-        prefix = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip)
-        window = self._tokenizer.decode(ids[self._prefix_offset :], skip)
-        return prefix, window
 
 
 def partial_stop_len(text: str, stop: Sequence[str]) -> int:
