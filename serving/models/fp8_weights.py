@@ -50,6 +50,16 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def fp8_weights(header: dict[str, TensorInfo]) -> set[str]:
     """Names of the FP8 weights; checks every FP8 tensor has scales of its shape and every
     scale tensor has an FP8 weight."""
+    for name, info in header.items():
+        if (
+            info.dtype.startswith("F8")
+            and info.dtype != FP8_DTYPE
+            and not name.endswith(SCALE_SUFFIX)
+        ):
+            raise Fp8CheckpointError(
+                f"{name!r}: dtype {info.dtype} is not supported (FP8 weights are "
+                f"{FP8_DTYPE}, float8_e4m3fn)"
+            )
     found = set()
     for name, info in header.items():
         if name.endswith(SCALE_SUFFIX):
@@ -60,11 +70,6 @@ def fp8_weights(header: dict[str, TensorInfo]) -> set[str]:
                     f"{name[: -len(SCALE_SUFFIX)]!r} beside them"
                 )
             continue
-        if info.dtype.startswith("F8") and info.dtype != FP8_DTYPE:
-            raise Fp8CheckpointError(
-                f"{name!r}: dtype {info.dtype} is not supported (FP8 weights are "
-                f"{FP8_DTYPE}, float8_e4m3fn)"
-            )
         if info.dtype != FP8_DTYPE:
             continue
         scale = header.get(name + SCALE_SUFFIX)

@@ -68,7 +68,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, ue8m0: bool = False) -
                     raise SystemExit(f"error: {src} is already quantized ({name})")
                 if QUANTIZED.search(name):
                     if tensor.dim() != 2:
-                        raise SystemExit(f"error: {name}: expected a 2-D weight, got {tensor.shape}")
+                        raise SystemExit(
+                            f"error: {name}: expected a 2-D weight, got {tensor.shape}"
+                        )
                     tensor, scale = quantize_weight(tensor, ue8m0)
                     out[name + SCALE_SUFFIX] = scale
                 out[name] = tensor
