@@ -10,6 +10,7 @@ K step of BLOCK_K (<= 128, dividing 128, so a step never straddles a scale group
 e4m3 tiles on the tensor cores and adds dot * a_scale[m] * w_scale[n // 128] to an fp32
 accumulator (the per-group promotion that keeps FP8 accumulation error bounded). No host sync;
 tile sizes are host-side functions of the shapes, so the path is capturable in CUDA graphs.
+M, N and K are run-time arguments: one compiled kernel per tile configuration, not per shape.
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def _gemm_kernel(
     bs_ptr,  # [NB, KB] float32
     c_ptr,  # [M, N]
     M,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    KB: tl.constexpr,
+    N,
+    K,
+    KB,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -138,7 +139,7 @@ def _gemm_kernel(
 
 def gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an H200 (host ints only)."""
-    block_k = max(16, min(BLOCK, triton.next_power_of_2(k)))
+    block_k = max(32, min(BLOCK, triton.next_power_of_2(k)))  # e4m3 dots take K >= 32
     if m <= 16:
         block_m, block_n, warps, stages = 16, 128, 4, 4
     elif m <= 64:
@@ -175,9 +176,9 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
         scale,
         y,
         m,
-        N=n,
-        K=k,
-        KB=blocks(k),
+        n,
+        k,
+        blocks(k),
         GROUP=BLOCK,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

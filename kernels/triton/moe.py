@@ -99,9 +99,10 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype)
             dn_n_max //= 2
     # tiny models (tests, the tiny preset): never a tile much larger than the dimension
     gu_n = max(16, min(gu_n_max, triton.next_power_of_2(inter)))
-    gu_k = max(16, min(cfg.gu_block_k, triton.next_power_of_2(hidden)))
+    min_k = 32 if fp8 else 16  # e4m3 dots take K >= 32
+    gu_k = max(min_k, min(cfg.gu_block_k, triton.next_power_of_2(hidden)))
     dn_n = max(16, min(dn_n_max, triton.next_power_of_2(hidden)))
-    dn_k = max(16, min(cfg.down_block_k, triton.next_power_of_2(inter)))
+    dn_k = max(min_k, min(cfg.down_block_k, triton.next_power_of_2(inter)))
     return MoEConfig(cfg.block_m, gu_n, gu_k, dn_n, dn_k, cfg.num_warps, cfg.num_stages)
 
 
