@@ -34,6 +34,7 @@ pytest.importorskip("triton")
 
 from kernels import fp8 as fp8_ref  # noqa: E402
 from kernels import moe as moe_ref  # noqa: E402
+from serving.tools.bench_kernels_moe_kda import REAL_FP8_LINEARS as REAL_LINEARS  # noqa: E402
 from tests.triton_interp import patch_triton_interpreter  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,24 +42,6 @@ cpu_interp = pytest.mark.skipif(not INTERPRET, reason="CPU cases need TRITON_INT
 if INTERPRET:
     patch_triton_interpreter()
 
-# GLM-5.3-Flash's quantized projections at TP1: (out, in)
-REAL_LINEARS = {
-    "kda q/k/v": (8192, 4096),
-    "kda f_a/g_a": (128, 4096),
-    "kda f_b/g_b": (8192, 128),
-    "kda b": (64, 4096),
-    "kda o": (4096, 8192),
-    "mla q_a": (1536, 4096),
-    "mla q_b": (16384, 1536),
-    "mla kv_a": (512, 4096),
-    "mla o": (4096, 16384),
-    "indexer wq_b": (4096, 1536),
-    "indexer wk": (128, 4096),
-    "dense gate/up": (12288, 4096),
-    "dense down": (4096, 12288),
-    "shared expert gate/up": (2048, 4096),
-    "shared expert down": (4096, 2048),
-}
 # (hidden, experts, moe_intermediate, top_k)
 REAL_MOE = (4096, 288, 2048, 8)
 BENCH_MOE = (2048, 64, 768, 4)

@@ -159,14 +159,21 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
     kernels.fp8.block_fp8_linear. x [..., in], w8 [out, in], scale [ceil(out/128),
     ceil(in/128)] float32; returns [..., out] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
-    n = w8.shape[0]
     x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m == 0:
-        return y.view(*lead, n)
-    assert max(m, n) * k < 2**31 and m * n < 2**31, "FP8 GEMM buffers exceed int32 offsets"
+    if x2.shape[0] == 0:
+        return torch.empty(*lead, w8.shape[0], device=x.device, dtype=x.dtype)
     x8, xs = quantize_act(x2)
+    return fp8_gemm(x8, xs, w8, scale, x.dtype).view(*lead, w8.shape[0])
+
+
+def fp8_gemm(
+    x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The block-scaled GEMM alone: x8 [M, K] e4m3 with scales xs [M, ceil(K/128)] times
+    w8 [N, K]^T with block scales; [M, N] in dtype."""
+    (m, k), n = x8.shape, w8.shape[0]
+    assert max(m, n) * k < 2**31 and m * n < 2**31, "FP8 GEMM buffers exceed int32 offsets"
+    y = torch.empty(m, n, device=x8.device, dtype=dtype)
     block_m, block_n, block_k, warps, stages = gemm_config(m, n, k)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _gemm_kernel[grid](
@@ -188,4 +195,4 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
         num_warps=warps,
         num_stages=stages,
     )
-    return y.view(*lead, n)
+    return y

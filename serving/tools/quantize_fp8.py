@@ -89,6 +89,33 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, ue8m0: bool = False) -
     return dst
 
 
+def quantize_model(model: torch.nn.Module) -> torch.nn.Module:
+    """In memory, what quantize_checkpoint then a CUDA load give (for benchmarks on random
+    weights): every module with FP8 kernels (a `kind`) holds block-FP8 weights quantized from
+    its own, the routed experts' gate and up halves apart. kv_b stays as it is: the loader
+    dequantizes it anyway."""
+    for module in model.modules():
+        if getattr(module, "kind", None) is None:
+            continue
+        if module.kind == "moe":
+            w13, w2 = module.w13.data, module.w2.data
+            module.hold_fp8()
+            inter = w13.shape[1] // 2
+            (g8, gs), (u8, us) = quantize_weight(w13[:, :inter]), quantize_weight(w13[:, inter:])
+            module.w13.data.copy_(torch.cat([g8, u8], dim=1))
+            module.w13_scale_inv.data.copy_(torch.cat([gs, us], dim=1))
+            w8, scale = quantize_weight(w2)
+            module.w2.data.copy_(w8)
+            module.w2_scale_inv.data.copy_(scale)
+        else:
+            w = module.weight.data
+            module.hold_fp8()
+            w8, scale = quantize_weight(w)
+            module.weight.data.copy_(w8)
+            module.weight_scale_inv.data.copy_(scale)
+    return model
+
+
 def write_fp8_config(model_dir: Path, ue8m0: bool = False) -> None:
     """Add quantization_config to model_dir/config.json (top level, as GLM's)."""
     path = model_dir / "config.json"
