@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import fp8
+
 
 def route(
     x: torch.Tensor,
@@ -93,3 +95,43 @@ def experts_dense(
     gate, up = torch.einsum("th,eih->eti", x, w13).chunk(2, dim=-1)
     y = torch.einsum("eti,ehi->eth", swiglu(gate, up, limit), w2)
     return torch.einsum("eth,te->th", y.float(), dense).to(x.dtype)
+
+
+def experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """`experts` with block-FP8 weights, W8A8 (kernels/fp8.py): w13 [E, 2I, Hd] and w2 [E, Hd, I]
+    float8_e4m3fn; w13_scale [E, 2 * ceil(I/128), ceil(Hd/128)] (gate's blocks, then up's: each
+    half has its own partial edge block), w2_scale [E, ceil(Hd/128), ceil(I/128)]. x is quantized
+    per token group before gate/up, the SwiGLU output (rounded to x's dtype) before down.
+
+    Every expert runs on every token with weight 0 where unselected (ids equal to E add
+    nothing): static shapes and no host sync, so it is capturable like experts_dense.
+    """
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    nb = fp8.blocks(inter)
+    dense = torch.zeros(x.shape[0], num_experts + 1, device=x.device, dtype=torch.float32)
+    dense = dense.scatter_(1, ids, weights.float())[:, :num_experts]
+    xq = _fake_quant(x)
+    out = torch.zeros(x.shape[0], x.shape[1], device=x.device, dtype=torch.float32)
+    for e in range(num_experts):
+        gate = xq @ fp8.dequantize(w13[e, :inter], w13_scale[e, :nb]).T
+        up = xq @ fp8.dequantize(w13[e, inter:], w13_scale[e, nb:]).T
+        h = _fake_quant(swiglu(gate, up, limit).to(x.dtype))
+        y = (h @ fp8.dequantize(w2[e], w2_scale[e]).T) * dense[:, e : e + 1]
+        out += y.to(x.dtype).float()  # each pair's output rounded, as the Triton MoE stores it
+    return out.to(x.dtype)
+
+
+def _fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """x after per-token-group FP8 quantization, as float32."""
+    x8, scale = fp8.quantize_act(x)
+    return x8.float() * scale.repeat_interleave(fp8.BLOCK, dim=-1)[:, : x.shape[1]]

@@ -19,8 +19,65 @@ MLP_TYPES = ("dense", "sparse")
 INDEXER_TYPES = ("full", "shared")
 
 
+# The layer kinds that can run in block FP8: the names --fp8-keep-bf16 takes.
+FP8_KINDS = ("kda", "mla", "indexer", "dense_mlp", "shared_expert", "moe")
+
+
 class ConfigError(ValueError):
     """A checkpoint config this server cannot serve; the message names the field."""
+
+
+def parse_fp8_kinds(text: str | None) -> frozenset[str]:
+    """--fp8-keep-bf16: comma-separated FP8_KINDS, or "all"."""
+    kinds = {k.strip() for k in (text or "").split(",") if k.strip()}
+    if kinds == {"all"}:
+        return frozenset(FP8_KINDS)
+    unknown = kinds - set(FP8_KINDS)
+    if unknown:
+        raise ConfigError(
+            f"--fp8-keep-bf16 {text}: unknown kinds {sorted(unknown)} (choose from "
+            f"{', '.join(FP8_KINDS)}, or all)"
+        )
+    return frozenset(kinds)
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """`quantization_config` of a block-FP8 checkpoint (GLM-5, DeepSeek-V3): e4m3 weights with
+    one float32 scale per 128 x 128 block, activations quantized online per token group.
+    scale_fmt "ue8m0": the scales are powers of two (stored as float32 or float8_e8m0fnu)."""
+
+    weight_block_size: tuple[int, int] = (128, 128)
+    scale_fmt: str | None = None
+
+    @classmethod
+    def from_dict(cls, q: Any) -> Fp8Config:
+        if not isinstance(q, dict):
+            raise ConfigError(f"quantization_config must be an object, got {q!r}")
+        method = q.get("quant_method")
+        if method != "fp8":
+            raise ConfigError(
+                f"quantization_config.quant_method={method!r} is not supported (only 'fp8': "
+                "block-scaled e4m3 weights, as GLM-5 and DeepSeek-V3 publish them)"
+            )
+        checks = (
+            ("fmt", q.get("fmt", "e4m3"), ("e4m3",)),
+            ("activation_scheme", q.get("activation_scheme", "dynamic"), ("dynamic",)),
+            ("scale_fmt", q.get("scale_fmt"), (None, "ue8m0")),
+        )
+        for name, value, allowed in checks:
+            if value not in allowed:
+                raise ConfigError(
+                    f"quantization_config.{name}={value!r} is not supported (expected one of "
+                    f"{allowed})"
+                )
+        block = q.get("weight_block_size")
+        if block is None or list(block) != [128, 128]:
+            raise ConfigError(
+                f"quantization_config.weight_block_size={block!r} is not supported (only "
+                "[128, 128]; per-tensor or per-channel FP8 is not built)"
+            )
+        return cls((128, 128), q.get("scale_fmt"))
 
 
 @dataclass(frozen=True)
@@ -68,6 +125,7 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    quantization: Fp8Config | None = None  # block-FP8 checkpoint (quantization_config)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +200,7 @@ class ModelConfig:
             )
         if text.get("q_lora_rank") is None:
             raise ConfigError("q_lora_rank is required for DSA layers")
+        quant = raw.get("quantization_config", text.get("quantization_config"))
         eos = text.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         known = {f.name for f in fields(cls)}
@@ -186,6 +245,7 @@ class ModelConfig:
             num_nextn_predict_layers=int(text.get("num_nextn_predict_layers", 0) or 0),
             eos_token_ids=eos_ids,
             pad_token_id=text.get("pad_token_id"),
+            quantization=None if quant is None else Fp8Config.from_dict(quant),
             extra={k: v for k, v in text.items() if k not in known},
         )
 

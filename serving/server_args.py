@@ -113,6 +113,14 @@ class ServerArgs:
     speculative_moe_runner_backend: str = field(
         default="auto", metadata={"choices": ["auto", "torch", "triton"]}
     )
+    fp8_keep_bf16: str | None = field(
+        default=None,
+        metadata={
+            "help": "block-FP8 checkpoints on CUDA: layer kinds to dequantize to bf16 at load "
+            "instead of running FP8 kernels, comma-separated from kda, mla, indexer, dense_mlp, "
+            "shared_expert, moe, or all"
+        },
+    )
     disable_shared_experts_fusion: bool = field(
         default=False, metadata={"help": "accepted; shared experts are never fused here"}
     )
@@ -260,6 +268,12 @@ class ServerArgs:
                 raise ArgsError(f"--{_dash(flag)} {getattr(self, flag)}: only 1 is supported")
         if self.kv_cache_dtype.startswith("fp8"):
             raise ArgsError(f"--kv-cache-dtype {self.kv_cache_dtype}: fp8 KV caches are not built")
+        from serving.config import ConfigError, parse_fp8_kinds
+
+        try:
+            parse_fp8_kinds(self.fp8_keep_bf16)
+        except ConfigError as exc:
+            raise ArgsError(str(exc)) from None
         for flag in ("dsa_prefill_backend", "dsa_decode_backend"):
             _require_backend(flag, getattr(self, flag), device)
         for flag in ("moe_runner_backend", "speculative_moe_runner_backend"):

@@ -141,3 +141,34 @@ def test_triton_mhc_mix_matches_reference():
             mhc_mix_reference(mix, base, scale, hc, 20, 1e-6),
         ):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_decode_graphs_equal_eager(tiny_ckpt, tmp_path):
+    """A block-FP8 checkpoint on CUDA runs the W8A8 kernels (held FP8) in captured decode
+    graphs: no host sync, and the same tokens as eager."""
+    from serving.tools.quantize_fp8 import quantize_checkpoint
+
+    fp8 = quantize_checkpoint(tiny_ckpt, tmp_path / "fp8")
+    eager, _ = _engine_tokens(fp8, "disabled", "float32")
+    graphs, _ = _engine_tokens(fp8, "full", "float32")
+    assert graphs == eager
+
+
+def test_small_model_fp8_tracks_bf16():
+    """The shipped small model quantized to block FP8 and served with the W8A8 kernels, against
+    itself in bf16 (both on the fast path): held-out perplexity within 2%; the greedy
+    agreement is printed (-s) for docs/BENCHMARKS.md."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from serving.tools.eval_small import fp8_vs_bf16, heldout_texts, token_windows
+
+    small = Path(__file__).resolve().parents[1] / "serving" / "assets" / "small_model"
+    tok = Tokenizer.from_file(str(small / "tokenizer.json"))
+    texts = heldout_texts(Path(__file__).parent / "data" / "small_heldout.txt")
+    windows = token_windows(tok, texts, 256, 16)
+    prompts = token_windows(tok, texts[::-1], 48, 16)
+    report = fp8_vs_bf16(str(small), torch.bfloat16, "cuda", windows, prompts, 24)
+    print(report)
+    assert abs(report["ppl_ratio"] - 1) < 0.02, report

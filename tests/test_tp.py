@@ -75,7 +75,7 @@ def test_plan_of_the_real_config(tmp_path, capsys):
     flags += ["--disaggregation-decode-extra-slots", "64", "--gpu-memory-gib", "141"]
     main([*flags, "--tp-size", "8", "--ep-size", "8"])
     out = capsys.readouterr().out
-    assert "313.4 B parameters" in out, out
+    assert "313.3 B parameters" in out, out  # float32 islands counted once, not by bytes
     assert "request rows                  97" in out, out
     weights = float(out.split("weights per rank")[1].split()[0])
     assert 583.7 / 8 < weights < 583.7 / 8 + 2, out  # a little replicated on every rank

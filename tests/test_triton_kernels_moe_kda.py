@@ -30,6 +30,7 @@ pytest.importorskip("triton")
 
 from kernels import kda as kda_ref  # noqa: E402
 from kernels import moe as moe_ref  # noqa: E402
+from tests.triton_interp import patch_triton_interpreter  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -37,75 +38,8 @@ HAS_CUDA = torch.cuda.is_available()
 cpu_interp = pytest.mark.skipif(not INTERPRET, reason="CPU cases need TRITON_INTERPRET=1")
 
 
-def _patch_triton_interpreter() -> None:
-    """Work around Triton 3.6 interpreter gaps (interpreter only; compiled kernels untouched):
-    runtime loop bounds (numpy >= 2.4 refuses int() of a 1-element array), tensor-valued loop
-    variables (fla calls .to() on them), bf16 tl.dot (the interpreter multiplies the raw
-    uint16 bits), and autotuning (it benchmarks through a GPU driver)."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.autotuner as autotuner
-    import triton.runtime.interpreter as interp
-
-    if getattr(interp, "_pdserve_patched", False):
-        return
-    interp._pdserve_patched = True
-
-    def tensor_range(a1, a2=None, step=None, **_):
-        start, end = (0, a1) if a2 is None else (a1, a2)
-        for i in range(int(start), int(end), int(1 if step is None else step)):
-            yield tl.core.tensor(
-                interp.TensorHandle(np.array([i], dtype=np.int32), tl.int32), tl.int32
-            )
-
-    orig_tensor = interp._patch_lang_tensor
-
-    def patch_tensor(tensor, scope):
-        orig_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patch_tensor
-
-    orig_core = interp._patch_lang_core
-
-    def patch_core(lang, scope):
-        orig_core(lang, scope)
-        scope.set_attr(lang, "range", tensor_range)
-
-    interp._patch_lang_core = patch_core
-
-    orig_lang = interp._patch_lang
-
-    def patch_lang(fn):
-        import sys
-
-        scope = orig_lang(fn)
-        module = sys.modules.get(fn.__module__)
-        if module is not None:  # builtin range() inside kernels: tensor induction variables
-            scope.set_attr(module, "range", tensor_range)
-        return scope
-
-    interp._patch_lang = patch_lang
-
-    orig_dot = interp.InterpreterBuilder.create_dot
-
-    def as_f32(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return interp.TensorHandle(
-                (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
-            )
-        return h
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return orig_dot(self, as_f32(a), as_f32(b), d, input_precision, max_num_imprecise_acc)
-
-    interp.InterpreterBuilder.create_dot = create_dot
-    autotuner.Autotuner.prune_configs = lambda self, kwargs, *a: self.configs[:1]
-    autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [1.0, 1.0, 1.0]
-
-
 if INTERPRET:
-    _patch_triton_interpreter()
+    patch_triton_interpreter()
 
 
 def _poison(device) -> None:

@@ -17,6 +17,12 @@ Three steps, no host sync anywhere (capturable in CUDA graphs at every T):
    token's k rows through row_of_pair and sums them in fp32, in a fixed order. No atomics:
    deterministic.
 
+FP8 (experts_fp8): weights float8_e4m3fn with 128 x 128 block scales; x is quantized per token
+group of 128 before gate/up and the intermediate per row group before down (kernels/triton/
+fp8.py), both GEMMs run e4m3 dots and add dot * a_scale * w_scale per K step of at most one
+group. The intermediate is stored in x's dtype and quantized by a separate pass (a 128-column
+group spans several gate/up programs).
+
 Only the selected experts' weight tiles are read. float32 inputs use IEEE fp32 dots
 (input_precision="ieee"); bf16/fp16 use tensor cores. Tile sizes come from fixed heuristics on
 (T*k / E, shapes), so nothing is autotuned at run time (safe under graph capture).
@@ -29,6 +35,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fp8 import BLOCK as GROUP
+from kernels.triton.fp8 import quantize_act
 
 # Pairs (T * top_k) up to this go through the one-program align kernel; above, torch ops.
 ALIGN_KERNEL_MAX_PAIRS = 2048
@@ -48,9 +57,11 @@ class MoEConfig:
 
 
 def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype) -> MoEConfig:
-    """Tile sizes for the H200 from the mean number of pairs per expert (host ints only)."""
+    """Tile sizes for the H200 from the mean number of pairs per expert (host ints only);
+    dtype is the weights' (float8_e4m3fn: the FP8 kernels, whose K steps must divide 128)."""
     per_expert = num_pairs / max(num_experts, 1)
     fp32 = dtype == torch.float32
+    fp8 = dtype == torch.float8_e4m3fn
     if per_expert <= 16:  # decode / verify: weight-bandwidth bound, smallest M tile
         cfg = MoEConfig(16, 64, 128, 64, 128, 4, 4)
     elif per_expert <= 32:
@@ -71,6 +82,11 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype)
             cfg.num_warps,
             2,
         )
+    if fp8:  # 1-byte tiles: each K step is one scale group (128), fewer stages at 128 rows
+        stages = 3 if cfg.block_m == 128 else cfg.num_stages
+        cfg = MoEConfig(
+            cfg.block_m, cfg.gu_block_n, 128, cfg.down_block_n, 128, cfg.num_warps, stages
+        )
     gu_n_max, dn_n_max = cfg.gu_block_n, cfg.down_block_n
     if cfg.block_m <= 32:
         # Few row blocks (decode): narrow the N tiles until the grid covers the SMs about
@@ -83,9 +99,10 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, dtype)
             dn_n_max //= 2
     # tiny models (tests, the tiny preset): never a tile much larger than the dimension
     gu_n = max(16, min(gu_n_max, triton.next_power_of_2(inter)))
-    gu_k = max(16, min(cfg.gu_block_k, triton.next_power_of_2(hidden)))
+    min_k = 32 if fp8 else 16  # e4m3 dots take K >= 32
+    gu_k = max(min_k, min(cfg.gu_block_k, triton.next_power_of_2(hidden)))
     dn_n = max(16, min(dn_n_max, triton.next_power_of_2(hidden)))
-    dn_k = max(16, min(cfg.down_block_k, triton.next_power_of_2(inter)))
+    dn_k = max(min_k, min(cfg.down_block_k, triton.next_power_of_2(inter)))
     return MoEConfig(cfg.block_m, gu_n, gu_k, dn_n, dn_k, cfg.num_warps, cfg.num_stages)
 
 
@@ -225,6 +242,8 @@ def _gate_up_kernel(
     block_expert_ptr,
     seg_start_ptr,
     counts_ptr,
+    xs_ptr,  # FP8: [T, KB] activation scales
+    ws_ptr,  # FP8: [E, 2 * NB, KB] weight block scales (gate's NB rows, then up's)
     limit,
     E: tl.constexpr,
     HD: tl.constexpr,
@@ -236,6 +255,10 @@ def _gate_up_kernel(
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP: tl.constexpr,
+    KB: tl.constexpr,
+    NB: tl.constexpr,
 ):
     # n fastest: the programs of one row block run together and share its x rows in L2
     num_n = tl.cdiv(INTER, BLOCK_N)
@@ -260,6 +283,10 @@ def _gate_up_kernel(
     w_offs = n_offs[None, :] * HD + k_offs[:, None]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8:  # scale rows of this tile's columns; BLOCK_K divides GROUP, so one group per step
+        xs_ptrs = xs_ptr + tok * KB
+        gs_ptrs = ws_ptr + e.to(tl.int64) * (2 * NB * KB) + (n_offs // GROUP) * KB
+        us_ptrs = gs_ptrs + NB * KB
     for k0 in range(0, HD, BLOCK_K):
         # Rows without a pair read token 0's row (tok is 0 there), harmlessly: no row mask.
         if EVEN_K and EVEN_N:
@@ -272,7 +299,11 @@ def _gate_up_kernel(
             a = tl.load(x_ptr + k0 + a_offs, mask=k_mask[None, :], other=0.0)
             wg = tl.load(g_base + k0 + w_offs, mask=w_mask, other=0.0)
             wu = tl.load(u_base + k0 + w_offs, mask=w_mask, other=0.0)
-        if IEEE:
+        if FP8:
+            a_s = tl.load(xs_ptrs + k0 // GROUP)[:, None]
+            acc_g += tl.dot(a, wg) * (a_s * tl.load(gs_ptrs + k0 // GROUP, mask=n_mask)[None, :])
+            acc_u += tl.dot(a, wu) * (a_s * tl.load(us_ptrs + k0 // GROUP, mask=n_mask)[None, :])
+        elif IEEE:
             acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
         else:
@@ -295,6 +326,8 @@ def _down_kernel(
     block_expert_ptr,
     seg_start_ptr,
     counts_ptr,
+    hs_ptr,  # FP8: [aligned rows, KB] scales of the quantized intermediate
+    ws_ptr,  # FP8: [E, ceil(HD / GROUP), KB] weight block scales
     E: tl.constexpr,
     HD: tl.constexpr,
     INTER: tl.constexpr,
@@ -304,6 +337,9 @@ def _down_kernel(
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP: tl.constexpr,
+    KB: tl.constexpr,
 ):
     num_n = tl.cdiv(HD, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -322,6 +358,9 @@ def _down_kernel(
     w_base = w2_ptr + e.to(tl.int64) * (HD * INTER)
     w_offs = n_offs[None, :] * INTER + k_offs[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FP8:
+        hs_ptrs = hs_ptr + rows * KB
+        ws_ptrs = ws_ptr + e.to(tl.int64) * (tl.cdiv(HD, GROUP) * KB) + (n_offs // GROUP) * KB
     for k0 in range(0, INTER, BLOCK_K):
         # Padding rows of h hold garbage; each output row depends on its own row only, and
         # padding rows are never stored: no row mask.
@@ -332,7 +371,10 @@ def _down_kernel(
             k_mask = (k0 + k_offs) < INTER
             a = tl.load(inter_ptr + k0 + a_offs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_base + k0 + w_offs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if IEEE:
+        if FP8:
+            a_s = tl.load(hs_ptrs + k0 // GROUP)[:, None]
+            acc += tl.dot(a, w) * (a_s * tl.load(ws_ptrs + k0 // GROUP, mask=n_mask)[None, :])
+        elif IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
@@ -374,6 +416,28 @@ def experts(
     with weight 0 (align and combine know no pair without a row; dropping them in the kernels
     waits for a GPU to verify it on).
     """
+    return _fused(x, w13, w2, None, None, weights, ids, limit)
+
+
+def experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """kernels.moe.experts_fp8 fused: block-FP8 weights (w13/w2 float8_e4m3fn with float32
+    block scales), x quantized per token group before gate/up (kernels/triton/fp8.py) and the
+    SwiGLU output, stored in x's dtype, quantized per row group before down. The same three
+    steps as `experts`; the GEMMs run e4m3 dots with the scales applied per K step."""
+    return _fused(x, w13, w2, w13_scale, w2_scale, weights, ids, limit)
+
+
+def _fused(x, w13, w2, w13_scale, w2_scale, weights, ids, limit) -> torch.Tensor:
+    fp8 = w13_scale is not None
     tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     skip = ids >= num_experts
@@ -387,7 +451,7 @@ def experts(
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     n = tokens * top_k
-    cfg = moe_config(n, num_experts, hidden, inter, x.dtype)
+    cfg = moe_config(n, num_experts, hidden, inter, w13.dtype)
     sorted_ids, block_expert, seg_start, counts, row_of_pair = moe_align(
         ids.contiguous(), num_experts, cfg.block_m
     )
@@ -397,14 +461,18 @@ def experts(
     # the kernels index tiles with int32 offsets (expert bases are int64)
     biggest = max(h.shape[0] * max(inter, hidden), tokens * hidden, 2 * inter * hidden)
     assert biggest < 2**31, "MoE buffers exceed int32 offsets"
+    a, a_scale = quantize_act(x) if fp8 else (x, x)
+    kb_hidden, nb_inter = triton.cdiv(hidden, GROUP), triton.cdiv(inter, GROUP)
     _gate_up_kernel[(num_blocks * triton.cdiv(inter, cfg.gu_block_n),)](
-        x,
+        a,
         w13,
         h,
         sorted_ids,
         block_expert,
         seg_start,
         counts,
+        a_scale,
+        w13_scale.contiguous() if fp8 else x,
         float(limit),
         E=num_experts,
         HD=hidden,
@@ -413,15 +481,22 @@ def experts(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.gu_block_n,
         BLOCK_K=cfg.gu_block_k,
-        IEEE=ieee,
+        IEEE=ieee and not fp8,
         EVEN_K=hidden % cfg.gu_block_k == 0,
         EVEN_N=inter % cfg.gu_block_n == 0,
+        FP8=fp8,
+        GROUP=GROUP,
+        KB=kb_hidden,
+        NB=nb_inter,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    # FP8: every aligned row is quantized, padding rows (garbage) included; each output row of
+    # the down GEMM depends on its own row only, and padding rows are never stored
+    h_in, h_scale = quantize_act(h) if fp8 else (h, h)
     y = torch.empty(h.shape[0], hidden, device=x.device, dtype=x.dtype)
     _down_kernel[(num_blocks * triton.cdiv(hidden, cfg.down_block_n),)](
-        h,
+        h_in,
         w2,
         y,
         weights.contiguous().float().reshape(-1),
@@ -429,15 +504,20 @@ def experts(
         block_expert,
         seg_start,
         counts,
+        h_scale,
+        w2_scale.contiguous() if fp8 else x,
         E=num_experts,
         HD=hidden,
         INTER=inter,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.down_block_n,
         BLOCK_K=cfg.down_block_k,
-        IEEE=ieee,
+        IEEE=ieee and not fp8,
         EVEN_K=inter % cfg.down_block_k == 0,
         EVEN_N=hidden % cfg.down_block_n == 0,
+        FP8=fp8,
+        GROUP=GROUP,
+        KB=nb_inter,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

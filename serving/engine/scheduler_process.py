@@ -31,7 +31,7 @@ def build_model(args: ServerArgs):
     """This rank's model shard, draft, pool and runner (every rank builds these the same way)."""
     import torch
 
-    from serving.config import ModelConfig
+    from serving.config import ModelConfig, parse_fp8_kinds
     from serving.distributed import min_over_ranks, state
     from serving.executor.model_runner import ModelRunner
     from serving.memory.pool import MemoryPool, plan_pool
@@ -42,9 +42,13 @@ def build_model(args: ServerArgs):
     dtype = resolve_dtype(args.dtype, args.model_path, device)
     torch.manual_seed(args.random_seed)
     steps = args.speculative_steps
-    model, draft = load_weights(args.model_path, config, dtype, device, load_draft=steps > 0)
+    keep = parse_fp8_kinds(args.fp8_keep_bf16)
+    model, draft = load_weights(
+        args.model_path, config, dtype, device, load_draft=steps > 0, keep_bf16=keep
+    )
     modules = [model] if draft is None else [model, draft]
     weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    num_params = sum(p.numel() for m in modules for p in m.parameters())
     kv_dtype = torch.bfloat16 if args.kv_cache_dtype in ("bf16", "bfloat16") else dtype
     context = args.context_window(config)
     plan = plan_pool(
@@ -72,7 +76,7 @@ def build_model(args: ServerArgs):
         ps.tp_size,
         ps.ep_size,
         args.model_path,
-        weight_bytes / dtype.itemsize / 1e6,
+        num_params / 1e6,
         weight_bytes / 2**30,
         dtype,
         device,

@@ -6,6 +6,11 @@ cannot fill is an error). Names follow the checkpoint so loading is a lookup, no
 A parameter that holds only this rank's share of a checkpoint tensor carries `shard`:
 (dim of the checkpoint tensor that is split, pieces, this rank's piece). The loader reads just
 that slice from the safetensors file.
+
+Block FP8: a module with a `kind` (FP8_KINDS) can hold its weights as float8_e4m3fn beside
+float32 block scales `<param>_scale_inv` (hold_fp8, called by the loader before it fills them)
+and then runs the W8A8 kernels (kernels/fp8.py; kernels/triton/fp8.py on the fast path). The
+scales cover this rank's share: the loader refuses a share that starts inside a 128-block.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fast_path
+from kernels import fp8 as fp8_kernels
+from serving.config import FP8_KINDS
 from serving.distributed import all_gather_last, state, tp_all_reduce
 
 
@@ -26,6 +34,23 @@ def shard(p: nn.Parameter, dim: int, size: int, rank: int) -> nn.Parameter:
     if size > 1:
         p.shard = (dim, size, rank)  # type: ignore[attr-defined]
     return p
+
+
+def fp8_twin(p: nn.Parameter) -> nn.Parameter:
+    """An empty float8_e4m3fn parameter shaped and sharded like `p`."""
+    twin = nn.Parameter(torch.empty(p.shape, dtype=fp8_kernels.FP8, device=p.device), False)
+    if hasattr(p, "shard"):
+        twin.shard = p.shard  # type: ignore[attr-defined]
+    return twin
+
+
+def block_scales(p: nn.Parameter) -> nn.Parameter:
+    """Empty float32 block scales of FP8 weight(s) `p` [..., out, in]: [..., ceil(out/128),
+    ceil(in/128)] (the loader fills them for this rank's share)."""
+    *lead, rows, cols = p.shape
+    blocks = fp8_kernels.blocks
+    shape = (*lead, blocks(rows), blocks(cols))
+    return nn.Parameter(torch.empty(shape, dtype=torch.float32, device=p.device), False)
 
 
 def tp_param(*shape: int, dtype: torch.dtype, dim: int = 0) -> nn.Parameter:
@@ -52,22 +77,45 @@ class Linear(nn.Module):
         split: str | None = None,
         reduce: bool = True,
         gather: bool = False,
+        kind: str | None = None,
     ) -> None:
         super().__init__()
         s = state()
         self.split = split if s.tp_size > 1 else None
         self.reduce, self.gather = reduce, gather
+        # kind: FP8_KINDS entry, or None for a weight read as a matrix or kept in bf16 (an FP8
+        # checkpoint tensor for it is dequantized at load)
+        assert kind is None or kind in FP8_KINDS, kind
+        self.kind = kind
         if self.split == "column":
             self.weight = tp_param(out_features, in_features, dtype=dtype, dim=0)
         elif self.split == "row":
             self.weight = tp_param(out_features, in_features, dtype=dtype, dim=1)
         else:
             self.weight = param(out_features, in_features, dtype=dtype)
+        self.register_parameter("weight_scale_inv", None)
+
+    def hold_fp8(self) -> None:
+        """Hold the weight in block FP8 (float8_e4m3fn + float32 `weight_scale_inv`)."""
+        if self.weight_scale_inv is None:
+            self.weight = fp8_twin(self.weight)
+            self.weight_scale_inv = block_scales(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        if self.weight_scale_inv is not None:
+            y = fp8_linear(x)(x, self.weight, self.weight_scale_inv)
+        else:
+            y = F.linear(x, self.weight)
         if self.split == "row" and self.reduce:
             return tp_all_reduce(y)
         if self.split == "column" and self.gather:
             return all_gather_last(y)
         return y
+
+
+def fp8_linear(x: torch.Tensor):
+    if fast_path(x):
+        from kernels.triton.fp8 import block_fp8_linear
+
+        return block_fp8_linear
+    return fp8_kernels.block_fp8_linear

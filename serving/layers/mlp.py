@@ -9,19 +9,26 @@ from kernels import fast_path
 from kernels import moe as moe_kernels
 from serving.config import ModelConfig
 from serving.distributed import all_reduce, split, state
-from serving.layers.linear import Linear, param, shard
+from serving.layers.linear import Linear, block_scales, fp8_twin, param, shard
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU with the GLM clamp; gate/up column-parallel, down row-parallel (all-reduce after)."""
+    """SwiGLU with the GLM clamp; gate/up column-parallel, down row-parallel (all-reduce after).
+    kind: "dense_mlp" or "shared_expert" (FP8_KINDS)."""
 
     def __init__(
-        self, hidden: int, inter: int, limit: float, dtype: torch.dtype, reduce: bool = True
+        self,
+        hidden: int,
+        inter: int,
+        limit: float,
+        dtype: torch.dtype,
+        kind: str,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, dtype, split="column")
-        self.up_proj = Linear(hidden, inter, dtype, split="column")
-        self.down_proj = Linear(inter, hidden, dtype, split="row", reduce=reduce)
+        self.gate_proj = Linear(hidden, inter, dtype, split="column", kind=kind)
+        self.up_proj = Linear(hidden, inter, dtype, split="column", kind=kind)
+        self.down_proj = Linear(inter, hidden, dtype, split="row", reduce=reduce, kind=kind)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,7 +50,12 @@ class MoE(nn.Module):
     ids) and computes only those (a token's picks held by other ranks are skipped, not computed
     with weight 0); TP without EP: every expert, a slice of its intermediate size. Either way
     the routed and shared outputs are partial sums that meet in one all-reduce. The router is
-    replicated, so every rank picks the same experts."""
+    replicated, so every rank picks the same experts.
+
+    Block FP8 (hold_fp8): w13/w2 float8_e4m3fn with w13_scale_inv [E, 2 * ceil(I/128),
+    ceil(Hd/128)] (gate's blocks, then up's) and w2_scale_inv [E, ceil(Hd/128), ceil(I/128)]."""
+
+    kind = "moe"
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -58,9 +70,20 @@ class MoE(nn.Module):
         self.w2 = param(e_local, h, i_local, dtype=dtype)
         shard(self.w13, 0, ps.moe_tp_size, ps.tp_rank)  # dims of one expert's checkpoint tensor
         shard(self.w2, 1, ps.moe_tp_size, ps.tp_rank)
+        self.register_parameter("w13_scale_inv", None)
+        self.register_parameter("w2_scale_inv", None)
         self.shared_experts = DenseMLP(
-            h, i * config.n_shared_experts, config.swiglu_limit, dtype, reduce=False
+            h, i * config.n_shared_experts, config.swiglu_limit, dtype, "shared_expert", False
         )
+
+    def hold_fp8(self) -> None:
+        """Hold the routed experts in block FP8 (the shared expert is a DenseMLP of its own)."""
+        if self.w13_scale_inv is not None:
+            return
+        self.w13, self.w2 = fp8_twin(self.w13), fp8_twin(self.w2)
+        gate_blocks = block_scales(self.w13[:, : self.w13.shape[1] // 2])
+        self.w13_scale_inv = nn.Parameter(gate_blocks.data.repeat(1, 2, 1), False)
+        self.w2_scale_inv = block_scales(self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -78,7 +101,11 @@ class MoE(nn.Module):
         if ps.ep_size > 1:  # other ranks' experts: id E, which the kernels skip
             local, e = ids - self.experts.start, self.w13.shape[0]
             ids = torch.where((local >= 0) & (local < e), local, e)
-        routed = _experts(x)(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
+        if self.w13_scale_inv is not None:
+            scales = (self.w13_scale_inv, self.w2_scale_inv)
+            routed = _experts_fp8(x)(x, self.w13, self.w2, *scales, weights, ids, c.swiglu_limit)
+        else:
+            routed = _experts(x)(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
         if ps.tp_size > 1:  # shared expert TP-split too: one all-reduce for both
             return all_reduce(routed + self.shared_experts(x))
         if ps.ep_size > 1:
@@ -103,6 +130,14 @@ def _experts(x: torch.Tensor):
     return moe_kernels.experts
 
 
+def _experts_fp8(x: torch.Tensor):
+    if fast_path(x):
+        from kernels.triton.moe import experts_fp8
+
+        return experts_fp8
+    return moe_kernels.experts_fp8  # sync-free too: capturable at any batch size
+
+
 def max_captured_tokens(device: torch.device) -> int | None:
     """The most tokens one captured forward may hold on `device` (None: no limit)."""
     probe = torch.empty(0, device=device)
@@ -111,5 +146,7 @@ def max_captured_tokens(device: torch.device) -> int | None:
 
 def make_mlp(config: ModelConfig, layer: int, dtype: torch.dtype) -> nn.Module:
     if layer < config.num_hidden_layers and config.mlp_layer_types[layer] == "dense":
-        return DenseMLP(config.hidden_size, config.intermediate_size, config.swiglu_limit, dtype)
+        return DenseMLP(
+            config.hidden_size, config.intermediate_size, config.swiglu_limit, dtype, "dense_mlp"
+        )
     return MoE(config, dtype)

@@ -40,8 +40,8 @@ class Indexer(nn.Module):
             config.index_kpool_always_select_tail,
             d,
         )
-        self.wq_b = Linear(config.q_lora_rank, heads * d, dtype, split="column")
-        self.wk = Linear(config.hidden_size, d, dtype)
+        self.wq_b = Linear(config.q_lora_rank, heads * d, dtype, split="column", kind="indexer")
+        self.wk = Linear(config.hidden_size, d, dtype, kind="indexer")
         self.k_norm_weight = param(d, dtype=dtype)
         self.k_norm_bias = param(d, dtype=dtype)
         self.weights_proj = Linear(config.hidden_size, heads, dtype, split="column")
@@ -68,13 +68,14 @@ class DSAttention(nn.Module):
         self.heads, self.rank = h // state().tp_size, r  # this rank's heads
         self.nope, self.v_dim = config.qk_nope_head_dim, config.v_head_dim
         self.scale = self.nope**-0.5
-        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, dtype)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, dtype, kind="mla")
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype)
-        self.q_b_proj = Linear(config.q_lora_rank, h * self.nope, dtype, split="column")
-        self.kv_a_proj_with_mqa = Linear(config.hidden_size, r, dtype)
+        self.q_b_proj = Linear(config.q_lora_rank, h * self.nope, dtype, split="column", kind="mla")
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, r, dtype, kind="mla")
         self.kv_a_layernorm = RMSNorm(r, config.rms_norm_eps, dtype)
+        # read as a matrix by the absorbed form (no kind): an FP8 kv_b is dequantized at load
         self.kv_b_proj = Linear(r, h * (self.nope + self.v_dim), dtype, split="column")
-        self.o_proj = Linear(h * self.v_dim, config.hidden_size, dtype, split="row")
+        self.o_proj = Linear(h * self.v_dim, config.hidden_size, dtype, split="row", kind="mla")
         self.indexer = Indexer(config, dtype) if has_indexer else None
 
     def forward(

@@ -26,9 +26,9 @@ class KDAttention(nn.Module):
         tp = state()
         self.heads, self.dim = heads // tp.tp_size, dim  # this rank's heads
         self.lower_bound = config.linear_lower_bound
-        self.q_proj = Linear(hidden, qkv, dtype, split="column")
-        self.k_proj = Linear(hidden, qkv, dtype, split="column")
-        self.v_proj = Linear(hidden, qkv, dtype, split="column")
+        self.q_proj = Linear(hidden, qkv, dtype, split="column", kind="kda")
+        self.k_proj = Linear(hidden, qkv, dtype, split="column", kind="kda")
+        self.v_proj = Linear(hidden, qkv, dtype, split="column", kind="kda")
         # q, k, v depthwise conv kernels concatenated in that order (each this rank's channels);
         # kept in float32. The loader fills each third from its own checkpoint tensor.
         local_qkv = qkv // tp.tp_size
@@ -38,16 +38,16 @@ class KDAttention(nn.Module):
             tp.tp_size,
             tp.tp_rank,
         )
-        self.f_a_proj = Linear(hidden, dim, dtype)
-        self.f_b_proj = Linear(dim, qkv, dtype, split="column")
+        self.f_a_proj = Linear(hidden, dim, dtype, kind="kda")
+        self.f_b_proj = Linear(dim, qkv, dtype, split="column", kind="kda")
         self.dt_bias = tp_param(qkv, dtype=torch.float32)
         self.A_log = tp_param(heads, dtype=torch.float32)
-        self.b_proj = Linear(hidden, heads, dtype, split="column")
-        self.g_a_proj = Linear(hidden, dim, dtype)
-        self.g_b_proj = Linear(dim, qkv, dtype, split="column")
+        self.b_proj = Linear(hidden, heads, dtype, split="column", kind="kda")
+        self.g_a_proj = Linear(hidden, dim, dtype, kind="kda")
+        self.g_b_proj = Linear(dim, qkv, dtype, split="column", kind="kda")
         self.o_norm = param(dim, dtype=torch.float32)
         self.norm_eps = config.rms_norm_eps
-        self.o_proj = Linear(qkv, hidden, dtype, split="row")
+        self.o_proj = Linear(qkv, hidden, dtype, split="row", kind="kda")
 
     def _forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """Per-channel log decay g [T, H, Dk] (float32)."""

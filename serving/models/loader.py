@@ -11,6 +11,11 @@ an error that names it. Vision-tower tensors are skipped (this is the text path)
 Under TP/EP each rank reads only its own slices (safe_open + get_slice): a parameter marked with
 `shard` (serving/layers/linear.py) gets its piece of the checkpoint tensor, routed experts of
 other EP ranks are never read. No rank materialises the whole checkpoint.
+
+Block-FP8 checkpoints (serving/models/fp8_weights.py): an FP8 tensor's share is read with the
+scale blocks that cover it. With `fp8_execution` (default: on CUDA) every module that has FP8
+kernels (a `kind`, not in `keep_bf16`) and whose tensors are all FP8 holds them as they are;
+everything else, and every module on the CPU, gets them dequantized once, here.
 """
 
 from __future__ import annotations
@@ -27,8 +32,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels.fp8 import dequantize
 from serving.config import ModelConfig
 from serving.distributed import ParallelState, split, state
+from serving.models.fp8_weights import (
+    SCALE_SUFFIX,
+    ScaleSlice,
+    TensorInfo,
+    check_holdable,
+    fp8_weights,
+    read_header,
+    scale_slice,
+)
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
 
@@ -54,16 +69,23 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: a parameter, or one expert's rows of a stacked one."""
+    """Where one checkpoint tensor goes: a parameter, or one expert's rows of a stacked one
+    (and, held in FP8, their block scales: `scale_rows` of `<param>_scale_inv`)."""
 
     param: str
     expert: int | None = None
     rows: slice | None = None
+    scale_rows: slice | None = None
 
     def view(self, data: torch.Tensor) -> torch.Tensor:
         if self.expert is not None:
             data = data[self.expert]
         return data if self.rows is None else data[self.rows]
+
+    def scale_view(self, data: torch.Tensor) -> torch.Tensor:
+        if self.expert is not None:
+            data = data[self.expert]
+        return data if self.scale_rows is None else data[self.scale_rows]
 
 
 def resolve_dtype(name: str, model_dir: str | Path, device: str | None = None) -> torch.dtype:
@@ -222,7 +244,10 @@ def _map_name(
         half = 0 if kind == "gate_proj" else 1
         inter = config.moe_intermediate_size // ps.moe_tp_size
         rows = slice(half * inter, (half + 1) * inter)
-        return role, _target(f"{prefix_out}{base}w13", expert, rows)
+        nb = -(-inter // 128)  # block rows of each half's scales
+        return role, _target(
+            f"{prefix_out}{base}w13", expert, rows, slice(half * nb, (half + 1) * nb)
+        )
     if cm := _CONV.search(rest):
         part = "qkv".index(cm.group(1))
         qkv = config.kda_qkv_dim // ps.tp_size
@@ -231,8 +256,13 @@ def _map_name(
     return role, _target(prefix_out + rest)
 
 
-def _target(param: str, expert: int | None = None, rows: slice | None = None) -> Target:
-    return Target(param.lstrip("."), expert, rows)
+def _target(
+    param: str,
+    expert: int | None = None,
+    rows: slice | None = None,
+    scale_rows: slice | None = None,
+) -> Target:
+    return Target(param.lstrip("."), expert, rows, scale_rows)
 
 
 def load_weights(
@@ -241,18 +271,34 @@ def load_weights(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     load_draft: bool = False,
+    fp8_execution: bool | None = None,
+    keep_bf16: frozenset[str] = frozenset(),
 ) -> tuple[Glm5NextForCausalLM, NextNDraft | None]:
-    """Build the target (and the NextN draft if asked) and fill them from the checkpoint."""
+    """Build the target (and the NextN draft if asked) and fill them from the checkpoint.
+    fp8_execution (default: device is CUDA): FP8 tensors stay FP8 in the modules that have FP8
+    kernels, except the layer kinds in keep_bf16; otherwise they are dequantized to `dtype`."""
+    files = checkpoint_files(model_dir)
+    header: dict[str, TensorInfo] = {}
+    for path in files:
+        header.update(read_header(path))
+    fp8 = fp8_weights(header)
     modules: dict[str, torch.nn.Module] = {"target": Glm5NextForCausalLM(config, dtype)}
     if load_draft:
         if config.num_nextn_predict_layers == 0:
             raise CheckpointError("a NextN draft was requested but num_nextn_predict_layers is 0")
         modules["draft"] = NextNDraft(config, dtype)
-    params = {role: dict(module.named_parameters()) for role, module in modules.items()}
-    filled: dict[tuple[str, str], int] = {}
     ps = state()
-    read_bytes = 0
+    if fp8_execution is None:
+        fp8_execution = torch.device(device).type == "cuda"
+    if fp8 and fp8_execution:
+        hold_fp8_modules(modules, header, fp8, config, load_draft, ps, keep_bf16)
+    params = {role: dict(module.named_parameters()) for role, module in modules.items()}
+    scales = _read_scales(files, header, config, load_draft, ps, params)
+    filled: dict[tuple[str, str], int] = {}
+    read_bytes = sum(t.numel() * t.element_size() for t, _ in scales.values())
     for name, read in _iter_slices(model_dir):
+        if name.endswith(SCALE_SUFFIX):
+            continue  # read with its weight (_read_scales)
         mapped = _map_name(name, config, load_draft, ps)
         if mapped is None:
             continue
@@ -263,14 +309,18 @@ def load_weights(
         tensor = read(getattr(param, "shard", None))
         read_bytes += tensor.numel() * tensor.element_size()
         dst = target.view(param.data)
+        if name in fp8:
+            scale, where = scales[name]
+            held = params[role].get(target.param + SCALE_SUFFIX)
+            if held is None:
+                tensor = _dequantize(tensor, scale, where)
+            else:
+                _fill(name, role, target.param + SCALE_SUFFIX, scale, target.scale_view(held.data))
+                key = (role, target.param + SCALE_SUFFIX)
+                filled[key] = filled.get(key, 0) + scale.numel()
         if target.param.endswith("conv_weight") and tensor.dim() == 3:
             tensor = tensor.squeeze(1)  # depthwise conv1d weights are stored [C, 1, K]
-        if tuple(tensor.shape) != tuple(dst.shape):
-            raise CheckpointError(
-                f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                f"model expects {tuple(dst.shape)} ({role}.{target.param})"
-            )
-        dst.copy_(tensor.to(dst.dtype))
+        _fill(name, role, target.param, tensor, dst)
         key = (role, target.param)
         filled[key] = filled.get(key, 0) + dst.numel()
     missing = [
@@ -283,17 +333,97 @@ def load_weights(
         raise CheckpointError(
             f"checkpoint tensors missing (or given twice) for: {', '.join(sorted(missing))}"
         )
-    total = sum(f.stat().st_size for f in checkpoint_files(model_dir))
+    total = sum(f.stat().st_size for f in files)
     log.info(
-        "rank %d: read %.1f MiB of the checkpoint's %.1f MiB",
+        "rank %d: read %.1f MiB of the checkpoint's %.1f MiB%s",
         ps.rank,
         read_bytes / 2**20,
         total / 2**20,
+        f"; {len(fp8)} FP8 tensors, {'held in FP8' if fp8_execution else 'dequantized'}"
+        if fp8
+        else "",
     )
     target_model = modules["target"].to(device).eval()
     target_model.checkpoint_bytes_read = read_bytes  # type: ignore[assignment]
     draft = modules.get("draft")
     return target_model, (draft.to(device).eval() if draft is not None else None)
+
+
+def _fill(name: str, role: str, param: str, tensor: torch.Tensor, dst: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(dst.shape):
+        raise CheckpointError(
+            f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+            f"model expects {tuple(dst.shape)} ({role}.{param})"
+        )
+    dst.copy_(tensor.to(dst.dtype))
+
+
+def _dequantize(w8: torch.Tensor, scale: torch.Tensor, where: ScaleSlice) -> torch.Tensor:
+    """float32 weights of a share read with the scale blocks that cover it."""
+    if where.dim == 0:
+        return dequantize(w8, scale, where.offset)
+    return dequantize(w8.T, scale.T, where.offset).T
+
+
+def hold_fp8_modules(
+    modules: dict[str, torch.nn.Module],
+    header: dict[str, TensorInfo] | None,
+    fp8: set[str],
+    config: ModelConfig,
+    load_draft: bool,
+    ps: ParallelState,
+    keep_bf16: frozenset[str],
+) -> None:
+    """hold_fp8() on every module with a `kind` not in keep_bf16 whose checkpoint tensors (this
+    rank's) are all FP8; refuses shares whose scale blocks are not their own. header None (a
+    config-only FP8 checkpoint, for the memory plan): every such module."""
+    tensors: dict[tuple[str, str], list[tuple[str, Target]]] = {}
+    for name in header or ():
+        if (
+            name.endswith(SCALE_SUFFIX)
+            or (mapped := _map_name(name, config, load_draft, ps)) is None
+        ):
+            continue
+        role, target = mapped
+        tensors.setdefault((role, target.param.rpartition(".")[0]), []).append((name, target))
+    for role, root in modules.items():
+        params = dict(root.named_parameters())
+        for path, module in root.named_modules():
+            kind = getattr(module, "kind", None)
+            if kind is None or kind in keep_bf16:
+                continue
+            if header is not None:
+                mine = tensors.get((role, path), [])
+                if not mine or any(name not in fp8 for name, _ in mine):
+                    continue
+                for name, target in mine:
+                    shard = getattr(params.get(target.param), "shard", None)
+                    check_holdable(name, header[name].shape, shard, kind)
+            module.hold_fp8()
+
+
+def _read_scales(
+    files: list[Path],
+    header: dict[str, TensorInfo],
+    config: ModelConfig,
+    load_draft: bool,
+    ps: ParallelState,
+    params: dict[str, dict[str, torch.nn.Parameter]],
+) -> dict[str, tuple[torch.Tensor, ScaleSlice]]:
+    """This rank's scale blocks of every FP8 weight it loads, float32, by weight name."""
+    out = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith(SCALE_SUFFIX):
+                    continue
+                weight = name[: -len(SCALE_SUFFIX)]
+                mapped = _map_name(weight, config, load_draft, ps)
+                if mapped is None or (param := params[mapped[0]].get(mapped[1].param)) is None:
+                    continue  # skipped on purpose, or the weight's own error comes next
+                where = scale_slice(header[weight].shape, getattr(param, "shard", None))
+                out[weight] = (f.get_slice(name)[where.index()].float(), where)
+    return out
 
 
 _EXPORT_RENAMES = (

@@ -10,6 +10,10 @@ In one process, on random weights built in memory (tiny_model's init):
 3. decode step with CUDA graphs after 4,096-token prompts at batch 1 / 32 / 128 (ms);
 4. tiny preset, float32: greedy tokens of the fast path equal the torch path's;
 5. torch profiler: the top kernels of a decode step at batch 1 and of the 8,192-token prefill.
+With --fp8, the same model quantized to block FP8 in memory (serving/tools/quantize_fp8.py's
+choice; W8A8 kernels) runs stages 2-3 too, after the bf16 model, in the same process (rows
+carry "weights": "bf16" or "fp8"; the torch path is timed for bf16 only), and stage 1 adds the
+FP8 model's last-token logits against the bf16 model's.
 Each stage appends one JSON line to --out as it ends, and stages past --budget-s are skipped,
 so a run cut short still leaves what it measured.
 """
@@ -17,6 +21,7 @@ so a run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
@@ -94,6 +99,18 @@ def prefill(runner: ModelRunner, row: int, ids: list[int]):
     return runner.forward([StepInput(row, 0, ids)])
 
 
+def stage_logits_fp8(run: Run, model, fp8_model, device: str) -> None:
+    ids = prompts(1, 512, model.config.vocab_size)[0]
+    out = {}
+    for name, m in (("bf16", model), ("fp8", fp8_model)):
+        runner, rows = engine(m, device, 1, 600)
+        out[name] = prefill(runner, rows[0], ids).logits.float()[-1]
+        del runner
+    rel = ((out["fp8"] - out["bf16"]).norm() / out["bf16"].norm()).item()
+    same = int(out["fp8"].argmax()) == int(out["bf16"].argmax())
+    run.record(stage="logits_fp8_vs_bf16", prompt=512, rel_err=rel, argmax_equal=same)
+
+
 def stage_logits(run: Run, model, device: str) -> None:
     ids = prompts(1, 512, model.config.vocab_size)[0]
     out = {}
@@ -108,14 +125,14 @@ def stage_logits(run: Run, model, device: str) -> None:
     run.record(stage="logits_fast_vs_torch", prompt=512, rel_err=rel, argmax_equal=same)
 
 
-def stage_prefill(run: Run, model, device: str) -> None:
+def stage_prefill(run: Run, model, device: str, weights: str = "bf16") -> None:
     for n in (512, 2048, 8192):
         if run.time_left() < 20:
             return
         ids = prompts(1, n, model.config.vocab_size)[0]
-        row = {"stage": "prefill", "tokens": n}
+        row = {"stage": "prefill", "tokens": n, "weights": weights}
         for name, torch_only in (("fast_ms", False), ("torch_ms", True)):
-            if torch_only and n > 2048:
+            if torch_only and (n > 2048 or weights != "bf16"):
                 continue  # 12-15 s per forward on the torch path (docs/BENCHMARKS.md)
             torch_kernels(torch_only)
             runner, rows = engine(model, device, 1, n + 64)
@@ -125,7 +142,9 @@ def stage_prefill(run: Run, model, device: str) -> None:
         run.record(**row)
 
 
-def stage_decode(run: Run, model, device: str, prompt_len: int = 4096) -> None:
+def stage_decode(
+    run: Run, model, device: str, prompt_len: int = 4096, weights: str = "bf16"
+) -> None:
     for bs in (1, 32, 128):
         if run.time_left() < 30:
             return
@@ -137,7 +156,7 @@ def stage_decode(run: Run, model, device: str, prompt_len: int = 4096) -> None:
         if device == "cuda":
             runner.enable_decode_graphs(bs)
         ms = timed(_decode_steps(runner, rows, prompt_len), repeat=20)
-        run.record(stage="decode_graphs", batch=bs, prompt_len=prompt_len, ms=ms)
+        run.record(stage="decode_graphs", batch=bs, prompt_len=prompt_len, ms=ms, weights=weights)
         del runner
         torch.cuda.empty_cache()
 
@@ -201,6 +220,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=240)
     ap.add_argument("--preset", default="bench", help="the model of stages 1-3 and 5")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--fp8", action="store_true", help="also the model in block FP8 (W8A8)")
     ap.add_argument(
         "--stages",
         default=",".join(STAGES),
@@ -213,11 +233,27 @@ def main() -> None:
     run = Run(Path(args.out), args.budget_s)
     device = args.device
     _, model = make_model(args.preset, device)
-    run.record(stage="built", seconds_left=run.time_left())
+    fp8_model = None
+    if args.fp8:
+        from serving.tools.quantize_fp8 import quantize_model
+
+        fp8_model = quantize_model(copy.deepcopy(model))
+    run.record(stage="built", seconds_left=run.time_left(), fp8=args.fp8)
+
+    def both(stage):
+        stage(run, model, device)
+        if fp8_model is not None and run.time_left() > 30:
+            stage(run, fp8_model, device, weights="fp8")
+
+    def logits():
+        stage_logits(run, model, device)
+        if fp8_model is not None:
+            stage_logits_fp8(run, model, fp8_model, device)
+
     stages = {
-        "logits": lambda: stage_logits(run, model, device),
-        "prefill": lambda: stage_prefill(run, model, device),
-        "decode": lambda: stage_decode(run, model, device),
+        "logits": logits,
+        "prefill": lambda: both(stage_prefill),
+        "decode": lambda: both(stage_decode),
         "greedy": lambda: stage_greedy_tiny(run, device),
         "profile": lambda: stage_profile(run, model, device),
     }

@@ -1,6 +1,7 @@
-"""GPU benchmark of the Triton MoE and fla-core KDA kernels against the torch references.
+"""GPU benchmark of the Triton MoE, block-FP8 and fla-core KDA kernels against references.
 
     python -m serving.tools.bench_kernels_moe_kda [--out results.json] [--quick] [--no-ref]
+        [--only moe|kda|fp8]
 
 Fused MoE (kernels.triton.moe.experts, bf16) at the real GLM-5.3-Flash shapes (hidden 4096,
 288 experts top-8, moe_intermediate 2048) and the bench preset's (2048, 64 top-4, 768), T in
@@ -10,6 +11,14 @@ kernels.moe.experts (sorted loop, host syncs) and, for T <= 128, kernels.moe.exp
 KDA (64 heads x 128, bf16 q/k/v, float32 g/beta/state): chunked prefill of one 8,192-token
 request and fused recurrent decode at batch 1, 32, 128 (bytes: state read + written, plus
 q/k/v/g/beta/o), and the causal conv, beside kernels.kda.
+
+Block FP8 (--only fp8): the W8A8 linear (kernels/triton/fp8.py: activation quantization + the
+block-scaled GEMM) at every quantized projection's real shape (TP1) for 8,192 tokens, TFLOP/s
+beside bf16 F.linear (cuBLAS) in the same run, and the GEMM alone on pre-quantized activations;
+the same at 1 / 32 / 128 tokens as GB/s of weights read. The FP8 fused MoE (experts_fp8) at
+the real and bench shapes for 1 / 32 / 128 / 8,192 tokens: GB/s of FP8 expert weights read
+(distinct experts x (3 I Hd bytes + scales)) against the 4.23 TB/s copy ceiling, TFLOP/s, beside
+the bf16 fused MoE on the same routing.
 
 Prints a markdown table; --out writes the rows as JSON. Times are medians of
 triton.testing.do_bench after its warm-up; the torch references that take seconds are timed
@@ -35,6 +44,7 @@ MOE_SHAPES = {
     "bench": (2048, 64, 768, 4),
 }
 KDA_HEADS, KDA_DIM, CONV_K = 64, 128, 4
+DEVICE = "cuda"
 
 
 def _time(fn: Callable[..., object], *args, slow: bool = False, **kwargs) -> float:
@@ -222,7 +232,115 @@ def bench_kda(prefill_tokens: int, decode_batches, with_ref: bool) -> list[dict]
     return rows
 
 
+# GLM-5.3-Flash's quantized projections at TP1, (out, in): what the FP8 linear runs
+REAL_FP8_LINEARS = {
+    "kda q/k/v": (8192, 4096),
+    "kda f_a/g_a": (128, 4096),
+    "kda f_b/g_b": (8192, 128),
+    "kda b": (64, 4096),
+    "kda o": (4096, 8192),
+    "mla q_a": (1536, 4096),
+    "mla q_b": (16384, 1536),
+    "mla kv_a": (512, 4096),
+    "mla o": (4096, 16384),
+    "indexer wq_b": (4096, 1536),
+    "indexer wk": (128, 4096),
+    "dense gate/up": (12288, 4096),
+    "dense down": (4096, 12288),
+    "shared expert gate/up": (2048, 4096),
+    "shared expert down": (4096, 2048),
+}
+
+
+def bench_fp8_linear(prefill: int, decode_tokens) -> list[dict]:
+    import torch.nn.functional as F
+
+    from kernels import fp8 as fp8_ref
+    from kernels.triton import fp8 as tfp8
+
+    rows = []
+    dev = DEVICE
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for name, (n, k) in REAL_FP8_LINEARS.items():
+        w = torch.randn(n, k, device=dev, generator=gen) * k**-0.5
+        w8, scale = fp8_ref.quantize_weight(w)
+        w16 = w.bfloat16()
+        for tokens in (prefill, *decode_tokens):
+            x = torch.randn(tokens, k, device=dev, generator=gen).bfloat16()
+            flops = 2 * tokens * n * k
+            ms = _time(tfp8.block_fp8_linear, x, w8, scale)
+            bf16_ms = _time(F.linear, x, w16)
+            extra = {"bf16_ms": round(bf16_ms, 4), "vs_bf16": round(bf16_ms / ms, 2)}
+            extra["bf16_TFLOP/s"] = round(flops / bf16_ms / 1e9, 1)
+            if tokens == prefill:
+                x8, xs = tfp8.quantize_act(x)
+                gemm_ms = _time(tfp8.fp8_gemm, x8, xs, w8, scale, x.dtype)
+                extra["gemm_only_ms"] = round(gemm_ms, 4)
+                extra["gemm_only_TFLOP/s"] = round(flops / gemm_ms / 1e9, 1)
+            nbytes = n * k + scale.numel() * 4 + tokens * (k + n) * 2
+            rows.append(
+                _row(f"fp8 linear {name}", f"{n}x{k}", tokens, ms, None, nbytes, flops, **extra)
+            )
+            print(_fmt(rows[-1]), flush=True)
+    return rows
+
+
+def _fp8_experts(hidden, experts, inter, dev, gen):
+    """Random block-FP8 w13 (gate and up quantized apart), w2 and scales, expert by expert."""
+    from kernels import fp8 as fp8_ref
+
+    nb, hb = fp8_ref.blocks(inter), fp8_ref.blocks(hidden)
+    w13 = torch.empty(experts, 2 * inter, hidden, device=dev, dtype=fp8_ref.FP8)
+    w2 = torch.empty(experts, hidden, inter, device=dev, dtype=fp8_ref.FP8)
+    s13 = torch.empty(experts, 2 * nb, hb, device=dev)
+    s2 = torch.empty(experts, hb, nb, device=dev)
+    for e in range(experts):
+        for half in (0, 1):
+            w = torch.randn(inter, hidden, device=dev, generator=gen) * hidden**-0.5
+            rows, blocks = (
+                slice(half * inter, (half + 1) * inter),
+                slice(half * nb, (half + 1) * nb),
+            )
+            w13[e, rows], s13[e, blocks] = fp8_ref.quantize_weight(w)
+        w = torch.randn(hidden, inter, device=dev, generator=gen) * inter**-0.5
+        w2[e], s2[e] = fp8_ref.quantize_weight(w)
+    return w13, w2, s13, s2
+
+
+def bench_moe_fp8(tokens_list) -> list[dict]:
+    from kernels.triton import moe as tmoe
+
+    rows = []
+    dev = DEVICE
+    for name, (hidden, experts, inter, top_k) in MOE_SHAPES.items():
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w13, w2, s13, s2 = _fp8_experts(hidden, experts, inter, dev, gen)
+        w13_16 = torch.randn(experts, 2 * inter, hidden, device=dev, generator=gen).bfloat16()
+        w2_16 = torch.randn(experts, hidden, inter, device=dev, generator=gen).bfloat16()
+        per_expert = 3 * inter * hidden + (s13[0].numel() + s2[0].numel()) * 4
+        for tokens in tokens_list:
+            x = torch.randn(tokens, hidden, device=dev, generator=gen).bfloat16()
+            scores = torch.rand(tokens, experts, device=dev, generator=gen)
+            weights, ids = scores.topk(top_k, dim=-1)
+            weights = weights / weights.sum(-1, keepdim=True)
+            distinct = int(ids.unique().numel())
+            nbytes = distinct * per_expert + 2 * tokens * hidden * x.element_size()
+            flops = 2 * tokens * top_k * 3 * inter * hidden
+            ms = _time(tmoe.experts_fp8, x, w13, w2, s13, s2, weights, ids, 10.0)
+            bf16_ms = _time(tmoe.experts, x, w13_16, w2_16, weights, ids, 10.0)
+            cfg = tmoe.moe_config(tokens * top_k, experts, hidden, inter, w13.dtype)
+            extra = {"distinct_experts": distinct, "block_m": cfg.block_m}
+            extra.update(bf16_ms=round(bf16_ms, 4), vs_bf16=round(bf16_ms / ms, 2))
+            rows.append(_row("moe.experts_fp8", name, tokens, ms, None, nbytes, flops, **extra))
+            print(_fmt(rows[-1]), flush=True)
+        del w13, w2, s13, s2, w13_16, w2_16
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
 COLUMNS = ["kernel", "shape", "batch", "ms", "ref_ms", "speedup", "GB/s", "%copy_bw", "TFLOP/s"]
+COLUMNS += ["bf16_ms", "vs_bf16"]
 
 
 def _fmt(row: dict) -> str:
@@ -234,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="T in 1, 32 and a 1,024-token prefill")
     ap.add_argument("--no-ref", action="store_true", help="skip the torch references")
-    ap.add_argument("--only", choices=["moe", "kda"], help="one family only")
+    ap.add_argument("--only", choices=["moe", "kda", "fp8"], help="one family only")
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -253,6 +371,9 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_moe(tokens, not args.no_ref)
         if args.only in (None, "kda"):
             rows += bench_kda(prefill, batches, not args.no_ref)
+        if args.only in (None, "fp8"):
+            rows += bench_fp8_linear(prefill, [1, 32] if args.quick else [1, 32, 128])
+            rows += bench_moe_fp8(tokens)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

@@ -11,6 +11,9 @@ Stages (default all that the device allows):
   agreement  (CUDA) fast path vs torch path, and bf16 vs float32, on --prompts held-out prompts
              x --new-tokens greedy tokens: the share of prompts whose tokens are all equal, the
              share of token positions equal before the first difference, and both perplexities
+  fp8        the checkpoint quantized by serving/tools/quantize_fp8.py against itself in bf16 on
+             the same prompts and windows: perplexities and greedy agreement (CUDA: the W8A8
+             kernels; CPU: weights dequantized at load)
 Held-out text is never trained on: documents that serving/tools/corpus.py holds out by hash.
 """
 
@@ -103,6 +106,25 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"prompts_identical": same / len(a), "tokens_before_first_difference": prefix / total}
 
 
+def fp8_vs_bf16(
+    model_path: str, dtype: torch.dtype, device: str, windows, prompts, new: int
+) -> dict:
+    """The block-FP8 checkpoint (quantize_fp8) against the original, both served in dtype."""
+    import tempfile
+
+    from serving.tools.quantize_fp8 import quantize_checkpoint
+
+    base, _ = load(model_path, dtype, device)
+    want, want_ppl = greedy(base, prompts, new, device), perplexity(base, windows, device)
+    del base
+    with tempfile.TemporaryDirectory() as tmp:
+        fp8, _ = load(str(quantize_checkpoint(model_path, tmp)), dtype, device)
+    got, got_ppl = greedy(fp8, prompts, new, device), perplexity(fp8, windows, device)
+    ppl = {"ppl_fp8": got_ppl["perplexity"], "ppl_base": want_ppl["perplexity"]}
+    ppl["ppl_ratio"] = ppl["ppl_fp8"] / ppl["ppl_base"]
+    return {**agreement(got, want), **ppl, "dtype": str(dtype)}
+
+
 def chat_prompt(model_path: str, tok, question: str) -> list[int]:
     template = ChatTemplate((Path(model_path) / "chat_template.jinja").read_text())
     text = template.render([{"role": "user", "content": question}])
@@ -142,7 +164,7 @@ def main() -> None:
     ap.add_argument("--model-path", default="serving/assets/small_model")
     ap.add_argument("--heldout", default="data/corpus/heldout.jsonl.gz")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--stages", default="ppl,samples,accept,agreement")
+    ap.add_argument("--stages", default="ppl,samples,accept,agreement,fp8")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--ppl-windows", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=64)
@@ -192,6 +214,9 @@ def main() -> None:
         full_ppl = perplexity(fp32, windows, args.device)
         record("bf16_vs_fp32_fast", {**agreement(fast, full), "ppl_bf16": fast_ppl["perplexity"],
                                      "ppl_fp32": full_ppl["perplexity"]})  # fmt: skip
+    if "fp8" in stages:
+        record("fp8_vs_bf16", fp8_vs_bf16(args.model_path, served, args.device, windows,
+                                          prompt_windows, args.new_tokens))  # fmt: skip
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -3,10 +3,13 @@
     python -m serving.tools.tiny_model DIR              # tiny default, runs fast on 2 CPU cores
     python -m serving.tools.tiny_model DIR --preset bench --device cuda   # 3B GPU benchmark config
     python -m serving.tools.tiny_model DIR --preset real     # GLM-5.3-Flash's config.json only
+    python -m serving.tools.tiny_model DIR --preset real --fp8   # ... as published: block FP8
 
 The checkpoint is what transformers' glm5_next save_pretrained writes (nested text_config,
 original tensor names) plus the NextN layer at layers.{num_hidden_layers}, a byte-level BPE
 tokenizer.json with GLM's special tokens, chat_template.jinja and generation_config.json.
+--fp8: the checkpoint in block FP8 (serving/tools/quantize_fp8.py; config-only presets get just
+the quantization_config).
 """
 
 from __future__ import annotations
@@ -246,8 +249,14 @@ def random_model(
 
 
 def write_checkpoint(
-    out_dir: str | Path, preset: str = "tiny", device: str = "cpu", seed: int = 0
+    out_dir: str | Path,
+    preset: str = "tiny",
+    device: str = "cpu",
+    seed: int = 0,
+    fp8: bool = False,
 ) -> Path:
+    from serving.tools.quantize_fp8 import quantize_checkpoint, write_fp8_config
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     specials = write_tokenizer_files(out, vocab_size=TINY_VOCAB)
@@ -264,11 +273,13 @@ def write_checkpoint(
         + "\n"
     )
     if preset in CONFIG_ONLY:
+        if fp8:
+            write_fp8_config(out)
         return out
     config, target, draft = random_model(raw, device, seed)
     tensors = export_checkpoint(config, target, draft)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return quantize_checkpoint(out, out) if fp8 else out
 
 
 def main() -> None:
@@ -279,9 +290,10 @@ def main() -> None:
         "--device", default="cpu", help="build the weights here (cuda for --preset bench)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fp8", action="store_true", help="block FP8, as GLM-5.3-Flash is published")
     args = ap.parse_args()
-    path = write_checkpoint(args.out_dir, args.preset, args.device, args.seed)
-    print(f"wrote {args.preset} checkpoint to {path}")
+    path = write_checkpoint(args.out_dir, args.preset, args.device, args.seed, args.fp8)
+    print(f"wrote {args.preset}{' FP8' if args.fp8 else ''} checkpoint to {path}")
 
 
 if __name__ == "__main__":

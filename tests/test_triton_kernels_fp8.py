@@ -1,0 +1,274 @@
+"""Block-FP8 kernels (kernels/triton/fp8.py; experts_fp8 in kernels/triton/moe.py) against the
+torch references (kernels/fp8.py; kernels.moe.experts_fp8) and the dequantized weights.
+
+GPU cases (`@pytest.mark.gpu`) run GLM-5.3-Flash's real shapes (every quantized projection at
+TP1; the routed experts: hidden 4096, 288 experts top-8, intermediate 2048) and the bench
+preset's experts. CPU cases run only under TRITON_INTERPRET=1 (tiny, odd shapes) and skip
+otherwise.
+
+Tolerances, relative to the reference's largest magnitude unless said:
+- quantize_act: equal values and scales, GPU and interpreter (both round x * (448 / amax) to
+  nearest-even on the e4m3 grid; kernels/triton/fp8.py rounds by hand).
+- block_fp8_linear vs the W8A8 reference (same function, fp32 math): float32 inputs 1e-5
+  (accumulation order); bf16 inputs and outputs 1e-2 max and 4e-3 relative Frobenius (one bf16
+  rounding of the output on each side: 2^-8 relative), 2e-2 max under the interpreter (its
+  casts to bf16 truncate).
+- block_fp8_linear vs the dequantized reference x (W8 * S)^T in float32: 6e-2 relative
+  Frobenius: the e4m3 rounding of the activation (3 mantissa bits; 2.3-3.6% measured on random
+  inputs) is what W8A8 adds to the weights' own rounding.
+- experts_fp8 vs the reference: float32 1e-5; bf16 5e-2 max and 1.5e-2 relative Frobenius
+  (the SwiGLU output is rounded to bf16, then quantized again: a rounding difference there
+  moves that element one e4m3 step, 1/16; under the interpreter, whose bf16 casts truncate,
+  1e-1 and 5e-2); vs the dequantized reference (kernels.moe.experts
+  on W8 * S in float32): 8e-2 relative Frobenius (two activation roundings).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from kernels import fp8 as fp8_ref  # noqa: E402
+from kernels import moe as moe_ref  # noqa: E402
+from serving.tools.bench_kernels_moe_kda import REAL_FP8_LINEARS as REAL_LINEARS  # noqa: E402
+from tests.triton_interp import patch_triton_interpreter  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_interp = pytest.mark.skipif(not INTERPRET, reason="CPU cases need TRITON_INTERPRET=1")
+if INTERPRET:
+    patch_triton_interpreter()
+
+# (hidden, experts, moe_intermediate, top_k)
+REAL_MOE = (4096, 288, 2048, 8)
+BENCH_MOE = (2048, 64, 768, 4)
+
+
+def _rel_max(out, ref):
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def _rel_fro(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _fp8_weight(rows, cols, device, seed, std=None):
+    """Random block-FP8 weight (W8, S) of a std ~ cols^-0.5 weight, made on the device."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(rows, cols, device=device, generator=gen) * (std or cols**-0.5)
+    return fp8_ref.quantize_weight(w)
+
+
+# ---------------------------------------------------------------------------------------------
+# activation quantization and the linear
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_quant(tokens, k, device, dtype=torch.float32):
+    from kernels.triton.fp8 import quantize_act
+
+    gen = torch.Generator(device="cpu").manual_seed(tokens + k)
+    x = torch.randn(tokens, k, generator=gen) * torch.rand(1, k, generator=gen) * 5
+    x[0, : min(k, 130)] = 0.0  # an all-zero group: scale floor, zeros out
+    x = x.to(device=device, dtype=dtype)
+    q, s = quantize_act(x)
+    q_ref, s_ref = fp8_ref.quantize_act(x)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert torch.equal(q.float(), q_ref.float())
+    assert torch.equal(s, s_ref)
+
+
+def _check_linear(m, n, k, dtype, device, interpreter=False):
+    from kernels.triton.fp8 import block_fp8_linear
+
+    w8, scale = _fp8_weight(n, k, device, seed=n + k)
+    gen = torch.Generator(device="cpu").manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    out = block_fp8_linear(x, w8, scale)
+    ref = fp8_ref.block_fp8_linear(x, w8, scale)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert not out.isnan().any()
+    if dtype == torch.float32:
+        assert _rel_max(out, ref) <= 1e-5
+    else:
+        assert _rel_max(out, ref) <= (2e-2 if interpreter else 1e-2)
+        assert _rel_fro(out, ref) <= (1e-2 if interpreter else 4e-3)
+    dequantized = x.float() @ fp8_ref.dequantize(w8, scale).T
+    assert _rel_fro(out, dequantized) <= 6e-2
+
+
+@cpu_interp
+@pytest.mark.parametrize("tokens,k", [(1, 64), (3, 48), (5, 200), (2, 256), (4, 1100)])
+def test_quantize_act_interpreter(tokens, k):
+    _check_quant(tokens, k, "cpu")
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 300, 200), (33, 130, 256), (3, 17, 48)])
+def test_block_fp8_linear_interpreter(m, n, k, dtype):
+    _check_linear(m, n, k, dtype, "cpu", interpreter=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_act_gpu(dtype):
+    for tokens, k in ((1, 4096), (333, 1536), (8192, 4096), (7, 12288), (5, 200)):
+        _check_quant(tokens, k, "cuda", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(REAL_LINEARS))
+def test_block_fp8_linear_gpu_real_shapes(name):
+    n, k = REAL_LINEARS[name]
+    for m in (1, 37, 512):
+        _check_linear(m, n, k, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_block_fp8_linear_gpu_prefill_and_float32():
+    for name in ("kda q/k/v", "mla q_b", "dense down"):
+        n, k = REAL_LINEARS[name]
+        _check_linear(8192, n, k, torch.bfloat16, "cuda")
+    _check_linear(300, 4096, 1536, torch.float32, "cuda")
+
+
+@pytest.mark.gpu
+def test_block_fp8_linear_cuda_graph():
+    from kernels.triton.fp8 import block_fp8_linear
+
+    n, k = REAL_LINEARS["mla q_b"]
+    w8, scale = _fp8_weight(n, k, "cuda", seed=5)
+    x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile outside the capture
+            block_fp8_linear(x, w8, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block_fp8_linear(x, w8, scale)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_max(out, fp8_ref.block_fp8_linear(x, w8, scale)) <= 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 fused MoE
+# ---------------------------------------------------------------------------------------------
+
+_EXPERTS: dict = {}
+
+
+def _fp8_experts(shape, device):
+    """Random block-FP8 w13 (gate and up quantized apart, as the checkpoint stores them), w2
+    and their scales, made expert by expert on the device and kept (the real shape is 7.2 GB)."""
+    key = (shape, str(device))
+    if key not in _EXPERTS:
+        _EXPERTS.clear()
+        hidden, experts, inter, _ = shape
+        nb = fp8_ref.blocks(inter)
+        w13 = torch.empty(experts, 2 * inter, hidden, device=device, dtype=fp8_ref.FP8)
+        w2 = torch.empty(experts, hidden, inter, device=device, dtype=fp8_ref.FP8)
+        s13 = torch.empty(experts, 2 * nb, fp8_ref.blocks(hidden), device=device)
+        s2 = torch.empty(experts, fp8_ref.blocks(hidden), nb, device=device)
+        for e in range(experts):
+            for half in (0, 1):
+                rows, blocks = (
+                    slice(half * inter, (half + 1) * inter),
+                    slice(half * nb, (half + 1) * nb),
+                )
+                w13[e, rows], s13[e, blocks] = _fp8_weight(
+                    inter, hidden, device, seed=3 * e + half, std=2 * hidden**-0.5
+                )
+            w2[e], s2[e] = _fp8_weight(hidden, inter, device, seed=3 * e + 2)
+        _EXPERTS[key] = (w13, w2, s13, s2)
+    return _EXPERTS[key]
+
+
+def _moe_inputs(tokens, shape, dtype, device, seed=0, skip=False):
+    hidden, experts, _, top_k = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    if skip:  # another EP rank's experts: id E, adding nothing
+        ids[::3, 0] = experts
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return x.to(device=device, dtype=dtype), weights.to(device), ids.to(device)
+
+
+def _dequantized_w13(w13, s13):
+    inter, nb = w13.shape[1] // 2, s13.shape[1] // 2
+    gate = fp8_ref.dequantize(w13[:, :inter], s13[:, :nb])
+    return torch.cat([gate, fp8_ref.dequantize(w13[:, inter:], s13[:, nb:])], dim=1)
+
+
+def _check_moe_fp8(tokens, shape, dtype, device, interpreter=False, skip=False):
+    from kernels.triton import moe as tmoe
+
+    w13, w2, s13, s2 = _fp8_experts(shape, device)
+    x, weights, ids = _moe_inputs(tokens, shape, dtype, device, seed=tokens, skip=skip)
+    out = tmoe.experts_fp8(x, w13, w2, s13, s2, weights, ids, 10.0)
+    assert out.dtype == dtype and out.shape == x.shape and not out.isnan().any()
+    ref = moe_ref.experts_fp8(x, w13, w2, s13, s2, weights, ids, 10.0)
+    if dtype == torch.float32:
+        assert _rel_max(out, ref) <= 1e-5
+    elif interpreter:  # its casts to bf16 truncate: every SwiGLU output moves toward zero
+        assert _rel_max(out, ref) <= 1e-1 and _rel_fro(out, ref) <= 5e-2
+    else:
+        assert _rel_max(out, ref) <= 5e-2 and _rel_fro(out, ref) <= 1.5e-2
+    dequantized = moe_ref.experts(
+        x.float(), _dequantized_w13(w13, s13), fp8_ref.dequantize(w2, s2), weights, ids, 10.0
+    )
+    assert _rel_fro(out, dequantized) <= 8e-2
+    return out
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+@pytest.mark.parametrize("shape", [(64, 8, 32, 2), (200, 6, 136, 3)], ids=["tiny", "odd"])
+def test_moe_fp8_interpreter(tokens, shape, dtype):
+    _check_moe_fp8(tokens, shape, dtype, "cpu", interpreter=True, skip=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32, 128, 1000])
+@pytest.mark.parametrize("shape", [REAL_MOE, BENCH_MOE], ids=["real", "bench"])
+def test_moe_fp8_gpu(shape, tokens):
+    _check_moe_fp8(tokens, shape, torch.bfloat16, "cuda", skip=tokens == 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_moe_fp8_cuda_graph(tokens):
+    from kernels.triton import moe as tmoe
+
+    w13, w2, s13, s2 = _fp8_experts(REAL_MOE, "cuda")
+    x, weights, ids = _moe_inputs(tokens, REAL_MOE, torch.bfloat16, "cuda", seed=1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile outside the capture
+            tmoe.experts_fp8(x, w13, w2, s13, s2, weights, ids, 10.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tmoe.experts_fp8(x, w13, w2, s13, s2, weights, ids, 10.0)
+    for seed in (2, 3):
+        nx, nweights, nids = _moe_inputs(tokens, REAL_MOE, torch.bfloat16, "cuda", seed=seed)
+        x.copy_(nx)
+        weights.copy_(nweights)
+        ids.copy_(nids)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = moe_ref.experts_fp8(x, w13, w2, s13, s2, weights, ids, 10.0)
+        assert _rel_max(out, ref) <= 5e-2 and _rel_fro(out, ref) <= 1.5e-2
