@@ -104,11 +104,11 @@ def check_sizes(config: ModelConfig, tp_size: int, ep_size: int) -> None:
     if tp_size not in (1, world) or ep_size not in (1, world):
         raise ValueError(f"--tp-size {tp_size} --ep-size {ep_size}: each must be 1 or {world}")
     moe_tp = tp_size if ep_size == 1 else 1
+    # vocab_size is not checked: the vocabulary is padded to a multiple of tp (padded_vocab)
     checks = [
         ("tp", tp_size, "linear_num_heads (KDA heads)", config.linear_num_heads),
         ("tp", tp_size, "num_attention_heads (MLA heads)", config.num_attention_heads),
         ("tp", tp_size, "index_n_heads (indexer heads)", config.index_n_heads),
-        ("tp", tp_size, "vocab_size", config.vocab_size),
         ("tp", tp_size, "intermediate_size (dense MLP)", config.intermediate_size),
         (
             "tp",
@@ -132,6 +132,13 @@ def rank_cache_config(config: ModelConfig) -> ModelConfig:
     if tp == 1:
         return config
     return dataclasses.replace(config, linear_num_heads=config.linear_num_heads // tp)
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    """Rows of embed_tokens and lm_head over all TP ranks: vocab_size rounded up to a multiple
+    of tp_size (SGLang's vocab-parallel embedding pads the same way). The padded rows are zero
+    and their logits are cut before anything reads them (Glm5NextForCausalLM.project)."""
+    return -(-vocab_size // tp_size) * tp_size
 
 
 def split(n: int, size: int, rank: int) -> slice:

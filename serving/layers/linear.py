@@ -5,7 +5,10 @@ cannot fill is an error). Names follow the checkpoint so loading is a lookup, no
 
 A parameter that holds only this rank's share of a checkpoint tensor carries `shard`:
 (dim of the checkpoint tensor that is split, pieces, this rank's piece). The loader reads just
-that slice from the safetensors file.
+that slice from the safetensors file. A parameter marked `padded` (the vocabulary rows of embed
+and lm_head, serving/distributed.padded_vocab) is longer along that dim than the checkpoint over
+all pieces: a piece is ceil(n / pieces) rows, the last pieces end in zero rows the checkpoint
+lacks.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ def shard(p: nn.Parameter, dim: int, size: int, rank: int) -> nn.Parameter:
     """Mark `p` as piece `rank` of `size` along checkpoint dim `dim` (no-op for size 1)."""
     if size > 1:
         p.shard = (dim, size, rank)  # type: ignore[attr-defined]
+    return p
+
+
+def padded(p: nn.Parameter) -> nn.Parameter:
+    """Mark `p` as padded past the checkpoint along its shard dim (zero rows, never read)."""
+    p.padded = True  # type: ignore[attr-defined]
     return p
 
 

@@ -250,7 +250,8 @@ def write_checkpoint(
 ) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    specials = write_tokenizer_files(out, vocab_size=TINY_VOCAB)
+    # a vocabulary smaller than the tiny tokenizer's gets a tokenizer of its size
+    specials = write_tokenizer_files(out, vocab_size=min(TINY_VOCAB, PRESETS[preset]["vocab_size"]))
     raw = build_config(preset, specials)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(
