@@ -465,6 +465,7 @@ def test_information_routes(http: TestClient, model_dir: Path) -> None:
     assert server["model_path"] == str(model_dir) and "version" in server
     assert server["internal_states"] == [{}]
     assert server["max_total_num_tokens"] == READY.total_pages * READY.page_size
+    assert server["simulation"] is None and server["simulate_rank"] is None  # a real worker
     metrics = http.get("/metrics")
     assert metrics.status_code == 200 and "pdserve:num_running_reqs" in metrics.text
 

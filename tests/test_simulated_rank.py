@@ -271,3 +271,69 @@ def test_decode_simulating_another_rank_is_refused(sim_pair, v410_ckpt, tmp_path
         other.idle_pool(timeout=30)
     finally:
         assert other.stop() == 0
+
+
+def test_engine_bench_runs_a_simulated_rank(v410_ckpt, tmp_path):
+    """bench_fast_path's rank stages on CPU (no graphs, no CUDA profiler): every stage leaves
+    its JSON line, the collectives are counted per step and projected, the floor is computed."""
+    import json
+
+    from serving.tools.bench_fast_path import main
+
+    out = tmp_path / "rank.jsonl"
+    main(
+        [
+            *("--out", str(out), "--model-path", str(v410_ckpt), "--device", "cpu"),
+            *("--simulate-rank", "3", "--tp-size", "4", "--ep-size", "4"),
+            *("--stages", "prefill,decode,eagle,layers,collectives,floor"),
+            *("--contexts", "40,72", "--batch-sizes", "1", "--prefill-tokens", "24"),
+            *("--context-fill", "mapped", "--no-torch-path", "--repeat", "1"),
+        ]
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in rows if r["stage"] == "error"], rows
+    by_stage: dict[str, list[dict]] = {}
+    for r in rows:
+        by_stage.setdefault(r["stage"], []).append(r)
+    assert "simulated=True" in by_stage["built"][0]["rank"]
+    assert len(by_stage["decode_graphs"]) == 2 and len(by_stage["eagle_step"]) == 2
+    kinds = {r["step"]: r["ms"] for r in by_stage["layer_kinds"]}
+    assert set(kinds) == {"decode", "prefill", "eagle"}
+    for ms in kinds.values():  # every kind seen, none counted twice (MoE holds a dense MLP)
+        assert ms["KDA"] > 0 and ms["DSA"] > 0 and ms["MoE"] > 0 and ms["mHC"] > 0, kinds
+        assert 0 <= ms["rest"] < ms["step"], kinds
+    coll = {r["step"]: r for r in by_stage["collectives"]}
+    assert coll["decode"]["counts"]["all_gather"] == {"calls": 1, "bytes": 103 * 4}
+    # EAGLE's step: the target's verify and the draft's catch-up, each with its logits gathered
+    assert coll["eagle"]["counts"]["all_gather"]["calls"] == 2
+    assert coll["eagle"]["projected_step_ms"] > coll["eagle"]["measured_compute_ms"]
+    floors = by_stage["hbm_floor"]
+    assert len(floors) == 4 and all(f["floor_ms"] > 0 and f["total_bytes"] > 0 for f in floors)
+    longer = {(f["step"], f["batch"], f["context"]): f["index_key_bytes"] for f in floors}
+    assert longer[("decode", 1, 72)] > longer[("decode", 1, 40)]
+
+
+def test_hbm_floor_of_the_real_rank(tmp_path):
+    """Rank 0 of the real config at TP8/EP8 (meta device, no memory): a decode step at batch 1
+    reads about 4.7 GB (2.5 GB of dense weights, lm_head shard included, and the one local
+    expert per MoE layer its token is expected to pick), the issue's ~1 ms at 4.23 TB/s; at
+    batch 32 the experts dominate."""
+    from serving.models.glm5_next import Glm5NextForCausalLM
+    from serving.tools.step_costs import hbm_floor
+    from serving.tools.tiny_model import write_checkpoint
+
+    config = ModelConfig.from_pretrained(write_checkpoint(tmp_path / "real", preset="real"))
+    set_state(ParallelState(0, 8, 8, simulated=True))
+    try:
+        with torch.device("meta"):
+            target = Glm5NextForCausalLM(config, torch.bfloat16)
+    finally:
+        set_state(ParallelState())
+    one = hbm_floor(config, [target], batch=1, context=4096, tp_size=8)
+    assert 1.0 < one["floor_ms"] < 1.25, one
+    assert 2.0e9 < one["experts_bytes"] < 2.3e9, one  # 42 MoE layers x 1 expert x 50 MB
+    full = hbm_floor(config, [target], batch=32, context=65536, tp_size=8)
+    assert full["experts_bytes"] > 0.8 * full["total_bytes"], full
+    assert 1.1e9 < full["kda_state_bytes"] < 1.3e9, full  # 32 rows x 18.5 MB, read + written
+    short = hbm_floor(config, [target], batch=32, context=4096, tp_size=8)
+    assert full["index_key_bytes"] == 16 * short["index_key_bytes"], (full, short)
