@@ -142,9 +142,22 @@ def engine(
     return runner, got
 
 
-def prompts(batch: int, length: int, vocab: int, seed: int = 1234) -> list[list[int]]:
+def prompts(batch: int, length: int, vocab: int, seed: int = 1234, low: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+    return torch.randint(low, vocab, (batch, length), generator=g).tolist()
+
+
+def own_tokens(vocab: int) -> tuple[int, int]:
+    """[low, high) of the token ids whose embedding rows this rank holds. A simulated rank gets
+    zero embeddings for every other id (the all-reduce that would add the other ranks' rows
+    returns at once), and all-zero hidden states would route every token to the same experts:
+    its inputs come from here, so its MoE work is a real rank's."""
+    ps = state()
+    if ps.tp_size == 1:
+        return 0, vocab
+    share = -(-vocab // ps.tp_size)
+    low = ps.tp_rank * share
+    return low, min(vocab, low + share)
 
 
 def _sync() -> None:
@@ -171,7 +184,8 @@ def prefill(runner: ModelRunner, row: int, ids: list[int]):
 
 def stage_logits(b: Bench) -> None:
     model, device = b.model, b.device
-    ids = prompts(1, 512, model.config.vocab_size)[0]
+    low, high = own_tokens(model.config.vocab_size)
+    ids = prompts(1, 512, high, low=low)[0]
     out = {}
     for name, torch_only in (("fast", False), ("torch", True)):
         torch_kernels(torch_only)
@@ -189,7 +203,8 @@ def stage_prefill(b: Bench) -> None:
     for n in b.args.prefill_tokens:
         if run.time_left() < 20:
             return
-        ids = prompts(1, n, model.config.vocab_size)[0]
+        low, high = own_tokens(model.config.vocab_size)
+        ids = prompts(1, n, high, low=low)[0]
         row = {"stage": "prefill", "tokens": n}
         for name, torch_only in (("fast_ms", False), ("torch_ms", True)):
             if torch_only and (n > 2048 or b.args.no_torch_path):
@@ -213,7 +228,8 @@ def stage_decode(b: Bench) -> None:
             if run.time_left() < 30:
                 return
             runner, rows = engine(model, device, bs, prompt_len + 64)
-            batch = prompts(bs, prompt_len, model.config.vocab_size)
+            low, high = own_tokens(model.config.vocab_size)
+            batch = prompts(bs, prompt_len, high, low=low)
             for i in range(0, bs, 8):  # prefill in chunks of 8 requests
                 items = [StepInput(r, 0, ids) for r, ids in zip(rows[i : i + 8], batch[i : i + 8])]
                 runner.forward(items)
@@ -250,9 +266,10 @@ def stage_decode_mapped(b: Bench) -> None:
 def _decode_steps(runner: ModelRunner, rows: list[int], start: int):
     """A function running one decode step of every row per call, at the next position."""
     position = [start]
+    token = own_tokens(runner.model.config.vocab_size)[0] + 1
 
     def step() -> None:
-        runner.forward([StepInput(r, position[0], [1]) for r in rows])
+        runner.forward([StepInput(r, position[0], [token]) for r in rows])
         position[0] += 1
 
     return step
@@ -276,9 +293,10 @@ def _eagle_steps(spec: Eagle, rows: list[int], start: int):
     params = SamplingParams(temperature=0.0)
     states = [SamplingState(params, [], [], frozenset()) for _ in rows]
     positions = {r: start for r in rows}
+    token = own_tokens(spec.target.config.vocab_size)[0] + 1
 
     def step() -> None:
-        proposals = [Proposal(r, positions[r], 1) for r in rows]
+        proposals = [Proposal(r, positions[r], token) for r in rows]
         committed, _ = spec.step(proposals, states, [-1] * len(rows))
         for r, c in zip(rows, committed):
             positions[r] += len(c)
@@ -327,7 +345,8 @@ def stage_profile(b: Bench) -> None:
 
     n = max(b.args.prefill_tokens)
     runner, rows = engine(b.model, b.device, 1, n + 64)
-    ids = prompts(1, n, b.model.config.vocab_size)[0]
+    low, high = own_tokens(b.config.vocab_size)
+    ids = prompts(1, n, high, low=low)[0]
     prefill(runner, rows[0], ids)
     _sync()
     tables = {}
@@ -337,7 +356,7 @@ def stage_profile(b: Bench) -> None:
     tables[f"prefill_{n}"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(5):
-            runner.forward([StepInput(rows[0], n + i, [1])])
+            runner.forward([StepInput(rows[0], n + i, [low + 1])])
         _sync()
     tables["decode_bs1_eager_x5"] = prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=15
@@ -352,7 +371,8 @@ def _workloads(b: Bench):
     context, n = b.args.contexts[0], max(b.args.prefill_tokens)
     runner, rows = engine(b.model, b.device, 1, max(context, n) + 64)
     yield "decode", 1, context, _decode_steps(runner, rows, context)
-    ids = prompts(1, n, b.config.vocab_size)[0]
+    low, high = own_tokens(b.config.vocab_size)
+    ids = prompts(1, n, high, low=low)[0]
     yield "prefill", 1, n, lambda: prefill(runner, rows[0], ids)
     if b.draft is not None:
         spec, rows = _eagle(b, 1, context + 64, graphs=False)
