@@ -16,7 +16,8 @@ router, for one or more sets of worker flags (e.g. without and with EAGLE).
 workers' PYTHONPATH; Debian packages in WHEELS/deb provide the system libraries Mooncake's
 engine.so links, linked in only where the machine lacks them. Each variant: start the stack
 with --worker-args + the variant's flags on both workers, wait until all three are healthy, one
-bench_serving run per --bench CONCURRENCY:REQUESTS, read the decode worker's /metrics, stop the
+bench_serving run per --bench CONCURRENCY:REQUESTS, read the decode worker's /metrics and its
+request rows (peak held at once), stop the
 stack (router, decode, prefill; process groups killed when they do not exit). Writes
 OUT/results.json (rewritten after every run) and OUT/VARIANT/{prefill,decode,router}.log, then
 prints a table and the decode worker's speculative-decoding metric lines. Exit 1 if any variant
@@ -81,6 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help='flags for both workers in every variant (write --worker-args="--flag ...")',
     )
+    ap.add_argument("--prefill-args", default="", help="more flags for the prefill worker only")
+    ap.add_argument("--decode-args", default="", help="more flags for the decode worker only")
     ap.add_argument(
         "--variant",
         action="append",
@@ -230,6 +233,13 @@ def spec_metrics(decode_url: str) -> dict[str, float]:
             "spec_accept_rate": length / (stats["spec_num_steps"] + 1)}  # fmt: skip
 
 
+def decode_rows(decode_url: str) -> dict:
+    """The decode worker's request rows: total, peak held at once, still in use (should be 0)."""
+    info = httpx.get(decode_url + "/server_info", timeout=10).json()
+    stats = info["internal_states"][0]
+    return {k: stats[k] for k in ("total_rows", "peak_used_rows", "used_rows", "used_pages")}
+
+
 def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, report: dict) -> None:
     log_dir = args.out / name
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -240,8 +250,8 @@ def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, re
         prefill_port=0,
         bootstrap_port=0,
         decode_port=0,
-        prefill_args=worker,
-        decode_args=worker,
+        prefill_args=f"{worker} {args.prefill_args}",
+        decode_args=f"{worker} {args.decode_args}",
     )
     procs: list[Proc] = build(ns, model, model.name, log_dir)
     print(f"\n== {name}: workers get {shlex.split(worker)}", flush=True)
@@ -260,6 +270,7 @@ def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, re
             print(f"  {name} c={concurrency}: {json.dumps(res)}", flush=True)
             write_report(args, report)
         report["metrics"][name] = spec_metrics(decode.url)
+        report["decode_rows"][name] = decode_rows(decode.url)
     except StackError as e:
         tails = {p.role: p.log_tail(40) for p in procs if p.log_path.is_file()}
         report["errors"][name] = {"error": str(e), "log_tails": tails}
@@ -288,6 +299,8 @@ def summary(report: dict) -> None:
         print(" | ".join([run["variant"], *(str(run.get(c)) for c in cols)]), flush=True)
     for name, err in report["errors"].items():
         print(f"{name}: FAILED ({err['error'].splitlines()[0]})", flush=True)
+    for name, rows in report["decode_rows"].items():
+        print(f"  [{name}] decode request rows: {rows}", flush=True)
     print("\ndecode worker's EAGLE acceptance over each variant:", flush=True)
     for name, metrics in report["metrics"].items():
         for metric in SPEC_METRICS:
@@ -305,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) for k, v in vars(args).items() if k not in ("variants", "benches")},
         "runs": [],
         "metrics": {},
+        "decode_rows": {},
         "startup_s": {},
         "errors": {},
     }

@@ -8,6 +8,7 @@ With --tp-size/--ep-size N the scheduler is rank 0 of N spawned rank processes (
 gloo processes on CPU) that rendezvous on --nccl-port (or --dist-init-addr across --nnodes).
 When any rank dies the worker fails (the front answers 503), the others are stopped, and the
 launcher exits non-zero naming the rank. On a node other than 0 only followers run, no front.
+With --simulate-rank R the scheduler process is rank R alone (no followers; docs/DEPLOY.md).
 """
 
 from __future__ import annotations
@@ -36,8 +37,16 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.validate()
         args.validate_for_model(ModelConfig.from_pretrained(args.model_path))
-        if args.world_size > 1 and args.nccl_port is None and not args.dist_init_addr:
+        if args.rank_processes > 1 and args.nccl_port is None and not args.dist_init_addr:
             args = dataclasses.replace(args, nccl_port=_free_port())
+        if args.simulate_rank is not None:
+            logging.warning(
+                "--simulate-rank %d: this worker runs only rank %d of a world of %d on random "
+                "weights; its answers are meaningless (measurement only, never a deployment)",
+                args.simulate_rank,
+                args.simulate_rank,
+                args.world_size,
+            )
         if args.node_rank > 0:
             sys.exit(run_followers_only(args))
         from serving.engine.scheduler_process import run_scheduler

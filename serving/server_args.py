@@ -100,6 +100,15 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     base_gpu_id: int = field(default=0, metadata={"help": "the first GPU this worker uses"})
+    simulate_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "measurement only: run rank R of the --tp-size/--ep-size world alone in this "
+            "process, on random weights (no checkpoint read: --model-path needs config.json and "
+            "the tokenizer), collectives through torch's fake backend; every answer is "
+            "meaningless (docs/DEPLOY.md, 'Simulated rank')"
+        },
+    )
     # kernels
     dsa_prefill_backend: str = field(
         default="torch", metadata={"choices": ["torch", "tilelang", "flashmla_sparse"]}
@@ -203,8 +212,13 @@ class ServerArgs:
         return max(self.tp_size, self.ep_size)
 
     @property
+    def rank_processes(self) -> int:
+        """Rank processes this worker starts: the world, or 1 with --simulate-rank."""
+        return 1 if self.simulate_rank is not None else self.world_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
+        return self.rank_processes // self.nnodes
 
     def dist_init_method(self) -> str:
         if self.dist_init_addr:
@@ -323,6 +337,8 @@ class ServerArgs:
                 f"--nnodes {self.nnodes} --node-rank {self.node_rank}: the {world} ranks must "
                 "split evenly over the nodes, and node-rank be below nnodes"
             )
+        if self.simulate_rank is not None:
+            self._validate_simulated(world)
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ArgsError("--nnodes > 1: needs --dist-init-addr HOST:PORT (node 0's)")
         if device == "cuda" and self.base_gpu_id + self.ranks_per_node > num_devices:
@@ -330,6 +346,21 @@ class ServerArgs:
                 f"--tp-size {self.tp_size} --ep-size {self.ep_size}: needs "
                 f"{self.ranks_per_node} devices from --base-gpu-id {self.base_gpu_id}, this "
                 f"machine has {num_devices} (cuda)"
+            )
+
+    def _validate_simulated(self, world: int) -> None:
+        r = self.simulate_rank
+        if world < 2:
+            raise ArgsError(
+                f"--simulate-rank {r}: needs the world it is a rank of (--tp-size and/or "
+                "--ep-size N >= 2); with one rank there is nothing to simulate"
+            )
+        if not 0 <= r < world:
+            raise ArgsError(f"--simulate-rank {r}: must be in [0, {world}) (the world's ranks)")
+        if self.nnodes != 1 or self.node_rank != 0 or self.dist_init_addr:
+            raise ArgsError(
+                f"--simulate-rank {r}: runs one process on one node; drop --nnodes, "
+                "--node-rank and --dist-init-addr"
             )
 
     def _validate_speculative(self) -> None:

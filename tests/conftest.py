@@ -40,6 +40,19 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def v410_ckpt(tmp_path_factory):
+    """The tiny preset with a vocabulary of 410 (its tokenizer too), which does not divide by
+    4: at --tp-size 4 it is padded to 412 (serving/distributed.padded_vocab)."""
+    from serving.tools import tiny_model
+
+    tiny_model.PRESETS["tiny410"] = {**tiny_model.PRESETS["tiny"], "vocab_size": 410}
+    try:
+        return tiny_model.write_checkpoint(tmp_path_factory.mktemp("v410"), preset="tiny410")
+    finally:
+        del tiny_model.PRESETS["tiny410"]
+
+
+@pytest.fixture(scope="session")
 def scripted_ckpt(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with a scripted greedy reply (tests/scripted_checkpoint.py), written
     once per session; every server started on it only reads it."""

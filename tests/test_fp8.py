@@ -318,7 +318,8 @@ def test_server_refuses_an_unsupported_method_at_start_up(tiny_ckpt, tmp_path):
 def test_plan_reads_fp8_checkpoints(tiny_ckpt, tmp_path, capsys):
     """The plan counts FP8 weights as the loader holds them on CUDA: from the headers of a
     checkpoint, from quantization_config alone for the config-only real preset."""
-    from serving.tools.plan import fp8_plan, main, rank_weights
+    from serving.models.rank_plan import fp8_plan, module_weights
+    from serving.tools.plan import main
     from serving.tools.tiny_model import write_checkpoint
 
     fp8 = quantize_checkpoint(tiny_ckpt, tmp_path / "fp8")
@@ -326,10 +327,10 @@ def test_plan_reads_fp8_checkpoints(tiny_ckpt, tmp_path, capsys):
     plan = fp8_plan(str(fp8), config, frozenset())
     held = _load(fp8, load_draft=True, fp8_execution=True)
     want = sum(p.numel() * p.element_size() for m in held for p in m.parameters())
-    assert rank_weights(config, torch.float32, True, plan)[0] == want
+    assert module_weights(config, torch.float32, True, plan)[1] == want
     kept = fp8_plan(str(fp8), config, frozenset({"kda", "mla", "indexer", "dense_mlp"}))
-    plain = rank_weights(config, torch.float32, True, None)[0]
-    assert want < rank_weights(config, torch.float32, True, kept)[0] < plain
+    plain = module_weights(config, torch.float32, True, None)[1]
+    assert want < module_weights(config, torch.float32, True, kept)[1] < plain
 
     def weights(path, *flags):
         main(["--model-path", str(path), *flags])

@@ -504,6 +504,7 @@ def test_information_routes(http: TestClient, model_dir: Path) -> None:
     assert server["model_path"] == str(model_dir) and "version" in server
     assert server["internal_states"] == [{}]
     assert server["max_total_num_tokens"] == READY.total_pages * READY.page_size
+    assert server["simulation"] is None and server["simulate_rank"] is None  # a real worker
     assert http.get("/metrics").status_code == 404  # as SGLang: no /metrics without the flag
 
 

@@ -1,10 +1,15 @@
 """PD with TP/EP on CPU: real prefill and decode workers of 2 gloo ranks each (tiny checkpoint,
 float32), every rank writing its own share over the real Mooncake engine on loopback TCP.
 
-One set of four workers serves every test: prefill TP2, decode TP2, prefill EP2, decode TP1.
-Greedy tokens of a TP2 pair (and of our router in front of it), and of an EP2 prefill feeding a
-one-rank decode, equal one rank's; pairs of different TP sizes are refused at the handshake with
-both sizes named, and every worker keeps serving; afterwards no row or page is in use.
+One set of four workers serves every test: prefill TP2 and decode TP2, both with EAGLE (2 draft
+steps, the NextN draft sharded like the target: its pages, state rows, draft token and draft
+hidden travel with the target's), prefill EP2, decode TP1 (both plain). The checkpoint is the
+distilled one (tests/conftest.py), whose draft is accepted on new prompts, so a draft state that
+arrived wrong would show as drafts no longer accepted (greedy tokens alone would not show it).
+Greedy tokens of the TP2 EAGLE pair (and of our router in front of it), and of an EP2 prefill
+feeding a one-rank decode, equal one rank's plain decoding; pairs of different TP sizes are
+refused at the handshake with both sizes named, and every worker keeps serving; afterwards no
+row or page is in use.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from tests.pd_pair import FAST_TIMEOUTS, PDPair
 from tests.router_proc import RouterProc
-from tests.server_proc import Server, free_port
+from tests.server_proc import Server, eagle_flags, free_port
 
 pytest.importorskip("mooncake.engine")
 
@@ -42,14 +47,14 @@ def greedy_body(ids: list[int]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_ckpt):
+def reference(distilled_ckpt):
     """One rank's greedy tokens (the engine's own step loop, in this process)."""
     from serving.config import ModelConfig
     from serving.models.loader import load_weights
     from serving.tools.generate import StepRunner
 
-    config = ModelConfig.from_pretrained(tiny_ckpt)
-    model, _ = load_weights(tiny_ckpt, config, torch.float32)
+    config = ModelConfig.from_pretrained(distilled_ckpt)
+    model, _ = load_weights(distilled_ckpt, config, torch.float32)
     return lambda ids: StepRunner(model, 1, 256).greedy([ids], NEW_TOKENS)[0]
 
 
@@ -59,8 +64,8 @@ class Workers:
     def __init__(self, model, logs) -> None:
         self.ports = {"p_tp2": free_port(), "p_ep2": free_port()}
         flags = {
-            "p_tp2": ("--tp-size", "2", "--chunked-prefill-size", "16"),
-            "d_tp2": ("--tp-size", "2", "--max-running-requests", "3"),
+            "p_tp2": ("--tp-size", "2", "--chunked-prefill-size", "16", *eagle_flags(2)),
+            "d_tp2": ("--tp-size", "2", "--max-running-requests", "3", *eagle_flags(2)),
             "p_ep2": ("--ep-size", "2", "--chunked-prefill-size", "16"),
             "d_tp1": ("--max-running-requests", "3"),
         }
@@ -110,8 +115,8 @@ class Workers:
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_ckpt, tmp_path_factory):
-    w = Workers(tiny_ckpt, tmp_path_factory.mktemp("pd-tp"))
+def workers(distilled_ckpt, tmp_path_factory):
+    w = Workers(distilled_ckpt, tmp_path_factory.mktemp("pd-tp"))
     yield w
     w.stop()
 
@@ -133,12 +138,18 @@ def run_concurrently(pair: PDPair, prompts: list[list[int]]) -> list[list[int] |
     return [got.get(i) for i in range(len(prompts))]
 
 
-def test_tp2_pair_equals_one_rank(workers, reference):
-    """Each rank's KDA heads go to the matching decode rank, the replicated pages to both; all
-    requests at once (more than decode's 3 running slots: its extra slots hold the others)."""
+def test_tp2_eagle_pair_equals_one_rank(workers, reference):
+    """Each rank's KDA heads (target and draft) go to the matching decode rank, the replicated
+    pages to both; all requests at once (more than decode's 3 running slots: its extra slots
+    hold the others); decode verified drafts on both ranks."""
     pair = workers.pair("p_tp2", "d_tp2")
     prompts = [prompt(i, n) for i, n in enumerate(LENGTHS)]
     assert run_concurrently(pair, prompts) == [reference(p) for p in prompts]
+    stats = workers.servers["d_tp2"].stats()
+    assert stats["spec_num_steps"] == 2 and stats["spec_verify_steps"] > 0, stats
+    # 1 token per verify step would mean no draft accepted: decode's first draft token and
+    # draft hidden state come from prefill's ranks (38 tokens in 16 verify steps, 2026-12-01)
+    assert stats["spec_committed_tokens"] > 1.5 * stats["spec_verify_steps"], stats
     workers.idle()
 
 

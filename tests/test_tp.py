@@ -35,6 +35,40 @@ def test_logits_equal_one_rank(tiny_ckpt, reference, tmp_path, tp, ep):
         assert rel_err(a, b) <= TOL, f"step {i}: {rel_err(a, b):.2e}"
 
 
+def test_padded_vocab_tp4_logits_equal_one_rank(v410_ckpt, tmp_path):
+    """A vocabulary of 410 at --tp-size 4 loads (padded to 412: rank 3 holds 101 real rows and
+    2 zero rows) and every logit equals one rank's, over the 410 real tokens only."""
+    torch.manual_seed(0)
+    reference = scenario(str(v410_ckpt))
+    out = tmp_path / "logits.pt"
+    run_ranks(v410_ckpt, 4, 1, out)
+    ours = torch.load(out)
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        assert a.shape == b.shape and a.shape[-1] == 410
+        assert rel_err(a, b) <= TOL, f"step {i}: {rel_err(a, b):.2e}"
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: greedy tokens differ"
+
+
+def test_padded_vocab_rows_are_read_short_and_zero_filled(v410_ckpt):
+    from serving.config import ModelConfig
+    from serving.distributed import ParallelState, set_state
+    from serving.models.loader import load_weights
+
+    config = ModelConfig.from_pretrained(v410_ckpt)
+    full, _ = load_weights(v410_ckpt, config, torch.float32)
+    for rank, real in ((0, 103), (3, 101)):
+        set_state(ParallelState(rank=rank, tp_size=4))
+        try:
+            part, _ = load_weights(v410_ckpt, config, torch.float32)
+        finally:
+            set_state(ParallelState())
+        for name in ("embed_tokens", "lm_head.weight"):
+            f, p = dict(full.named_parameters())[name], dict(part.named_parameters())[name]
+            assert p.shape[0] == 103
+            assert torch.equal(p[:real], f[rank * 103 : rank * 103 + real])
+            assert p[real:].abs().sum() == 0
+
+
 def test_rank_reads_only_its_slices(tiny_ckpt):
     """Rank 1 of TP2+EP2 holds half the heads, half the vocab and the second half of the
     experts, each equal to that slice of the one-rank model (no process group needed)."""

@@ -21,9 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prompt(seed: int, n: int) -> list[int]:
+def prompt(seed: int, n: int, high: int = 1000) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (n,), generator=g).tolist()
+    return torch.randint(3, high, (n,), generator=g).tolist()
 
 
 def scenario(ckpt: str) -> list[torch.Tensor]:
@@ -36,7 +36,8 @@ def scenario(ckpt: str) -> list[torch.Tensor]:
     model, _ = load_weights(ckpt, config, torch.float32)
     out = []
     runner = StepRunner(model, max_requests=4, max_context=256)
-    prompts = [prompt(i, n) for i, n in enumerate(PROMPT_LENS)]
+    high = min(1000, config.vocab_size)
+    prompts = [prompt(i, n, high) for i, n in enumerate(PROMPT_LENS)]
     seqs = [runner.add(p) for p in prompts]
     logits = runner.step(seqs, list(PROMPT_LENS)).logits
     out.append(logits)
@@ -44,7 +45,7 @@ def scenario(ckpt: str) -> list[torch.Tensor]:
         for i, seq in enumerate(seqs):
             seq.tokens.append(7 + 31 * step + i)  # fixed tokens: no dependence on argmax ties
         out.append(runner.step(seqs, [1] * len(seqs)).logits)
-    seq = runner.add(prompt(9, 70))
+    seq = runner.add(prompt(9, 70, high))
     bounds = [0, *CHUNKS, 70]
     for a, b in zip(bounds, bounds[1:]):
         out.append(runner.step([seq], [b - a], logits="all").logits)

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 CLUSTER_KEYS = (
     "attn_tp_size",
+    "simulated_rank",
     "attn_cp_size",
     "dp_size",
     "pp_size",

@@ -14,7 +14,8 @@ Under TP/EP this role runs on rank 0 and decides everything; every rank has regi
 pool with its own Mooncake engine (workers/rank_transfer.FollowerKV), and the registration sent
 to prefill lists each rank's session and addresses. Prefill says Success only when every one of
 its ranks has written, so decode needs nothing from its followers but their addresses, and that
-their row resets are applied before the destinations go out (RankFanout.ask).
+their row resets are applied before the destinations go out (RankFanout.ask). A simulated rank
+(--simulate-rank) registers its one rank and pairs only with a prefill simulating the same rank.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ from serving.protocol import (
 )
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
-from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
+from workers.kv_layout import (
+    layout_mismatch,
+    model_fingerprint,
+    simulation_mismatch,
+    tp_mismatch,
+)
 from workers.messages import (
     NO_ROW,
     Abort,
@@ -166,7 +172,9 @@ class DecodeRole(Role):
         self.endpoint = KVEndpoint(
             scheduler.pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
         )
-        self.tp_size = state().tp_size
+        ps = state()
+        self.tp_size = ps.tp_size
+        self.simulated_rank = ps.rank if ps.simulated else None
         self.fanout = scheduler.runner.fanout  # None on one rank
         followers = self.fanout.ask(DESCRIBE) if self.fanout is not None else []
         self.memory = [self.endpoint.memory, *followers]  # entry r: decode rank r's
@@ -319,6 +327,9 @@ class DecodeRole(Role):
         tp = tp_mismatch(info.get("attn_tp_size"), self.tp_size)
         if tp is not None:
             return tp
+        simulated = simulation_mismatch(info.get("simulated_rank"), self.simulated_rank)
+        if simulated is not None:
+            return simulated
         if info.get("model") != model_fingerprint(self.scheduler.pool.config):
             return (
                 f"model config differs: prefill serves {info.get('model_path')}, decode "

@@ -105,6 +105,19 @@ def tp_mismatch(prefill_tp: int, decode_tp: int) -> str | None:
     )
 
 
+def simulation_mismatch(prefill: int | None, decode: int | None) -> str | None:
+    """Why a prefill and a decode worker cannot hand off as simulated ranks, or None: a
+    simulated rank (--simulate-rank) holds one rank's share only, so both sides must simulate
+    the same rank (and a real worker cannot pair with a simulated one)."""
+    if prefill == decode:
+        return None
+
+    def side(r: int | None) -> str:
+        return "a real worker" if r is None else f"simulated rank {r}"
+
+    return f"prefill is {side(prefill)}, decode {side(decode)}: both must simulate the same rank"
+
+
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Merge (src page, dst page) pairs into runs contiguous on both sides: (src, dst, count)."""
     runs: list[tuple[int, int, int]] = []

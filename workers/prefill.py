@@ -10,7 +10,9 @@ Per room (SGLang's KVPoll, forward only):
 
 Under TP/EP every rank writes its own share (workers/rank_transfer.py); this role runs on rank 0
 only and orders the other ranks' writes through the step fanout. A room reaches Success only
-once every rank has reported its writes done.
+once every rank has reported its writes done. A simulated rank R (--simulate-rank) is the only
+process: it writes rank R's share to a decode worker simulating the same rank R (checked at the
+handshake).
 """
 
 from __future__ import annotations
@@ -115,10 +117,16 @@ class PrefillRole(Role):
         host = advertise_host(self.args.host)
         self.endpoint = KVEndpoint(scheduler.pool, host, self.args.disaggregation_ib_device)
         ps = state()
-        self.world, self.tp_size = ps.world, ps.tp_size
+        # the rank processes that write (one when simulated: rank R's share only)
+        self.world, self.tp_size = ps.processes, ps.tp_size
+        self.simulated_rank = ps.rank if ps.simulated else None
         self.fanout = scheduler.runner.fanout  # None on one rank
         self.sender = RankSender(
-            self.endpoint.engine, self.endpoint.page_buffers, self.endpoint.row_buffers, 0, ps.world
+            self.endpoint.engine,
+            self.endpoint.page_buffers,
+            self.endpoint.row_buffers,
+            0,
+            self.world,
         )
         self.sender.start()
         self._register_with_bootstrap(host)
@@ -132,6 +140,7 @@ class PrefillRole(Role):
             "tp_rank": 0,
             "pp_rank": 0,
             "attn_tp_size": self.tp_size,
+            "simulated_rank": self.simulated_rank,
             "attn_cp_size": 1,
             "dp_size": 1,
             "pp_size": 1,

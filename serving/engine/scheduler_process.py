@@ -27,8 +27,16 @@ from serving.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 
+SIMULATED = (
+    "SIMULATED RANK %d of a world of %d (tp %d, ep %d): random weights, collectives through "
+    "torch's fake backend; every answer of this worker is meaningless. For per-rank memory and "
+    "speed measurements only, never a deployment."
+)
+
+
 def build_model(args: ServerArgs):
-    """This rank's model shard, draft, pool and runner (every rank builds these the same way)."""
+    """This rank's model shard, draft, pool and runner (every rank builds these the same way).
+    A simulated rank (--simulate-rank) builds random weights for its shard instead of loading."""
     import torch
 
     from serving.config import ModelConfig, parse_fp8_kinds
@@ -36,15 +44,28 @@ def build_model(args: ServerArgs):
     from serving.executor.model_runner import ModelRunner
     from serving.memory.pool import MemoryPool, plan_pool
     from serving.models.loader import load_weights, resolve_dtype
+    from serving.models.random_init import random_weights
 
     device = args.resolved_device()
     config = ModelConfig.from_pretrained(args.model_path)
     dtype = resolve_dtype(args.dtype, args.model_path, device)
     torch.manual_seed(args.random_seed)
     steps = args.speculative_steps
-    keep = parse_fp8_kinds(args.fp8_keep_bf16)
-    model, draft = load_weights(
-        args.model_path, config, dtype, device, load_draft=steps > 0, keep_bf16=keep
+    ps = state()
+    started = time.monotonic()
+    if ps.simulated:
+        log.warning(SIMULATED, ps.rank, ps.world, ps.tp_size, ps.ep_size)
+        model, draft = random_weights(config, dtype, device, args.random_seed, draft=steps > 0)
+    else:
+        keep = parse_fp8_kinds(args.fp8_keep_bf16)
+        model, draft = load_weights(
+            args.model_path, config, dtype, device, load_draft=steps > 0, keep_bf16=keep
+        )
+    _sync(device)
+    log.info(
+        "start-up: weights %s in %.1f s",
+        "built (random)" if ps.simulated else "loaded",
+        time.monotonic() - started,
     )
     modules = [model] if draft is None else [model, draft]
     weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
@@ -64,17 +85,19 @@ def build_model(args: ServerArgs):
         with_draft=steps > 0,
         num_draft_tokens=steps + 1,
     )
-    ps = state()
     if ps.world > 1:  # rank 0 hands out pages that every rank's pool must have
         plan = dataclasses.replace(plan, pages=min_over_ranks(plan.pages))
+    started = time.monotonic()
     pool = MemoryPool(config, plan, kv_dtype, device)
+    _sync(device)
     log.info(
-        "rank %d/%d (tp %d, ep %d): loaded %s: %.1f M parameters (%.2f GiB), %s on %s, %s; "
-        "pool: %s",
+        "rank %d/%d (tp %d, ep %d): %s %s: %.1f M parameters (%.2f GiB), %s on %s, %s; "
+        "pool: %s (allocated in %.1f s)",
         ps.rank,
         ps.world,
         ps.tp_size,
         ps.ep_size,
+        "random weights for" if ps.simulated else "loaded",
         args.model_path,
         num_params / 1e6,
         weight_bytes / 2**30,
@@ -82,11 +105,83 @@ def build_model(args: ServerArgs):
         device,
         f"speculative EAGLE {steps} step(s) with the NextN draft" if steps else "no speculation",
         pool.describe(),
+        time.monotonic() - started,
     )
+    log_memory_plan(args, config, dtype, weight_bytes, plan, device)
     runner = ModelRunner(model, pool)
     if args.use_decode_graphs() and steps == 0:  # with EAGLE, decode is Eagle.step
+        started = time.monotonic()
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)
+        log.info(
+            "start-up: decode graphs up to batch %d captured in %.1f s",
+            args.cuda_graph_max_bs_decode,
+            time.monotonic() - started,
+        )
     return config, dtype, model, draft, pool, plan, runner, context
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def log_memory_plan(args: ServerArgs, config, dtype, weight_bytes: int, plan, device: str) -> None:
+    """serving.tools.plan's prediction for this rank, then what was built beside it; a WARNING
+    when the weights differ (the plan or the build is wrong)."""
+    import torch
+
+    from serving.config import parse_fp8_kinds
+    from serving.distributed import state
+    from serving.models.rank_plan import GIB, fp8_plan, predict_rank
+
+    ps = state()
+    total, fp8 = None, None
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if not ps.simulated:  # a simulated rank builds bf16 weights; the CPU dequantizes FP8
+            fp8 = fp8_plan(args.model_path, config, parse_fp8_kinds(args.fp8_keep_bf16))
+    predicted = predict_rank(
+        config,
+        tp_size=ps.tp_size,
+        ep_size=ps.ep_size,
+        rank=ps.rank,
+        dtype=dtype,
+        context=plan.max_context,
+        running=args.running_limit,
+        extra=args.decode_extra_slots,
+        speculative_steps=args.speculative_steps,
+        page_size=plan.page_size,
+        mem_fraction_static=args.mem_fraction_static,
+        total_memory=total,
+        fp8=fp8,
+    )
+    for line in predicted.lines(args.model_path):
+        log.info("memory plan (serving.tools.plan): %s", line)
+    tokens = plan.pages * plan.page_size
+    used = (
+        f"; device memory allocated {torch.cuda.memory_allocated() / GIB:.2f} GiB" if total else ""
+    )
+    log.info(
+        "memory built: weights per GPU %.2f GiB (plan %.2f), KV tokens per GPU %d (plan %s), "
+        "request rows %d (running %d + extra %d + 1 padding), KDA state %d B per row%s",
+        weight_bytes / GIB,
+        predicted.weight_bytes / GIB,
+        tokens,
+        predicted.kv_tokens() if total else "n/a on the CPU",
+        plan.rows + 1,
+        args.running_limit,
+        args.decode_extra_slots,
+        predicted.kda_row_bytes,
+        used,
+    )
+    if weight_bytes != predicted.weight_bytes:
+        log.warning(
+            "weights per GPU: built %d B, the plan predicts %d B",
+            weight_bytes,
+            predicted.weight_bytes,
+        )
 
 
 def build_engine(args: ServerArgs, role=None):
@@ -107,7 +202,7 @@ def build_engine(args: ServerArgs, role=None):
     role = role if role is not None else Role()
     config, dtype, model, draft, pool, plan, runner, context = build_model(args)
     steps = args.speculative_steps
-    fanout = RankFanout(pool) if state().world > 1 else None
+    fanout = RankFanout(pool) if state().processes > 1 else None
     runner.fanout = fanout
     tokenizer_file = os.path.join(args.tokenizer_path or args.model_path, "tokenizer.json")
     sampler = Sampler(config.vocab_size, device, args.random_seed, tokenizer_file=tokenizer_file)
@@ -118,7 +213,13 @@ def build_engine(args: ServerArgs, role=None):
         spec = Eagle(model, draft, pool, sampler, SpecConfig(steps))
         spec.fanout = fanout
         if args.use_decode_graphs():
+            started = time.monotonic()
             spec.enable_graphs(args.cuda_graph_max_bs_decode)
+            log.info(
+                "start-up: EAGLE graphs up to batch %d captured in %.1f s",
+                args.cuda_graph_max_bs_decode,
+                time.monotonic() - started,
+            )
     tokenizer = Tokenizer.from_file(tokenizer_file)
     scheduler = Scheduler(
         runner,
@@ -192,6 +293,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
     recv.bind(recv_addr)
     send = ctx.socket(zmq.PUSH)
     send.connect(send_addr)
+    started = time.monotonic()
     try:
         if args.world_size > 1:
             from serving.engine.tp_worker import join_group
@@ -202,7 +304,14 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
         role = make_role(args) if make_role is not None else Role()
         scheduler, ready = build_engine(args, role)
         if not args.skip_server_warmup:
+            warm = time.monotonic()
             warmup(scheduler)
+            log.info("start-up: warm-up request in %.1f s", time.monotonic() - warm)
+        log.info(
+            "start-up: scheduler ready %.1f s after its process began", time.monotonic() - started
+        )
+        if args.simulate_rank is not None:
+            log.warning(SIMULATED, args.simulate_rank, args.world_size, args.tp_size, args.ep_size)
     except Exception as exc:  # report one line to the operator, the trace to the log
         log.debug("start-up failed:\n%s", traceback.format_exc())
         send.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))

@@ -15,6 +15,7 @@ role's orders, every follower hands them to its role plug and all of them answer
 so rank 0 learns what the followers have done without a follower ever acting on its own.
 When rank 0 idles, it broadcasts a keepalive every KEEPALIVE_S, so the followers' wait never
 reaches the group timeout; a dead peer breaks the gloo connection and every rank exits.
+A simulated rank (--simulate-rank) has no followers and no RankFanout: it is the driver alone.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from serving.distributed import ParallelState, broadcast_object, gather_object, init_parallel
+from serving.distributed import (
+    ParallelState,
+    broadcast_object,
+    gather_object,
+    init_parallel,
+    init_simulated,
+)
 from serving.executor.model_runner import StepInput
 from serving.memory.pool import MemoryPool
 from serving.server_args import ServerArgs
@@ -76,12 +83,15 @@ class RankFanout:
 
 
 def join_group(args: ServerArgs, rank: int) -> ParallelState:
-    """Pick this rank's GPU (--base-gpu-id + local rank) and join the worker's group."""
+    """Pick this rank's GPU (--base-gpu-id + local rank) and join the worker's group. With
+    --simulate-rank R this process is rank R alone (fake backend), on --base-gpu-id."""
     device = args.resolved_device()
     if device == "cuda":
         import torch
 
         torch.cuda.set_device(args.base_gpu_id + rank % args.ranks_per_node)
+    if args.simulate_rank is not None:
+        return init_simulated(args.simulate_rank, args.tp_size, args.ep_size)
     return init_parallel(
         rank,
         args.tp_size,

@@ -5,7 +5,10 @@ cannot fill is an error). Names follow the checkpoint so loading is a lookup, no
 
 A parameter that holds only this rank's share of a checkpoint tensor carries `shard`:
 (dim of the checkpoint tensor that is split, pieces, this rank's piece). The loader reads just
-that slice from the safetensors file.
+that slice from the safetensors file. A parameter marked `padded` (the vocabulary rows of embed
+and lm_head, serving/distributed.padded_vocab) is longer along that dim than the checkpoint over
+all pieces: a piece is ceil(n / pieces) rows, the last pieces end in zero rows the checkpoint
+lacks.
 
 Block FP8: a module with a `kind` (FP8_KINDS) can hold its weights as float8_e4m3fn beside
 float32 block scales `<param>_scale_inv` (hold_fp8, called by the loader before it fills them)
@@ -51,6 +54,12 @@ def block_scales(p: nn.Parameter) -> nn.Parameter:
     blocks = fp8_kernels.blocks
     shape = (*lead, blocks(rows), blocks(cols))
     return nn.Parameter(torch.empty(shape, dtype=torch.float32, device=p.device), False)
+
+
+def padded(p: nn.Parameter) -> nn.Parameter:
+    """Mark `p` as padded past the checkpoint along its shard dim (zero rows, never read)."""
+    p.padded = True  # type: ignore[attr-defined]
+    return p
 
 
 def tp_param(*shape: int, dtype: torch.dtype, dim: int = 0) -> nn.Parameter:

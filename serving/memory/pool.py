@@ -84,14 +84,18 @@ def token_bytes(config: ModelConfig, elem: int, with_draft: bool) -> int:
     )
 
 
-def row_bytes(config: ModelConfig, elem: int, tail_slots: int, with_draft: bool) -> int:
-    """Bytes of per-request state per row: KDA conv + recurrent state, compression tails."""
-    kda = len(config.kda_layers) * (
+def kda_row_bytes(config: ModelConfig, elem: int) -> int:
+    """Bytes of KDA state per request row: conv inputs + float32 recurrent state, all KDA layers."""
+    return len(config.kda_layers) * (
         3 * config.kda_qkv_dim * (config.linear_conv_kernel_dim - 1) * elem
         + config.linear_num_heads * config.linear_head_dim**2 * 4
     )
+
+
+def row_bytes(config: ModelConfig, elem: int, tail_slots: int, with_draft: bool) -> int:
+    """Bytes of per-request state per row: KDA conv + recurrent state, compression tails."""
     tails = (len(config.indexer_layers) + int(with_draft)) * 2 * tail_slots
-    return kda + tails * config.index_head_dim * elem
+    return kda_row_bytes(config, elem) + tails * config.index_head_dim * elem
 
 
 def fit_kv_tokens(

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from serving.config import KDA, ModelConfig
-from serving.distributed import state, tp_all_reduce
+from serving.distributed import padded_vocab, state, tp_all_reduce
 from serving.forward_batch import ForwardBatch
-from serving.layers.linear import Linear, tp_param
+from serving.layers.linear import Linear, padded, tp_param
 from serving.layers.mhc import HyperConnection
 from serving.layers.mlp import make_mlp
 from serving.layers.norm import RMSNorm
@@ -72,13 +72,17 @@ class Glm5NextForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        # vocab-parallel under TP: rank r holds rows [r*V/tp, (r+1)*V/tp) of both
-        self.embed_tokens = tp_param(config.vocab_size, config.hidden_size, dtype=dtype)
+        # vocab-parallel under TP: rank r holds rows [r*P/tp, (r+1)*P/tp) of both, P the vocab
+        # padded to a multiple of tp; rows >= vocab_size are zero and their logits never leave
+        # `project`
+        vocab = padded_vocab(config.vocab_size, state().tp_size)
+        self.embed_tokens = padded(tp_param(vocab, config.hidden_size, dtype=dtype))
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype, "column", gather=True)
+        self.lm_head = Linear(config.hidden_size, vocab, dtype, "column", gather=True)
+        padded(self.lm_head.weight)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         tp = state()
@@ -92,7 +96,15 @@ class Glm5NextForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: pre-norm [N, Hd] -> float32 logits [N, V]."""
-        return self.lm_head(self.norm(hidden)).float()
+        return self.project(self.norm(hidden))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden [N, Hd] -> float32 logits over the real vocabulary [N, V]: the padded
+        columns are cut here, so no sampler, argmax or logprob ever sees them."""
+        logits = self.lm_head(x)
+        if logits.shape[-1] != self.config.vocab_size:
+            logits = logits[:, : self.config.vocab_size]
+        return logits.float()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:

@@ -135,9 +135,11 @@ MAPPED_WINDOW = 64 << 20
 
 
 def _iter_slices(model_dir: str | Path):
-    """(name, read) per checkpoint tensor; read(shard) returns the whole tensor (shard None) or
-    piece `rank` of `size` along `dim` for shard = (dim, size, rank), reading only that piece.
-    Call each read before asking for the next tensor (its file may be closed after)."""
+    """(name, read) per checkpoint tensor; read(shard, padded) returns the whole tensor (shard
+    None) or piece `rank` of `size` along `dim` for shard = (dim, size, rank), reading only that
+    piece. padded: pieces are ceil(n / size) long and the last ones come back short (or empty),
+    where the parameter ends in padding rows. Call each read before asking for the next tensor
+    (its file may be closed after)."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             names = list(f.keys())
@@ -149,7 +151,7 @@ def _iter_slices(model_dir: str | Path):
                     name = names[at]
                     at += 1
 
-                    def read(spec, f=f, name=name, touched=touched) -> torch.Tensor:
+                    def read(spec, pad=False, f=f, name=name, touched=touched) -> torch.Tensor:
                         if spec is None:
                             t = f.get_tensor(name)
                             touched[0] += t.numel() * t.element_size()
@@ -157,13 +159,18 @@ def _iter_slices(model_dir: str | Path):
                         dim, size, rank = spec
                         sl = f.get_slice(name)
                         shape = sl.get_shape()
-                        if shape[dim] % size:
+                        index = [slice(None)] * len(shape)
+                        if pad:
+                            share = -(-shape[dim] // size)
+                            stop = min((rank + 1) * share, shape[dim])
+                            index[dim] = slice(min(rank * share, stop), stop)
+                        elif shape[dim] % size:
                             raise CheckpointError(
                                 f"{name!r}: dim {dim} of {tuple(shape)} does not split over "
                                 f"{size} ranks"
                             )
-                        index = [slice(None)] * len(shape)
-                        index[dim] = split(shape[dim], size, rank)
+                        else:
+                            index[dim] = split(shape[dim], size, rank)
                         t = sl[tuple(index)]
                         touched[0] += t.numel() * t.element_size() * size
                         return t
@@ -306,7 +313,9 @@ def load_weights(
         param = params[role].get(target.param)
         if param is None:
             raise CheckpointError(f"unknown tensor {name!r} (no parameter {role}.{target.param})")
-        tensor = read(getattr(param, "shard", None))
+        shard = getattr(param, "shard", None)
+        pad = getattr(param, "padded", False)
+        tensor = read(shard, pad)
         read_bytes += tensor.numel() * tensor.element_size()
         dst = target.view(param.data)
         if name in fp8:
@@ -320,6 +329,13 @@ def load_weights(
                 filled[key] = filled.get(key, 0) + scale.numel()
         if target.param.endswith("conv_weight") and tensor.dim() == 3:
             tensor = tensor.squeeze(1)  # depthwise conv1d weights are stored [C, 1, K]
+        if pad and shard is not None and tensor.shape[shard[0]] < dst.shape[shard[0]]:
+            dim, real = shard[0], tensor.shape[shard[0]]
+            dst.narrow(dim, real, dst.shape[dim] - real).zero_()  # padding rows: zero
+            dst = dst.narrow(dim, 0, real)
+            filled[(role, target.param)] = filled.get((role, target.param), 0) + (
+                param.numel() - dst.numel()
+            )
         _fill(name, role, target.param, tensor, dst)
         key = (role, target.param)
         filled[key] = filled.get(key, 0) + dst.numel()

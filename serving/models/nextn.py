@@ -52,5 +52,5 @@ class NextNDraft(nn.Module):
         attn, _ = self.self_attn(self.input_layernorm(x), batch, cache.dsa(self.layer), None)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        logits = target.lm_head(self.shared_head_norm(x[batch.logit_index])).float()
+        logits = target.project(self.shared_head_norm(x[batch.logit_index]))
         return ForwardOutput(logits=logits, hidden=x)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from serving.config import DSA, KDA, ModelConfig
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.loader import export_checkpoint
 from serving.models.nextn import NextNDraft
+from serving.models.random_init import random_weights
 from serving.tools.tokenizer_build import write_tokenizer_files
 
 TINY_VOCAB = 1024
@@ -183,40 +183,6 @@ COMMON: dict[str, Any] = dict(
 )
 
 
-def _init(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
-    """Deterministic init that keeps activations in a sane range at any width."""
-
-    def normal(std: float) -> torch.Tensor:
-        return torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32) * std
-
-    if name.endswith(("layernorm.weight", "norm.weight", "o_norm", "k_norm_weight")) or (
-        name.endswith(("enorm.weight", "hnorm.weight"))
-    ):
-        value = 1.0 + normal(0.05)
-    elif name.endswith(("k_norm_bias", ".base")):
-        value = normal(0.05)
-    elif name.endswith(".scale"):
-        value = torch.ones(p.shape, device=p.device)
-    elif name.endswith("A_log"):
-        value = normal(0.3)
-    elif name.endswith("dt_bias"):
-        dt = torch.exp(
-            torch.rand(p.shape, generator=gen, device=p.device) * math.log(100) + math.log(1e-3)
-        )
-        value = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
-    elif name.endswith("e_score_correction_bias"):
-        value = normal(0.01)
-    elif name.endswith("index_kpool_compress_ape"):
-        value = normal(0.5)
-    elif name == "embed_tokens":
-        value = normal(1.0)
-    elif name.endswith("conv_weight"):
-        value = normal(0.3)
-    else:  # projections: std 1/sqrt(fan_in)
-        value = normal(p.shape[-1] ** -0.5)
-    p.copy_(value.to(p.dtype))
-
-
 def build_config(preset: str, specials: dict[str, int]) -> dict[str, Any]:
     text = {**COMMON, **PRESETS[preset]}
     dtype = text.pop("dtype")
@@ -238,13 +204,7 @@ def random_model(
     built in memory on `device`."""
     config = ModelConfig.from_dict(raw)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[raw["dtype"]]
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.device(device):
-        target, draft = Glm5NextForCausalLM(config, dtype), NextNDraft(config, dtype)
-    with torch.no_grad():
-        for module in (target, draft):
-            for name, p in module.named_parameters():
-                _init(name, p, gen)
+    target, draft = random_weights(config, dtype, device, seed)
     return config, target, draft
 
 
@@ -259,7 +219,8 @@ def write_checkpoint(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    specials = write_tokenizer_files(out, vocab_size=TINY_VOCAB)
+    # a vocabulary smaller than the tiny tokenizer's gets a tokenizer of its size
+    specials = write_tokenizer_files(out, vocab_size=min(TINY_VOCAB, PRESETS[preset]["vocab_size"]))
     raw = build_config(preset, specials)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / "generation_config.json").write_text(

@@ -19,6 +19,23 @@ from serving.protocol import FAKE_BOOTSTRAP_HOST, SamplingParams
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
+def simulation(args) -> dict | None:
+    """/server_info's warning for a --simulate-rank worker (None for a real one)."""
+    if args.simulate_rank is None:
+        return None
+    return {
+        "simulated_rank": args.simulate_rank,
+        "world_size": args.world_size,
+        "tp_size": args.tp_size,
+        "ep_size": args.ep_size,
+        "warning": (
+            f"this worker runs only rank {args.simulate_rank} of a TP/EP world of "
+            f"{args.world_size} on random weights, collectives through a fake backend: every "
+            "answer is meaningless; for per-rank memory and speed measurements only"
+        ),
+    }
+
+
 def admin_router(ctx: FrontContext) -> APIRouter:
     router = APIRouter()
     client = ctx.client
@@ -82,6 +99,7 @@ def admin_router(ctx: FrontContext) -> APIRouter:
                 "max_total_num_tokens": ready.total_pages * ready.page_size if ready else None,
                 "scheduler": dataclasses.asdict(ready) if ready else None,
                 "internal_states": [stats],
+                "simulation": simulation(ctx.args),
                 "version": version("pdserve"),
             }
         )

@@ -1,0 +1,339 @@
+"""--simulate-rank on CPU: one process runs exactly rank R of a TP/EP world of N (random weights,
+torch's fake backend), so one device can hold and run one rank of the real model.
+
+In process: the rank's parameters are the sharded count serving/models/rank_plan predicts; a
+forward's logits are finite, over the real vocabulary only, and zero outside the rank's vocab
+shard; the collectives a step issues are counted. Over HTTP (one worker of rank 3 of tp 4 / ep 4
+with EAGLE on a vocabulary of 410, padded to 412; a prefill + decode pair both simulating rank 1
+of tp 2 / ep 2, decode holding more rows than it runs): chat completions and /generate
+complete, the warnings and /server_info's field are there, the memory plan is logged beside what
+was built, nothing leaks; a decode simulating another rank is refused at the handshake; flags
+that cannot work are refused with one line.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import httpx
+import pytest
+import torch
+
+from serving.config import DSA, ModelConfig
+from serving.distributed import ParallelState, set_state
+from tests.pd_pair import FAST_TIMEOUTS, PDPair
+from tests.server_proc import Server, eagle_flags
+
+VOCAB = 410  # does not divide by 4: padded to 412, the last rank's last 2 rows are padding
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("rank,tp,ep", [(1, 2, 2), (3, 4, 1), (2, 4, 4), (1, 1, 2)])
+def test_rank_parameters_equal_the_plan(v410_ckpt, rank, tp, ep):
+    """The random shard has exactly the parameters the plan predicts for that rank, and the
+    vocabulary's padding rows are zero (rank 3 of tp 4: rows 101 and 102 of its 103)."""
+    from serving.models.random_init import random_weights
+    from serving.models.rank_plan import predict_rank
+
+    config = ModelConfig.from_pretrained(v410_ckpt)
+    plan = predict_rank(
+        config,
+        tp_size=tp,
+        ep_size=ep,
+        rank=rank,
+        dtype=torch.float32,
+        context=256,
+        running=4,
+        extra=8,
+        speculative_steps=1,
+        page_size=16,
+        mem_fraction_static=0.7,
+        total_memory=None,
+    )
+    set_state(ParallelState(rank, tp, ep, simulated=True))
+    try:
+        target, draft = random_weights(config, torch.float32, "cpu")
+    finally:
+        set_state(ParallelState())
+    params = [p for m in (target, draft) for p in m.parameters()]
+    assert sum(p.numel() for p in params) == plan.params
+    assert sum(p.numel() * p.element_size() for p in params) == plan.weight_bytes
+    assert plan.params < plan.full_params
+    assert plan.rows == 4 + 8 + 1 and 0 < plan.kda_row_bytes < plan.row_bytes
+    share = -(-VOCAB // tp)
+    real = min(VOCAB - rank * share, share) if tp > 1 else VOCAB
+    for weight in (target.embed_tokens, target.lm_head.weight):
+        assert weight.shape[0] == (share if tp > 1 else VOCAB)
+        assert weight[real:].abs().sum() == 0 and weight[:real].abs().sum() > 0
+
+
+def test_simulated_forward_is_finite_and_counts_collectives(v410_ckpt):
+    """Rank 3 of tp 4: logits over the 410 real tokens only, finite, zero outside rank 3's
+    columns 309..409 (the all-gather's other parts are zeroed, not left as the fake backend
+    leaves them); the step's all-reduces and its one all-gather are counted with their bytes."""
+    from serving.distributed import count_collectives, destroy_parallel, init_simulated
+    from serving.executor.model_runner import ModelRunner, StepInput
+    from serving.memory.pool import MemoryPool, PoolPlan
+    from serving.models.random_init import random_weights
+
+    config = ModelConfig.from_pretrained(v410_ckpt)
+    init_simulated(3, 4, 1)
+    try:
+        model, _ = random_weights(config, torch.float32, "cpu", draft=False)
+        pool = MemoryPool(config, PoolPlan(2, 32, 16, 256), torch.float32, "cpu")
+        runner = ModelRunner(model, pool)
+        row = pool.alloc_row()
+        assert pool.grow(row, [], 60)
+        out = runner.forward([StepInput(row, 0, prompt(1, 50))])
+        with count_collectives() as tally:
+            step = runner.forward([StepInput(row, 50, [320])])
+    finally:
+        destroy_parallel()
+    for logits in (out.logits, step.logits):
+        assert logits.shape == (1, VOCAB) and torch.isfinite(logits).all()
+        assert logits[:, :309].abs().sum() == 0 and logits[:, 309:].abs().sum() > 0
+    # the embedding, then per layer attention's row-parallel output and the MLP's, plus the
+    # indexer's pool scores on each DSA layer with its own indexer; one all-gather of logits
+    indexers = sum(
+        t == DSA and i == "full" for t, i in zip(config.layer_types, config.indexer_types)
+    )
+    calls, nbytes = tally["all_reduce"]
+    assert calls == 1 + 2 * config.num_hidden_layers + indexers, tally
+    assert nbytes > (calls - indexers) * config.hidden_size * 4, tally  # [1, hidden] float32
+    assert tally["all_gather"] == [1, 103 * 4], tally  # rank 3's [1, 103] logits
+
+
+def test_flags_that_cannot_work_are_refused(tiny_ckpt):
+    from serving.server_args import ArgsError, ServerArgs
+
+    def refused(*flags: str) -> str:
+        args = ServerArgs.from_cli(["--model-path", str(tiny_ckpt), "--device", "cpu", *flags])
+        with pytest.raises(ArgsError) as exc:
+            args.validate()
+        return str(exc.value)
+
+    assert "with one rank there is nothing to simulate" in refused("--simulate-rank", "0")
+    assert "must be in [0, 4)" in refused("--tp-size", "4", "--simulate-rank", "4")
+    assert "must be in [0, 2)" in refused("--ep-size", "2", "--simulate-rank", "-1")
+    multi = ("--tp-size", "4", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000")
+    assert "one process on one node" in refused(*multi, "--simulate-rank", "1")
+    assert "--simulate-rank" in ServerArgs.parser().format_help()
+    ok = ServerArgs.from_cli(
+        ["--model-path", str(tiny_ckpt), "--tp-size", "8", "--simulate-rank", "7"]
+    )
+    ok.validate()
+    assert ok.rank_processes == 1 and ok.world_size == 8 and ok.ranks_per_node == 1
+
+
+def _generate(url: str, ids: list[int], n: int) -> httpx.Response:
+    sampling = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    return httpx.post(
+        url + "/generate", json={"input_ids": ids, "sampling_params": sampling}, timeout=120
+    )
+
+
+def test_worker_serves_and_says_so(v410_ckpt, tmp_path):
+    """Rank 3 of tp 4 / ep 4, EAGLE 1 step, on the padded vocabulary: requests complete (their
+    tokens mean nothing), concurrently too, and every row and page is free afterwards."""
+    srv = Server(
+        v410_ckpt,
+        "--tp-size",
+        "4",
+        "--ep-size",
+        "4",
+        "--simulate-rank",
+        "3",
+        "--context-length",
+        "256",
+        "--max-running-requests",
+        "4",
+        "--chunked-prefill-size",
+        "32",
+        *eagle_flags(1),
+        log_dir=tmp_path,
+    )
+    try:
+        chat = {
+            "model": str(v410_ckpt),
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 6,
+            "temperature": 0,
+        }
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        got: dict[int, httpx.Response] = {}
+
+        def one(i: int) -> None:
+            got[i] = _generate(srv.url, prompt(i, 20 + 17 * i), 8)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        for i in range(3):
+            assert got[i].status_code == 200, got[i].text
+            ids = got[i].json()["output_ids"]
+            assert ids and all(0 <= t < VOCAB for t in ids), ids
+        stats = srv.idle_pool()
+        assert stats["spec_verify_steps"] > 0, stats
+        info = httpx.get(srv.url + "/get_server_info", timeout=5).json()
+        sim = info["simulation"]
+        assert (sim["simulated_rank"], sim["world_size"]) == (3, 4), sim
+        assert "meaningless" in sim["warning"]
+        log = srv.log_path.read_text()
+        assert re.search(r"WARNING .*--simulate-rank 3: .* meaningless", log), log
+        assert re.search(r"WARNING .*SIMULATED RANK 3 of a world of 4", log), log
+        assert "start-up: weights built (random)" in log and "start-up: scheduler ready" in log
+        assert "memory plan (serving.tools.plan): weights per rank" in log, log
+        assert "request rows 5 (running 4 + extra 0 + 1 padding)" in log, log
+        assert "the plan predicts" not in log, log  # built weights == predicted weights
+    finally:
+        assert srv.stop() == 0
+
+
+PD = ("--tp-size", "2", "--ep-size", "2", "--context-length", "256", "--skip-server-warmup")
+
+
+@pytest.fixture(scope="module")
+def sim_pair(v410_ckpt, tmp_path_factory):
+    pytest.importorskip("mooncake.engine")
+    logs = tmp_path_factory.mktemp("sim-pd")
+    pair = PDPair(
+        v410_ckpt,
+        logs,
+        prefill_flags=(*PD, "--simulate-rank", "1", "--chunked-prefill-size", "16"),
+        decode_flags=(
+            *PD,
+            "--simulate-rank",
+            "1",
+            "--max-running-requests",
+            "2",
+            "--disaggregation-decode-extra-slots",
+            "4",
+        ),
+    )
+    yield pair
+    pair.stop()
+
+
+def test_simulated_pd_pair_hands_over_and_holds_extra_rows(sim_pair):
+    """Prefill and decode both simulate rank 1: each request's KV (rank 1's share) is handed
+    over and decoded; six at once fill decode's 2 running + 4 extra rows."""
+    got: dict[int, tuple[httpx.Response, httpx.Response]] = {}
+
+    def one(i: int) -> None:
+        body = {
+            "input_ids": prompt(40 + i, 9 + 13 * i),
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        }
+        got[i] = sim_pair.dispatch("/generate", body, timeout=120)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    for i in range(6):
+        decode, prefill = got[i]
+        assert prefill.status_code == 200 and decode.status_code == 200, decode.text
+        assert decode.json()["meta_info"]["completion_tokens"] == 6
+    stats = sim_pair.decode.idle_pool(timeout=30)
+    assert stats["total_rows"] == 6 and stats["peak_used_rows"] > 2, stats  # extra rows held
+    sim_pair.prefill.idle_pool(timeout=30)
+
+
+def test_decode_simulating_another_rank_is_refused(sim_pair, v410_ckpt, tmp_path):
+    other = Server(
+        v410_ckpt,
+        "--disaggregation-mode",
+        "decode",
+        *PD,
+        "--simulate-rank",
+        "0",
+        log_dir=tmp_path,
+        env=FAST_TIMEOUTS,
+    )
+    try:
+        pair = PDPair.join(sim_pair.prefill, sim_pair.bootstrap_port, other)
+        body = {"input_ids": prompt(60, 12), "sampling_params": {"max_new_tokens": 2}}
+        decode, prefill = pair.dispatch("/generate", body, timeout=60)
+        why = "prefill is simulated rank 1, decode simulated rank 0"
+        assert decode.status_code == 502 and why in decode.text, decode.text
+        assert prefill.status_code == 502 and why in prefill.text, prefill.text
+        sim_pair.prefill.idle_pool(timeout=30)
+        other.idle_pool(timeout=30)
+    finally:
+        assert other.stop() == 0
+
+
+def test_engine_bench_runs_a_simulated_rank(v410_ckpt, tmp_path):
+    """bench_fast_path's rank stages on CPU (no graphs, no CUDA profiler): every stage leaves
+    its JSON line, the collectives are counted per step and projected, the floor is computed."""
+    import json
+
+    from serving.tools.bench_fast_path import main
+
+    out = tmp_path / "rank.jsonl"
+    main(
+        [
+            *("--out", str(out), "--model-path", str(v410_ckpt), "--device", "cpu"),
+            *("--simulate-rank", "3", "--tp-size", "4", "--ep-size", "4"),
+            *("--stages", "prefill,decode,eagle,layers,collectives,floor"),
+            *("--contexts", "40,72", "--batch-sizes", "1", "--prefill-tokens", "24"),
+            *("--context-fill", "mapped", "--no-torch-path", "--repeat", "1"),
+        ]
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert not [r for r in rows if r["stage"] == "error"], rows
+    by_stage: dict[str, list[dict]] = {}
+    for r in rows:
+        by_stage.setdefault(r["stage"], []).append(r)
+    assert "simulated=True" in by_stage["built"][0]["rank"]
+    assert len(by_stage["decode_graphs"]) == 2 and len(by_stage["eagle_step"]) == 2
+    kinds = {r["step"]: r["ms"] for r in by_stage["layer_kinds"]}
+    assert set(kinds) == {"decode", "prefill", "eagle"}
+    for ms in kinds.values():  # every kind seen, none counted twice (MoE holds a dense MLP)
+        assert ms["KDA"] > 0 and ms["DSA"] > 0 and ms["MoE"] > 0 and ms["mHC"] > 0, kinds
+        assert 0 <= ms["rest"] < ms["step"], kinds
+    coll = {r["step"]: r for r in by_stage["collectives"]}
+    assert coll["decode"]["counts"]["all_gather"] == {"calls": 1, "bytes": 103 * 4}
+    # EAGLE's step: the target's verify and the draft's catch-up, each with its logits gathered
+    assert coll["eagle"]["counts"]["all_gather"]["calls"] == 2
+    assert coll["eagle"]["projected_step_ms"] > coll["eagle"]["measured_compute_ms"]
+    floors = by_stage["hbm_floor"]
+    assert len(floors) == 4 and all(f["floor_ms"] > 0 and f["total_bytes"] > 0 for f in floors)
+    longer = {(f["step"], f["batch"], f["context"]): f["index_key_bytes"] for f in floors}
+    assert longer[("decode", 1, 72)] > longer[("decode", 1, 40)]
+
+
+def test_hbm_floor_of_the_real_rank(tmp_path):
+    """Rank 0 of the real config at TP8/EP8 (meta device, no memory): a decode step at batch 1
+    reads about 4.7 GB (2.5 GB of dense weights, lm_head shard included, and the one local
+    expert per MoE layer its token is expected to pick), the issue's ~1 ms at 4.23 TB/s; at
+    batch 32 the experts dominate."""
+    from serving.models.glm5_next import Glm5NextForCausalLM
+    from serving.tools.step_costs import hbm_floor
+    from serving.tools.tiny_model import write_checkpoint
+
+    config = ModelConfig.from_pretrained(write_checkpoint(tmp_path / "real", preset="real"))
+    set_state(ParallelState(0, 8, 8, simulated=True))
+    try:
+        with torch.device("meta"):
+            target = Glm5NextForCausalLM(config, torch.bfloat16)
+    finally:
+        set_state(ParallelState())
+    one = hbm_floor(config, [target], batch=1, context=4096, tp_size=8)
+    assert 1.0 < one["floor_ms"] < 1.25, one
+    assert 2.0e9 < one["experts_bytes"] < 2.3e9, one  # 42 MoE layers x 1 expert x 50 MB
+    full = hbm_floor(config, [target], batch=32, context=65536, tp_size=8)
+    assert full["experts_bytes"] > 0.8 * full["total_bytes"], full
+    assert 1.1e9 < full["kda_state_bytes"] < 1.3e9, full  # 32 rows x 18.5 MB, read + written
+    short = hbm_floor(config, [target], batch=32, context=4096, tp_size=8)
+    assert full["index_key_bytes"] == 16 * short["index_key_bytes"], (full, short)
