@@ -1,6 +1,7 @@
 """Messages between the HTTP front and the scheduler process (ZMQ, pickled dataclasses).
 
 front --GenerateRequest / AbortRequest--> scheduler --BatchOutput--> front
+front --FlushCache--> scheduler --FlushCacheDone--> front    (/flush_cache)
 
 Every request is identified by `rid`, unique per sequence (a request with n > 1 becomes n
 sequences with rids "<id>-<i>"). The scheduler sends each sequence's new tokens as they are
@@ -114,6 +115,19 @@ class AbortRequest:
 
 
 @dataclass
+class FlushCache:
+    """Empty the prefix cache; the scheduler answers FlushCacheDone with the same `id`."""
+
+    id: str
+
+
+@dataclass
+class FlushCacheDone:
+    id: str
+    error: str | None = None  # why it was not flushed (requests are live); None: flushed
+
+
+@dataclass
 class TokenLogprob:
     token_id: int
     logprob: float | None  # None only for a prompt's first token (nothing predicts it)
@@ -182,6 +196,11 @@ class SchedulerStats:
     spec_num_steps: int = 0  # draft tokens proposed per verify step (0: no speculation)
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # the prefix cache
+    cached_tokens_total: int = 0  # prompt tokens served from it (hit rate: / prompt_tokens_total)
+    cached_pages: int = 0  # pages it holds (those no request locks count as free, not used)
+    cached_states: int = 0  # KDA state snapshots it holds
+    total_state_slots: int = 0
 
 
 @dataclass

@@ -17,6 +17,8 @@ from serving.protocol import (
     SHUTDOWN,
     AbortRequest,
     BatchOutput,
+    FlushCache,
+    FlushCacheDone,
     GenerateRequest,
     SamplingParams,
     SchedulerFailed,
@@ -34,7 +36,7 @@ def build_model(args: ServerArgs):
     from serving.config import ModelConfig
     from serving.distributed import min_over_ranks, state
     from serving.executor.model_runner import ModelRunner
-    from serving.memory.pool import MemoryPool, plan_pool
+    from serving.memory.pool import MemoryPool, SnapshotBudget, plan_pool
     from serving.models.loader import load_weights, resolve_dtype
 
     device = args.resolved_device()
@@ -59,10 +61,17 @@ def build_model(args: ServerArgs):
         weight_bytes=weight_bytes,
         with_draft=steps > 0,
         num_draft_tokens=steps + 1,
+        snapshots=SnapshotBudget(args.mamba_full_memory_ratio, args.max_mamba_cache_size)
+        if args.radix_cache
+        else None,
     )
     ps = state()
-    if ps.world > 1:  # rank 0 hands out pages that every rank's pool must have
-        plan = dataclasses.replace(plan, pages=min_over_ranks(plan.pages))
+    if ps.world > 1:  # rank 0 hands out pages and slots that every rank's pool must have
+        plan = dataclasses.replace(
+            plan,
+            pages=min_over_ranks(plan.pages),
+            state_slots=min_over_ranks(plan.state_slots),
+        )
     pool = MemoryPool(config, plan, kv_dtype, device)
     log.info(
         "rank %d/%d (tp %d, ep %d): loaded %s: %.1f M parameters (%.2f GiB), %s on %s; pool: %s",
@@ -124,6 +133,8 @@ def build_engine(args: ServerArgs, role=None):
             args.max_prefill_tokens,
             context,
             args.queue_limit,
+            prefix_cache=args.radix_cache,
+            track_interval=args.mamba_track_interval,
         ),
         frozenset(config.eos_token_ids),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
@@ -222,6 +233,8 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
                 role.submit(msg)
             elif isinstance(msg, AbortRequest):
                 role.abort(msg.rid, msg.reason)
+            elif isinstance(msg, FlushCache):
+                send.send_pyobj(FlushCacheDone(msg.id, scheduler.flush_cache()))
         role.poll()
         if scheduler.has_work or scheduler.pending_outputs:
             watchdog.started = time.monotonic()

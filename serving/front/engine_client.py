@@ -1,7 +1,8 @@
 """The front's side of the ZMQ link to the scheduler, and the serving metrics it observes.
 
 The front binds a PULL socket at `recv_addr` (SchedulerReady or SchedulerFailed, then
-BatchOutput) and connects a PUSH socket to `send_addr` (GenerateRequest, AbortRequest).
+BatchOutput and FlushCacheDone) and connects a PUSH socket to `send_addr` (GenerateRequest,
+AbortRequest, FlushCache).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import zmq
@@ -21,6 +23,8 @@ from serving.protocol import (
     AbortRequest,
     BatchOutput,
     FinishReason,
+    FlushCache,
+    FlushCacheDone,
     GenerateRequest,
     SchedulerFailed,
     SchedulerReady,
@@ -103,6 +107,13 @@ class EngineMetrics:
             "spec_acceptance_rate", "EAGLE: accepted draft tokens / proposed draft tokens"
         )
         self.spec_num_steps = gauge("spec_num_steps", "EAGLE: draft tokens proposed per step")
+        self.cache_hit_rate = gauge(
+            "cache_hit_rate", "Prefix cache: prompt tokens served from it / prompt tokens"
+        )
+        self.cached_tokens = gauge("cached_tokens_total", "Prefix cache: prompt tokens served")
+        self.cached_pages = gauge("cached_pages", "Prefix cache: KV pages it holds")
+        self.cached_states = gauge("cached_states", "Prefix cache: KDA state snapshots it holds")
+        self.total_state_slots = gauge("total_state_slots", "Prefix cache: state snapshot slots")
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         self.running.set(stats.running)
@@ -113,6 +124,12 @@ class EngineMetrics:
         self.total_pages.set(stats.total_pages)
         self.page_usage.set(stats.used_pages / stats.total_pages if stats.total_pages else 0.0)
         self.retractions.set(stats.retractions)
+        if stats.prompt_tokens_total:
+            self.cache_hit_rate.set(stats.cached_tokens_total / stats.prompt_tokens_total)
+        self.cached_tokens.set(stats.cached_tokens_total)
+        self.cached_pages.set(stats.cached_pages)
+        self.cached_states.set(stats.cached_states)
+        self.total_state_slots.set(stats.total_state_slots)
         if stats.spec_verify_steps and stats.spec_num_steps:
             accept = stats.spec_committed_tokens / stats.spec_verify_steps
             self.spec_accept_length.set(accept)
@@ -158,6 +175,7 @@ class EngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._settled = asyncio.Event()  # set by SchedulerReady or a failure
+        self._flushes: dict[str, asyncio.Future[str | None]] = {}
 
     @property
     def is_ready(self) -> bool:
@@ -259,6 +277,20 @@ class EngineClient:
         self._push.send_pyobj(AbortRequest(rid=rid, reason=reason))
         return True
 
+    async def flush_cache(self, timeout: float = 30.0) -> str | None:
+        """Ask the scheduler to empty its prefix cache; None when it did, else why not."""
+        if not self.is_ready or self._push is None:
+            raise EngineUnavailable(self.state)
+        flush = FlushCache(uuid.uuid4().hex)
+        done = self._flushes[flush.id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._push.send_pyobj(flush)
+            return await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            return f"the scheduler did not answer within {timeout:.0f} s"
+        finally:
+            self._flushes.pop(flush.id, None)
+
     def metrics_text(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -278,6 +310,10 @@ class EngineClient:
                 self.mark_ready(msg)
             elif isinstance(msg, SchedulerFailed):
                 self.fail(msg.message)
+            elif isinstance(msg, FlushCacheDone):
+                done = self._flushes.get(msg.id)
+                if done is not None and not done.done():
+                    done.set_result(msg.error)
             else:
                 log.warning("ignoring an unexpected message: %s", type(msg).__name__)
 

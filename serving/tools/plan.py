@@ -18,7 +18,7 @@ import torch
 from serving.config import ModelConfig
 from serving.distributed import ParallelState, check_sizes, rank_cache_config, set_state
 from serving.memory.cache import tail_slots_for
-from serving.memory.pool import fit_kv_tokens, row_bytes, token_bytes
+from serving.memory.pool import fit_kv_tokens, kda_state_bytes, row_bytes, token_bytes
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.loader import resolve_dtype
 from serving.models.nextn import NextNDraft
@@ -49,6 +49,7 @@ def plan(args: argparse.Namespace) -> list[str]:
         weights = rank_weight_bytes(config, dtype, draft)
         tail = tail_slots_for(config, steps + 1)
         per_row = row_bytes(rank_cache_config(config), elem, tail, draft)
+        per_snapshot = kda_state_bytes(rank_cache_config(config), elem)
     finally:
         set_state(ParallelState())
     per_token = token_bytes(config, elem, draft)
@@ -68,15 +69,28 @@ def plan(args: argparse.Namespace) -> list[str]:
         f"request table           {table / GIB:8.2f} GiB ({context} positions x 8 B per row)",
         f"bytes per KV token      {per_token:8d} (MLA latents + pooled index keys, replicated)",
     ]
+    ratio = args.mamba_full_memory_ratio  # the prefix cache's snapshots (plan_pool's rule)
     try:
         tokens = fit_kv_tokens(
-            total, args.mem_fraction_static, weights, rows, context, per_row, per_token
+            total,
+            args.mem_fraction_static,
+            weights,
+            rows,
+            context,
+            per_row,
+            int(per_token * (1 + ratio)),
         )
         tokens -= tokens % args.page_size
         lines.append(
             f"KV tokens per GPU       {tokens:8d} ({tokens * per_token / GIB:.2f} GiB; "
             f"{tokens / context:.1f} full {context}-token contexts)"
         )
+        if ratio > 0:
+            slots = max(2 * rows, int(ratio * tokens * per_token / per_snapshot))
+            lines.append(
+                f"state snapshots         {slots:8d} x {per_snapshot / 2**20:.1f} MiB "
+                f"({slots * per_snapshot / GIB:.2f} GiB; --mamba-full-memory-ratio {ratio:g})"
+            )
     except ValueError as exc:
         lines.append(f"does not fit: {exc}")
     return lines
@@ -95,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-num-steps", type=int, default=0)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument(
+        "--mamba-full-memory-ratio",
+        type=float,
+        default=0.0,
+        help="a worker with the prefix cache (the server's default is 0.1; 0: none, as PD decode)",
+    )
     args = ap.parse_args(argv)
     try:
         print("\n".join(plan(args)))
