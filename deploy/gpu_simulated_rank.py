@@ -9,9 +9,9 @@ simulated rank (--simulate-rank; docs/DEPLOY.md section 6) at the seed's decode 
 
 1. server: the worker (decode role with 32 running + 64 extra rows when Mooncake imports, else a
    plain worker) at the seed's flags; start-up time to /health and its log's phase lines and
-   memory plan; one /v1/chat/completions and 32 concurrent /generate requests (prompts of
-   --prompt-len random tokens, run locally on the decode role through SGLang's fake bootstrap
-   host); /get_server_info; the GPU memory in use. Then stopped.
+   memory plan; one /v1/chat/completions and --concurrent (96) /generate requests at once
+   (prompts of --prompt-len random tokens, run locally on the decode role through SGLang's fake
+   bootstrap host); /get_server_info (peak_used_rows); the GPU memory in use. Then stopped.
 2. bench: serving.tools.bench_fast_path's rank stages on the same rank (decode steps with graphs
    at batch 1/8/32 after 4k and 64k tokens, EAGLE's step, one 8,192-token prefill chunk, the
    collectives each step issues with the projected TP8 step, the HBM floor, the per-layer-kind
@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from deploy.launch_local import Proc, StackError, start, stop, take_port, wait_ready  # noqa: E402
 from deploy.pd_bench import install_wheels, prepare_mooncake  # noqa: E402
+from serving.config import ModelConfig  # noqa: E402
 
 SEED = (
     "--tp-size 8 --ep-size 8 --context-length 69632 --mem-fraction-static 0.70 "
@@ -74,6 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bench-flags", default=BENCH, help="bench_fast_path's flags")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt-len", type=int, default=1024, help="of the concurrent requests")
+    ap.add_argument("--concurrent", type=int, default=96, help="/generate requests at once")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "rank_out"))
     return ap.parse_args(argv)
 
@@ -191,12 +193,10 @@ def server_part(args: argparse.Namespace, model: Path, report: Report, budget: f
             **local,
         }
         result["chat"] = _post(url + "/v1/chat/completions", chat, 120)
-        vocab = httpx.get(url + "/get_server_info", timeout=10).json()["scheduler"]["vocab_size"]
-        result["concurrent_32"] = concurrent(url, args.prompt_len, vocab, local)
+        vocab = ModelConfig.from_pretrained(str(model)).vocab_size
+        result["concurrent"] = concurrent(url, args.prompt_len, vocab, local, args.concurrent)
         info = httpx.get(url + "/get_server_info", timeout=10).json()
-        result["server_info"] = {
-            k: info.get(k) for k in ("simulation", "scheduler", "internal_states")
-        }
+        result["server_info"] = {k: info.get(k) for k in ("simulation", "internal_states")}
         result["gpu_after_requests"] = gpu_memory_used()
     except StackError as e:
         report.data["errors"]["server"] = str(e)[:3000]
@@ -208,8 +208,10 @@ def server_part(args: argparse.Namespace, model: Path, report: Report, budget: f
         report["server"] = result
 
 
-def concurrent(url: str, prompt_len: int, vocab: int, local: dict) -> dict:
-    """32 /generate requests at once (EAGLE's graphs up to batch 32): wall time and outcomes."""
+def concurrent(url: str, prompt_len: int, vocab: int, local: dict, n: int) -> dict:
+    """`n` /generate requests at once (96: the decode role's 32 running + 64 extra rows, the
+    seed's bug at the seed's size; server_info's peak_used_rows shows the rows held at once):
+    wall time and outcomes."""
     import random
 
     rng = random.Random(0)
@@ -227,7 +229,7 @@ def concurrent(url: str, prompt_len: int, vocab: int, local: dict) -> dict:
             out.append(res)
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
@@ -235,7 +237,7 @@ def concurrent(url: str, prompt_len: int, vocab: int, local: dict) -> dict:
     wall = time.monotonic() - t0
     ok = [r for r in out if r["status"] == 200]
     return {
-        "requests": 32,
+        "requests": n,
         "ok": len(ok),
         "wall_s": round(wall, 2),
         "tokens": sum(r.get("completion_tokens") or 0 for r in ok),

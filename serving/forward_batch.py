@@ -8,6 +8,62 @@ import torch
 
 
 @dataclass
+class KDAPass:
+    """One pass of a KDA extend in pieces: these tokens of the batch (a slice when contiguous,
+    else an index tensor) for these request rows and lengths; then the states of save_rows are
+    snapshotted into save_slots (empty: none)."""
+
+    index: slice | torch.Tensor
+    rows: torch.Tensor
+    lens: list[int]
+    save_rows: torch.Tensor
+    save_slots: torch.Tensor
+
+
+@dataclass
+class KDASaves:
+    """Snapshot KDA states at positions inside a ragged extend (the prefix cache's states at
+    grid positions inside a chunk). KDA layers then run the extend in passes, each continuing
+    the rows' states where the last one left them: pass k covers every request's k-th segment
+    (a request's chunk is cut at its save points), and the states are saved between passes.
+    One pass when every save is at its request's last token."""
+
+    passes: list[KDAPass]
+
+    @classmethod
+    def plan(
+        cls, saves: list[list[tuple[int, int]]], rows: list[int], lens: list[int], device
+    ) -> KDASaves:
+        """saves[b]: (after how many of request b's new tokens, slot), ascending."""
+        t = lambda ids: torch.tensor(ids, dtype=torch.int64, device=device)  # noqa: E731
+        starts = [sum(lens[:b]) for b in range(len(lens))]
+        cuts = [[0] + [a for a, _ in request if a < n] + [n] for request, n in zip(saves, lens)]
+        passes = []
+        for k in range(max(len(c) for c in cuts) - 1):
+            members = [b for b, c in enumerate(cuts) if len(c) > k + 1]
+            ranges = [(starts[b] + cuts[b][k], starts[b] + cuts[b][k + 1]) for b in members]
+            contiguous = all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+            index = (
+                slice(ranges[0][0], ranges[-1][1])
+                if contiguous
+                else t([i for lo, hi in ranges for i in range(lo, hi)])
+            )
+            saved = [
+                (rows[b], slot) for b in members for a, slot in saves[b] if a == cuts[b][k + 1]
+            ]
+            passes.append(
+                KDAPass(
+                    index,
+                    t([rows[b] for b in members]),
+                    [hi - lo for lo, hi in ranges],
+                    t([r for r, _ in saved]),
+                    t([slot for _, slot in saved]),
+                )
+            )
+        return cls(passes)
+
+
+@dataclass
 class ForwardBatch:
     """A ragged batch: request b contributes lens[b] new tokens at positions starts[b]...
 
@@ -33,6 +89,8 @@ class ForwardBatch:
     # draft catch-up: N+1). Layers then take their graph-safe paths: no host syncs, no
     # per-request Python loops, shapes fixed by (batch size, step_len).
     step_len: int | None = None
+    # Prefill: KDA states to snapshot at positions inside the chunk (the prefix cache).
+    kda_saves: KDASaves | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -52,9 +110,11 @@ class ForwardBatch:
         lens: list[int],
         req_to_token: torch.Tensor,
         logits: str | list[bool] = "last",
+        saves: list[list[tuple[int, int]]] | None = None,
     ) -> ForwardBatch:
         """Build from host lists; `logits` is "last" (one per request), "all", or per request
-        whether all its tokens give logits (else its last one does)."""
+        whether all its tokens give logits (else its last one does). saves: per request,
+        (after how many of its tokens, state slot) to snapshot its KDA state into."""
         device = req_to_token.device
         positions = [s + i for s, n in zip(starts, lens) for i in range(n)]
         token_req = [b for b, n in enumerate(lens) for _ in range(n)]
@@ -84,6 +144,9 @@ class ForwardBatch:
             max_seq_len=max(s + n for s, n in zip(starts, lens)),
             starts_cpu=list(starts),
             lens_cpu=list(lens),
+            kda_saves=KDASaves.plan(saves, req_rows, lens, device)
+            if saves is not None and any(saves)
+            else None,
         )
 
     @classmethod

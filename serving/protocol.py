@@ -1,6 +1,7 @@
 """Messages between the HTTP front and the scheduler process (ZMQ, pickled dataclasses).
 
 front --GenerateRequest / AbortRequest--> scheduler --BatchOutput--> front
+front --FlushCache--> scheduler --FlushCacheDone--> front    (/flush_cache)
 
 Every request is identified by `rid`, unique per sequence (a request with n > 1 becomes n
 sequences with rids "<id>-<i>"). The scheduler sends each sequence's new tokens as they are
@@ -114,6 +115,19 @@ class AbortRequest:
 
 
 @dataclass
+class FlushCache:
+    """Empty the prefix cache; the scheduler answers FlushCacheDone with the same `id`."""
+
+    id: str
+
+
+@dataclass
+class FlushCacheDone:
+    id: str
+    error: str | None = None  # why it was not flushed (requests are live); None: flushed
+
+
+@dataclass
 class TokenLogprob:
     token_id: int
     logprob: float | None  # None only for a prompt's first token (nothing predicts it)
@@ -189,8 +203,8 @@ class SchedulerStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     decode_tokens_total: int = 0  # committed by decode steps: not prefill's or a handoff's first
-    # The prefix cache's lookups at admission: prompt tokens looked up, and those found cached.
-    # Both stay 0 until a prefix cache feeds them; /metrics turns them into cache_hit_rate.
+    # The prefix cache's lookups at admission: prompt tokens looked up, and those found cached
+    # (both 0 with --disable-radix-cache); /metrics turns them into cache_hit_rate.
     cache_lookup_tokens_total: int = 0
     cache_hit_tokens_total: int = 0
     # PD, filled by the role (RoleHooks.report), with SGLang's meanings
@@ -203,6 +217,10 @@ class SchedulerStats:
     kv_transfer_latency_ms: float = 0.0  # prefill, last room: its last write order to all done
     kv_transfer_speed_gb_s: float = 0.0  # prefill, last room: its bytes / time its writes ran
     kv_transfer_total_mb: float = 0.0  # prefill, last room: bytes written (10^6 B)
+    # the prefix cache
+    cached_pages: int = 0  # pages it holds (those no request locks count as free, not used)
+    cached_states: int = 0  # KDA state snapshots it holds
+    total_state_slots: int = 0
 
 
 @dataclass

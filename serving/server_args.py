@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +84,26 @@ class ServerArgs:
         default=8192, metadata={"help": "tokens per prefill chunk; a multiple of index_kpool"}
     )
     max_prefill_tokens: int = field(default=16384, metadata={"help": "tokens per prefill batch"})
+    # the prefix cache (a radix tree with KDA state snapshots; not on a PD decode worker)
+    disable_radix_cache: bool = field(default=False, metadata={"help": "no prefix cache"})
+    mamba_full_memory_ratio: float = field(
+        default=0.1,
+        metadata={
+            "help": "prefix cache: memory of its KDA state snapshots / memory of the KV pool "
+            "(pdserve's meaning: snapshots only; running requests' states are per row)"
+        },
+    )
+    max_mamba_cache_size: int | None = field(
+        default=None,
+        metadata={"help": "prefix cache: this many state snapshots (overrides the ratio)"},
+    )
+    mamba_track_interval: int = field(
+        default=256,
+        metadata={
+            "help": "prefix cache: while decoding, cache KV + state every this many tokens "
+            "(a multiple of the snapshot grid, lcm(page size, index_kpool, 64))"
+        },
+    )
     # parallelism: max(tp, ep) rank processes, one per GPU (CPU: gloo processes)
     tp_size: int = field(default=1, metadata={"help": "attention/dense/vocab tensor parallelism"})
     ep_size: int = field(
@@ -207,6 +228,12 @@ class ServerArgs:
         return 2 * mrr if mrr is not None and mrr <= 32 else 0
 
     @property
+    def radix_cache(self) -> bool:
+        """The prefix cache is on by default (as in SGLang), except on a PD decode worker: its
+        KV and state arrive whole from prefill."""
+        return not self.disable_radix_cache and self.disaggregation_mode != "decode"
+
+    @property
     def world_size(self) -> int:
         """Rank processes of this worker (all nodes)."""
         return max(self.tp_size, self.ep_size)
@@ -252,6 +279,12 @@ class ServerArgs:
             raise ArgsError(
                 f"--speculative-algorithm {self.speculative_algorithm}: the checkpoint has no "
                 "NextN layer (num_nextn_predict_layers is 0)"
+            )
+        grid = math.lcm(self.page_size, kp, 64)  # serving/engine/admission.snapshot_grid
+        if self.radix_cache and self.mamba_track_interval % grid:
+            raise ArgsError(
+                f"--mamba-track-interval {self.mamba_track_interval}: must be a multiple of the "
+                f"snapshot grid lcm(page size, index_kpool, 64) = {grid}"
             )
         from serving.distributed import check_sizes
 
@@ -310,6 +343,10 @@ class ServerArgs:
             raise ArgsError("--max-payload-size/--body-read-timeout-secs: must be > 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ArgsError("--max-queued-requests: must be >= 0")
+        if self.mamba_full_memory_ratio <= 0 or self.mamba_track_interval < 1:
+            raise ArgsError("--mamba-full-memory-ratio/--mamba-track-interval: must be > 0")
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 1:
+            raise ArgsError("--max-mamba-cache-size: must be >= 1")
         if self.speculative_algorithm is not None:
             self._validate_speculative()
         if self.disaggregation_mode != "null":

@@ -133,6 +133,30 @@ def test_pd_chat_streaming_through_decode(pair, single):
     pair.idle()
 
 
+def test_pd_prefill_caches_prefixes_and_decode_gets_everything(pair, tiny_ckpt):
+    """The prefix cache is on by default on prefill (off on decode): a repeated prefix is not
+    prefilled again, decode still receives the whole KV and state, and meta_info.cached_tokens
+    reports prefill's hit on both sides."""
+    from serving.config import ModelConfig
+    from serving.models.loader import load_weights
+    from serving.tools.generate import StepRunner
+
+    model, _ = load_weights(tiny_ckpt, ModelConfig.from_pretrained(tiny_ckpt), torch.float32)
+    g = torch.Generator().manual_seed(9)
+    head = torch.randint(0, 1000, (150,), generator=g).tolist()
+    for i in range(3):
+        ids = head + [1000 + i] + torch.randint(0, 1000, (5,), generator=g).tolist()
+        decode, prefill = pair.dispatch("/generate", greedy_body(ids, 10))
+        assert decode.status_code == 200, decode.text
+        assert decode.json()["output_ids"] == StepRunner(model, 1, 512).greedy([ids], 10)[0]
+        hit = 0 if i == 0 else 128
+        assert decode.json()["meta_info"]["cached_tokens"] == hit
+        assert prefill.json()["meta_info"]["cached_tokens"] == hit
+    pair.idle()
+    assert pair.prefill.stats()["cached_pages"] > 0
+    assert pair.decode.stats()["total_state_slots"] == 0  # no cache on decode
+
+
 def test_missing_and_duplicate_rooms_are_refused(pair):
     for srv in (pair.prefill, pair.decode):
         r = httpx.post(srv.url + "/generate", json=greedy_body([1, 2, 3], 2), timeout=30)

@@ -41,7 +41,9 @@ def run(sched, requests) -> dict[str, tuple[list[int], dict]]:
         if not sched.has_work:
             break
     sched.check_invariants()
-    assert not sched.pool.rows.used and not sched.pool.pages.used, "leaked rows or pages"
+    assert sched.flush_cache() is None  # the prefix cache's pages and states go back too
+    pool = sched.pool
+    assert not pool.rows.used and not pool.pages.used and not pool.state_slots.used, "leak"
     return {rid: (out.get(rid, []), reasons[rid]) for rid in reasons}
 
 

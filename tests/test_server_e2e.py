@@ -174,6 +174,40 @@ def test_info_endpoints(server):
         assert name in metrics, name
 
 
+def test_prefix_cache_interface(server, reference):
+    """SGLang's interface: meta_info.cached_tokens on /generate, usage.prompt_tokens_details
+    .cached_tokens on the OpenAI routes, the hit rate in /metrics, /flush_cache."""
+    first = prompt(50, 150)
+    second = first[:140] + prompt(51, 10)
+    a, b = generate(server.url, first, 8), generate(server.url, second, 8)
+    assert a["meta_info"]["cached_tokens"] == 0 and b["meta_info"]["cached_tokens"] == 128
+    assert b["output_ids"] == reference(second, 8)
+    chat = {"messages": [{"role": "user", "content": "cache me " * 40}], "max_tokens": 3}
+    usages = [
+        httpx.post(server.url + path, json=body, timeout=60).json()["usage"]
+        for path, body in [
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", chat),
+            ("/v1/completions", {"prompt": "cache me " * 40, "max_tokens": 3}),
+            ("/v1/completions", {"prompt": "cache me " * 40, "max_tokens": 3}),
+        ]
+    ]
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert usages[0]["prompt_tokens"] > 64 and cached[0] == 0 and cached[1] >= 64, usages
+    assert cached[3] >= 64, usages
+    metrics = httpx.get(server.url + "/metrics").text
+    rate = [ln for ln in metrics.splitlines() if ln.startswith("sglang:cache_hit_rate{")]
+    assert rate and float(rate[0].split()[1]) > 0, rate
+    server.idle_pool()
+    assert server.stats()["cached_pages"] > 0
+    assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+    stats = server.stats()
+    assert stats["cached_pages"] == 0 and stats["cached_states"] == 0, stats
+    assert httpx.get(server.url + "/flush_cache", timeout=30).status_code == 200
+    again = generate(server.url, second, 8)
+    assert again["meta_info"]["cached_tokens"] == 0 and again["output_ids"] == b["output_ids"]
+
+
 BAD = [
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", {"max_tokens": 3}, 400),

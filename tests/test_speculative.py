@@ -57,7 +57,9 @@ def run(sched, requests) -> dict[str, list[int]]:
         for o in sched.step():
             out.setdefault(o.rid, []).extend(o.new_token_ids)
     sched.check_invariants()
-    assert not sched.pool.rows.used and not sched.pool.pages.used
+    assert sched.flush_cache() is None  # the prefix cache's pages and states go back too
+    pool = sched.pool
+    assert not pool.rows.used and not pool.pages.used and not pool.state_slots.used, "leak"
     return out
 
 
@@ -86,8 +88,8 @@ def test_greedy_with_speculation_equals_without(distilled, steps, min_accept, mo
     verified: list[tuple[int, int]] = []  # (position n of y, drafts accepted) per verify
     real_step = Eagle.step
 
-    def recording_step(self, proposals, states, want):
-        committed, logprobs = real_step(self, proposals, states, want)
+    def recording_step(self, proposals, states, want, offers=None):
+        committed, logprobs = real_step(self, proposals, states, want, offers)
         verified.extend((p.position, len(c) - 1) for p, c in zip(proposals, committed))
         return committed, logprobs
 

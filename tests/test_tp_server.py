@@ -75,6 +75,14 @@ def test_tp2_greedy_equals_one_rank(tiny_ckpt, reference, tmp_path):
         for t in threads:
             t.join(timeout=180)
         assert [got.get(i) for i in range(len(prompts))] == want  # ragged batches together
+        # the prefix cache: followers replay rank 0's snapshot saves (in the forward, and after
+        # decode steps) and loads (on a hit) on their own heads' states
+        head = prompt(9, 150)
+        for i in range(3):
+            ids = head + [1000 + i] + prompt(20 + i, 3)
+            r = generate(srv.url, ids, 50)
+            assert r.json()["output_ids"] == reference(ids, 50)
+            assert r.json()["meta_info"]["cached_tokens"] == (0 if i == 0 else 128)
         srv.idle_pool()
     finally:
         assert srv.stop() == 0
@@ -166,6 +174,15 @@ def test_tp2_eagle_greedy_equals_one_rank(tiny_ckpt, reference, tmp_path):
         for t in threads:
             t.join(timeout=180)
         assert [got.get(i) for i in range(len(prompts))] == want
+        # the prefix cache: a verify step's accepted run crosses position 128 and every rank
+        # snapshots its own heads from the verify history; the next turn starts from there
+        first = prompt(13, 100)
+        out = generate(srv.url, first, 40).json()["output_ids"]
+        assert out == reference(first, 40)
+        second = first + out + prompt(14, 5)
+        r = generate(srv.url, second, 8).json()
+        assert r["output_ids"] == reference(second, 8)
+        assert r["meta_info"]["cached_tokens"] == 128
         stats = srv.idle_pool()
         assert stats["spec_num_steps"] == 2 and stats["spec_verify_steps"] > 0, stats
     finally:

@@ -425,7 +425,7 @@ class DecodeRole(Role):
             if self.scheduler.free_running_slots <= 0:
                 continue  # every later one waits too: FIFO
             req = t.req
-            room, first, _cached, ntop = aux.ints[req.row, :DRAFT_TOKEN].tolist()
+            room, first, cached, ntop = aux.ints[req.row, :DRAFT_TOKEN].tolist()
             if room != t.room:
                 self._fail(
                     t, f"handoff corrupted: aux row holds room {room}, expected {t.room}", 500
@@ -440,6 +440,7 @@ class DecodeRole(Role):
             del self.transfers[t.room]
             del self.by_rid[req.rid]
             req.cached = len(req.input_ids)
+            req.cached_tokens = cached  # prefill's prefix-cache hit, for meta_info and usage
             if req.return_logprob:  # prefill scored the prompt; a re-prefill scores nothing
                 req.input_logprobs = t.input_logprobs or []
                 req.input_scored = len(req.input_ids)

@@ -391,7 +391,8 @@ class PrefillRole(Role):
         top = lp.top if lp is not None else []
         # the DRAFT_TOKEN column is already current on the device (Eagle.extend_draft)
         aux.ints[req.row, :DRAFT_TOKEN] = torch.tensor(
-            [room.request.bootstrap_room, req.output_ids[-1], 0, len(top)], dtype=torch.int64
+            [room.request.bootstrap_room, req.output_ids[-1], req.cached_tokens or 0, len(top)],
+            dtype=torch.int64,
         )
         floats = [lp.logprob if lp is not None else 0.0] + [v for _, v in top]
         aux.floats[req.row, : len(floats)] = torch.tensor(floats, dtype=torch.float32)

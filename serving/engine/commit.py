@@ -41,12 +41,23 @@ class Commit:
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Sample one token per request from its logits row and commit it."""
+        for req, (tok, lp) in zip(reqs, self.draw(reqs, logits)):
+            self.commit(req, [tok], lp)
+
+    def draw(
+        self, reqs: list[Req], logits: torch.Tensor
+    ) -> list[tuple[int, list[TokenLogprob] | None]]:
+        """Sample one token per request (and its logprob entry, when asked for) without
+        committing it."""
+        if not reqs:
+            return []
         want = [r.top_logprobs_num if r.return_logprob else -1 for r in reqs]
         top = [max(w, 0) for w in want] if any(w >= 0 for w in want) else None
         tokens, logprobs = self.sampler.sample(logits, [r.sampling for r in reqs], top)
-        for i, (req, tok) in enumerate(zip(reqs, tokens)):
-            lp = [logprobs[i]] if logprobs is not None and want[i] >= 0 else None
-            self.commit(req, [tok], lp)
+        return [
+            (tok, [logprobs[i]] if logprobs is not None and want[i] >= 0 else None)
+            for i, tok in enumerate(tokens)
+        ]
 
     def commit(
         self, req: Req, tokens: list[int], logprobs: list[TokenLogprob] | None = None
@@ -107,5 +118,6 @@ class Commit:
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.input_ids),
             completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens or 0,
             logprobs=logprobs,
         )

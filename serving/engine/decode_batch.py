@@ -1,8 +1,11 @@
 """The decode half of the engine: it owns the running requests.
 
-schedule(): grow every running request by the tokens one step writes, retracting the newest
-other request when pages run out (the retracted ones go back to the prefill queue). run(): one
-decode forward, or an EAGLE draft + verify step, over all of them, and commit what it sampled.
+schedule(): grow every running request by the tokens one step writes (evicting cached pages,
+then retracting the newest other request when pages run out; the retracted ones go back to the
+prefill queue). run(): one decode forward, or an EAGLE draft + verify step, over all of them;
+snapshot the KDA state of each request that crossed a grid position (admission.track, or from
+EAGLE's verify history); commit what it sampled; hand the prefix cache a snapshot every
+--mamba-track-interval tokens.
 """
 
 from __future__ import annotations
@@ -66,20 +69,39 @@ class DecodeManager:
             self._run_speculative(reqs)
         else:
             out = self.runner.forward([StepInput(r.row, r.cached, [r.fill_ids[-1]]) for r in reqs])
+            before = [r.cached for r in reqs]
             for r in reqs:
                 r.cached += 1
+            self.admission.track(reqs, before)
             self.commit.sample(reqs, out.logits)
+            self._checkpoint(reqs)
         self.stats.decode_tokens_total += self.stats.generation_tokens_total - committed
 
     def _run_speculative(self, reqs: list[Req]) -> None:
         proposals = [Proposal(r.row, r.cached, r.fill_ids[-1]) for r in reqs]
         want = [r.top_logprobs_num if r.return_logprob else -1 for r in reqs]
-        committed, logprobs = self.spec.step(proposals, [r.sampling for r in reqs], want)
-        for req, tokens, lps in zip(reqs, committed, logprobs):
+        offers = {b: self.admission.offer(r, self.spec.steps) for b, r in enumerate(reqs)}
+        offers = {b: o for b, o in offers.items() if o is not None}
+        committed, logprobs = self.spec.step(
+            proposals,
+            [r.sampling for r in reqs],
+            want,
+            [(b, j, slot) for b, (j, slot) in offers.items()],
+        )
+        for b, (req, tokens) in enumerate(zip(reqs, committed)):
             self.stats.spec_verify_steps += 1
             self.stats.spec_committed_tokens += len(tokens)
             req.cached += len(tokens)
+            if b in offers:
+                self.admission.tracked(req, req.cached - len(tokens))
+        for req, tokens, lps in zip(reqs, committed, logprobs):
             self.commit.commit(req, tokens, lps)
+        self._checkpoint(reqs)
+
+    def _checkpoint(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            if req.finish_reason is None:
+                self.admission.checkpoint(req)
 
     def _retract_one(self, keep: Req) -> Req | None:
         """Free the newest other running request; it is recomputed from its tokens later."""

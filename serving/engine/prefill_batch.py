@@ -1,10 +1,16 @@
 """The prefill half of the engine: it owns the queue of requests that have not started (FIFO) and
 the one request part-way through chunked prefill.
 
-schedule(): continue the chunk-prefilling request, then admit waiting requests FIFO while rows,
-pages (one per running request kept in reserve), the token budget and max_running_requests
-allow. run(): one forward over the plan, score prompt logprobs, commit a first token for the
-requests whose prompt is complete, and let the draft catch up over the chunk.
+schedule(): continue the chunk-prefilling request, then admit waiting requests FIFO (a cached
+prefix first: admission.admit) while rows, pages (one per running request kept in reserve), the
+token budget and max_running_requests allow; pick each chunk's snapshot points for the prefix
+cache. run(): one forward over the plan (the KDA layers snapshot inside it), score prompt
+logprobs, sample a first token for the requests whose prompt is complete, let the draft catch
+up over the chunk, give the cache the chunks' KV and snapshots, then commit the tokens.
+
+Order in run() (hazard): the draft's KV of a chunk and the chunk's insertion into the cache come
+before commit, because commit may finish a request and release it; a cached page must never
+miss its draft KV.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from serving.speculative.eagle import Eagle
 @dataclass
 class PrefillBatch:
     plan: list[tuple[Req, int]]  # (request, tokens of this chunk)
+    saves: list[list[tuple[int, int]]]  # per request: (tokens into the chunk, state slot)
 
 
 class PrefillManager:
@@ -92,7 +99,9 @@ class PrefillManager:
             budget -= n
             if n < req.uncached:
                 self.prefilling = req
-        return PrefillBatch(plan) if plan else None
+        if not plan:
+            return None
+        return PrefillBatch(plan, [self.admission.plan_save(req, n) for req, n in plan])
 
     def run(self, batch: PrefillBatch) -> list[Req]:
         """One forward over the batch; returns the requests that start decoding."""
@@ -101,34 +110,42 @@ class PrefillManager:
         every = [bool(t) for t in targets]  # all of a chunk's logits, to score its prompt
         out = self.runner.forward(
             [
-                StepInput(req.row, req.cached, req.fill_ids[req.cached : req.cached + n])
-                for req, n in plan
+                StepInput(
+                    req.row, req.cached, req.fill_ids[req.cached : req.cached + n], tuple(save)
+                )
+                for (req, n), save in zip(plan, batch.saves)
             ],
             every if any(every) else "last",
         )
         last_row = self._score_prompts(plan, targets, out.logits)
-        done: list[tuple[Req, int]] = []
-        for i, (req, n) in enumerate(plan):
+        for req, n in plan:
             req.cached += n
-            self.hooks.chunk_prefilled(req)
-            if req.uncached == 0:
-                done.append((req, i))
-                if self.prefilling is req:
-                    self.prefilling = None
+            if req.uncached == 0 and self.prefilling is req:
+                self.prefilling = None
         # max_tokens 0 with prompt logprobs: scored, nothing to sample (on a PD prefill worker
         # the scores then go to decode without a KV handoff)
-        for req, _ in done:
-            if req.sampling.params.max_new_tokens == 0:
-                self.commit.finish(req, FinishReason.length())
-        done = [(r, i) for r, i in done if r.finish_reason is None]
-        started: list[Req] = []
-        if done:
-            rows = [last_row[i] for _, i in done]
-            self.commit.sample([r for r, _ in done], out.logits[rows])
-            started = [r for r, _ in done if r.finish_reason is None]
+        done = [
+            i
+            for i, (req, _) in enumerate(plan)
+            if req.uncached == 0 and req.sampling.params.max_new_tokens > 0
+        ]
+        drawn = self.commit.draw(
+            [plan[i][0] for i in done], out.logits[[last_row[i] for i in done]]
+        )
+        first = {i: tok for i, (tok, _) in zip(done, drawn)}  # the sampled token, by plan index
         if self.spec is not None:
-            self._extend_draft(plan, out.hidden)
-        return started
+            self._extend_draft(plan, out.hidden, first)
+        for i, ((req, n), saves) in enumerate(zip(plan, batch.saves)):
+            tokens = req.fill_ids + ([first[i]] if i in first else [])
+            for at, slot in saves:
+                self.admission.insert(req, req.cached - n + at, slot, tokens)
+        for req, _ in plan:
+            self.hooks.chunk_prefilled(req)
+            if req.uncached == 0 and req.sampling.params.max_new_tokens == 0:
+                self.commit.finish(req, FinishReason.length())
+        for i, (tok, lp) in zip(done, drawn):
+            self.commit.commit(plan[i][0], [tok], lp)
+        return [plan[i][0] for i in done if plan[i][0].finish_reason is None]
 
     def _score_prompts(
         self, plan: list[tuple[Req, int]], targets: list[range], logits: torch.Tensor
@@ -148,19 +165,22 @@ class PrefillManager:
             last_row.append(first_row - 1)
         return last_row
 
-    def _extend_draft(self, plan: list[tuple[Req, int]], hidden: torch.Tensor) -> None:
-        """Run the draft over the chunk just prefilled (its next tokens are known now: the
-        prompt, or for the last chunk the token just sampled). Released requests are skipped."""
-        offsets = [0]
-        for _, n in plan:
-            offsets.append(offsets[-1] + n)
-        keep = [i for i, (req, _) in enumerate(plan) if req.row is not None]
-        if not keep:
-            return
-        reqs = [plan[i][0] for i in keep]
-        starts = [req.cached - plan[i][1] for req, i in zip(reqs, keep)]
-        tokens = [req.fill_ids[s + 1 : req.cached + 1] for req, s in zip(reqs, starts)]
-        index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in keep])
-        self.spec.extend_draft(
-            [r.row for r in reqs], starts, tokens, hidden[index.to(hidden.device)]
-        )
+    def _extend_draft(
+        self, plan: list[tuple[Req, int]], hidden: torch.Tensor, first: dict[int, int]
+    ) -> None:
+        """Run the draft over the chunk just prefilled, at every position whose next token is
+        known now: the prompt's, or for the last chunk the token just sampled (`first`, by plan
+        index; a request that samples nothing has no next token at its last position)."""
+        rows, starts, tokens, index, offset = [], [], [], [], 0
+        for i, (req, n) in enumerate(plan):
+            start = req.cached - n
+            nxt = (req.fill_ids + ([first[i]] if i in first else []))[start + 1 : req.cached + 1]
+            if nxt:
+                rows.append(req.row)
+                starts.append(start)
+                tokens.append(nxt)
+                index.append(torch.arange(offset, offset + len(nxt)))
+            offset += n
+        if rows:
+            index_t = torch.cat(index).to(hidden.device)
+            self.spec.extend_draft(rows, starts, tokens, hidden[index_t])

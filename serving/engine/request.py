@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from serving.executor.sampler import SamplingState
+from serving.memory.radix_cache import Node
 from serving.protocol import FinishReason, SchedulerStats, TokenLogprob
 
 
@@ -48,6 +49,8 @@ class SchedulerConfig:
     max_prefill_tokens: int
     context_length: int
     max_queued_requests: int | None = None  # None: no bound
+    prefix_cache: bool = False  # the radix cache (needs state slots in the pool)
+    track_interval: int = 256  # decode hands the cache a snapshot every this many tokens
 
 
 @dataclass
@@ -58,8 +61,18 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     row: int | None = None
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # by position; the row maps these
     cached: int = 0  # leading tokens of fill_ids whose KV/state is in the cache
+    # The prefix cache (serving/engine/admission.py). The request KV-locks `prefix`, the tree
+    # node at the end of its longest cached run; `shared_pages` are the pages of `pages` the
+    # tree owns (never freed by the request). track_slot: a state snapshot the request holds
+    # privately, taken at grid position track_pos while decoding (0: none valid yet).
+    prefix: Node | None = None
+    shared_pages: set[int] = field(default_factory=set)
+    track_slot: int | None = None
+    track_pos: int = 0
+    branch: int = 0  # grid position where its tokens leave the cache's KV (a state is worth it)
+    cached_tokens: int | None = None  # prompt tokens the cache served at its first admission
     finish_reason: FinishReason | None = None
     last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
     # Prompt logprobs: prompt positions below `input_scored` are scored (or not wanted) and in

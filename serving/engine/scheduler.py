@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 
-from serving.engine.admission import Admission
+from serving.engine.admission import Admission, snapshot_grid
 from serving.engine.commit import Commit
 from serving.engine.decode_batch import DecodeManager
 from serving.engine.prefill_batch import PrefillManager
@@ -30,6 +30,7 @@ from serving.engine.stop_conditions import StopConditions
 from serving.executor.model_runner import ModelRunner
 from serving.executor.sampler import Sampler, SamplingState
 from serving.memory.pool import MemoryPool
+from serving.memory.radix_cache import RadixCache
 from serving.protocol import (
     FinishReason,
     GenerateRequest,
@@ -67,7 +68,14 @@ class Scheduler:
             page_size=pool.plan.page_size,
             spec_num_steps=0 if spec is None else spec.steps,
         )
-        self.admission = Admission(pool)
+        cache = None
+        if config.prefix_cache:
+            cache = RadixCache(pool, snapshot_grid(pool.plan.page_size, pool.config.index_kpool))
+        self.admission = Admission(
+            pool, self.stats, cache, config.track_interval, pool.config.vocab_size
+        )
+        self.cache = cache
+        self.stats.total_state_slots = pool.plan.state_slots
         stops = StopConditions(eos_token_ids, config.context_length, detokenize)
         self.commit = Commit(sampler, stops, self.stats, self.admission, self.hooks, self._unqueue)
         self.prefill = PrefillManager(config, runner, self.admission, self.commit, self.hooks, spec)
@@ -217,6 +225,16 @@ class Scheduler:
         out, self.commit.outputs = self.commit.outputs, []
         return out
 
+    # ---- the prefix cache ----
+    def flush_cache(self) -> str | None:
+        """Empty the prefix cache; refused (the reason) while any request is live, as SGLang
+        does (a live request locks its cached prefix)."""
+        if self.has_work or self.hooks.queued or self.hooks.owned():
+            return "requests are running or waiting; the cache was not flushed"
+        self.admission.flush()
+        self.refresh_stats()
+        return None
+
     # ---- observability ----
     def refresh_stats(self) -> None:
         s = self.stats
@@ -224,11 +242,22 @@ class Scheduler:
         s.queued = self.queued
         s.used_rows = len(self.pool.rows.used)
         s.peak_used_rows = max(s.peak_used_rows, max(self.pool.rows.used, default=0))
-        s.used_pages = len(self.pool.pages.used)
+        # pages the cache holds and no request locks are free to take: not "used"
+        evictable = self.cache.evictable_pages if self.cache is not None else 0
+        s.used_pages = len(self.pool.pages.used) - evictable
+        s.cached_pages = self.cache.pages_held if self.cache is not None else 0
+        s.cached_states = self.cache.states_held if self.cache is not None else 0
         self.hooks.report(s)
 
     def check_invariants(self) -> None:
         live = self._live()
-        self.pool.check({r.rid: (r.row, r.pages) for r in live + self.hooks.owned()})
+        holders = live + self.hooks.owned()
+        owners = {r.rid: (r.row, self.admission.owned_pages(r)) for r in holders}
+        slots = {r.rid: [r.track_slot] for r in holders if r.track_slot is not None}
+        if self.cache is not None:
+            pages, states = self.cache.owned()
+            owners["prefix cache"] = (None, pages)
+            slots["prefix cache"] = states
+        self.pool.check(owners, slots)
         for r in live:
             assert r.finish_reason is None, f"{r.rid} finished but still queued"

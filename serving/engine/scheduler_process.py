@@ -17,6 +17,8 @@ from serving.protocol import (
     SHUTDOWN,
     AbortRequest,
     BatchOutput,
+    FlushCache,
+    FlushCacheDone,
     GenerateRequest,
     SamplingParams,
     SchedulerFailed,
@@ -42,7 +44,7 @@ def build_model(args: ServerArgs):
     from serving.config import ModelConfig, parse_fp8_kinds
     from serving.distributed import min_over_ranks, state
     from serving.executor.model_runner import ModelRunner
-    from serving.memory.pool import MemoryPool, plan_pool
+    from serving.memory.pool import MemoryPool, SnapshotBudget, plan_pool
     from serving.models.loader import load_weights, resolve_dtype
     from serving.models.random_init import random_weights
 
@@ -84,9 +86,16 @@ def build_model(args: ServerArgs):
         weight_bytes=weight_bytes,
         with_draft=steps > 0,
         num_draft_tokens=steps + 1,
+        snapshots=SnapshotBudget(args.mamba_full_memory_ratio, args.max_mamba_cache_size)
+        if args.radix_cache
+        else None,
     )
-    if ps.world > 1:  # rank 0 hands out pages that every rank's pool must have
-        plan = dataclasses.replace(plan, pages=min_over_ranks(plan.pages))
+    if ps.world > 1:  # rank 0 hands out pages and slots that every rank's pool must have
+        plan = dataclasses.replace(
+            plan,
+            pages=min_over_ranks(plan.pages),
+            state_slots=min_over_ranks(plan.state_slots),
+        )
     started = time.monotonic()
     pool = MemoryPool(config, plan, kv_dtype, device)
     _sync(device)
@@ -156,6 +165,9 @@ def log_memory_plan(args: ServerArgs, config, dtype, weight_bytes: int, plan, de
         mem_fraction_static=args.mem_fraction_static,
         total_memory=total,
         fp8=fp8,
+        snapshot_ratio=args.mamba_full_memory_ratio
+        if args.radix_cache and args.max_mamba_cache_size is None
+        else 0.0,
     )
     for line in predicted.lines(args.model_path):
         log.info("memory plan (serving.tools.plan): %s", line)
@@ -231,6 +243,8 @@ def build_engine(args: ServerArgs, role=None):
             args.max_prefill_tokens,
             context,
             args.queue_limit,
+            prefix_cache=args.radix_cache,
+            track_interval=args.mamba_track_interval,
         ),
         frozenset(config.eos_token_ids),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
@@ -337,6 +351,8 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
                 role.submit(msg)
             elif isinstance(msg, AbortRequest):
                 role.abort(msg.rid, msg.reason)
+            elif isinstance(msg, FlushCache):
+                send.send_pyobj(FlushCacheDone(msg.id, scheduler.flush_cache()))
         role.poll()
         if scheduler.has_work or scheduler.pending_outputs:
             watchdog.started = time.monotonic()

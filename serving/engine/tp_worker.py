@@ -43,8 +43,8 @@ KEEPALIVE = "keepalive"
 class StepMessage:
     """kind: "forward" (payload (items, logits)), or one of EAGLE's programs: "extend_draft"
     ((rows, starts, next tokens); the target hiddens follow as a tensor broadcast),
-    "spec_verify" (host [3, B] tensor), "spec_commit" ((padded, last)), or "role" (the PD
-    role's orders for its follower plug; every follower answers in a gather)."""
+    "spec_verify" (host [3, B] tensor), "spec_commit" ((padded, last, state captures)), or
+    "role" (the PD role's orders for its follower plug; every follower answers in a gather)."""
 
     kind: str
     journal: list[tuple]

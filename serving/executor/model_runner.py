@@ -15,11 +15,14 @@ from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 
 @dataclass
 class StepInput:
-    """One request's share of a forward: `token_ids` at positions start.. in request row `row`."""
+    """One request's share of a forward: `token_ids` at positions start.. in request row `row`.
+    saves: (n, slot) = snapshot the row's KDA state after its first n tokens into state slot
+    `slot` (the prefix cache's), n ascending."""
 
     row: int
     start: int
     token_ids: list[int]
+    saves: tuple[tuple[int, int], ...] = ()
 
 
 class ModelRunner:
@@ -39,6 +42,7 @@ class ModelRunner:
         self, items: list[StepInput], logits: str | list[bool] = "last"
     ) -> ForwardBatch:
         ids = [t for item in items for t in item.token_ids]
+        saves = [list(item.saves) for item in items]
         return ForwardBatch.build(
             ids,
             [item.row for item in items],
@@ -46,6 +50,7 @@ class ModelRunner:
             [len(item.token_ids) for item in items],
             self.pool.req_to_token,
             logits=logits,
+            saves=saves if any(saves) else None,
         )
 
     def forward(self, items: list[StepInput], logits: str | list[bool] = "last") -> ForwardOutput:
@@ -54,7 +59,7 @@ class ModelRunner:
         if (
             self.graphs is not None
             and logits == "last"
-            and all(len(item.token_ids) == 1 for item in items)
+            and all(len(item.token_ids) == 1 and not item.saves for item in items)
             and self.graphs.fits(len(items))
         ):
             return self.graphs.replay(items)

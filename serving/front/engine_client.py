@@ -2,7 +2,8 @@
 when metrics are on.
 
 The front binds a PULL socket at `recv_addr` (SchedulerReady or SchedulerFailed, then
-BatchOutput) and connects a PUSH socket to `send_addr` (GenerateRequest, AbortRequest).
+BatchOutput and FlushCacheDone) and connects a PUSH socket to `send_addr` (GenerateRequest,
+AbortRequest, FlushCache).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import zmq
@@ -22,6 +24,8 @@ from serving.protocol import (
     AbortRequest,
     BatchOutput,
     FinishReason,
+    FlushCache,
+    FlushCacheDone,
     GenerateRequest,
     SchedulerFailed,
     SchedulerReady,
@@ -69,6 +73,7 @@ class EngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._settled = asyncio.Event()  # set by SchedulerReady or a failure
+        self._flushes: dict[str, asyncio.Future[str | None]] = {}
 
     @property
     def is_ready(self) -> bool:
@@ -170,6 +175,20 @@ class EngineClient:
         self._push.send_pyobj(AbortRequest(rid=rid, reason=reason))
         return True
 
+    async def flush_cache(self, timeout: float = 30.0) -> str | None:
+        """Ask the scheduler to empty its prefix cache; None when it did, else why not."""
+        if not self.is_ready or self._push is None:
+            raise EngineUnavailable(self.state)
+        flush = FlushCache(uuid.uuid4().hex)
+        done = self._flushes[flush.id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._push.send_pyobj(flush)
+            return await asyncio.wait_for(done, timeout)
+        except asyncio.TimeoutError:
+            return f"the scheduler did not answer within {timeout:.0f} s"
+        finally:
+            self._flushes.pop(flush.id, None)
+
     async def _receive_loop(self) -> None:
         while True:
             try:
@@ -186,6 +205,10 @@ class EngineClient:
                 self.mark_ready(msg)
             elif isinstance(msg, SchedulerFailed):
                 self.fail(msg.message)
+            elif isinstance(msg, FlushCacheDone):
+                done = self._flushes.get(msg.id)
+                if done is not None and not done.done():
+                    done.set_result(msg.error)
             else:
                 log.warning("ignoring an unexpected message: %s", type(msg).__name__)
 

@@ -4,7 +4,9 @@ Two kinds of buffers, indexed two ways:
 - token pool, indexed by KV slot (slot = page * page_size + offset): MLA latents per DSA layer,
   pooled index keys per indexer layer (pool P of a request lives at slot_of(P*kpool) // kpool,
   so page_size must be a multiple of kpool);
-- request state, indexed by request row: KDA conv and recurrent states, compression tails.
+- request state, indexed by request row: KDA conv and recurrent states, compression tails;
+- state snapshots, indexed by snapshot slot (the prefix cache's, serving/memory/radix_cache.py):
+  KDA conv and recurrent states saved at a token position, copied into a row on a cache hit.
 
 Invariant: every request-row buffer has `request_rows(req_to_token)` rows, for the target and
 the draft alike. Never size one from max_running_requests: PD decode hands out rows beyond it.
@@ -28,6 +30,9 @@ def request_rows(req_to_token: torch.Tensor) -> int:
 class KDALayerCache:
     conv: torch.Tensor  # [rows, 3*H*Dk, K-1] pre-conv inputs of the last K-1 tokens
     state: torch.Tensor  # [rows, H, Dk, Dv] float32
+    # Snapshots (None without a prefix cache); slot 0 is padding, never handed out.
+    saved_conv: torch.Tensor | None = None  # [slots, 3*H*Dk, K-1]
+    saved_state: torch.Tensor | None = None  # [slots, H, Dk, Dv] float32
 
 
 @dataclass
@@ -87,11 +92,13 @@ def allocate_model_cache(
     layers: list[int] | None = None,
     layer_types: dict[int, str] | None = None,
     num_draft_tokens: int = 1,
+    state_slots: int = 0,
 ) -> ModelCache:
     """Allocate caches for `layers` (default: every target layer) of `config`.
 
     `layer_types` overrides the kind per layer (the NextN draft is one DSA layer with an
-    indexer that lives past the target's layers).
+    indexer that lives past the target's layers). `state_slots` > 0: KDA layers get that many
+    snapshot slots (+1 padding).
     """
     if num_slots % config.index_kpool:
         raise ValueError(f"num_slots={num_slots} must be a multiple of kpool={config.index_kpool}")
@@ -102,22 +109,19 @@ def allocate_model_cache(
     caches: dict[int, KDALayerCache | DSALayerCache] = {}
     for i in layers:
         if kinds[i] == KDA:
+            conv_shape = (3 * config.kda_qkv_dim, config.linear_conv_kernel_dim - 1)
+            dim = config.linear_head_dim
+            state_shape = (config.linear_num_heads, dim, dim)
+            saved = state_slots + 1 if state_slots else 0
             caches[i] = KDALayerCache(
-                conv=torch.zeros(
-                    rows,
-                    3 * config.kda_qkv_dim,
-                    config.linear_conv_kernel_dim - 1,
-                    dtype=dtype,
-                    device=device,
-                ),
-                state=torch.zeros(
-                    rows,
-                    config.linear_num_heads,
-                    config.linear_head_dim,
-                    config.linear_head_dim,
-                    dtype=torch.float32,
-                    device=device,
-                ),
+                conv=torch.zeros(rows, *conv_shape, dtype=dtype, device=device),
+                state=torch.zeros(rows, *state_shape, dtype=torch.float32, device=device),
+                saved_conv=torch.zeros(saved, *conv_shape, dtype=dtype, device=device)
+                if saved
+                else None,
+                saved_state=torch.zeros(saved, *state_shape, dtype=torch.float32, device=device)
+                if saved
+                else None,
             )
             continue
         has_indexer = i >= config.num_hidden_layers or config.indexer_types[i] == "full"
@@ -137,6 +141,22 @@ def allocate_model_cache(
             else None,
         )
     return ModelCache(req_to_token=req_to_token, layers=caches)
+
+
+def save_kda_states(cache: ModelCache, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Snapshot the KDA states of request rows into slots."""
+    for layer in cache.layers.values():
+        if isinstance(layer, KDALayerCache):
+            layer.saved_conv[slots] = layer.conv[rows]
+            layer.saved_state[slots] = layer.state[rows]
+
+
+def load_kda_states(cache: ModelCache, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Start request rows from snapshots (a prefix-cache hit)."""
+    for layer in cache.layers.values():
+        if isinstance(layer, KDALayerCache):
+            layer.conv[rows] = layer.saved_conv[slots]
+            layer.state[rows] = layer.saved_state[slots]
 
 
 def reset_request_state(cache: ModelCache, rows: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """All serving memory in one place: the request table, its free lists and the model caches.
 
     request table  req_to_token [rows + 1, max_context]   row 0 = padding (never handed out)
-    target caches  ModelCache over every target layer
+    target caches  ModelCache over every target layer (+ the KDA state snapshots, by slot)
     draft caches   ModelCache over the NextN layer (same request table, same token allocator)
 
 rows = max_running_requests + decode_extra_slots. Every request-row buffer of the target and the
@@ -21,8 +21,10 @@ from serving.memory.allocator import FreeList, PageAllocator
 from serving.memory.cache import (
     ModelCache,
     allocate_model_cache,
+    load_kda_states,
     request_rows,
     reset_request_state,
+    save_kda_states,
     tail_slots_for,
 )
 
@@ -72,6 +74,7 @@ class PoolPlan:
     max_context: int
     with_draft: bool = False
     num_draft_tokens: int = 1
+    state_slots: int = 0  # KDA state snapshots of the prefix cache (0: no prefix cache)
 
 
 def token_bytes(config: ModelConfig, elem: int, with_draft: bool) -> int:
@@ -84,8 +87,8 @@ def token_bytes(config: ModelConfig, elem: int, with_draft: bool) -> int:
     )
 
 
-def kda_row_bytes(config: ModelConfig, elem: int) -> int:
-    """Bytes of KDA state per request row: conv inputs + float32 recurrent state, all KDA layers."""
+def kda_state_bytes(config: ModelConfig, elem: int) -> int:
+    """Bytes of one request's KDA conv + recurrent states (a row's, or one snapshot's)."""
     return len(config.kda_layers) * (
         3 * config.kda_qkv_dim * (config.linear_conv_kernel_dim - 1) * elem
         + config.linear_num_heads * config.linear_head_dim**2 * 4
@@ -95,7 +98,18 @@ def kda_row_bytes(config: ModelConfig, elem: int) -> int:
 def row_bytes(config: ModelConfig, elem: int, tail_slots: int, with_draft: bool) -> int:
     """Bytes of per-request state per row: KDA conv + recurrent state, compression tails."""
     tails = (len(config.indexer_layers) + int(with_draft)) * 2 * tail_slots
-    return kda_row_bytes(config, elem) + tails * config.index_head_dim * elem
+    return kda_state_bytes(config, elem) + tails * config.index_head_dim * elem
+
+
+@dataclass(frozen=True)
+class SnapshotBudget:
+    """The prefix cache's KDA state snapshots: `slots` if given (--max-mamba-cache-size), else
+    snapshot memory = `ratio` x KV-pool memory (--mamba-full-memory-ratio), and never fewer than
+    two per request row: a decoding request holds one privately (its last grid position), and
+    the tree should keep at least as many again, or tracking evicts every shared state."""
+
+    ratio: float
+    slots: int | None = None
 
 
 def fit_kv_tokens(
@@ -132,31 +146,51 @@ def plan_pool(
     weight_bytes: int,
     with_draft: bool = False,
     num_draft_tokens: int = 1,
+    snapshots: SnapshotBudget | None = None,
 ) -> PoolPlan:
     """Size the token pool: --max-total-tokens if given; on CUDA what fits in
-    mem_fraction_static of device memory after weights and request state; on CPU 131072 tokens."""
+    mem_fraction_static of device memory after weights, request state and the state snapshots
+    (`snapshots`, None: no prefix cache); on CPU 131072 tokens."""
     elem = torch.tensor([], dtype=dtype).element_size()
     config = rank_cache_config(config)  # TP: this rank's KDA heads
     per_token = token_bytes(config, elem, with_draft)
     per_row = row_bytes(config, elem, tail_slots_for(config, num_draft_tokens), with_draft)
+    per_snapshot = kda_state_bytes(config, elem)
+    ratio = snapshots.ratio if snapshots is not None and snapshots.slots is None else 0.0
+    fixed = snapshots.slots * per_snapshot if snapshots and snapshots.slots is not None else 0
     if max_total_tokens is None and device == "cuda":
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        # snapshots by ratio: each KV token carries `ratio` of its bytes in snapshot memory
         max_total_tokens = fit_kv_tokens(
-            total, mem_fraction_static, weight_bytes, rows, max_context, per_row, per_token
+            total,
+            mem_fraction_static,
+            weight_bytes + fixed,
+            rows,
+            max_context,
+            per_row,
+            int(per_token * (1 + ratio)),
         )
     elif max_total_tokens is None:
         max_total_tokens = 131072
     pages = max_total_tokens // page_size
     if pages < 1:
         raise ValueError(f"--max-total-tokens {max_total_tokens}: less than one page")
+    slots = 0
+    if snapshots is not None and per_snapshot:
+        slots = snapshots.slots
+        if slots is None:
+            slots = max(2 * rows, int(ratio * pages * page_size * per_token / per_snapshot))
     log.info(
-        "KV budget: %d tokens (%d B/token), %d request rows (%d B/row)",
+        "KV budget: %d tokens (%d B/token), %d request rows (%d B/row), %d state snapshots "
+        "(%d B each)",
         pages * page_size,
         per_token,
         rows,
         per_row,
+        slots,
+        per_snapshot,
     )
-    return PoolPlan(rows, pages, page_size, max_context, with_draft, num_draft_tokens)
+    return PoolPlan(rows, pages, page_size, max_context, with_draft, num_draft_tokens, slots)
 
 
 class MemoryPool:
@@ -173,6 +207,7 @@ class MemoryPool:
         )
         self.rows = FreeList(plan.rows, "request row")
         self.pages = PageAllocator(plan.pages, plan.page_size)
+        self.state_slots = FreeList(plan.state_slots, "state slot")
         num_slots = self.pages.num_slots
         local = rank_cache_config(config)  # TP: KDA states hold this rank's heads only
         self.target: ModelCache = allocate_model_cache(
@@ -182,6 +217,7 @@ class MemoryPool:
             dtype,
             device,
             num_draft_tokens=plan.num_draft_tokens,
+            state_slots=plan.state_slots,
         )
         self.aux = AuxRows.allocate(
             request_rows(self.req_to_token), config.hidden_size, dtype, device
@@ -244,11 +280,11 @@ class MemoryPool:
         new = self.pages.alloc(need)
         if new is None:
             return False
-        self._map_pages(row, len(pages), new)
+        self.map_pages(row, len(pages), new)
         pages.extend(new)
         return True
 
-    def _map_pages(self, row: int, first: int, new: list[int]) -> None:
+    def map_pages(self, row: int, first: int, new: list[int]) -> None:
         """Point positions from page index `first` of `row` at pages `new`."""
         if self.journal is not None:
             self.journal.append(("map", row, first, new))
@@ -261,26 +297,51 @@ class MemoryPool:
         end = min(start + slots.numel(), self.plan.max_context)  # the last page may overhang
         self.req_to_token[row, start:end] = slots[: end - start]
 
+    # ---- state snapshots (the prefix cache's) ----
+    def save_states(self, rows: list[int], slots: list[int]) -> None:
+        """Snapshot the KDA states of `rows` into `slots` (after a forward wrote them)."""
+        if self.journal is not None:
+            self.journal.append(("save", rows, slots))
+        t = lambda ids: torch.tensor(ids, device=self.device)  # noqa: E731
+        save_kda_states(self.target, t(rows), t(slots))
+
+    def load_states(self, slots: list[int], rows: list[int]) -> None:
+        """Start `rows` from the snapshots in `slots` (a prefix-cache hit)."""
+        if self.journal is not None:
+            self.journal.append(("load", slots, rows))
+        t = lambda ids: torch.tensor(ids, device=self.device)  # noqa: E731
+        load_kda_states(self.target, t(slots), t(rows))
+
     def take_journal(self) -> list[tuple]:
         entries, self.journal = self.journal or [], []
         return entries
 
     def replay(self, entries: list[tuple]) -> None:
-        """A TP follower applies rank 0's row resets and page maps, in order, so its request
-        table and fresh states equal rank 0's (its own allocators stay unused)."""
-        for entry in entries:
-            if entry[0] == "reset":
-                self._reset_rows(entry[1])
+        """A TP follower applies rank 0's row resets, page maps and snapshot copies, in order,
+        so its request table, fresh states and snapshots equal rank 0's (its own allocators stay
+        unused)."""
+        for kind, *args in entries:
+            if kind == "reset":
+                self._reset_rows(*args)
+            elif kind == "map":
+                self.map_pages(*args)
+            elif kind == "save":
+                self.save_states(*args)
             else:
-                self._map_pages(*entry[1:])
+                self.load_states(*args)
 
     def free_pages(self, pages: list[int]) -> None:
         self.pages.free(pages)
         pages.clear()
 
     # ---- invariant ----
-    def check(self, owners: dict[str, tuple[int | None, list[int]]]) -> None:
-        """Every row and page is either free or owned by exactly one live request."""
+    def check(
+        self,
+        owners: dict[str, tuple[int | None, list[int]]],
+        slot_owners: dict[str, list[int]] | None = None,
+    ) -> None:
+        """Every row, page and state slot is either free or owned by exactly one owner (a live
+        request, or the prefix cache)."""
         rows_seen: dict[int, str] = {}
         pages_seen: dict[int, str] = {}
         for rid, (row, pages) in owners.items():
@@ -299,4 +360,15 @@ class MemoryPool:
         if set(pages_seen) != set(self.pages.used):
             leaked = sorted(set(self.pages.used) - set(pages_seen))
             raise AssertionError(f"pages in use but unowned (leak): {leaked[:16]}")
+        slots_seen: dict[int, str] = {}
+        for who, slots in (slot_owners or {}).items():
+            for s in slots:
+                if s in slots_seen:
+                    raise AssertionError(f"state slot {s} owned by {slots_seen[s]} and {who}")
+                slots_seen[s] = who
+        if set(slots_seen) != set(self.state_slots.used):
+            raise AssertionError(
+                f"state slots in use {sorted(self.state_slots.used)[:16]} != owned "
+                f"{sorted(slots_seen)[:16]}"
+            )
         log.debug("pool invariant holds: %d rows, %d pages live", len(rows_seen), len(pages_seen))

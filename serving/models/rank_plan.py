@@ -22,7 +22,7 @@ import torch
 from serving.config import ModelConfig
 from serving.distributed import ParallelState, check_sizes, rank_cache_config, set_state, state
 from serving.memory.cache import tail_slots_for
-from serving.memory.pool import fit_kv_tokens, kda_row_bytes, row_bytes, token_bytes
+from serving.memory.pool import fit_kv_tokens, kda_state_bytes, row_bytes, token_bytes
 from serving.models.fp8_weights import TensorInfo, fp8_weights, read_header
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.loader import hold_fp8_modules
@@ -92,6 +92,9 @@ class RankPlan:
     mem_fraction_static: float
     total_memory: int | None  # device bytes; None: no device plan (the CPU)
     fp8: Fp8Plan | None = None
+    # the prefix cache's KDA snapshots: this share of the KV pool's bytes again (plan_pool's
+    # rule, --mamba-full-memory-ratio; 0: no cache, as on PD decode)
+    snapshot_ratio: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -113,9 +116,14 @@ class RankPlan:
             self.running + self.extra,
             self.context,
             self.row_bytes,
-            self.token_bytes,
+            int(self.token_bytes * (1 + self.snapshot_ratio)),
         )
         return tokens - tokens % self.page_size
+
+    def snapshots(self, kv_tokens: int) -> int:
+        """State snapshot slots beside `kv_tokens` (plan_pool's rule: at least 2 per row)."""
+        by_ratio = int(self.snapshot_ratio * kv_tokens * self.token_bytes / self.kda_row_bytes)
+        return max(2 * (self.running + self.extra), by_ratio)
 
     def lines(self, model: str) -> list[str]:
         name = str(self.dtype).removeprefix("torch.")
@@ -154,6 +162,13 @@ class RankPlan:
                 f"KV tokens per GPU       {tokens:8d} ({tokens * self.token_bytes / GIB:.2f} GiB; "
                 f"{tokens / self.context:.1f} full {self.context}-token contexts)"
             )
+            if self.snapshot_ratio > 0 and self.kda_row_bytes:
+                slots = self.snapshots(tokens)
+                out.append(
+                    f"state snapshots         {slots:8d} x {self.kda_row_bytes / 2**20:.1f} MiB "
+                    f"({slots * self.kda_row_bytes / GIB:.2f} GiB; --mamba-full-memory-ratio "
+                    f"{self.snapshot_ratio:g})"
+                )
         return out
 
 
@@ -172,6 +187,7 @@ def predict_rank(
     total_memory: int | None,
     rank: int = 0,
     fp8: Fp8Plan | None = None,
+    snapshot_ratio: float = 0.0,
 ) -> RankPlan:
     """The plan of rank `rank` (ValueError when the sizes do not split the checkpoint)."""
     check_sizes(config, tp_size, ep_size)
@@ -199,10 +215,11 @@ def predict_rank(
         extra=extra,
         context=context,
         row_bytes=row_bytes(local, elem, tail_slots_for(config, speculative_steps + 1), draft),
-        kda_row_bytes=kda_row_bytes(local, elem),
+        kda_row_bytes=kda_state_bytes(local, elem),
         token_bytes=token_bytes(config, elem, draft),
         page_size=page_size,
         mem_fraction_static=mem_fraction_static,
         total_memory=total_memory,
         fp8=fp8,
+        snapshot_ratio=snapshot_ratio,
     )

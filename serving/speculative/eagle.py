@@ -73,6 +73,17 @@ class Proposal:
     token: int  # y
 
 
+def _kda_states_at(
+    conv_inputs: torch.Tensor, states: torch.Tensor, batch: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KDA layer's (conv, recurrent) states after verify position index[i] of batch entry
+    batch[i], from the history the verify forward recorded."""
+    width = conv_inputs.shape[-1] - states.shape[1]  # K-1 inputs ending at the position
+    idx = index[:, None] + 1 + torch.arange(width, device=index.device)
+    idx = idx[:, None, :].expand(-1, conv_inputs.shape[1], -1)
+    return conv_inputs[batch].gather(2, idx), states[batch, index]
+
+
 def restore_kda_states(
     cache: ModelCache,
     history: dict[int, list[torch.Tensor]],
@@ -80,14 +91,29 @@ def restore_kda_states(
     last: torch.Tensor,
 ) -> None:
     """Set each row's KDA state to the one after chunk position last[b] (0-based)."""
+    b = torch.arange(rows.numel(), device=rows.device)
     for layer, (conv_inputs, states) in history.items():
         kc = cache.kda(layer)
-        b = torch.arange(rows.numel(), device=rows.device)
-        kc.state[rows] = states[b, last].to(kc.state.dtype)
-        width = kc.conv.shape[-1]  # K-1 inputs ending at chunk position last[b]
-        idx = last[:, None] + 1 + torch.arange(width, device=rows.device)
-        idx = idx[:, None, :].expand(-1, conv_inputs.shape[1], -1)
-        kc.conv[rows] = conv_inputs.gather(2, idx).to(kc.conv.dtype)
+        conv, state = _kda_states_at(conv_inputs, states, b, last)
+        kc.state[rows] = state.to(kc.state.dtype)
+        kc.conv[rows] = conv.to(kc.conv.dtype)
+
+
+def save_kda_states_from_history(
+    cache: ModelCache, history: dict[int, list[torch.Tensor]], captures: list[tuple[int, int, int]]
+) -> None:
+    """Snapshot, for each (batch entry, verify position, slot) of `captures`, the KDA states
+    after that position into that slot (the prefix cache's state at a grid position that an
+    accepted run crossed)."""
+    if not captures:
+        return
+    device = cache.req_to_token.device
+    batch, index, slots = (torch.tensor(c, device=device) for c in zip(*captures))
+    for layer, (conv_inputs, states) in history.items():
+        kc = cache.kda(layer)
+        conv, state = _kda_states_at(conv_inputs, states, batch, index)
+        kc.saved_state[slots] = state.to(kc.saved_state.dtype)
+        kc.saved_conv[slots] = conv.to(kc.saved_conv.dtype)
 
 
 class Eagle:
@@ -186,11 +212,17 @@ class Eagle:
 
     # ---- one decode step ----
     def step(
-        self, proposals: list[Proposal], states: list[SamplingState], want: list[int]
+        self,
+        proposals: list[Proposal],
+        states: list[SamplingState],
+        want: list[int],
+        offers: list[tuple[int, int, int]] | None = None,
     ) -> tuple[list[list[int]], list[list | None]]:
         """Returns per request the committed tokens (1..N+1) and their logprob entries.
 
-        want: per request, the number of top logprobs to return (-1: no logprobs)."""
+        want: per request, the number of top logprobs to return (-1: no logprobs).
+        offers: (batch entry b, verify position j, state slot): snapshot b's KDA states after
+        position j into the slot if j was accepted (j <= the index of b's bonus token)."""
         n_steps, num = self.steps, len(proposals)
         host = torch.tensor(
             [[p.token for p in proposals], [p.position for p in proposals]]
@@ -212,9 +244,10 @@ class Eagle:
             committed.append(chain[:a] + [samp[a]])
             last.append(a)
         padded = [c + [0] * (n_steps + 1 - len(c)) for c in committed]
+        captures = [(b, j, slot) for b, j, slot in offers or [] if j <= last[b]]
         if self.fanout is not None:
-            self.fanout.send("spec_commit", (padded, last))
-        self.commit(pending, padded, last)
+            self.fanout.send("spec_commit", (padded, last, captures))
+        self.commit(pending, padded, last, captures)
         return committed, [
             None if lp is None else lp[: len(c)] for lp, c in zip(logprobs, committed)
         ]
@@ -230,19 +263,27 @@ class Eagle:
         verified = self.draft_and_verify(tokens, positions, rows, seq_len)
         return PendingStep(verified, None, rows, positions, seq_len)
 
-    def commit(self, pending: PendingStep, padded: list[list[int]], last: list[int]) -> None:
-        """Steps 4-5 once the committed tokens are known."""
+    def commit(
+        self,
+        pending: PendingStep,
+        padded: list[list[int]],
+        last: list[int],
+        captures: list[tuple[int, int, int]],
+    ) -> None:
+        """Steps 4-5 once the committed tokens are known, and the state snapshots the step's
+        accepted runs crossed (from the verify history, which both programs leave intact)."""
         if pending.graphs is not None:
             pending.graphs.roll_back_and_catch_up(padded, last)
-            return
-        self.roll_back_and_catch_up(
-            pending.verified,
-            pending.rows,
-            pending.positions,
-            torch.tensor(padded, device=self.pool.device),
-            torch.tensor(last, device=self.pool.device),
-            pending.seq_len,
-        )
+        else:
+            self.roll_back_and_catch_up(
+                pending.verified,
+                pending.rows,
+                pending.positions,
+                torch.tensor(padded, device=self.pool.device),
+                torch.tensor(last, device=self.pool.device),
+                pending.seq_len,
+            )
+        save_kda_states_from_history(self.pool.target, pending.verified.kda_history, captures)
 
     def _sample_positions(
         self,

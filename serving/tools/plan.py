@@ -33,6 +33,7 @@ def plan(args: argparse.Namespace) -> list[str]:
         mem_fraction_static=args.mem_fraction_static,
         total_memory=int(args.gpu_memory_gib * GIB),
         fp8=fp8_plan(args.model_path, config, parse_fp8_kinds(args.fp8_keep_bf16)),
+        snapshot_ratio=args.mamba_full_memory_ratio,
     )
     return rank.lines(args.model_path)
 
@@ -51,6 +52,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--fp8-keep-bf16", default=None, help="as the server's flag")
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument(
+        "--mamba-full-memory-ratio",
+        type=float,
+        default=0.0,
+        help="a worker with the prefix cache (the server's default is 0.1; 0: none, as PD decode)",
+    )
     args = ap.parse_args(argv)
     try:
         print("\n".join(plan(args)))

@@ -24,7 +24,7 @@ from torch import nn
 from serving.config import ModelConfig
 from serving.layers.mhc import HyperConnection
 from serving.layers.mlp import DenseMLP, MoE
-from serving.memory.pool import kda_row_bytes
+from serving.memory.pool import kda_state_bytes
 from serving.models.dsa import DSAttention
 from serving.models.kda import KDAttention
 
@@ -136,7 +136,7 @@ def hbm_floor(
     keys = batch * indexers * math.ceil(context / config.index_kpool) * config.index_head_dim
     keys *= elem
     local = dataclasses.replace(config, linear_num_heads=config.linear_num_heads // tp_size)
-    kda = 2 * batch * kda_row_bytes(local, elem)
+    kda = 2 * batch * kda_state_bytes(local, elem)
     total = weights + experts + latents + keys + kda
     return {
         "weights_bytes": weights,

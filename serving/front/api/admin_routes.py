@@ -119,6 +119,16 @@ def admin_router(ctx: FrontContext) -> APIRouter:
             }
         )
 
+    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """SGLang's: empty the prefix cache; refused (400) while requests are live."""
+        if not client.is_ready:
+            return error_response(503, client.state)
+        error = await client.flush_cache()
+        if error is not None:
+            return error_response(400, f"cache not flushed: {error}")
+        return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
+
     if client.metrics is not None:  # --enable-metrics, as in SGLang: no route without it
 
         @router.get("/metrics")

@@ -3,15 +3,19 @@ conv and recurrent states (KDALayerCache). The batch's shape picks the kernel: d
 per request), uniform (step_len tokens per request: EAGLE verify, graph-safe) or ragged extend.
 
 history (multi-token batches): receives [conv inputs, per-position states] for rollback.
+batch.kda_saves (prefill): snapshots of the states at positions inside the chunk, taken between
+passes of the same kernel (the prefix cache's; serving/forward_batch.KDASaves).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from kernels import fast_path
 from kernels import kda as kda_kernels
-from serving.forward_batch import ForwardBatch
+from serving.forward_batch import ForwardBatch, KDASaves
 from serving.memory.cache import KDALayerCache
 
 
@@ -39,6 +43,17 @@ def short_conv(
         return ops.causal_conv_uniform(
             mixed, weight, cache.conv, batch.req_rows, batch.step_len, history
         )
+    if batch.kda_saves is not None:
+
+        def save(rows: torch.Tensor, slots: torch.Tensor) -> None:
+            cache.saved_conv[slots] = cache.conv[rows]
+
+        return _in_passes(
+            (mixed,),
+            batch.kda_saves,
+            lambda xs, rows, lens: ops.causal_conv_extend(*xs, weight, cache.conv, rows, lens),
+            save,
+        )
     return ops.causal_conv_extend(
         mixed, weight, cache.conv, batch.req_rows, batch.lens_cpu, history
     )
@@ -61,4 +76,40 @@ def delta_rule(
         return ops.kda_decode(q, k, v, g, beta, cache.state, rows)
     if batch.step_len is not None:
         return ops.kda_uniform(q, k, v, g, beta, cache.state, rows, batch.step_len, history)
+    if batch.kda_saves is not None:
+
+        def save(rows: torch.Tensor, slots: torch.Tensor) -> None:
+            cache.saved_state[slots] = cache.state[rows]
+
+        return _in_passes(
+            (q, k, v, g, beta),
+            batch.kda_saves,
+            lambda xs, rows, lens: ops.kda_extend(*xs, cache.state, rows, lens),
+            save,
+        )
     return ops.kda_extend(q, k, v, g, beta, cache.state, rows, batch.lens_cpu, history)
+
+
+def _in_passes(
+    inputs: tuple[torch.Tensor, ...],
+    saves: KDASaves,
+    run: Callable[[tuple[torch.Tensor, ...], torch.Tensor, list[int]], torch.Tensor],
+    save: Callable[[torch.Tensor, torch.Tensor], None],
+) -> torch.Tensor:
+    """run() over each pass's tokens, save() after it. Each pass continues the rows' states in
+    place, so the result equals one run over the whole chunk."""
+    if len(saves.passes) == 1:  # every save is at its request's end: one run, in batch order
+        p = saves.passes[0]
+        out = run(inputs, p.rows, p.lens)
+        save(p.save_rows, p.save_slots)
+        return out
+    pieces = []
+    for p in saves.passes:
+        pieces.append((p.index, run(tuple(t[p.index] for t in inputs), p.rows, p.lens)))
+        if p.save_rows.numel():
+            save(p.save_rows, p.save_slots)
+    first = pieces[0][1]
+    out = first.new_empty((inputs[0].shape[0], *first.shape[1:]))
+    for index, piece in pieces:
+        out[index] = piece
+    return out

@@ -1,0 +1,133 @@
+"""The prefix cache's tree on its own (serving/memory/radix_cache.py), over a real tiny pool:
+matches end at the deepest node with both KV and a state, splits keep states and locks where
+they belong, the two locks and the two LRUs, and every page and slot goes back exactly once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.config import ModelConfig
+from serving.memory.pool import MemoryPool, PoolPlan
+from serving.memory.radix_cache import RadixCache
+
+P = 16  # page size
+G = 64  # snapshot grid
+
+
+@pytest.fixture
+def pool(tiny_ckpt):
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    plan = PoolPlan(rows=4, pages=64, page_size=P, max_context=1024, state_slots=6)
+    return MemoryPool(config, plan, torch.float32, "cpu")
+
+
+def path(cache: RadixCache, keys: list[int]):
+    """Insert `keys` with fresh pages and a fresh state at the end; returns the node."""
+    pages = cache.pool.pages.alloc(len(keys) // P)
+    node, adopted = cache.insert(keys, pages)
+    dup = [p for p in pages if p not in adopted]
+    if dup:
+        cache.pool.free_pages(dup)
+    slot = cache.pool.state_slots.alloc(1)[0]
+    if not cache.set_state(node, slot):
+        cache.pool.state_slots.free([slot])
+    return node
+
+
+def all_back(pool: MemoryPool) -> bool:
+    return not pool.pages.used and not pool.state_slots.used
+
+
+def test_a_match_ends_at_the_deepest_state_within_the_limit(pool):
+    cache = RadixCache(pool, G)
+    a = list(range(200))
+    n64 = path(cache, a[:64])
+    n128 = path(cache, a[:128])
+    assert cache.match(a, 199).length == 128 and cache.match(a, 199).node is n128
+    assert cache.match(a, 127).length == 64 and cache.match(a, 127).node is n64
+    assert cache.match(a, 63).node is None
+    b = a[:100] + [999] * 100  # diverges inside the node [64, 128): only the state at 64 holds
+    assert cache.match(b, 199).length == 64
+    c = [7] + a[1:]  # diverges at the first token
+    assert cache.match(c, 199).node is None
+    cache.flush()
+    assert all_back(pool)
+
+
+def test_a_split_keeps_the_state_at_its_end_and_the_locks_on_both_halves(pool):
+    cache = RadixCache(pool, G)
+    a = list(range(128))
+    na = path(cache, a)
+    cache.lock(na)
+    assert cache.evictable_pages == 0
+    b = a[:64] + [500 + i for i in range(64)]
+    nb = path(cache, b)  # splits a's node at 64
+    upper = na.parent
+    assert upper is nb.parent and upper.depth == 64 and upper.slot is None
+    assert upper.kv_locks == 1 and na.kv_locks == 1 and na.slot is not None
+    assert cache.pages_held == 12 and cache.evictable_pages == 4  # b's own 4 pages
+    assert cache.match(a, 128).node is na and cache.match(b, 128).node is nb
+    assert cache.evict_pages(100) == 4  # only b's leaf: a's path is locked
+    assert cache.match(b, 128).node is None and cache.match(a, 128).node is na
+    cache.unlock(na)
+    assert cache.evictable_pages == 8
+    assert cache.evict_pages(100) == 8
+    assert all_back(pool) and cache.pages_held == 0 and cache.states_held == 0
+
+
+def test_inserting_a_cached_run_again_adopts_nothing(pool):
+    cache = RadixCache(pool, G)
+    a = list(range(64))
+    path(cache, a)
+    held = pool.pages.num_free
+    pages = pool.pages.alloc(4)
+    node, adopted = cache.insert(a, pages)
+    assert adopted == [] and node.depth == 64
+    pool.free_pages(pages)
+    assert pool.pages.num_free == held
+    cache.flush()
+    assert all_back(pool)
+
+
+def test_page_eviction_goes_by_lru_and_takes_tombstones_first(pool):
+    cache = RadixCache(pool, G)
+    old, new = [1] * 64, [2] * 64
+    path(cache, old)
+    path(cache, new)
+    cache.match(old, 64)  # old is now the most recently used
+    assert cache.evict_pages(1) == 4
+    assert cache.match(new, 64).node is None and cache.match(old, 64).node is not None
+    # a stateless leaf (kept by a lock while its state went) goes before any other
+    third = path(cache, [3] * 64)
+    cache.lock(third)
+    cache.evict_states(2)  # old's and third's states (third's is newer but unlocked too)
+    assert third.slot is None and cache.match(old, 64).node is None
+    cache.unlock(third)  # an unlocked stateless leaf is pruned at once
+    assert cache.pages_held == 0 and all_back(pool)
+
+
+def test_state_eviction_leaves_interior_kv_for_longer_matches(pool):
+    cache = RadixCache(pool, G)
+    a = list(range(128))
+    n64 = path(cache, a[:64])
+    path(cache, a)
+    cache.match(a, 128)  # the deeper state is the more recently used
+    assert cache.evict_states(1) == 1
+    assert n64.slot is None and cache.pages_held == 8  # an interior tombstone keeps its KV
+    assert cache.match(a, 128).length == 128
+    assert cache.match(a, 100).node is None  # no state at or below 100 any more
+    cache.lock_state(cache.match(a, 128).node)
+    assert cache.evict_states(1) == 0  # a locked state stays
+    cache.unlock_state(cache.match(a, 128).node)
+    assert cache.evict_states(1) == 1 and cache.pages_held == 0  # the leaf went with it
+    assert all_back(pool)
+
+
+def test_a_state_off_the_grid_is_refused(pool):
+    cache = RadixCache(pool, G)
+    node, _ = cache.insert(list(range(32)), pool.pages.alloc(2))
+    with pytest.raises(AssertionError, match="grid"):
+        cache.set_state(node, 1)
+    cache.flush()
+    assert all_back(pool)
