@@ -1,36 +1,51 @@
 #!/usr/bin/env bash
-# One device call (under 9 minutes on one H200): issue 23's FP8 checks and benchmarks.
+# One device call (about 8 minutes on a warm H200, each step time-limited): issue 23's FP8
+# checks and benchmarks.
 #
 #   bash deploy/gpu_fp8.sh      # in the repository root, on the GPU machine; carry .whl/
 #
 # Needs .whl/fla_core-*.whl (deploy/gpu_wheels.sh). Each step has its own time limit and writes
-# under $OUT as it goes, so a step that fails or runs out leaves the others' results:
-#   kernels.log            pytest -m gpu tests/test_triton_kernels_fp8.py (FP8 linear at every
-#                          real projection shape, FP8 fused MoE real/bench, CUDA graphs)
-#   fp8_kernels.json/.log  bench_kernels_moe_kda --only fp8: FP8 GEMM TFLOP/s at 8,192 tokens
-#                          beside bf16, FP8 MoE at 1/32/128/8,192 tokens (GB/s vs 4.23 TB/s)
-#   fast_path.jsonl/.log   bench_fast_path --fp8: bench preset, prefill 512/2,048/8,192 and
-#                          decode with graphs at batch 1/32/128, FP8 beside bf16; logits drift
-#   model.log              pytest -m gpu -s tests/test_gpu.py -k fp8: FP8 decode graphs equal
-#                          eager; the small model in FP8 within 2% perplexity of bf16 (printed)
+# under $OUT as it goes, so a step that fails or runs out leaves the others' results (8 files):
+#   steps.txt              the GPU, torch/triton/CUDA versions, each step's exit status and time
+#   kernels.log            pytest -m gpu tests/test_triton_kernels_fp8.py: the FP8 linear at every
+#                          real projection shape on each GEMM (Triton, torch._scaled_mm), which
+#                          one is chosen, the FP8 fused MoE real/bench, CUDA graphs
+#   fp8_kernels.json/.log  bench_kernels_moe_kda --only fp8: FP8 linear TFLOP/s at 8,192 tokens
+#                          beside bf16 with both GEMMs side by side (triton_ms, scaled_mm_ms),
+#                          1/32/128 tokens as graph-replayed device time; FP8 MoE at 1/32/128/
+#                          8,192 tokens (GB/s vs 4.23 TB/s)
+#   fast_path.jsonl/.log   bench_fast_path --fp8 --no-torch-path: bench preset, bf16 beside FP8
+#                          for the 8,192-token prefill and decode with graphs at batch 1/32/128;
+#                          FP8 logits drift against bf16
+#   model.log              pytest -m gpu tests/test_gpu.py -k fp8: FP8 decode graphs equal eager
+#                          (tiny, float32); the small model in FP8 within 2% perplexity of bf16
+#   eval_small.log         eval_small --stages fp8: the trained small model, FP8 against itself
+#                          in bf16: perplexity ratio and greedy agreement (JSON line)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
-    | tee -a "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader \
+    | tee "$OUT/steps.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'triton', triton.__version__)" 2>&1 | tee -a "$OUT/steps.txt"
 step() {  # step NAME SECONDS CMD...: run with a limit, log, keep going
     local name=$1 limit=$2; shift 2
     local t0=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name: exit $? after $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $? after $((SECONDS - t0)) s (limit $limit)" | tee -a "$OUT/steps.txt"
 }
-step kernels 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_kernels_fp8.py
-step fp8_kernels 120 python3 -m serving.tools.bench_kernels_moe_kda --only fp8 \
+PYTEST=(python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=8)
+step kernels 70 "${PYTEST[@]}" -q -s tests/test_triton_kernels_fp8.py
+step fp8_kernels 140 python3 -m serving.tools.bench_kernels_moe_kda --only fp8 \
     --out "$OUT/fp8_kernels.json"
-step fast_path 165 python3 -m serving.tools.bench_fast_path --fp8 --stages logits,prefill,decode \
-    --budget-s 130 --out "$OUT/fast_path.jsonl"
-step model 75 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu.py -k fp8
+step fast_path 110 python3 -m serving.tools.bench_fast_path --fp8 --no-torch-path \
+    --stages logits,prefill,decode --prefill-tokens 8192 --budget-s 95 \
+    --out "$OUT/fast_path.jsonl"
+# -v names each test as it starts; a hang dumps every thread's stack before the limit
+step model 120 "${PYTEST[@]}" -v -s -o faulthandler_timeout=110 tests/test_gpu.py -k fp8
+step eval_small 55 python3 -m serving.tools.eval_small --stages fp8 \
+    --heldout tests/data/small_heldout.txt --window 512 --ppl-windows 32 --prompts 32 \
+    --new-tokens 32
 tail -n 3 "$OUT"/*.log

@@ -10,8 +10,13 @@ tests compare with, and what the checkpoint writer uses.
 
 Rounding, here and in the Triton kernels: an activation group's scale is amax / 448 (amax
 floored at 1e-10: an all-zero group quantizes to zeros), its values are x * (448 / amax) rounded
-to nearest-even on the e4m3 grid, clamped to +-448. Both sides compute the same fp32 products,
-so they give the same FP8 bits (up to the sign of zero).
+to nearest-even on the e4m3 grid, clamped to +-448. Both quotients are IEEE-rounded divisions
+on both sides (torch.div of two tensors here, tl.math.div_rn there) and the rest are single fp32
+products, so the FP8 bits and scales are equal on CPU, GPU and the interpreter (up to the sign of
+zero). Hazard: torch's `448 / t` is t.reciprocal() * 448 and, on CUDA, `t / 448` multiplies by a
+host-side reciprocal; each is an ulp off the quotient in about a fifth of the groups, which moves
+every e4m3 tie of such a group (frequent with bf16 inputs) one step, a 1-2% error on a K=128
+linear.
 """
 
 from __future__ import annotations
@@ -66,9 +71,10 @@ def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:, :k] = x.float()
     groups = padded.view(tokens, kb, BLOCK)
     amax = groups.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)
-    q = groups * (FP8_MAX / amax)[..., None]
+    fp8_max = torch.full_like(amax, FP8_MAX)  # tensor / tensor: IEEE division (see above)
+    q = groups * torch.div(fp8_max, amax)[..., None]
     x8 = q.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(tokens, kb * BLOCK)[:, :k]
-    return x8.contiguous(), amax / FP8_MAX
+    return x8.contiguous(), torch.div(amax, fp8_max)
 
 
 def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

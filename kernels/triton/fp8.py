@@ -1,19 +1,33 @@
-"""Block-FP8 W8A8 linears in Triton: same signatures and results as kernels/fp8.py.
+"""Block-FP8 W8A8 linears on CUDA: same signatures and results as kernels/fp8.py.
 
 quantize_act: one program per token and up to GROUPS groups of 128 channels; the scale is
-amax / 448 and the values x * (448 / amax) are rounded to nearest-even on the e4m3 grid by hand
+amax / 448 and the values x * (448 / amax) (both quotients tl.math.div_rn: Triton's `/` is an
+approximate division on CUDA) are rounded to nearest-even on the e4m3 grid by hand
 (_round_e4m3) before the cast, so the bits equal the torch reference's on the GPU and under
-TRITON_INTERPRET=1 alike (the interpreter's own fp32 -> fp8 cast truncates).
+TRITON_INTERPRET=1 alike (the interpreter's own fp32 -> fp8 cast truncates). The scales are
+written token-major ([T, KB], for the Triton kernels) or group-major (stride (1, T), what
+torch._scaled_mm takes).
 
-block_fp8_linear: quantize_act, then one GEMM program per [BLOCK_M, BLOCK_N] output tile; each
-K step of BLOCK_K (<= 128, dividing 128, so a step never straddles a scale group) multiplies
-e4m3 tiles on the tensor cores and adds dot * a_scale[m] * w_scale[n // 128] to an fp32
-accumulator (the per-group promotion that keeps FP8 accumulation error bounded). No host sync;
-tile sizes are host-side functions of the shapes, so the path is capturable in CUDA graphs.
-M, N and K are run-time arguments: one compiled kernel per tile configuration, not per shape.
+block_fp8_linear picks one of two GEMMs per weight shape:
+- torch._scaled_mm with 1x128 activation and 128x128 weight block scales (cuBLASLt's
+  DeepSeek-style scaling: SM90, cuBLASLt >= 12.9, PyTorch >= 2.9; N and K multiples of 16). It
+  is probed once per (N, K, dtype, device), at load (linear_backends, which the loader logs) or
+  at the first eager call: a shape it refuses, or whose result disagrees with the Triton GEMM,
+  stays on Triton. Never probed during graph capture (Triton is used then).
+- the Triton GEMM, one program per [BLOCK_M, BLOCK_N] output tile; each K step of BLOCK_K
+  (<= 128, dividing 128, so a step never straddles a scale group) multiplies e4m3 tiles on the
+  tensor cores and adds dot * a_scale[m] * w_scale[n // 128] to an fp32 accumulator (the
+  per-group promotion that keeps FP8 accumulation error bounded). Called from a bf16/fp32 x it
+  quantizes each A tile in its K loop with the same code as quantize_act (QUANT_A: one launch,
+  no quantized copy of x; bit-equal by construction).
+No host sync; tile sizes and the backend are host-side functions of the shapes, so the path is
+capturable in CUDA graphs. M, N and K are run-time arguments of the Triton GEMM: one compiled
+kernel per tile configuration, not per shape.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
@@ -21,8 +35,15 @@ import triton.language as tl
 
 from kernels.fp8 import AMAX_FLOOR, BLOCK, FP8, FP8_MAX, blocks
 
+log = logging.getLogger(__name__)
+
 # Programs the small-M GEMM heuristic aims at: about two per SM on an H200 (132 SMs).
 TARGET_PROGRAMS = 264
+# block_fp8_linear uses torch._scaled_mm (where the shape passed its probe) from this many tokens
+# up; fewer go to the Triton GEMM with the quantization fused (one launch). 1: cuBLASLt for all;
+# bench_kernels_moe_kda --only fp8 times both backends per shape and token count.
+SCALED_MM_MIN_TOKENS = 1
+SCALED_MM_ROWS = 4  # cuBLASLt's 1x128 activation scales take token counts in multiples of this
 AMAX_FLOOR_C = tl.constexpr(AMAX_FLOOR)
 FP8_MAX_C = tl.constexpr(FP8_MAX)
 
@@ -35,9 +56,20 @@ def _round_e4m3(q):
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e-3)
     inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3-e)
-    r = q * inv
+    r = q * inv  # exact (a power of two): an fma contraction with the add below is harmless
     r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to nearest-even integer
     return r * step
+
+
+@triton.jit
+def _quant_rows(x):
+    """x [R, C] fp32, each row one group (entries past the group are 0): (the e4m3 values as
+    fp32, the scales [R]), as kernels.fp8.quantize_act."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR_C)
+    fp8_max = tl.zeros_like(amax) + FP8_MAX_C
+    inv = tl.math.div_rn(fp8_max, amax)
+    q = tl.minimum(tl.maximum(x * inv[:, None], -FP8_MAX_C), FP8_MAX_C)
+    return _round_e4m3(q), tl.math.div_rn(amax, fp8_max)
 
 
 @triton.jit
@@ -45,6 +77,8 @@ def _quant_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    stride_st,
+    stride_sg,
     K: tl.constexpr,
     KB: tl.constexpr,
     GROUPS: tl.constexpr,
@@ -55,35 +89,45 @@ def _quant_kernel(
     c = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (g[:, None] < KB) & (c < K)
     x = tl.load(x_ptr + t * K + c, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR_C)
-    inv = tl.math.div_rn(tl.full([GROUPS], FP8_MAX_C, tl.float32), amax)
-    q = tl.minimum(tl.maximum(x * inv[:, None], -FP8_MAX_C), FP8_MAX_C)
-    tl.store(q_ptr + t * K + c, _round_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
-    scale = tl.math.div_rn(amax, tl.full([GROUPS], FP8_MAX_C, tl.float32))
-    tl.store(s_ptr + t * KB + g, scale, mask=g < KB)
+    q, scale = _quant_rows(x)
+    tl.store(q_ptr + t * K + c, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + t * stride_st + g * stride_sg, scale, mask=g < KB)
 
 
-def quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, group_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, per group of 128 channels: (x8 [T, K] float8_e4m3fn, scales [T, ceil(K/128)]
-    float32), as kernels.fp8.quantize_act."""
+    float32), as kernels.fp8.quantize_act. group_major: the scales' strides are (1, T), the
+    outer-dim-major layout torch._scaled_mm takes for 1x128 scales."""
     tokens, k = x.shape
     kb = blocks(k)
     x = x.contiguous()
     q = torch.empty(tokens, k, device=x.device, dtype=FP8)
-    s = torch.empty(tokens, kb, device=x.device, dtype=torch.float32)
+    if group_major:
+        s = torch.empty(kb, tokens, device=x.device, dtype=torch.float32).t()
+    else:
+        s = torch.empty(tokens, kb, device=x.device, dtype=torch.float32)
     if tokens == 0:
         return q, s
     groups = min(8, triton.next_power_of_2(kb))
     _quant_kernel[(tokens, triton.cdiv(kb, groups))](
-        x, q, s, K=k, KB=kb, GROUPS=groups, GROUP=BLOCK, num_warps=4 if groups > 2 else 1
+        x,
+        q,
+        s,
+        s.stride(0),
+        s.stride(1),
+        K=k,
+        KB=kb,
+        GROUPS=groups,
+        GROUP=BLOCK,
+        num_warps=4 if groups > 2 else 1,
     )
     return q, s
 
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr,  # [M, K] e4m3
-    as_ptr,  # [M, KB] float32
+    a_ptr,  # [M, K]: e4m3, or (QUANT_A) x in bf16/fp16/fp32
+    as_ptr,  # [M, KB] float32, strides (stride_asm, stride_asg); unused under QUANT_A
     b_ptr,  # [N, K] e4m3 (the weight)
     bs_ptr,  # [NB, KB] float32
     c_ptr,  # [M, N]
@@ -91,12 +135,15 @@ def _gemm_kernel(
     N,
     K,
     KB,
+    stride_asm,
+    stride_asg,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
+    QUANT_A: tl.constexpr,
 ):
     # grouped ordering: GROUP_M row tiles share each weight tile while it is in L2
     pid = tl.program_id(0)
@@ -118,7 +165,7 @@ def _gemm_kernel(
     n_safe = tl.where(n_mask, n_offs, 0)
     a_ptrs = a_ptr + m_safe[:, None] * K + k_offs[None, :]
     b_ptrs = b_ptr + n_safe[None, :] * K + k_offs[:, None]
-    as_ptrs = as_ptr + m_safe * KB
+    as_ptrs = as_ptr + m_safe * stride_asm
     bs_ptrs = bs_ptr + (n_safe // GROUP) * KB
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -130,7 +177,11 @@ def _gemm_kernel(
             k_mask = (k0 + k_offs) < K
             a = tl.load(a_ptrs + k0, mask=k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs + k0, mask=k_mask[:, None], other=0.0)
-        a_s = tl.load(as_ptrs + k0 // GROUP)
+        if QUANT_A:  # BLOCK_K covers the whole group (the host sets it so): quantize here
+            qa, a_s = _quant_rows(a.to(tl.float32))
+            a = qa.to(b_ptr.dtype.element_ty)  # exact: qa is on the e4m3 grid
+        else:
+            a_s = tl.load(as_ptrs + (k0 // GROUP) * stride_asg)
         b_s = tl.load(bs_ptrs + k0 // GROUP)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
     c_ptrs = c_ptr + m_offs[:, None] * N + n_offs[None, :]
@@ -138,47 +189,40 @@ def _gemm_kernel(
 
 
 def gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an H200 (host ints only)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an H200 (host ints only).
+    BLOCK_K is 128 (one scale group; what QUANT_A needs) or, for K < 128, covers K."""
     block_k = max(32, min(BLOCK, triton.next_power_of_2(k)))  # e4m3 dots take K >= 32
     if m <= 16:
         block_m, block_n, warps, stages = 16, 128, 4, 4
-    elif m <= 64:
+    elif m <= 32:
+        block_m, block_n, warps, stages = 32, 128, 4, 4
+    elif m <= 128:
         block_m, block_n, warps, stages = 64, 128, 4, 4
-    else:
-        block_m, block_n, warps, stages = 128, 128, 8, 3
-    if m <= 64:
+    else:  # 32 KiB of e4m3 tiles per stage
+        block_m, block_n, warps, stages = 128, 128, 8, 4
+    if m <= 128:
         # few row tiles (decode): narrow the N tiles until the grid covers the SMs about twice
+        # (no split-K: it would need atomics or a second pass, and lose determinism)
         while block_n > 32 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < TARGET_PROGRAMS:
             block_n //= 2
     block_n = max(16, min(block_n, triton.next_power_of_2(n)))
     return block_m, block_n, block_k, warps, stages
 
 
-def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = x W^T, W in block FP8, x quantized per token group (W8A8); as
-    kernels.fp8.block_fp8_linear. x [..., in], w8 [out, in], scale [ceil(out/128),
-    ceil(in/128)] float32; returns [..., out] in x's dtype."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:
-        return torch.empty(*lead, w8.shape[0], device=x.device, dtype=x.dtype)
-    x8, xs = quantize_act(x2)
-    return fp8_gemm(x8, xs, w8, scale, x.dtype).view(*lead, w8.shape[0])
-
-
-def fp8_gemm(
-    x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+def _triton_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor | None, w8: torch.Tensor, scale: torch.Tensor, dtype
 ) -> torch.Tensor:
-    """The block-scaled GEMM alone: x8 [M, K] e4m3 with scales xs [M, ceil(K/128)] times
-    w8 [N, K]^T with block scales; [M, N] in dtype."""
-    (m, k), n = x8.shape, w8.shape[0]
+    """The Triton GEMM: a e4m3 with scales a_scale, or a_scale None: a in bf16/fp16/fp32,
+    quantized per tile in the kernel."""
+    (m, k), n = a.shape, w8.shape[0]
     assert max(m, n) * k < 2**31 and m * n < 2**31, "FP8 GEMM buffers exceed int32 offsets"
-    y = torch.empty(m, n, device=x8.device, dtype=dtype)
+    y = torch.empty(m, n, device=a.device, dtype=dtype)
     block_m, block_n, block_k, warps, stages = gemm_config(m, n, k)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    quant_a = a_scale is None
     _gemm_kernel[grid](
-        x8,
-        xs,
+        a,
+        a if quant_a else a_scale,
         w8,
         scale,
         y,
@@ -186,13 +230,131 @@ def fp8_gemm(
         n,
         k,
         blocks(k),
+        0 if quant_a else a_scale.stride(0),
+        0 if quant_a else a_scale.stride(1),
         GROUP=BLOCK,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         GROUP_M=8,
         EVEN_K=k % block_k == 0,
+        QUANT_A=quant_a,
         num_warps=warps,
         num_stages=stages,
     )
     return y
+
+
+def fp8_gemm(
+    x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The block-scaled Triton GEMM alone: x8 [M, K] e4m3 with scales xs [M, ceil(K/128)] (either
+    layout) times w8 [N, K]^T with block scales; [M, N] in dtype."""
+    return _triton_gemm(x8, xs, w8, scale, dtype)
+
+
+def scaled_mm_gemm(
+    x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The same GEMM through torch._scaled_mm (cuBLASLt): xs group-major (quantize_act(...,
+    group_major=True)); the weight [N, K] row-major is the column-major [K, N] operand it takes,
+    and its scales [NB, KB] transposed are the 128x128 scales of that operand."""
+    return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=scale.t(), out_dtype=dtype)
+
+
+def block_fp8_linear_triton(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor):
+    """block_fp8_linear on the Triton GEMM with the quantization fused (x 2-D)."""
+    return _triton_gemm(x.contiguous(), None, w8, scale, x.dtype)
+
+
+def block_fp8_linear_scaled_mm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor):
+    """block_fp8_linear on torch._scaled_mm (x 2-D): quantize_act, then cuBLASLt.
+
+    Hazard: cuBLASLt refuses 1x128 activation scales unless the token count is a multiple of 4
+    (CUBLAS_STATUS_NOT_SUPPORTED at 1, 2, 33, 4095 tokens on the H200, cuBLAS 13.0; their
+    column-major leading dimension must be 16-byte aligned), so x gets zero rows up to one and
+    the output drops them (rows are independent)."""
+    m = x.shape[0]
+    if m % SCALED_MM_ROWS:
+        x = torch.nn.functional.pad(x, (0, 0, 0, SCALED_MM_ROWS - m % SCALED_MM_ROWS))
+    x8, xs = quantize_act(x, group_major=True)
+    return scaled_mm_gemm(x8, xs, w8, scale, x.dtype)[:m]
+
+
+def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = x W^T, W in block FP8, x quantized per token group (W8A8); as
+    kernels.fp8.block_fp8_linear. x [..., in], w8 [out, in], scale [ceil(out/128),
+    ceil(in/128)] float32; returns [..., out] in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w8.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return torch.empty(*lead, n, device=x.device, dtype=x.dtype)
+    if x2.shape[0] >= SCALED_MM_MIN_TOKENS and scaled_mm_usable(n, k, x.dtype, x.device):
+        y = block_fp8_linear_scaled_mm(x2, w8, scale)
+    else:
+        y = block_fp8_linear_triton(x2, w8, scale)
+    return y.view(*lead, n)
+
+
+# (N, K, dtype, device) -> whether torch._scaled_mm runs this shape and agrees with Triton
+_SCALED_MM_OK: dict[tuple, bool] = {}
+
+
+def scaled_mm_usable(n: int, k: int, dtype: torch.dtype, device) -> bool:
+    """Whether block_fp8_linear sends this weight shape to torch._scaled_mm: probed once, on
+    first use outside graph capture (a capture before any eager call gets Triton)."""
+    device = torch.device(device)
+    if device.type != "cuda":  # the interpreter's CPU tensors
+        return False
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (n, k, dtype, device)
+    ok = _SCALED_MM_OK.get(key)
+    if ok is None:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        ok = _SCALED_MM_OK[key] = _probe_scaled_mm(n, k, dtype, device)
+    return ok
+
+
+def _probe_scaled_mm(n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    if (
+        dtype not in (torch.bfloat16, torch.float16)  # cuBLASLt's block scaling: 16-bit out
+        or n % 16
+        or k % 16
+        or torch.cuda.get_device_capability(device)[0] != 9  # DeepSeek-style scaling: SM90
+    ):
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    w8 = (torch.randn(n, k, device=device, generator=gen, dtype=dtype) * 16).clamp(-448, 448)
+    w8 = w8.to(FP8)
+    scale = torch.rand(blocks(n), blocks(k), device=device, generator=gen) / 64 + 1e-3
+    for m in (1, 37):
+        x = torch.randn(m, k, device=device, generator=gen, dtype=dtype)
+        try:
+            out = block_fp8_linear_scaled_mm(x, w8, scale)
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            log.info("FP8 linear %dx%d: torch._scaled_mm refused (%s); Triton GEMM", n, k, e)
+            return False
+        ref = block_fp8_linear_triton(x, w8, scale).float()
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        if not err <= 1e-2:  # one bf16 rounding apart, at most (see the tests)
+            log.warning(
+                "FP8 linear %dx%d: torch._scaled_mm differs from the Triton GEMM by %.3g "
+                "(relative max); Triton GEMM",
+                n,
+                k,
+                err,
+            )
+            return False
+    return True
+
+
+def linear_backends(shapes, dtype: torch.dtype, device) -> dict[tuple[int, int], str]:
+    """The GEMM block_fp8_linear will use per weight shape (N, K): "scaled_mm" or "triton"
+    (probes them now, at load, so the first decode graph capture finds them decided)."""
+    return {
+        (n, k): "scaled_mm" if scaled_mm_usable(n, k, dtype, device) else "triton"
+        for n, k in sorted(set(shapes))
+    }

@@ -362,7 +362,35 @@ def load_weights(
     target_model = modules["target"].to(device).eval()
     target_model.checkpoint_bytes_read = read_bytes  # type: ignore[assignment]
     draft = modules.get("draft")
-    return target_model, (draft.to(device).eval() if draft is not None else None)
+    if draft is not None:
+        draft = draft.to(device).eval()
+    if fp8 and fp8_execution and torch.device(device).type == "cuda":
+        log_fp8_linear_backends([target_model, draft], dtype, device)
+    return target_model, draft
+
+
+def log_fp8_linear_backends(roots, dtype: torch.dtype, device) -> None:
+    """Decide now (kernels/triton/fp8.py probes each weight shape once) and log which GEMM the
+    FP8 linears use: torch._scaled_mm (cuBLASLt block scales) or the Triton GEMM."""
+    from kernels.triton.fp8 import linear_backends
+
+    shapes = [
+        tuple(m.weight.shape)
+        for root in roots
+        if root is not None
+        for m in root.modules()
+        if getattr(m, "weight_scale_inv", None) is not None and m.weight.dim() == 2
+    ]
+    chosen = linear_backends(shapes, dtype, device)
+    by_backend: dict[str, list[str]] = {}
+    for (n, k), backend in chosen.items():
+        by_backend.setdefault(backend, []).append(f"{n}x{k}")
+    log.info(
+        "FP8 linears (%d weights, %d shapes): %s",
+        len(shapes),
+        len(chosen),
+        "; ".join(f"{b} for {', '.join(s)}" for b, s in sorted(by_backend.items())) or "none",
+    )
 
 
 def _fill(name: str, role: str, param: str, tensor: torch.Tensor, dst: torch.Tensor) -> None:

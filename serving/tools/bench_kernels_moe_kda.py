@@ -12,13 +12,15 @@ KDA (64 heads x 128, bf16 q/k/v, float32 g/beta/state): chunked prefill of one 8
 request and fused recurrent decode at batch 1, 32, 128 (bytes: state read + written, plus
 q/k/v/g/beta/o), and the causal conv, beside kernels.kda.
 
-Block FP8 (--only fp8): the W8A8 linear (kernels/triton/fp8.py: activation quantization + the
-block-scaled GEMM) at every quantized projection's real shape (TP1) for 8,192 tokens, TFLOP/s
-beside bf16 F.linear (cuBLAS) in the same run, and the GEMM alone on pre-quantized activations;
-the same at 1 / 32 / 128 tokens as GB/s of weights read. The FP8 fused MoE (experts_fp8) at
-the real and bench shapes for 1 / 32 / 128 / 8,192 tokens: GB/s of FP8 expert weights read
-(distinct experts x (3 I Hd bytes + scales)) against the 4.23 TB/s copy ceiling, TFLOP/s, beside
-the bf16 fused MoE on the same routing.
+Block FP8 (--only fp8): the W8A8 linear (kernels/triton/fp8.py) at every quantized projection's
+real shape (TP1) for 8,192 tokens, TFLOP/s beside bf16 F.linear (cuBLAS) in the same run, with
+both GEMM backends side by side (triton_ms: the Triton GEMM with the quantization fused;
+scaled_mm_ms: quantize_act + torch._scaled_mm, cuBLASLt block scales; `backend` is the one
+block_fp8_linear picks) and each GEMM alone on pre-quantized activations; the same at 1 / 32 /
+128 tokens as GB/s of weights read, timed as device time under CUDA graphs (the decode path).
+The FP8 fused MoE (experts_fp8) at the real and bench shapes for 1 / 32 / 128 / 8,192 tokens:
+GB/s of FP8 expert weights read (distinct experts x (3 I Hd bytes + scales)) against the
+4.23 TB/s copy ceiling, TFLOP/s, beside the bf16 fused MoE on the same routing.
 
 Prints a markdown table; --out writes the rows as JSON. Times are medians of
 triton.testing.do_bench after its warm-up; the torch references that take seconds are timed
@@ -252,7 +254,37 @@ REAL_FP8_LINEARS = {
 }
 
 
+def _time_graph(fn: Callable[[object], object], operands: list) -> float:
+    """Median device ms per call of fn(op) for op in operands, every call captured in one CUDA
+    graph and replayed: no launch overhead, as in the decode graphs. The operands (weight
+    copies) rotate through more bytes than L2 holds, so each is read from HBM, as successive
+    layers' weights are."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, probe and allocate outside the capture
+        fn(operands[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for op in operands:
+            fn(op)
+    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
+    return float(ms) / len(operands)
+
+
+def _copies(nbytes: int) -> int:
+    """Weight copies that together exceed the H200's 50 MiB L2 twice (at most 32)."""
+    return max(2, min(32, -(-(100 << 20) // nbytes)))
+
+
 def bench_fp8_linear(prefill: int, decode_tokens) -> list[dict]:
+    """Per real shape and token count: block_fp8_linear (its chosen backend) beside each backend
+    alone (triton: the Triton GEMM, quantization fused; scaled_mm: quantize_act +
+    torch._scaled_mm, where the shape passed its probe) and bf16 F.linear. Prefill: eager
+    do_bench (and each GEMM alone on pre-quantized activations); decode token counts: device
+    time under CUDA graphs over weight copies (what decode steps see)."""
     import torch.nn.functional as F
 
     from kernels import fp8 as fp8_ref
@@ -265,23 +297,57 @@ def bench_fp8_linear(prefill: int, decode_tokens) -> list[dict]:
         w = torch.randn(n, k, device=dev, generator=gen) * k**-0.5
         w8, scale = fp8_ref.quantize_weight(w)
         w16 = w.bfloat16()
+        del w
+        use_mm = tfp8.scaled_mm_usable(n, k, torch.bfloat16, dev)
+        fns = {
+            "chosen": tfp8.block_fp8_linear,
+            "triton": tfp8.block_fp8_linear_triton,
+            "scaled_mm": tfp8.block_fp8_linear_scaled_mm if use_mm else None,
+        }
+        copies = _copies(n * k)
+        fp8_ops = [(w8.clone(), scale.clone()) for _ in range(copies)]
+        bf16_ops = [w16.clone() for _ in range(_copies(2 * n * k))]
         for tokens in (prefill, *decode_tokens):
             x = torch.randn(tokens, k, device=dev, generator=gen).bfloat16()
             flops = 2 * tokens * n * k
-            ms = _time(tfp8.block_fp8_linear, x, w8, scale)
-            bf16_ms = _time(F.linear, x, w16)
-            extra = {"bf16_ms": round(bf16_ms, 4), "vs_bf16": round(bf16_ms / ms, 2)}
-            extra["bf16_TFLOP/s"] = round(flops / bf16_ms / 1e9, 1)
+            times = {}
+            for key, fn in fns.items():
+                if fn is None:
+                    continue
+                if tokens == prefill:
+                    times[key] = _time(fn, x, w8, scale)
+                else:
+                    times[key] = _time_graph(lambda op, fn=fn, x=x: fn(x, *op), fp8_ops)
+            if tokens == prefill:
+                bf16_ms = _time(F.linear, x, w16)
+            else:
+                bf16_ms = _time_graph(lambda op, x=x: F.linear(x, op), bf16_ops)
+            ms = times["chosen"]
+            extra = {
+                "backend": "scaled_mm"
+                if use_mm and tokens >= tfp8.SCALED_MM_MIN_TOKENS
+                else "triton",
+                "timing": "eager" if tokens == prefill else "graph",
+                "triton_ms": round(times["triton"], 4),
+                "scaled_mm_ms": round(times["scaled_mm"], 4) if "scaled_mm" in times else None,
+                "bf16_ms": round(bf16_ms, 4),
+                "vs_bf16": round(bf16_ms / ms, 2),
+                "bf16_TFLOP/s": round(flops / bf16_ms / 1e9, 1),
+            }
             if tokens == prefill:
                 x8, xs = tfp8.quantize_act(x)
                 gemm_ms = _time(tfp8.fp8_gemm, x8, xs, w8, scale, x.dtype)
-                extra["gemm_only_ms"] = round(gemm_ms, 4)
-                extra["gemm_only_TFLOP/s"] = round(flops / gemm_ms / 1e9, 1)
+                extra["triton_gemm_only_TFLOP/s"] = round(flops / gemm_ms / 1e9, 1)
+                if use_mm:
+                    x8, xs = tfp8.quantize_act(x, group_major=True)
+                    gemm_ms = _time(tfp8.scaled_mm_gemm, x8, xs, w8, scale, x.dtype)
+                    extra["scaled_mm_gemm_only_TFLOP/s"] = round(flops / gemm_ms / 1e9, 1)
             nbytes = n * k + scale.numel() * 4 + tokens * (k + n) * 2
             rows.append(
                 _row(f"fp8 linear {name}", f"{n}x{k}", tokens, ms, None, nbytes, flops, **extra)
             )
             print(_fmt(rows[-1]), flush=True)
+        del fp8_ops, bf16_ops
     return rows
 
 
@@ -326,10 +392,17 @@ def bench_moe_fp8(tokens_list) -> list[dict]:
             distinct = int(ids.unique().numel())
             nbytes = distinct * per_expert + 2 * tokens * hidden * x.element_size()
             flops = 2 * tokens * top_k * 3 * inter * hidden
-            ms = _time(tmoe.experts_fp8, x, w13, w2, s13, s2, weights, ids, 10.0)
-            bf16_ms = _time(tmoe.experts, x, w13_16, w2_16, weights, ids, 10.0)
+            fp8_args = (x, w13, w2, s13, s2, weights, ids, 10.0)
+            bf16_args = (x, w13_16, w2_16, weights, ids, 10.0)
+            if tokens <= 128:  # decode: device time under a CUDA graph, as the decode graphs run
+                ms = _time_graph(lambda a: tmoe.experts_fp8(*a), [fp8_args])
+                bf16_ms = _time_graph(lambda a: tmoe.experts(*a), [bf16_args])
+            else:
+                ms = _time(tmoe.experts_fp8, *fp8_args)
+                bf16_ms = _time(tmoe.experts, *bf16_args)
             cfg = tmoe.moe_config(tokens * top_k, experts, hidden, inter, w13.dtype)
             extra = {"distinct_experts": distinct, "block_m": cfg.block_m}
+            extra["timing"] = "graph" if tokens <= 128 else "eager"
             extra.update(bf16_ms=round(bf16_ms, 4), vs_bf16=round(bf16_ms / ms, 2))
             rows.append(_row("moe.experts_fp8", name, tokens, ms, None, nbytes, flops, **extra))
             print(_fmt(rows[-1]), flush=True)
@@ -340,7 +413,7 @@ def bench_moe_fp8(tokens_list) -> list[dict]:
 
 
 COLUMNS = ["kernel", "shape", "batch", "ms", "ref_ms", "speedup", "GB/s", "%copy_bw", "TFLOP/s"]
-COLUMNS += ["bf16_ms", "vs_bf16"]
+COLUMNS += ["bf16_ms", "vs_bf16", "backend", "timing", "triton_ms", "scaled_mm_ms"]
 
 
 def _fmt(row: dict) -> str:
