@@ -13,8 +13,14 @@
 # machine finds state.pt there and resumes (carrying another part: --part 2). Writes under $OUT:
 # train.log, log.jsonl, export_check.json and the checkpoint as small_model.tar.part-* (each
 # under 16 MiB: `cat small_model.tar.part-* | tar x` gives small_model/).
+#
+# MINUTES (default 7.5) is the training's budget from the trainer's start, Triton's compiling
+# included; exporting and packing take about 1.5 minutes more. STEPS (default auto: as many as
+# fit this call) fixes the plan's length, the cosine schedule's end: for two calls on a warm
+# machine give both STEPS=2600 (a resume keeps the first call's plan and ignores it).
 set -euo pipefail
 MINUTES=${1:-7.5}
+STEPS=${STEPS:-auto}
 OUT=${OUT:-/tmp/out}
 CARRY=data/gpu-carry
 RUN=data/gpu-run
@@ -31,7 +37,7 @@ else
              config.json; do cp "$CARRY/$f" "$RUN/$f"; done
 fi
 python3 -m serving.tools.train_small --run "$RUN" --tokens "$CARRY/tokens" --device cuda \
-    --minutes "$MINUTES" "${RESUME[@]}" 2>&1 | tee "$OUT/train.log"
+    --minutes "$MINUTES" --steps "$STEPS" "${RESUME[@]}" 2>&1 | tee "$OUT/train.log"
 cp "$RUN/log.jsonl" "$OUT/log.jsonl"
 rm -rf data/small_model
 python3 -m serving.tools.train_small --run "$RUN" --tokens "$CARRY/tokens" \

@@ -183,7 +183,8 @@ class _HTMLText(html.parser.HTMLParser):
         for name, value in attrs:
             if name in ("class", "id", "role") and value:
                 words.update(value.lower().split())
-        if tag not in _VOID and (tag in ("script", "style", "nav", "head") or words & NAV_MARKERS):
+        left_out = tag in ("script", "style", "nav", "head", "footer") or words & NAV_MARKERS
+        if tag not in _VOID and left_out:
             self.skip_tag, self.skip_depth = tag, 1
         elif tag in self.BLOCKS:
             self.parts.append("\n\n" if tag != "br" else "\n")

@@ -357,17 +357,18 @@ def train(args: argparse.Namespace) -> None:
     else:
         check_resumable(run, state, args.preset)
         plan = Plan(**state["plan"])
+    began = time.monotonic()  # --minutes counts from here: loading the tokens and the first
+    # steps' compiling and autotuning (minutes on a fresh GPU machine) are inside the budget
     trainer = Trainer(run, plan, args.device, tokens)
     if state is not None:
         trainer.load(state)
         log.info("resumed at step %d of %d", trainer.step, plan.steps)
     _select_experts_impl(trainer)
     budget = args.minutes * 60
-    began = time.monotonic()
     tokens_per_step = plan.batch * plan.seq_len
     timed_from, timed_steps = None, 0
     logf = (run / "log.jsonl").open("a")
-    saved_at, first_step = began, trainer.step
+    saved_at, first_step = time.monotonic(), trainer.step
     while trainer.plan.steps == 0 or trainer.step < trainer.plan.steps:
         stats = trainer.train_step()
         now = time.monotonic()
