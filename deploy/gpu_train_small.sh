@@ -8,7 +8,8 @@
 #                       by `python -m serving.tools.corpus`, `python -m serving.tools.train_small
 #                       --run data/small-run --prepare-only` and `python -m serving.tools.
 #                       token_shards stage --part 1` (26 MiB at most, docs/SMALL_MODEL.md)
-#   .whl/fla_core-0.6.0-py3-none-any.whl   (deploy/gpu_wheels.sh; 1 MiB)
+#   .whl/fla_core-0.6.0-py3-none-any.whl   (deploy/gpu_wheels.sh; 1 MiB; or a copy of it in
+#                       data/gpu-carry, when carrying one file of .whl/ is not possible)
 # The run folder is data/gpu-run, which is not carried, so a later call on the still-warm
 # machine finds state.pt there and resumes (carrying another part: --part 2). Writes under $OUT:
 # train.log, log.jsonl, export_check.json and the checkpoint as small_model.tar.part-* (each
@@ -25,7 +26,8 @@ OUT=${OUT:-/tmp/out}
 CARRY=data/gpu-carry
 RUN=data/gpu-run
 mkdir -p "$OUT" "$RUN"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl
+WHEEL=$(ls .whl/fla_core-*.whl "$CARRY"/fla_core-*.whl 2>/dev/null | head -1)  # either place
+python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEEL"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import fla, torch, transformers; print('fla', fla.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
