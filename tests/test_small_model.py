@@ -14,7 +14,14 @@ import httpx
 import pytest
 import torch
 
-from serving.tools.eval_small import heldout_texts, load, perplexity, token_windows
+from serving.tools.eval_small import (
+    greedy,
+    heldout_texts,
+    load,
+    perplexity,
+    teacher_forced,
+    token_windows,
+)
 from tests.pd_pair import PDPair
 from tests.router_proc import RouterProc
 from tests.server_proc import Server, eagle_flags
@@ -68,6 +75,19 @@ def test_eagle_accepts_the_draft_on_heldout_prompts(tok):
     assert three["outputs"] == plain["outputs"]
     assert one["accept_length"] >= 1.25, one
     assert three["accept_length"] >= 1.35, three
+
+
+def test_teacher_forced_agreement_scores_another_paths_greedy_tokens(windows):
+    """eval_small's teacher-forced agreement: one path's greedy tokens scored by another in one
+    forward. On the CPU both of eval_small's paths are the torch path in float32, so its own
+    greedy tokens score 1.0; tokens that are not its greedy choice score far lower."""
+    model, _ = load(str(SMALL), torch.float32, "cpu")
+    prompts = [w[:32] for w in windows[:4]]
+    outs = greedy(model, prompts, 12, "cpu")
+    assert teacher_forced(model, prompts, outs, "cpu")["tokens_equal_teacher_forced"] == 1.0
+    shifted = [[(t + 1) % 8000 for t in o] for o in outs]
+    wrong = teacher_forced(model, prompts, shifted, "cpu")["tokens_equal_teacher_forced"]
+    assert wrong < 0.2, wrong
 
 
 CHAT = {

@@ -66,6 +66,8 @@ def test_refusals_name_the_problem(corpus, tmp_path, capsys):
         f.write(json.dumps({"source": "t", "id": "0", "text": "  "}) + "\n")
     assert "is empty" in _refusal("--run", str(tmp_path / "r2"), "--corpus", str(empty), *ARGS)
     assert "no " in _refusal("--run", str(tmp_path / "r3"), "--resume", *ARGS)
+    assert "no token shards" in _refusal("--run", str(tmp_path / "r5"), "--tokens",
+                                         str(tmp_path / "nowhere"), *ARGS)  # fmt: skip
     run = tmp_path / "r4"
     main(["--run", str(run), "--corpus", str(corpus), *ARGS, "--run-steps", "1"])
     assert "pass --resume" in _refusal("--run", str(run), "--corpus", str(corpus), *ARGS)
@@ -76,3 +78,38 @@ def test_refusals_name_the_problem(corpus, tmp_path, capsys):
     assert "does not match" in line and "hidden_size" in line, line
     other = ARGS[:1] + ["small"] + ARGS[2:]
     assert "--preset tiny, not small" in _refusal("--run", str(run), "--resume", *other)
+
+
+def test_token_shards_round_trip_and_stage_parts(tmp_path, monkeypatch):
+    """Shards hold the token stream exactly; staged parts are disjoint, cover every shard, stay
+    under their size and carry the held-out shard and the run's tokenizer files."""
+    import numpy as np
+
+    from serving.tools import token_shards
+
+    monkeypatch.setattr(token_shards, "SHARD_TOKENS", 1000)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 8192, rng.integers(50, 400), dtype=np.uint16) for _ in range(40)]
+    run = tmp_path / "run"
+    index = token_shards.write_tokens(run / "tokens", iter(docs), docs[0])
+    for name in token_shards.RUN_FILES:
+        (run / name).write_text(name)
+    read = token_shards.read_tokens(run / "tokens")
+    assert torch.equal(read["train"], torch.from_numpy(np.concatenate(docs).astype(np.int32)))
+    assert torch.equal(read["heldout"], torch.from_numpy(docs[0].astype(np.int32)))
+    shard_bytes = max(s["bytes"] for s in index["shards"])
+    mib = 3.5 * shard_bytes / 2**20
+    groups = token_shards.parts(index, mib)
+    assert len(groups) > 1
+    staged = []
+    for part in range(1, len(groups) + 1):
+        out = tmp_path / f"carry{part}"
+        report = token_shards.stage(run, out, part, mib)
+        assert report["mib"] * 2**20 <= mib * 2**20 + 65536  # + the small text files
+        assert (out / "tokenizer.json").read_text() == "tokenizer.json"
+        got = token_shards.read_tokens(out / "tokens")
+        assert torch.equal(got["heldout"], read["heldout"])
+        staged += got["shards"]
+    assert staged == read["shards"]
+    with pytest.raises(FileNotFoundError, match="no token shards"):
+        token_shards.read_tokens(tmp_path / "nowhere")

@@ -8,9 +8,12 @@ Stages (default all that the device allows):
   ppl        perplexity of the held-out documents, windows of --window tokens, our model
   samples    greedy answers to SAMPLE_QUESTIONS through the chat template
   accept     EAGLE accept length at 1 and 3 steps on held-out prompts (the real scheduler)
-  agreement  (CUDA) fast path vs torch path, and bf16 vs float32, on --prompts held-out prompts
+  agreement  fast path vs torch path, and bf16 vs float32, on --prompts held-out prompts
              x --new-tokens greedy tokens: the share of prompts whose tokens are all equal, the
-             share of token positions equal before the first difference, and both perplexities
+             share of token positions equal before the first difference, teacher-forced token
+             agreement (the first path's greedy tokens scored by the second in one forward: the
+             share that are its argmax too) and both perplexities. On CPU the fast path is the
+             torch path (its kernels are CUDA-only) and the served dtype is float32
   fp8        the checkpoint quantized by serving/tools/quantize_fp8.py against itself in bf16 on
              the same prompts and windows: perplexities and greedy agreement (CUDA: the W8A8
              kernels; CPU: weights dequantized at load)
@@ -106,6 +109,31 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"prompts_identical": same / len(a), "tokens_before_first_difference": prefix / total}
 
 
+@torch.inference_mode()
+def teacher_forced(model, prompts: list[list[int]], outs: list[list[int]], device: str,
+                   batch: int = 8) -> dict:
+    """Score each prompt + its greedy tokens from another path (`outs`) with `model` in one
+    forward pass: the share of those tokens that are `model`'s own argmax at their position.
+    Unlike whole-sequence identity, one early flip costs one position, not the rest."""
+    equal, total = 0, 0
+    longest = max(len(p) + len(o) for p, o in zip(prompts, outs))
+    runner = StepRunner(model, max_requests=batch, max_context=longest + 16, device=device)
+    for i in range(0, len(prompts), batch):
+        rows = [(p, o) for p, o in zip(prompts[i : i + batch], outs[i : i + batch]) if o]
+        seqs = [runner.add(p + o[:-1]) for p, o in rows]
+        out = runner.step(seqs, [len(p) + len(o) - 1 for p, o in rows], logits="all")
+        argmax = out.logits.argmax(-1).tolist()
+        at = 0
+        for p, o in rows:
+            first = at + len(p) - 1  # the row that predicts o[0]
+            equal += sum(a == b for a, b in zip(argmax[first : first + len(o)], o))
+            total += len(o)
+            at += len(p) + len(o) - 1
+        for s in seqs:
+            runner.release(s)
+    return {"tokens_equal_teacher_forced": equal / total if total else float("nan")}
+
+
 def fp8_vs_bf16(
     model_path: str, dtype: torch.dtype, device: str, windows, prompts, new: int
 ) -> dict:
@@ -199,21 +227,28 @@ def main() -> None:
         record("accept", {**accept_lengths(args.model_path, prompt_windows, args.new_tokens,
                                            flags), "prompts": len(prompt_windows),
                           "new_tokens": args.new_tokens})  # fmt: skip
-    if "agreement" in stages and args.device.startswith("cuda"):
-        bf16, _ = load(args.model_path, torch.bfloat16, args.device)
-        fast = greedy(bf16, prompt_windows, args.new_tokens, args.device)
-        fast_ppl = perplexity(bf16, windows, args.device)
+    if "agreement" in stages:
+        fast_model, _ = load(args.model_path, served, args.device)
+        fast = greedy(fast_model, prompt_windows, args.new_tokens, args.device)
+        fast_ppl = perplexity(fast_model, windows, args.device)
         kernels.TORCH_ONLY = True
-        slow = greedy(bf16, prompt_windows, args.new_tokens, args.device)
-        slow_ppl = perplexity(bf16, windows, args.device)
-        kernels.TORCH_ONLY = False
-        record("fast_vs_torch_bf16", {**agreement(fast, slow), "ppl_fast": fast_ppl["perplexity"],
-                                      "ppl_torch": slow_ppl["perplexity"]})  # fmt: skip
-        fp32, _ = load(args.model_path, torch.float32, args.device)
-        full = greedy(fp32, prompt_windows, args.new_tokens, args.device)
-        full_ppl = perplexity(fp32, windows, args.device)
-        record("bf16_vs_fp32_fast", {**agreement(fast, full), "ppl_bf16": fast_ppl["perplexity"],
-                                     "ppl_fp32": full_ppl["perplexity"]})  # fmt: skip
+        try:
+            slow = greedy(fast_model, prompt_windows, args.new_tokens, args.device)
+            slow_ppl = perplexity(fast_model, windows, args.device)
+            forced = teacher_forced(fast_model, prompt_windows, fast, args.device)
+        finally:
+            kernels.TORCH_ONLY = False
+        record("fast_vs_torch", {**agreement(fast, slow), **forced, "dtype": str(served),
+                                 "ppl_fast": fast_ppl["perplexity"],
+                                 "ppl_torch": slow_ppl["perplexity"]})  # fmt: skip
+        if served != torch.float32:
+            fp32, _ = load(args.model_path, torch.float32, args.device)
+            full = greedy(fp32, prompt_windows, args.new_tokens, args.device)
+            full_ppl = perplexity(fp32, windows, args.device)
+            forced = teacher_forced(fp32, prompt_windows, fast, args.device)
+            record("bf16_vs_fp32_fast", {**agreement(fast, full), **forced,
+                                         "ppl_bf16": fast_ppl["perplexity"],
+                                         "ppl_fp32": full_ppl["perplexity"]})  # fmt: skip
     if "fp8" in stages:
         record("fp8_vs_bf16", fp8_vs_bf16(args.model_path, served, args.device, windows,
                                           prompt_windows, args.new_tokens))  # fmt: skip

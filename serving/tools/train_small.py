@@ -9,9 +9,11 @@ checkpoint that transformers and our loader both read.
     python -m serving.tools.train_small --run data/small-run --export serving/assets/small_model
 
 The run folder holds the tokenizer (byte-level BPE trained on the corpus, GLM's special tokens,
-the chat template), the tokenized corpus, state.pt (weights, optimizer, step, plan) and
-log.jsonl. A run trains until its --minutes are up or the plan's steps are done, saving state.pt
-every --save-every-minutes and at the end; --resume continues the same plan (the same data
+the chat template), the tokenized corpus as compressed shards in tokens/ (serving/tools/
+token_shards.py; --prepare-only writes them and stops, --tokens trains on another shard folder,
+such as one part staged for the GPU), state.pt (weights, optimizer, step, plan) and log.jsonl.
+A run trains until its --minutes are up or the plan's steps are done, saving state.pt every
+--save-every-minutes and at the end; --resume continues the same plan (the same data
 order, step for step). --steps auto
 (the default) plans as many steps as fit this run's --minutes, measured on its first steps.
 
@@ -99,39 +101,54 @@ def _training_texts(corpus: Path) -> list[str]:
     return docs + chats
 
 
-def _encode(tokenizer, texts: list[str], eos: int) -> torch.Tensor:
-    ids: list[int] = []
-    for enc in tokenizer.encode_batch(texts, add_special_tokens=False):
-        ids += enc.ids
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.int32)
+TOKENIZER_CHARS = 60_000_000  # the tokenizer trains on an even sample of this many characters
+
+
+def _encoded(tokenizer, texts: list[str], eos: int, batch: int = 2000):
+    """Each text's token ids with EOS appended, as uint16 arrays, in the texts' order."""
+    import numpy as np
+
+    for i in range(0, len(texts), batch):
+        for enc in tokenizer.encode_batch(texts[i : i + batch], add_special_tokens=False):
+            yield np.array([*enc.ids, eos], dtype=np.uint16)
 
 
 def prepare(run: Path, corpus: Path, preset: str) -> None:
-    """Tokenizer files and config.json (kept when there), then the tokenized corpus, in `run`."""
+    """Tokenizer files and config.json (kept when there), then the tokenized corpus as shards in
+    `run`/tokens (serving/tools/token_shards.py), documents and chats shuffled together."""
+    import random
+
+    import numpy as np
     from tokenizers import Tokenizer
 
+    from serving.tools.token_shards import write_tokens
+
     run.mkdir(parents=True, exist_ok=True)
-    if (run / "tokens.pt").is_file():
+    if (run / "tokens" / "index.json").is_file():
         return
     texts = _training_texts(corpus)
     heldout = _corpus_texts(corpus, "heldout")
+    random.Random(0).shuffle(texts)
+    chars = sum(map(len, texts))
     if not (run / "tokenizer.json").is_file():
         vocab = PRESETS[preset]["vocab_size"]
-        log.info("training the tokenizer (%d BPE + %d special) on %.1f M characters",
+        sample = texts[:: max(1, math.ceil(chars / TOKENIZER_CHARS))]
+        log.info("training the tokenizer (%d BPE + %d special) on %.1f M of %.1f M characters",
                  vocab - len(SPECIAL_TOKENS), len(SPECIAL_TOKENS),
-                 sum(map(len, texts)) / 1e6)  # fmt: skip
+                 sum(map(len, sample)) / 1e6, chars / 1e6)  # fmt: skip
         context = PRESETS[preset]["max_position_embeddings"]
-        specials = write_tokenizer_files(run, vocab, context, texts)
+        specials = write_tokenizer_files(run, vocab, context, sample)
         raw = build_config(preset, specials)
         (run / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     tok = Tokenizer.from_file(str(run / "tokenizer.json"))
     eos = tok.token_to_id(EOS)
-    train_ids, heldout_ids = _encode(tok, texts, eos), _encode(tok, heldout, eos)
-    torch.save({"train": train_ids, "heldout": heldout_ids}, run / "tokens.pt")
-    log.info("corpus: %.2f M training tokens, %.2f M held out (%.2f characters per token)",
-             len(train_ids) / 1e6, len(heldout_ids) / 1e6,
-             sum(map(len, texts)) / len(train_ids))  # fmt: skip
+    held = np.concatenate(list(_encoded(tok, heldout, eos)))
+    index = write_tokens(run / "tokens", _encoded(tok, texts, eos), held)
+    train_tokens = sum(s["tokens"] for s in index["shards"] if s["name"] != "heldout.u16.xz")
+    log.info("corpus: %.2f M training tokens in %d shards (%.1f MiB), %.2f M held out (%.2f "
+             "characters per token)", train_tokens / 1e6, len(index["shards"]) - 1,
+             sum(s["bytes"] for s in index["shards"]) / 2**20, len(held) / 1e6,
+             chars / train_tokens)  # fmt: skip
 
 
 def windows(tokens: torch.Tensor, plan: Plan, step: int, batch: int | None = None):
@@ -158,7 +175,8 @@ def hf_model(run: Path, device: str):
 
 
 class Trainer:
-    def __init__(self, run: Path, plan: Plan, device: str) -> None:
+    def __init__(self, run: Path, plan: Plan, device: str, tokens: Path | None = None) -> None:
+        from serving.tools.token_shards import read_tokens
         from serving.tools.train_heads import TrainableNextN
 
         self.run, self.plan, self.device = run, plan, device
@@ -169,7 +187,10 @@ class Trainer:
         for module in self.mtp.modules():  # transformers' own initialisation, module by module
             self.model.model.language_model._init_weights(module)
         self.lm = self.model.model.language_model
-        self.tokens = torch.load(run / "tokens.pt")
+        self.tokens = read_tokens(tokens or run / "tokens")
+        log.info("tokens: %.2f M for training (%d shards), %.2f M held out",
+                 len(self.tokens["train"]) / 1e6, len(self.tokens["shards"]),
+                 len(self.tokens["heldout"]) / 1e6)  # fmt: skip
         self._captured: dict[str, torch.Tensor] = {}
         self._loads: dict[torch.nn.Module, torch.Tensor] = {}
         self._hooks()
@@ -325,24 +346,29 @@ def train(args: argparse.Namespace) -> None:
     if args.resume and not state_path.is_file():
         raise TrainError(f"--resume: no {state_path} to continue")
     state = torch.load(state_path, weights_only=False) if args.resume else None
+    tokens = Path(args.tokens) if args.tokens else run / "tokens"
+    if args.tokens and not (tokens / "index.json").is_file():
+        raise TrainError(f"--tokens: no token shards in {tokens} (no index.json)")
     if state is None:
-        prepare(run, Path(args.corpus), args.preset)
+        if not (tokens / "index.json").is_file():
+            prepare(run, Path(args.corpus), args.preset)
         plan = Plan(args.preset, args.seq_len, args.batch, 0 if args.steps == "auto" else
                     int(args.steps), args.lr, args.warmup, 0.1, args.seed, 0.3, 1.0)  # fmt: skip
     else:
         check_resumable(run, state, args.preset)
         plan = Plan(**state["plan"])
-    trainer = Trainer(run, plan, args.device)
+    began = time.monotonic()  # --minutes counts from here: loading the tokens and the first
+    # steps' compiling and autotuning (minutes on a fresh GPU machine) are inside the budget
+    trainer = Trainer(run, plan, args.device, tokens)
     if state is not None:
         trainer.load(state)
         log.info("resumed at step %d of %d", trainer.step, plan.steps)
     _select_experts_impl(trainer)
     budget = args.minutes * 60
-    began = time.monotonic()
     tokens_per_step = plan.batch * plan.seq_len
     timed_from, timed_steps = None, 0
     logf = (run / "log.jsonl").open("a")
-    saved_at, first_step = began, trainer.step
+    saved_at, first_step = time.monotonic(), trainer.step
     while trainer.plan.steps == 0 or trainer.step < trainer.plan.steps:
         stats = trainer.train_step()
         now = time.monotonic()
@@ -402,7 +428,8 @@ def _select_experts_impl(trainer: Trainer) -> None:
 SHARD_BYTES = 15 << 20  # shards stay under 16 MiB (the most one file may weigh in transfers)
 
 
-def export(run: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+def export(run: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
+           tokens: Path | None = None) -> None:
     """state.pt -> a glm5_next checkpoint in `out`: transformers' save_pretrained of the target,
     the NextN layer at layers.{num_hidden_layers}, sharded safetensors, tokenizer, template."""
     from safetensors.torch import load_file, save_file
@@ -416,7 +443,7 @@ def export(run: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
         raise TrainError(f"nothing to export: no {state_path}")
     state = torch.load(state_path, weights_only=False)
     check_resumable(run, state, state["plan"]["preset"])
-    trainer = Trainer(run, Plan(**state["plan"]), "cpu")
+    trainer = Trainer(run, Plan(**state["plan"]), "cpu", tokens)
     trainer.load(state)
     staging = run / "export-staging"
     shutil.rmtree(staging, ignore_errors=True)
@@ -524,6 +551,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--run", required=True, help="the run folder (tokenizer, tokens, state)")
     ap.add_argument("--corpus", default="data/corpus", help="serving.tools.corpus's output")
+    ap.add_argument("--tokens", default=None,
+                    help="token shards to train on (default RUN/tokens, made from --corpus)")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="write the tokenizer, config.json and RUN/tokens, then stop")
     ap.add_argument("--preset", default="small", choices=sorted(set(PRESETS) - {"real"}))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--minutes", type=float, default=8.0, help="this run's training time")
@@ -542,7 +573,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     try:
         if args.export:
-            export(Path(args.run), Path(args.export))
+            export(Path(args.run), Path(args.export), tokens=args.tokens and Path(args.tokens))
+            return
+        if args.prepare_only:
+            prepare(Path(args.run), Path(args.corpus), args.preset)
             return
         kpool = PRESETS[args.preset]["index_kpool"]
         if args.seq_len % kpool:
