@@ -38,14 +38,15 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log, keep going
 }
 PYTEST=(python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=8)
 step kernels 70 "${PYTEST[@]}" -q -s tests/test_triton_kernels_fp8.py
-step fp8_kernels 140 python3 -m serving.tools.bench_kernels_moe_kda --only fp8 \
+step fp8_kernels 90 python3 -m serving.tools.bench_kernels_moe_kda --only fp8 \
     --out "$OUT/fp8_kernels.json"
-step fast_path 110 python3 -m serving.tools.bench_fast_path --fp8 --no-torch-path \
-    --stages logits,prefill,decode --prefill-tokens 8192 --budget-s 95 \
+step eval_small 80 python3 -m serving.tools.eval_small --stages fp8 \
+    --heldout tests/data/small_heldout.txt --window 512 --ppl-windows 32 --prompts 32 \
+    --new-tokens 32
+# 110 s was too short twice (model build, in-memory quantization, both variants' compiles)
+step fast_path 180 python3 -m serving.tools.bench_fast_path --fp8 --no-torch-path \
+    --stages logits,prefill,decode --prefill-tokens 8192 --budget-s 165 \
     --out "$OUT/fast_path.jsonl"
 # -v names each test as it starts; a hang dumps every thread's stack before the limit
 step model 120 "${PYTEST[@]}" -v -s -o faulthandler_timeout=110 tests/test_gpu.py -k fp8
-step eval_small 55 python3 -m serving.tools.eval_small --stages fp8 \
-    --heldout tests/data/small_heldout.txt --window 512 --ppl-windows 32 --prompts 32 \
-    --new-tokens 32
 tail -n 3 "$OUT"/*.log
