@@ -114,7 +114,8 @@ def route(
     scaling: float,
     local: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.moe.route in two launches; n_group 1 only (serving/layers/mlp.py keeps the reference otherwise)."""
+    """kernels.moe.route in two launches; n_group 1 only (serving/layers/mlp.py keeps the
+    reference otherwise)."""
     assert n_group == 1, "the fused router has no group selection"
     tokens, hidden = x.shape
     experts = gate_weight.shape[0]
