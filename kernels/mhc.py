@@ -1,12 +1,18 @@
-"""mHC mixing weights: pre / post / Sinkhorn-normalised comb from the hyper-connection logits.
+"""mHC: the hyper-connection's mixing weights (pre / post / Sinkhorn-normalised comb from its
+logits), the collapse of the residual streams into a sublayer's (RMS-normed) input, and the
+expansion of the sublayer's output back onto the streams.
 
-The Sinkhorn loop is ~40 tiny elementwise ops per call; on CUDA one Triton program per token
-does all of it in registers (decode is launch-bound, so this matters).
+These are the references. On CUDA, kernels/triton/mhc.py does a collapse in two launches and an
+expansion in one (here about 20 and 6 ops, twice per layer: decode at TP8 is launch-bound); the
+Sinkhorn loop alone is ~40 tiny elementwise ops, one Triton program per token in mhc_mix.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from kernels.norm import rms_norm
 
 
 def mhc_mix_reference(
@@ -34,3 +40,38 @@ def mhc_mix(
 
         return mhc_mix_triton(mix, base, scale, hc, iters, eps)
     return mhc_mix_reference(mix, base, scale, hc, iters, eps)
+
+
+def mhc_pre_reference(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    weight: torch.Tensor,
+    rms_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, hc, Hd] -> (post [T, hc], comb [T, hc, hc], x [T, Hd]): the mixing logits
+    F.linear(RMS-normalised flat streams, fn) in float32, pre/post/comb from them (mhc_mix),
+    the streams collapsed with pre (rounded to their dtype), then rms_norm(weight, rms_eps)."""
+    hc = streams.shape[1]
+    flat = streams.flatten(1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mix = F.linear(flat, fn)
+    pre, post, comb = mhc_mix(mix, base, scale, hc, iters, eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
+    return post, comb, rms_norm(collapsed, weight, rms_eps)
+
+
+def mhc_post_reference(
+    out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """out [T, Hd] sublayer output; residual [T, hc, Hd] -> new streams [T, hc, Hd]:
+    post_i * out + sum_j comb[j, i] * residual_j, with post and comb rounded to the streams'
+    dtype (each term rounded to it, as a bf16 matmul and add)."""
+    dtype = residual.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), residual
+    )

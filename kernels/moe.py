@@ -17,10 +17,13 @@ def route(
     topk_group: int,
     normalize: bool,
     scaling: float,
+    local: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, Hd]. Returns (weights [T, k] float32, expert ids [T, k] int64).
 
     The bias only steers selection; the weights come from the unbiased sigmoid scores.
+    local (EP): (first, count) of this rank's experts; ids become local ids in [0, count), and
+    count for an expert another rank holds (which the expert kernels skip).
     """
     scores = F.linear(x.float(), gate_weight.float()).sigmoid()
     choice = scores + correction_bias.float()
@@ -36,6 +39,9 @@ def route(
     weights = scores.gather(1, ids)
     if normalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if local is not None:
+        first, count = local
+        ids = torch.where((ids >= first) & (ids < first + count), ids - first, count)
     return weights * scaling, ids
 
 

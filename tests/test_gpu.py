@@ -116,12 +116,19 @@ def test_decode_graphs_equal_eager(tiny_ckpt):
     assert graphs == eager
 
 
+@pytest.fixture(scope="module")
+def plain_tokens(distilled_ckpt):
+    """Plain decoding's tokens, with graphs: both EAGLE cases compare with them (one engine
+    build, not two)."""
+    return _engine_tokens(distilled_ckpt, "full", "float32")[0]
+
+
 @pytest.mark.parametrize("steps", [1, 3])
-def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, steps):
+def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, plain_tokens, steps):
     """Draft steps and verify captured per batch size give the tokens eager EAGLE gives, and
     both give plain decoding's tokens (float32: no bf16 near-ties in the comparison)."""
     spec = tuple(eagle_flags(steps))
-    plain, _ = _engine_tokens(distilled_ckpt, "full", "float32")
+    plain = plain_tokens
     eager, _ = _engine_tokens(distilled_ckpt, "disabled", "float32", spec)
     graphs, stats = _engine_tokens(distilled_ckpt, "full", "float32", spec)
     assert graphs == eager

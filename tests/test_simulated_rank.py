@@ -337,3 +337,31 @@ def test_hbm_floor_of_the_real_rank(tmp_path):
     assert 1.1e9 < full["kda_state_bytes"] < 1.3e9, full  # 32 rows x 18.5 MB, read + written
     short = hbm_floor(config, [target], batch=32, context=4096, tp_size=8)
     assert full["index_key_bytes"] == 16 * short["index_key_bytes"], (full, short)
+
+
+def test_layer_kinds_split_needs_the_cpu_ranges():
+    """The layers stage's attribution: labelled CPU ranges carry the time (here CPU ops), the
+    CUDA profile records the CPU ranges too (run 5 profiled CUDA alone and read 0.0 ms for every
+    kind), and a profile whose step range holds nothing is refused, not reported as zeros."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from serving.tools.step_costs import profiler_activities, split_by_kind
+
+    assert ProfilerActivity.CPU in profiler_activities(cuda=True)
+    assert ProfilerActivity.CUDA in profiler_activities(cuda=True)
+    a = torch.randn(256, 256)
+    with profile(activities=profiler_activities(cuda=False)) as prof:
+        with record_function("step"):
+            with record_function("MoE"):
+                for _ in range(20):
+                    a = (a @ a).tanh()
+            with record_function("mHC"):
+                a = a + 1
+            a = a * 2  # rest
+    ms = split_by_kind(prof, "step", cuda=False)
+    assert ms["MoE"] > ms["mHC"] > 0 and ms["KDA"] == 0 and ms["rest"] > 0, ms
+    assert abs(sum(v for k, v in ms.items() if k != "step") - ms["step"]) < 1e-6, ms
+    with profile(activities=profiler_activities(cuda=False)) as prof:
+        a = a + 1
+    with pytest.raises(ValueError, match="no CPU time under 'step'"):
+        split_by_kind(prof, "step", cuda=False)

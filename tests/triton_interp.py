@@ -8,7 +8,8 @@ def patch_triton_interpreter() -> None:
     """Work around Triton 3.6 interpreter gaps (interpreter only; compiled kernels untouched):
     runtime loop bounds (numpy >= 2.4 refuses int() of a 1-element array), tensor-valued loop
     variables (fla calls .to() on them), bf16 tl.dot (the interpreter multiplies the raw
-    uint16 bits), and autotuning (it benchmarks through a GPU driver)."""
+    uint16 bits), fp32 -> bf16 casts (it truncates; compiled kernels round to nearest even), and
+    autotuning (it benchmarks through a GPU driver)."""
     import numpy as np
     import triton.language as tl
     import triton.runtime.autotuner as autotuner
@@ -67,5 +68,21 @@ def patch_triton_interpreter() -> None:
         return orig_dot(self, as_f32(a), as_f32(b), d, input_precision, max_num_imprecise_acc)
 
     interp.InterpreterBuilder.create_dot = create_dot
+
+    orig_cast = interp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        # fp32 -> bf16: round to nearest even, as compiled Triton's .to(tl.bfloat16) does (the
+        # interpreter truncates, which drifts a kernel's bf16 roundings from torch's)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            bits = bits.astype(np.uint64)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            nan = np.isnan(src.data)
+            out = np.where(nan, (bits >> 16) | 0x40, rounded).astype(np.uint16)
+            return interp.TensorHandle(out, tl.bfloat16)
+        return orig_cast(self, src, dst_type)
+
+    interp.InterpreterBuilder.cast_impl = cast_impl
     autotuner.Autotuner.prune_configs = lambda self, kwargs, *a: self.configs[:1]
     autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [1.0, 1.0, 1.0]

@@ -1,14 +1,18 @@
-"""mHC hyper-connections: the residual streams' collapse and expansion around each sublayer."""
+"""mHC hyper-connections: the residual streams' collapse and expansion around each sublayer.
+
+The kernel choice: kernels.mhc's references on CPU, kernels/triton/mhc.py on CUDA (two launches
+per collapse, its RMSNorm included, and one per expansion)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels import fast_path
 from kernels import mhc as mhc_kernels
 from serving.config import ModelConfig
 from serving.layers.linear import param
+from serving.layers.norm import RMSNorm
 
 
 class HyperConnection(nn.Module):
@@ -30,22 +34,24 @@ class HyperConnection(nn.Module):
         self.base = param(mix, dtype=torch.float32)
         self.scale = param(3, dtype=torch.float32)
 
-    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams: [T, hc, Hd] -> (post [T, hc], comb [T, hc, hc], collapsed [T, Hd])."""
-        hc = self.hc
-        flat = streams.flatten(1).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        mix = F.linear(flat, self.fn)
-        pre, post, comb = mhc_kernels.mhc_mix(mix, self.base, self.scale, hc, self.iters, self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
-        return post, comb, collapsed
+    def collapse(
+        self, streams: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams: [T, hc, Hd] -> (post [T, hc], comb [T, hc, hc], norm(collapsed) [T, Hd])."""
+        if fast_path(streams):
+            from kernels.triton.mhc import mhc_pre
+        else:
+            mhc_pre = mhc_kernels.mhc_pre_reference
+        args = (self.fn, self.base, self.scale, self.iters, self.eps, self.norm_eps)
+        return mhc_pre(streams, *args, norm.weight, norm.eps)
 
     @staticmethod
     def expand(
         out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
         """out: [T, Hd] sublayer output; residual: [T, hc, Hd] -> new streams [T, hc, Hd]."""
-        dtype = residual.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
-            comb.to(dtype).transpose(-1, -2), residual
-        )
+        if fast_path(residual):
+            from kernels.triton.mhc import mhc_post
+
+            return mhc_post(out, residual, post, comb)
+        return mhc_kernels.mhc_post_reference(out, residual, post, comb)

@@ -87,7 +87,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        weights, ids = moe_kernels.route(
+        ps = state()
+        # EP: ids become local; other ranks' experts id E, which the expert kernels skip
+        local = (self.experts.start, self.w13.shape[0]) if ps.ep_size > 1 else None
+        weights, ids = _route(x, c.n_group)(
             x,
             self.gate.weight,
             self.gate.e_score_correction_bias,
@@ -96,11 +99,8 @@ class MoE(nn.Module):
             c.topk_group,
             c.norm_topk_prob,
             c.routed_scaling_factor,
+            local,
         )
-        ps = state()
-        if ps.ep_size > 1:  # other ranks' experts: id E, which the kernels skip
-            local, e = ids - self.experts.start, self.w13.shape[0]
-            ids = torch.where((local >= 0) & (local < e), local, e)
         if self.w13_scale_inv is not None:
             scales = (self.w13_scale_inv, self.w2_scale_inv)
             routed = _experts_fp8(x)(x, self.w13, self.w2, *scales, weights, ids, c.swiglu_limit)
@@ -118,6 +118,14 @@ class MoE(nn.Module):
 # it is then also the most tokens a captured forward may hold (the sorted path syncs with the
 # host). The fused Triton MoE has neither limit: one capturable path for every batch size.
 DENSE_EXPERTS_MAX_TOKENS = 128
+
+
+def _route(x: torch.Tensor, n_group: int):
+    if fast_path(x) and n_group == 1:  # the fused router has no group selection
+        from kernels.triton.route import route
+
+        return route
+    return moe_kernels.route
 
 
 def _experts(x: torch.Tensor):

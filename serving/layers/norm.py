@@ -1,10 +1,11 @@
-"""RMSNorm (computed in float32, scaled in the input's dtype)."""
+"""RMSNorm (computed in float32, scaled in the input's dtype: kernels.norm.rms_norm)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels.norm import rms_norm
 from serving.layers.linear import param
 
 
@@ -15,6 +16,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

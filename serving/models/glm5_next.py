@@ -52,8 +52,7 @@ class DecoderLayer(nn.Module):
         cache: ModelCache,
         selected: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        post, comb, x = self.attn_hc.collapse(streams)
-        x = self.input_layernorm(x)
+        post, comb, x = self.attn_hc.collapse(streams, self.input_layernorm)
         if self.is_kda:
             history = None
             if batch.kda_history is not None:
@@ -62,8 +61,8 @@ class DecoderLayer(nn.Module):
         else:
             x, selected = self.self_attn(x, batch, cache.dsa(self.layer), selected)
         streams = HyperConnection.expand(x, streams, post, comb)
-        post, comb, x = self.ffn_hc.collapse(streams)
-        x = self.mlp(self.post_attention_layernorm(x))
+        post, comb, x = self.ffn_hc.collapse(streams, self.post_attention_layernorm)
+        x = self.mlp(x)
         return HyperConnection.expand(x, streams, post, comb), selected
 
 

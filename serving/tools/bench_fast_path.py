@@ -65,7 +65,13 @@ from serving.models.loader import resolve_dtype
 from serving.models.random_init import random_weights
 from serving.protocol import SamplingParams
 from serving.speculative.eagle import Eagle, Proposal, SpecConfig
-from serving.tools.step_costs import allreduce_ms, hbm_floor, layer_kinds, split_by_kind
+from serving.tools.step_costs import (
+    allreduce_ms,
+    hbm_floor,
+    layer_kinds,
+    profiler_activities,
+    split_by_kind,
+)
 from serving.tools.tiny_model import TINY_VOCAB, build_config, random_model
 from serving.tools.tokenizer_build import write_tokenizer_files
 
@@ -438,9 +444,8 @@ def _workloads(b: Bench):
 
 
 def stage_layers(b: Bench) -> None:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import profile, record_function
 
-    activity = ProfilerActivity.CUDA if b.cuda else ProfilerActivity.CPU
     for name, bs, context, fn in _workloads(b):
         if b.run.time_left() < 20:
             return
@@ -448,7 +453,7 @@ def stage_layers(b: Bench) -> None:
         _sync()
         repeat = 1 if name == "prefill" else min(3, b.args.repeat)
         modules = [b.model] if b.draft is None else [b.model, b.draft]
-        with layer_kinds(*modules), profile(activities=[activity]) as prof:
+        with layer_kinds(*modules), profile(activities=profiler_activities(b.cuda)) as prof:
             for _ in range(repeat):
                 with record_function("step"):
                     fn()

@@ -72,21 +72,36 @@ def layer_kinds(*modules: nn.Module) -> Iterator[None]:
             delattr(m, attr)  # back to the class's method
 
 
+def profiler_activities(cuda: bool) -> list:
+    """What split_by_kind's profile must record. The CPU activity always: the labels are
+    CPU-side ranges, and on CUDA a kernel is charged to the range that launched it. A
+    CUDA-only profile (run 5's layers stage) records no CPU ranges at all, so every kind read
+    0.0 ms."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+
+
 def split_by_kind(prof, step_label: str, cuda: bool) -> dict[str, float]:
-    """ms per kind in `prof` (a finished torch.profiler.profile whose steps ran under
-    record_function(step_label) inside layer_kinds), plus "rest" and "step" (the total). Read
-    from the labels' CPU-side ranges: on CUDA their device time is the kernels they launched
-    (the profiler's device-side copies of the ranges would count the gaps too)."""
+    """ms per kind in `prof` (a finished torch.profiler.profile over profiler_activities(cuda)
+    whose steps ran under record_function(step_label) inside layer_kinds), plus "rest" and
+    "step" (the total). Read from the labels' CPU-side ranges: on CUDA their device time is the
+    kernels launched inside them, children's included (the profiler's device-side copies of the
+    ranges would count the gaps too). Raises when the step label is missing or, on CUDA, holds
+    no kernel time: a profile without the CPU activity, or a replayed CUDA graph."""
     from torch.autograd import DeviceType
 
     totals = dict.fromkeys((*KINDS, step_label), 0.0)
+    seen = 0
     for e in prof.events():
         if e.name in totals and e.device_type == DeviceType.CPU:
-            if cuda:
-                us = getattr(e, "device_time_total", None)
-                totals[e.name] += e.cuda_time_total if us is None else us
-            else:
-                totals[e.name] += e.cpu_time_total
+            seen += e.name == step_label
+            totals[e.name] += e.device_time_total if cuda else e.cpu_time_total
+    if not seen or totals[step_label] <= 0:
+        raise ValueError(
+            f"no {'device' if cuda else 'CPU'} time under {step_label!r} ({seen} ranges): "
+            "profile with profiler_activities(cuda), eager forwards"
+        )
     out = {kind: totals[kind] / 1000 for kind in KINDS}
     out["rest"] = totals[step_label] / 1000 - sum(out.values())
     out["step"] = totals[step_label] / 1000

@@ -1,0 +1,12 @@
+"""RMSNorm's reference: normalised in float32, rounded to the input's dtype, then scaled (in
+that dtype, as the checkpoint's model computes it)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
