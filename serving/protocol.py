@@ -209,6 +209,11 @@ class SequenceOutput:
     # seconds from joining the queue to starting to run (SGLang's queue time), once, with the
     # first output after it started
     queue_time: float | None = None
+    # With the finished output: where its time to first token went, in seconds (those that
+    # apply; docs/PROTOCOL.md): queue_time, prefill_forward_time; PD decode also
+    # decode_prealloc_time, kv_transfer_time, decode_queue_time, first_decode_step_time; PD
+    # prefill kv_transfer_time (its prompt done -> every rank's writes done)
+    stage_times: dict[str, float] | None = None
 
 
 @dataclass
