@@ -11,9 +11,11 @@ sampled and exactly one message with `finished=True` per rid, aborted or not.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Literal
 
 SHUTDOWN = "shutdown"  # front -> scheduler: finish up and exit
@@ -214,6 +216,14 @@ class SequenceOutput:
     # decode_prealloc_time, kv_transfer_time, decode_queue_time, first_decode_step_time; PD
     # prefill kv_transfer_time (its prompt done -> every rank's writes done)
     stage_times: dict[str, float] | None = None
+
+    def __reduce__(self):
+        # Pickled as the class and its field values in order, not a dict per output: one step's
+        # BatchOutput holds one per running request, and this halves its pickling both ways.
+        return (SequenceOutput, _SEQUENCE_OUTPUT_FIELDS(self))
+
+
+_SEQUENCE_OUTPUT_FIELDS = attrgetter(*(f.name for f in dataclasses.fields(SequenceOutput)))
 
 
 @dataclass
