@@ -1,7 +1,8 @@
 """Messages between the HTTP front and the scheduler process (ZMQ, pickled dataclasses).
 
 front --GenerateRequest / AbortRequest--> scheduler --BatchOutput--> front
-front --FlushCache--> scheduler --FlushCacheDone--> front    (/flush_cache)
+front --ControlRequest--> scheduler --ControlReply--> front   (admin routes: /flush_cache,
+                                                              /start_profile, /stop_profile)
 
 Every request is identified by `rid`, unique per sequence (a request with n > 1 becomes n
 sequences with rids "<id>-<i>"). The scheduler sends each sequence's new tokens as they are
@@ -10,8 +11,11 @@ sampled and exactly one message with `finished=True` per rid, aborted or not.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import uuid
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Literal
 
 SHUTDOWN = "shutdown"  # front -> scheduler: finish up and exit
@@ -115,16 +119,42 @@ class AbortRequest:
 
 
 @dataclass
-class FlushCache:
-    """Empty the prefix cache; the scheduler answers FlushCacheDone with the same `id`."""
+class ControlRequest:
+    """An admin command (one of the subclasses below); the scheduler answers each with one
+    ControlReply carrying the same `id`, whatever else it is doing."""
 
-    id: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 @dataclass
-class FlushCacheDone:
+class FlushCache(ControlRequest):
+    """Empty the prefix cache (refused while requests are live)."""
+
+
+@dataclass
+class StartProfile(ControlRequest):
+    """SGLang's /start_profile body: torch profiler traces of every rank, written when profiling
+    stops (/stop_profile, or after `num_steps` forward steps)."""
+
+    output_dir: str | None = None  # None: --profile-dir / $SGLANG_TORCH_PROFILER_DIR / /tmp
+    num_steps: int | None = None  # None: until /stop_profile
+    activities: list[str] = field(default_factory=lambda: ["CPU", "GPU"])
+    with_stack: bool = True
+    record_shapes: bool = False
+    profile_prefix: str = ""
+    profile_id: str = ""  # the traces' file name stem (SGLang: the start time)
+
+
+@dataclass
+class StopProfile(ControlRequest):
+    """Stop profiling and write the traces."""
+
+
+@dataclass
+class ControlReply:
     id: str
-    error: str | None = None  # why it was not flushed (requests are live); None: flushed
+    error: str | None = None  # why the command was refused or failed (an HTTP 400); None: done
+    message: str = ""  # what was done (e.g. the trace files written)
 
 
 @dataclass
@@ -181,6 +211,19 @@ class SequenceOutput:
     # seconds from joining the queue to starting to run (SGLang's queue time), once, with the
     # first output after it started
     queue_time: float | None = None
+    # With the finished output: where its time to first token went, in seconds (those that
+    # apply; docs/PROTOCOL.md): queue_time, prefill_forward_time; PD decode also
+    # decode_prealloc_time, kv_transfer_time, decode_queue_time, first_decode_step_time; PD
+    # prefill kv_transfer_time (its prompt done -> every rank's writes done)
+    stage_times: dict[str, float] | None = None
+
+    def __reduce__(self):
+        # Pickled as the class and its field values in order, not a dict per output: one step's
+        # BatchOutput holds one per running request, and this halves its pickling both ways.
+        return (SequenceOutput, _SEQUENCE_OUTPUT_FIELDS(self))
+
+
+_SEQUENCE_OUTPUT_FIELDS = attrgetter(*(f.name for f in dataclasses.fields(SequenceOutput)))
 
 
 @dataclass

@@ -192,6 +192,20 @@ class ServerArgs:
     )
     random_seed: int = 0
     log_level: str = field(default="info", metadata={"choices": ["debug", "info", "warning"]})
+    log_requests: bool = field(
+        default=False,
+        metadata={"help": "log each finished request's stage times at info (else at debug)"},
+    )
+    decode_log_interval: int = field(
+        default=40, metadata={"help": "log a 'Decode batch' line every this many decode steps"}
+    )
+    profile_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "where /start_profile writes traces when its body names no output_dir "
+            "(default: $SGLANG_TORCH_PROFILER_DIR, else /tmp)"
+        },
+    )
     trust_remote_code: bool = field(default=False, metadata={"help": "accepted; no remote code"})
     enable_metrics: bool = field(
         default=False,
@@ -337,6 +351,8 @@ class ServerArgs:
             raise ArgsError(f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1)")
         if self.running_limit < 1:
             raise ArgsError("--max-running-requests: must be >= 1")
+        if self.decode_log_interval < 1:
+            raise ArgsError("--decode-log-interval: must be >= 1")
         if self.page_size < 1 or self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ArgsError("--page-size/--chunked-prefill-size/--max-prefill-tokens: must be >= 1")
         if self.max_payload_size < 1 or self.body_read_timeout_secs <= 0:

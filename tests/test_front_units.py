@@ -660,3 +660,26 @@ def test_tool_choice_naming_a_function_not_in_tools(http: TestClient) -> None:
             "tool_choice": {"type": "function", "name": "nonexistent_function"}}  # fmt: skip
     error = _error(http.post("/v1/responses", json=body), 400)
     assert "Tool 'nonexistent_function' not found in tools list" in error["message"]
+
+
+def test_sequence_output_pickles_every_field():
+    """SequenceOutput's compact wire form (field values in order) keeps every field."""
+    import pickle
+
+    from serving.protocol import FinishReason, SequenceOutput, TokenLogprob
+
+    out = SequenceOutput(
+        "rid-1",
+        [5, 6],
+        True,
+        FinishReason.abort("gone", 503),
+        7,
+        2,
+        3,
+        [TokenLogprob(5, -0.5, [(6, -1.0)])],
+        [TokenLogprob(1, None)],
+        0.25,
+        {"queue_time": 0.1, "prefill_forward_time": 0.2},
+    )
+    assert pickle.loads(pickle.dumps(out, -1)) == out
+    assert pickle.loads(pickle.dumps(SequenceOutput("r", [1]))) == SequenceOutput("r", [1])

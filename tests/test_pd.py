@@ -48,7 +48,15 @@ def pair(tiny_ckpt, tmp_path_factory):
         tiny_ckpt,
         tmp_path_factory.mktemp("pd"),
         prefill_flags=("--chunked-prefill-size", "16", "--max-prefill-tokens", "48"),
-        decode_flags=("--max-running-requests", "4", "--disaggregation-decode-extra-slots", "8"),
+        decode_flags=(
+            "--max-running-requests",
+            "4",
+            "--disaggregation-decode-extra-slots",
+            "8",
+            "--decode-log-interval",
+            "4",
+            "--log-requests",
+        ),
     )
     yield p
     p.stop()
@@ -95,6 +103,61 @@ def test_pd_seeded_sampling_equals_single_worker(pair, single):
     got = [pair.dispatch("/generate", body(s))[0].json() for s in seeds]
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert len({tuple(w["output_ids"]) for w in want}) == len(seeds)  # the seeds really sample
+    pair.idle()
+
+
+STAGES = ("queue_time", "prefill_forward_time")
+DECODE_STAGES = (
+    *STAGES,
+    "decode_prealloc_time",
+    "kv_transfer_time",
+    "decode_queue_time",
+    "first_decode_step_time",
+)
+
+
+def test_pd_stage_times_split_the_ttft(pair):
+    """decode's meta_info splits the time to first token into its stages, prefill's carried in
+    the Success message: all present, none negative, together no more than the TTFT the client
+    measured; the batch log lines and the finish line are in both workers' logs."""
+    full = {**greedy_body(prompts()[7], 6), **pair.bootstrap(), "stream": True}
+    res = {}
+
+    def prefill() -> None:
+        body = {**full, "stream": False}
+        res["p"] = httpx.post(pair.prefill.url + "/generate", json=body, timeout=120)
+
+    t = threading.Thread(target=prefill)
+    sent = time.perf_counter()
+    t.start()
+    events = []
+    with httpx.stream("POST", pair.decode.url + "/generate", json=full, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                if not events:
+                    ttft = time.perf_counter() - sent
+                events.append(json.loads(line[6:]))
+    t.join()
+    meta = events[-1]["meta_info"]
+    assert events[-1]["output_ids"] and meta["completion_tokens"] == 6
+    stages = {k: meta[k] for k in DECODE_STAGES}
+    assert all(v >= 0 for v in stages.values()), stages
+    assert sum(stages.values()) <= ttft, (stages, ttft)
+    assert stages["prefill_forward_time"] > 0 and stages["first_decode_step_time"] > 0, stages
+    prefill_meta = res["p"].json()["meta_info"]
+    assert all(prefill_meta[k] >= 0 for k in (*STAGES, "kv_transfer_time")), prefill_meta
+    pair.idle()
+    for _ in range(3):  # decode lines every 4 decode steps
+        assert pair.dispatch("/generate", greedy_body(prompts()[3], 6))[0].status_code == 200
+    prefill_log = pair.prefill.log_path.read_text()
+    decode_log = pair.decode.log_path.read_text()
+    assert "Prefill batch, #new-seq: " in prefill_log
+    assert "#prealloc-req: " in prefill_log and "#inflight-req: " in prefill_log
+    line = next(ln for ln in decode_log.splitlines() if "Decode batch, #running-req: " in ln)
+    for part in ("#token: ", "token usage: ", "#prealloc-req: ", "#transfer-req: "):
+        assert part in line, line
+    assert "gen throughput (token/s): " in line and "#queue-req: " in line, line
+    assert "Finish: rid: " in decode_log and "first_decode_step_time" in decode_log
     pair.idle()
 
 

@@ -6,6 +6,7 @@ every step and dies if it breaks) and every scenario ends with an idle, leak-fre
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 import time
@@ -206,6 +207,50 @@ def test_prefix_cache_interface(server, reference):
     assert httpx.get(server.url + "/flush_cache", timeout=30).status_code == 200
     again = generate(server.url, second, 8)
     assert again["meta_info"]["cached_tokens"] == 0 and again["output_ids"] == b["output_ids"]
+
+
+def test_profile_start_stop(server, tmp_path):
+    """SGLang's /start_profile and /stop_profile on a real worker: a trace of the scheduler's
+    CPU activity that parses; clear 400s for stop without start, start twice and a directory
+    that cannot be written; num_steps stops by itself; the server keeps serving."""
+    url, out = server.url, tmp_path / "traces"
+
+    def start(**body) -> httpx.Response:
+        return httpx.post(url + "/start_profile", json=body, timeout=60)
+
+    def stop() -> httpx.Response:
+        return httpx.post(url + "/stop_profile", timeout=120)
+
+    assert (r := stop()).status_code == 400 and "not in progress" in r.json()["message"]
+    assert (r := start(output_dir=str(out))).status_code == 200 and r.text == "Start profiling.\n"
+    assert (r := start(output_dir=str(out))).status_code == 400
+    assert "already in progress" in r.json()["message"]
+    for i in range(3):
+        generate(url, prompt(70 + i), 4)
+    assert (r := stop()).status_code == 200, r.text
+    assert r.text == "Stop profiling. This will take some time.\n"
+    [trace] = out.glob("*-TP-0.trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("aten::") for n in names), sorted(names)[:20]
+    assert (r := stop()).status_code == 400  # stopped: nothing in progress
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert (r := start(output_dir=str(blocker / "sub"))).status_code == 400
+    assert "output_dir" in r.json()["message"]
+    assert start(activities=["MEM"]).status_code == 400
+    assert start(start_step=3).status_code == 400
+
+    # num_steps: profiling ends by itself after that many forward steps
+    assert start(output_dir=str(out), num_steps=2, profile_prefix="short").status_code == 200
+    generate(url, prompt(80), 4)
+    deadline = time.monotonic() + 30
+    while not list(out.glob("short-*-TP-0.trace.json.gz")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(out.glob("short-*-TP-0.trace.json.gz"))
+    assert stop().status_code == 400
+    assert generate(url, prompt(81), 4)["meta_info"]["completion_tokens"] == 4
 
 
 BAD = [

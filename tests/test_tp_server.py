@@ -6,6 +6,7 @@ rank ends the whole worker non-zero with a message naming the rank, and nothing 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -83,6 +84,16 @@ def test_tp2_greedy_equals_one_rank(tiny_ckpt, reference, tmp_path):
             r = generate(srv.url, ids, 50)
             assert r.json()["output_ids"] == reference(ids, 50)
             assert r.json()["meta_info"]["cached_tokens"] == (0 if i == 0 else 128)
+        # /start_profile: every rank profiles the same steps and writes its own trace
+        traces = tmp_path / "traces"
+        body = {"output_dir": str(traces), "with_stack": False}
+        start = httpx.post(srv.url + "/start_profile", json=body, timeout=60)
+        assert start.status_code == 200, start.text
+        assert generate(srv.url, prompts[0], 3).json()["output_ids"] == want[0][:3]
+        assert httpx.post(srv.url + "/stop_profile", timeout=120).status_code == 200
+        for rank in (0, 1):
+            [trace] = traces.glob(f"*-TP-{rank}.trace.json.gz")
+            assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
         srv.idle_pool()
     finally:
         assert srv.stop() == 0

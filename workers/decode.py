@@ -75,6 +75,7 @@ class Transfer:
     deadline: float = 0.0
     rank: str | None = None  # the prefill scheduler rank's control address
     input_logprobs: list[TokenLogprob] | None = None  # scored by prefill, sent with Success
+    dest_sent_at: float = 0.0  # when the destinations went out
 
     @property
     def scores_only(self) -> bool:
@@ -387,7 +388,10 @@ class DecodeRole(Role):
         )
         self.endpoint.send(t.rank, dest)
         t.state = advance(t.state, KVPoll.Transferring)
-        t.deadline = time.monotonic() + self.timeouts.waiting
+        t.dest_sent_at = time.monotonic()
+        t.deadline = t.dest_sent_at + self.timeouts.waiting
+        # finding prefill and waiting for a row and pages (req.queued_at: its arrival here)
+        req.stages["decode_prealloc_time"] = t.dest_sent_at - req.queued_at
 
     def _on_status(self, msg: Status) -> None:
         t = self.transfers.get(msg.room)
@@ -400,6 +404,7 @@ class DecodeRole(Role):
                 return self._fail(t, f"prefill's success message: {e}", 502, prefill_gone=True)
             t.state = advance(t.state, KVPoll.Success)
             t.req.queued_at = time.monotonic()  # from here it waits for a running slot
+            self._prefill_stages(t, msg.stage_times)
         else:
             self._fail(
                 t,
@@ -407,6 +412,18 @@ class DecodeRole(Role):
                 502,
                 prefill_gone=True,
             )
+
+    def _prefill_stages(self, t: Transfer, prefill: dict[str, float]) -> None:
+        """Prefill's stages join the request's; the KV transfer is the rest of the time from
+        the destinations going out to Success (the writes, prefill's wait for them, and the
+        control messages' way), so the stages add up to the time to first token."""
+        stages = t.req.stages
+        for name in ("queue_time", "prefill_forward_time"):
+            stages[name] = float(prefill.get(name, 0.0))
+        waited = t.req.queued_at - t.dest_sent_at
+        stages["kv_transfer_time"] = max(
+            0.0, waited - stages["queue_time"] - stages["prefill_forward_time"]
+        )
 
     def _on_abort_ack(self, msg: AbortAck) -> None:
         q = self.quarantine.pop(msg.room, None)

@@ -8,7 +8,8 @@ decode -> prefill   Abort        the request ended at decode (with a reason when
                                  the handoff); prefill answers AbortAck
 decode -> prefill   Waiting      rooms still queued at decode for memory (a keepalive)
 prefill -> decode   Status       KVPoll.Success (everything landed, with the prompt logprobs
-                                 prefill scored, if asked) or KVPoll.Failed
+                                 prefill scored, if asked, and prefill's stage times) or
+                                 KVPoll.Failed
 prefill -> decode   AbortAck     nothing of the room is in flight any more
 
 The codec (encode/decode) is the only place that knows the wire form: JSON objects with a
@@ -93,6 +94,9 @@ class Status:
     message: str = ""
     # with Success: the prompt tokens prefill scored (logprob_start_len), encode_logprobs' form
     input_logprobs: list[list] = field(default_factory=list)
+    # with Success: prefill's stages of the request in seconds (queue_time,
+    # prefill_forward_time), for decode's meta_info
+    stage_times: dict[str, float] = field(default_factory=dict)
 
 
 def encode_logprobs(logprobs: list[TokenLogprob]) -> list[list[Any]]:
@@ -138,6 +142,11 @@ def _has_type(value: Any, kind: str) -> bool:
         return isinstance(value, str)
     if kind == "list":
         return isinstance(value, list)
+    if kind == "dict[str, float]":
+        return isinstance(value, dict) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            for v in value.values()
+        )
     inner = kind.removeprefix("list[").removesuffix("]")
     return isinstance(value, list) and all(_has_type(v, inner) for v in value)
 

@@ -52,6 +52,8 @@ from workers.transfer_engine import advertise_host
 
 log = logging.getLogger(__name__)
 
+# prefill's stages of a request that decode's meta_info reports (carried in Status)
+PREFILL_STAGES = ("queue_time", "prefill_forward_time")
 # While followers still owe writes, rank 0 asks them at most this often (a broadcast + gather).
 RANK_POLL_S = 0.01
 
@@ -462,9 +464,14 @@ class PrefillRole(Role):
                 room.nbytes / 1e6,
             )
             scored = encode_logprobs(room.req.input_logprobs)
-            success = Status(job.room, int(KVPoll.Success), input_logprobs=scored)
+            req = room.req
+            stages = {k: req.stages[k] for k in PREFILL_STAGES if k in req.stages}
+            success = Status(
+                job.room, int(KVPoll.Success), input_logprobs=scored, stage_times=stages
+            )
             self.endpoint.send(room.dest.decode_addr, success)
-            self.scheduler.release_held(room.req, logprobs=_as_list(room.req.last_logprob))
+            req.stages["kv_transfer_time"] = time.monotonic() - (req.first_token_at or 0.0)
+            self.scheduler.release_held(req, logprobs=_as_list(req.last_logprob))
             self._forget(job.room)
         elif room.failure is not None and room.in_flight == 0 and room.req is not None:
             if room.req.finish_reason is not None:  # held by finished(): report the failure now

@@ -64,6 +64,8 @@ class Commit:
     ) -> None:
         """Append `tokens` (with their logprobs, when asked for) one by one; the first that
         stops the request finishes it and the rest are dropped."""
+        if tokens:
+            req.tokens_joined()
         for j, tok in enumerate(tokens):
             req.output_ids.append(tok)
             self.stats.generation_tokens_total += 1
@@ -120,4 +122,5 @@ class Commit:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens or 0,
             logprobs=logprobs,
+            stage_times=dict(req.stages) if req.finish_reason is not None else None,
         )

@@ -51,6 +51,10 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # None: no bound
     prefix_cache: bool = False  # the radix cache (needs state slots in the pool)
     track_interval: int = 256  # decode hands the cache a snapshot every this many tokens
+    # observability (serving/engine/batch_log.py)
+    disaggregation_mode: str = "null"
+    decode_log_interval: int = 40
+    log_requests: bool = False
 
 
 @dataclass
@@ -86,12 +90,31 @@ class Req:
     queued_at: float = field(default_factory=time.monotonic)
     queue_time: float | None = None
     queue_time_sent: bool = False
+    # Stage times in seconds, by SequenceOutput.stage_times' names; sent with the last output.
+    # A PD decode request (adopted) gets prefill's stages from prefill's Success message.
+    stages: dict[str, float] = field(default_factory=dict)
+    started_at: float | None = None  # first admitted (PD decode: adopted)
+    first_token_at: float | None = None  # its first token joined it (sampled or adopted)
+    adopted: bool = False  # PD decode: the prompt was prefilled by a prefill worker
 
     def started(self) -> None:
         """It runs (admitted, or adopted by PD decode); a retracted request restarting keeps
         its first queue time."""
         if self.queue_time is None:
-            self.queue_time = time.monotonic() - self.queued_at
+            self.started_at = time.monotonic()
+            self.queue_time = self.started_at - self.queued_at
+
+    def tokens_joined(self) -> None:
+        """Tokens are about to join it (Commit.commit): the stages that end at its first token
+        (queue, prefill forward) and, for PD decode, at its first decode step."""
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            if not self.adopted:
+                self.stages["queue_time"] = self.queue_time or 0.0
+                self.stages["prefill_forward_time"] = now - (self.started_at or now)
+        elif self.adopted and "first_decode_step_time" not in self.stages:
+            self.stages["first_decode_step_time"] = now - self.first_token_at
 
     @property
     def output_ids(self) -> list[int]:

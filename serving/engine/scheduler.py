@@ -22,6 +22,7 @@ import logging
 import os
 
 from serving.engine.admission import Admission, snapshot_grid
+from serving.engine.batch_log import BatchLog
 from serving.engine.commit import Commit
 from serving.engine.decode_batch import DecodeManager
 from serving.engine.prefill_batch import PrefillManager
@@ -80,6 +81,7 @@ class Scheduler:
         self.commit = Commit(sampler, stops, self.stats, self.admission, self.hooks, self._unqueue)
         self.prefill = PrefillManager(config, runner, self.admission, self.commit, self.hooks, spec)
         self.decode = DecodeManager(runner, self.admission, self.commit, self.stats, spec)
+        self.batch_log = BatchLog(config, self.stats, runner, spec, self.hooks)
 
     @property
     def running(self) -> list[Req]:
@@ -144,6 +146,8 @@ class Scheduler:
         it decodes from here on, like any running request."""
         self.stats.prompt_tokens_total += len(req.input_ids)
         req.started()
+        req.adopted = True
+        req.stages["decode_queue_time"] = req.queue_time or 0.0
         self.commit.commit(req, [first_token], logprobs)
         if req.finish_reason is None:
             self.decode.running.append(req)
@@ -211,7 +215,9 @@ class Scheduler:
 
     # ---- one forward ----
     def step(self) -> list[SequenceOutput]:
-        batch = self.prefill.schedule(len(self.running))
+        running = len(self.running)
+        batch = self.prefill.schedule(running)
+        step = None
         if batch is not None:
             self.running.extend(self.prefill.run(batch))
         elif self.running:
@@ -220,9 +226,14 @@ class Scheduler:
                 self.prefill.requeue(victim)
             self.decode.run(step)
         self.refresh_stats()
+        if batch is not None:
+            self.batch_log.prefill(batch.plan, running, len(self.prefill.waiting))
+        elif step is not None and step.reqs:
+            self.batch_log.decode(len(step.reqs), len(self.prefill.waiting))
         if CHECK_INVARIANTS:
             self.check_invariants()
         out, self.commit.outputs = self.commit.outputs, []
+        self.batch_log.finished(out)
         return out
 
     # ---- the prefix cache ----

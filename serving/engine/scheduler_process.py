@@ -17,12 +17,15 @@ from serving.protocol import (
     SHUTDOWN,
     AbortRequest,
     BatchOutput,
+    ControlReply,
+    ControlRequest,
     FlushCache,
-    FlushCacheDone,
     GenerateRequest,
     SamplingParams,
     SchedulerFailed,
     SchedulerReady,
+    StartProfile,
+    StopProfile,
 )
 from serving.server_args import ServerArgs
 
@@ -245,6 +248,9 @@ def build_engine(args: ServerArgs, role=None):
             args.queue_limit,
             prefix_cache=args.radix_cache,
             track_interval=args.mamba_track_interval,
+            disaggregation_mode=args.disaggregation_mode,
+            decode_log_interval=args.decode_log_interval,
+            log_requests=args.log_requests,
         ),
         frozenset(config.eos_token_ids),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
@@ -295,6 +301,19 @@ class Watchdog:
                 os._exit(1)
 
 
+def answer_control(msg: ControlRequest, scheduler, profiler) -> ControlReply:
+    """The scheduler's reply to an admin command (the front's /flush_cache, /start_profile,
+    /stop_profile); an error reply for a command it does not know."""
+    if isinstance(msg, FlushCache):
+        return ControlReply(msg.id, scheduler.flush_cache())
+    if isinstance(msg, StartProfile):
+        return ControlReply(msg.id, profiler.start(msg))
+    if isinstance(msg, StopProfile):
+        error, paths = profiler.stop()
+        return ControlReply(msg.id, error, paths)
+    return ControlReply(msg.id, f"unknown command {type(msg).__name__}")
+
+
 def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=None) -> None:
     """Process main. `make_role(args)` builds the worker role (None: a plain worker)."""
     import zmq
@@ -334,6 +353,11 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
     send.send_pyobj(ready)
     watchdog = Watchdog(args.watchdog_timeout)
     fanout = scheduler.runner.fanout  # TP/EP: the other ranks follow this one's forwards
+    from serving.distributed import state
+    from serving.engine.profiler import ProfileControl, RankProfiler, rank_name
+
+    own = RankProfiler(rank_name(state().rank, args.ep_size), args.profile_dir)
+    profiler = ProfileControl(own, fanout)
     last_stats = None
     poller = zmq.Poller()
     for sock in [recv, *role.sockets()]:
@@ -351,13 +375,14 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
                 role.submit(msg)
             elif isinstance(msg, AbortRequest):
                 role.abort(msg.rid, msg.reason)
-            elif isinstance(msg, FlushCache):
-                send.send_pyobj(FlushCacheDone(msg.id, scheduler.flush_cache()))
+            elif isinstance(msg, ControlRequest):
+                send.send_pyobj(answer_control(msg, scheduler, profiler))
         role.poll()
         if scheduler.has_work or scheduler.pending_outputs:
             watchdog.started = time.monotonic()
             outputs = scheduler.step()
             watchdog.started = None
+            profiler.after_step()
         else:
             outputs = []
             scheduler.refresh_stats()
@@ -382,6 +407,7 @@ def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
         destroy_parallel,
         gather_object,
     )
+    from serving.engine.profiler import RankProfiler, rank_name
     from serving.engine.tp_worker import KEEPALIVE, STOP, join_group
 
     logging.basicConfig(
@@ -400,6 +426,7 @@ def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
         if args.use_decode_graphs():
             spec.enable_graphs(args.cuda_graph_max_bs_decode)
     role = make_role(args, pool) if make_role is not None else None
+    profiler = RankProfiler(rank_name(rank, args.ep_size), args.profile_dir)
     pending = None
     while True:
         msg = broadcast_object()
@@ -423,4 +450,6 @@ def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
             pending = None
         elif msg.kind == "role":
             gather_object(role.handle(msg.payload))
+        elif msg.kind == "profile":
+            gather_object(profiler.handle(msg.payload))
     destroy_parallel()

@@ -43,8 +43,10 @@ KEEPALIVE = "keepalive"
 class StepMessage:
     """kind: "forward" (payload (items, logits)), or one of EAGLE's programs: "extend_draft"
     ((rows, starts, next tokens); the target hiddens follow as a tensor broadcast),
-    "spec_verify" (host [3, B] tensor), "spec_commit" ((padded, last, state captures)), or
-    "role" (the PD role's orders for its follower plug; every follower answers in a gather)."""
+    "spec_verify" (host [3, B] tensor), "spec_commit" ((padded, last, state captures)),
+    "role" (the PD role's orders for its follower plug) or "profile" (/start_profile and
+    /stop_profile orders, serving/engine/profiler.py); every follower answers those two in a
+    gather."""
 
     kind: str
     journal: list[tuple]
@@ -66,11 +68,12 @@ class RankFanout:
         broadcast_object(StepMessage(kind, self.pool.take_journal(), payload))
         self.last = time.monotonic()
 
-    def ask(self, payload: object) -> list:
-        """The followers' answers (ranks 1..N-1, in order) to the role's `payload`. The journal
+    def ask(self, payload: object, kind: str = "role") -> list:
+        """The followers' answers (ranks 1..N-1, in order) to `payload` (the role's, or a
+        profiler order with kind "profile"). The journal
         goes first, so a follower has applied every row reset and page map rank 0 made before
         it answers (decode relies on this before it sends destinations out)."""
-        self.send("role", payload)
+        self.send(kind, payload)
         return gather_object(None)[1:]
 
     def keepalive(self) -> None:

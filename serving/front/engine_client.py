@@ -2,8 +2,8 @@
 when metrics are on.
 
 The front binds a PULL socket at `recv_addr` (SchedulerReady or SchedulerFailed, then
-BatchOutput and FlushCacheDone) and connects a PUSH socket to `send_addr` (GenerateRequest,
-AbortRequest, FlushCache).
+BatchOutput and ControlReply) and connects a PUSH socket to `send_addr` (GenerateRequest,
+AbortRequest, ControlRequest).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import zmq
@@ -23,9 +22,9 @@ from serving.protocol import (
     SHUTDOWN,
     AbortRequest,
     BatchOutput,
+    ControlReply,
+    ControlRequest,
     FinishReason,
-    FlushCache,
-    FlushCacheDone,
     GenerateRequest,
     SchedulerFailed,
     SchedulerReady,
@@ -73,7 +72,7 @@ class EngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._receiver: asyncio.Task[None] | None = None
         self._settled = asyncio.Event()  # set by SchedulerReady or a failure
-        self._flushes: dict[str, asyncio.Future[str | None]] = {}
+        self._controls: dict[str, asyncio.Future[ControlReply]] = {}
 
     @property
     def is_ready(self) -> bool:
@@ -175,19 +174,20 @@ class EngineClient:
         self._push.send_pyobj(AbortRequest(rid=rid, reason=reason))
         return True
 
-    async def flush_cache(self, timeout: float = 30.0) -> str | None:
-        """Ask the scheduler to empty its prefix cache; None when it did, else why not."""
+    async def control(self, request: ControlRequest, timeout: float = 30.0) -> ControlReply:
+        """Send an admin command to the scheduler and wait for its reply (an error reply when
+        none comes within `timeout` seconds)."""
         if not self.is_ready or self._push is None:
             raise EngineUnavailable(self.state)
-        flush = FlushCache(uuid.uuid4().hex)
-        done = self._flushes[flush.id] = asyncio.get_running_loop().create_future()
+        done = self._controls[request.id] = asyncio.get_running_loop().create_future()
         try:
-            await self._push.send_pyobj(flush)
+            await self._push.send_pyobj(request)
             return await asyncio.wait_for(done, timeout)
         except asyncio.TimeoutError:
-            return f"the scheduler did not answer within {timeout:.0f} s"
+            error = f"the scheduler did not answer within {timeout:.0f} s"
+            return ControlReply(request.id, error=error)
         finally:
-            self._flushes.pop(flush.id, None)
+            self._controls.pop(request.id, None)
 
     async def _receive_loop(self) -> None:
         while True:
@@ -205,10 +205,10 @@ class EngineClient:
                 self.mark_ready(msg)
             elif isinstance(msg, SchedulerFailed):
                 self.fail(msg.message)
-            elif isinstance(msg, FlushCacheDone):
-                done = self._flushes.get(msg.id)
+            elif isinstance(msg, ControlReply):
+                done = self._controls.get(msg.id)
                 if done is not None and not done.done():
-                    done.set_result(msg.error)
+                    done.set_result(msg)
             else:
                 log.warning("ignoring an unexpected message: %s", type(msg).__name__)
 

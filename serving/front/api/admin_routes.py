@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from importlib.metadata import version
 
@@ -13,10 +14,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from serving.front.api.context import FrontContext
 from serving.front.api.errors import APIError, error_response
+from serving.front.api.native_protocol import ProfileBody
 from serving.front.api.sequences import collect, make_seqs
-from serving.protocol import FAKE_BOOTSTRAP_HOST, SamplingParams
+from serving.protocol import (
+    FAKE_BOOTSTRAP_HOST,
+    FlushCache,
+    SamplingParams,
+    StartProfile,
+    StopProfile,
+)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+# Writing a long trace of every rank takes a while (SGLang waits 600 s as well).
+PROFILE_TIMEOUT_S = 600.0
 
 
 def simulation(args) -> dict | None:
@@ -124,10 +134,34 @@ def admin_router(ctx: FrontContext) -> APIRouter:
         """SGLang's: empty the prefix cache; refused (400) while requests are live."""
         if not client.is_ready:
             return error_response(503, client.state)
-        error = await client.flush_cache()
-        if error is not None:
-            return error_response(400, f"cache not flushed: {error}")
+        reply = await client.control(FlushCache())
+        if reply.error is not None:
+            return error_response(400, f"cache not flushed: {reply.error}")
         return Response("Cache flushed.\n", status_code=200, media_type="text/plain")
+
+    @router.api_route("/start_profile", methods=["GET", "POST"])
+    async def start_profile(body: ProfileBody | None = None) -> Response:
+        """SGLang's: start the torch profiler on every rank of this worker (CPU, and CUDA
+        where there is one); traces are written when it stops. 400 when profiling is already
+        on, the output directory cannot be written or a field asks for what is not built."""
+        if not client.is_ready:
+            return error_response(503, client.state)
+        reply = await client.control(start_profile_request(body or ProfileBody()))
+        if reply.error is not None:
+            return error_response(400, reply.error)
+        return Response("Start profiling.\n", status_code=200, media_type="text/plain")
+
+    @router.api_route("/stop_profile", methods=["GET", "POST"])
+    async def stop_profile() -> Response:
+        """SGLang's: stop profiling and write every rank's trace; 400 when it is not on."""
+        if not client.is_ready:
+            return error_response(503, client.state)
+        reply = await client.control(StopProfile(), timeout=PROFILE_TIMEOUT_S)
+        if reply.error is not None:
+            return error_response(400, reply.error)
+        return Response(
+            "Stop profiling. This will take some time.\n", status_code=200, media_type="text/plain"
+        )
 
     if client.metrics is not None:  # --enable-metrics, as in SGLang: no route without it
 
@@ -136,3 +170,21 @@ def admin_router(ctx: FrontContext) -> APIRouter:
             return Response(client.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def start_profile_request(body: ProfileBody) -> StartProfile:
+    """The scheduler's command for SGLang's body; APIError (400) for what is not built here."""
+    for name in ("start_step", "profile_by_stage", "merge_profiles"):
+        if getattr(body, name):
+            raise APIError(400, f"{name}: not supported here (profile from now on)", name)
+    if body.num_steps is not None and body.num_steps < 1:
+        raise APIError(400, f"num_steps: must be >= 1, got {body.num_steps}", "num_steps")
+    return StartProfile(
+        output_dir=body.output_dir,
+        num_steps=body.num_steps,
+        activities=body.activities if body.activities is not None else ["CPU", "GPU"],
+        with_stack=body.with_stack if body.with_stack is not None else True,
+        record_shapes=bool(body.record_shapes),
+        profile_prefix=body.profile_prefix or "",
+        profile_id=str(time.time()),  # SGLang's profile id: the start time
+    )

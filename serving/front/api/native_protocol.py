@@ -53,3 +53,17 @@ class GenerateBody(NativeBody):
 class AbortBody(NativeBody):
     rid: str = ""
     abort_all: bool = False
+
+
+class ProfileBody(NativeBody):
+    """SGLang's /start_profile body (ProfileReqInput); every field optional."""
+
+    output_dir: str | None = None
+    start_step: int | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_by_stage: bool = False
+    merge_profiles: bool = False
+    profile_prefix: str | None = None

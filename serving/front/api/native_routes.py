@@ -188,6 +188,7 @@ def _result(
         "prompt_tokens": seq.prompt_tokens,
         "completion_tokens": len(seq.output_ids),
         "cached_tokens": seq.cached_tokens,
+        **seq.stage_times,  # where the time to first token went (docs/PROTOCOL.md)
     }
     if think_end is not None:
         ids = seq.output_ids
