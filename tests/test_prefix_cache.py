@@ -379,3 +379,58 @@ def test_flush_is_refused_while_requests_live(tiny_ckpt):
     sched.abort("live")
     sched.step()
     assert_all_free(sched)
+
+
+# ---- the kernel warm-up covers what the cache path runs ----
+def kda_path(batch, history) -> tuple:
+    """What a KDA layer's call does with this batch: the path of serving/layers/attention/kda.py
+    (snapshot passes, and whether one takes a gathered token index), several requests or one,
+    whether a request continues a state (a snapshot loaded at a hit, or an earlier chunk)."""
+    if batch.is_decode:
+        kind = "decode"
+    elif batch.step_len is not None:
+        kind = "uniform"
+    elif batch.kda_saves is None:
+        kind = "extend"
+    elif len(batch.kda_saves.passes) == 1:
+        kind = "one pass"
+    elif any(isinstance(p.index, torch.Tensor) for p in batch.kda_saves.passes):
+        kind = "passes, gathered"
+    else:
+        kind = "passes"
+    return kind, len(batch.lens_cpu) > 1, any(batch.starts_cpu), history is not None
+
+
+def test_kernel_warmup_runs_every_kda_path_the_cache_serves(tiny_ckpt, monkeypatch):
+    """Every KDA path (and flag combination) that chats with a shared system prompt, concurrent
+    and single random prompts run with the cache on has run in the start-up warm-up already
+    (on CUDA each is compiled and tuned there, not under a user's request); the warm-up leaves
+    no request, page, state slot or counter behind."""
+    from serving.engine.kernel_warmup import prepare_kernels
+    from serving.models import kda as kda_model
+
+    seen: set[tuple] = set()
+    real = kda_model.delta_rule
+
+    def recording(q, k, v, g, beta, batch, cache, history):
+        seen.add(kda_path(batch, history))
+        return real(q, k, v, g, beta, batch, cache, history)
+
+    monkeypatch.setattr(kda_model, "delta_rule", recording)
+    flags = ("--chunked-prefill-size", "48", "--max-prefill-tokens", "96")  # saves in chunks
+    sched = engine(tiny_ckpt, *flags, "--context-length", "1024")
+    assert prepare_kernels(sched) > 10
+    assert_all_free(sched)
+    assert sched.stats.prompt_tokens_total == sched.stats.cache_lookup_tokens_total == 0
+    warm, served = set(seen), seen
+    seen.clear()
+    system = tokens(150, seed=40)
+    chats = {c: system + tokens(9 + 7 * c, seed=41 + c) for c in range(4)}
+    for turn in range(2):
+        got = run(sched, [greedy(f"c{c}t{turn}", p, 24) for c, p in chats.items()])
+        chats = {c: p + got[f"c{c}t{turn}"][0] + tokens(5, seed=60 + c) for c, p in chats.items()}
+    run(sched, [greedy(f"x{i}", tokens(60 + 37 * i, seed=70 + i), 2) for i in range(3)])
+    one(sched, tokens(200, seed=80), 2)
+    assert served - warm == set(), f"served first after the warm-up: {served - warm}"
+    assert {"passes", "one pass", "extend", "decode"} <= {kind for kind, *_ in served}, served
+    assert_all_free(sched)

@@ -8,6 +8,10 @@ Conventions (checked against kernels.kda, the torch oracle):
 - l2norm: ours is x / sqrt(sum(x^2) + 1e-6) on q and k; fla's use_qk_l2norm_in_kernel=True
   does exactly that (eps 1e-6 inside the sqrt, both in chunk's l2norm_fwd and in the fused
   recurrent kernel). q is scaled after the norm by `scale`, which we pass as Dk ** -0.5.
+  The chunked path normalizes with our own kernel (_l2norm, the same arithmetic) and passes
+  use_qk_l2norm_in_kernel=False: fla's l2norm_fwd is autotuned (25 configs) per bucket of
+  T*H / 65536, so every new prefill size class (and each snapshot pass's) tuned anew under
+  a user's request, about 10 s on an H200 (docs/BENCHMARKS.md, the prefix cache).
 - state: ours [rows, H, Dk, Dv] float32, decay along Dk, update state += k (x) delta: fla's
   default K-first layout [N, HV, K, V] (state_v_first=False), float32.
 
@@ -21,6 +25,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Every ragged extend runs the conv with this many tokens per program, whatever its lengths: a
+# block size picked from the batch (a short last segment of a snapshot pass, a short prompt)
+# would be one more compiled variant, met first under a user's request.
+EXTEND_BLOCK_T = 32
 
 # ---------------------------------------------------------------------------------------------
 # causal conv
@@ -127,14 +136,15 @@ def _conv_run(
     cu: torch.Tensor,
     num_reqs: int,
     max_len: int,
+    block_t: int,
 ) -> torch.Tensor:
+    """block_t: tokens per program, a constexpr: each value is its own compiled kernel."""
     chans, kernel = weight.shape
     x = x.contiguous()
     weight = weight.contiguous()
     assert conv_state.stride(2) == 1, "conv_state's last dim must be contiguous"
     out = torch.empty_like(x)
     block_c = min(128, triton.next_power_of_2(chans))
-    block_t = max(1, min(32, triton.next_power_of_2(max_len)))
     grid = (num_reqs, triton.cdiv(max_len, block_t), triton.cdiv(chans, block_c))
     _conv_kernel[grid](
         x,
@@ -204,7 +214,7 @@ def causal_conv_extend(
     if history is not None:
         history.append(_conv_history(x, weight, conv_state, rows, lens))
     cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(x.device, non_blocking=True)
-    return _conv_run(x, weight, conv_state, rows, cu, len(lens), max(lens))
+    return _conv_run(x, weight, conv_state, rows, cu, len(lens), max(lens), EXTEND_BLOCK_T)
 
 
 def causal_conv_uniform(
@@ -220,7 +230,8 @@ def causal_conv_uniform(
     if history is not None:
         history.append(_conv_history(x, weight, conv_state, rows, [step_len] * num_reqs))
     cu = _uniform_cu(num_reqs, step_len, x.device)
-    return _conv_run(x, weight, conv_state, rows, cu, num_reqs, step_len)
+    block_t = min(EXTEND_BLOCK_T, triton.next_power_of_2(step_len))
+    return _conv_run(x, weight, conv_state, rows, cu, num_reqs, step_len, block_t)
 
 
 def causal_conv_decode(
@@ -228,12 +239,42 @@ def causal_conv_decode(
 ) -> torch.Tensor:
     """One token per request. x: [B, C]; conv_state[rows] shifts by one. Graph-safe."""
     cu = _uniform_cu(x.shape[0], 1, x.device)
-    return _conv_run(x, weight, conv_state, rows, cu, x.shape[0], 1)
+    return _conv_run(x, weight, conv_state, rows, cu, x.shape[0], 1, 1)
 
 
 # ---------------------------------------------------------------------------------------------
 # KDA recurrence through fla-core
 # ---------------------------------------------------------------------------------------------
+
+L2NORM_ROWS = 16  # rows per program of _l2norm: fixed, so it is one compiled kernel per D
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _l2norm_kernel(
+    x_ptr, y_ptr, rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    mask = (r < rows)[:, None] & (d < D)[None, :]
+    offs = r[:, None].to(tl.int64) * D + d[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1 / tl.sqrt(tl.sum(x * x, 1) + 1e-6)
+    tl.store(y_ptr + offs, (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim, computed in float32, in x's dtype: fla's
+    l2norm_fwd's arithmetic without its size-keyed autotuning."""
+    x = x.contiguous()
+    dim = x.shape[-1]
+    y = torch.empty_like(x)
+    rows = x.numel() // dim
+    if rows:
+        _l2norm_kernel[(triton.cdiv(rows, L2NORM_ROWS),)](
+            x, y, rows, D=dim, BLOCK_R=L2NORM_ROWS, BLOCK_D=triton.next_power_of_2(dim),
+            num_warps=4,
+        )  # fmt: skip
+    return y
 
 
 def _check_state(state: torch.Tensor) -> None:
@@ -335,15 +376,15 @@ def kda_extend(
 
     with torch.no_grad():
         o, final = chunk_kda(
-            q=q.unsqueeze(0),
-            k=k.unsqueeze(0),
+            q=_l2norm(q).unsqueeze(0),
+            k=_l2norm(k).unsqueeze(0),
             v=v.unsqueeze(0),
             g=g.float().unsqueeze(0),
             beta=beta.float().unsqueeze(0),
             scale=q.shape[-1] ** -0.5,
             initial_state=state[rows].contiguous(),
             output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
+            use_qk_l2norm_in_kernel=False,  # done above: no autotuning keyed on T
             use_gate_in_kernel=False,
             use_beta_sigmoid_in_kernel=False,
             safe_gate=safe_gate,

@@ -251,11 +251,11 @@ class Scheduler:
         s = self.stats
         s.running = len(self.running)
         s.queued = self.queued
-        s.used_rows = len(self.pool.rows.used)
+        s.used_rows = self.pool.rows.num_used
         s.peak_used_rows = max(s.peak_used_rows, max(self.pool.rows.used, default=0))
         # pages the cache holds and no request locks are free to take: not "used"
         evictable = self.cache.evictable_pages if self.cache is not None else 0
-        s.used_pages = len(self.pool.pages.used) - evictable
+        s.used_pages = self.pool.pages.num_used - evictable
         s.cached_pages = self.cache.pages_held if self.cache is not None else 0
         s.cached_states = self.cache.states_held if self.cache is not None else 0
         self.hooks.report(s)

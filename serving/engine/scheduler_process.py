@@ -272,6 +272,23 @@ def build_engine(args: ServerArgs, role=None):
     return scheduler, ready
 
 
+def prepare(scheduler) -> None:
+    """Compile and tune the Triton kernels every prefill shape needs (engine/kernel_warmup.py),
+    on the fast path only (CPU runs torch). Not skipped by --skip-server-warmup, which skips
+    SGLang's warm-up request only: a kernel compiled under a user's request costs it seconds."""
+    from kernels import fast_path
+    from serving.engine.kernel_warmup import prepare_kernels
+
+    if fast_path(scheduler.pool.req_to_token):
+        started = time.monotonic()
+        count = prepare_kernels(scheduler)
+        log.info(
+            "start-up: kernels prepared by %d requests in %.1f s",
+            count,
+            time.monotonic() - started,
+        )
+
+
 def warmup(scheduler) -> None:
     scheduler.add(
         GenerateRequest("warmup", [1, 2, 3, 4], SamplingParams(max_new_tokens=2, temperature=0.0))
@@ -336,6 +353,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
 
         role = make_role(args) if make_role is not None else Role()
         scheduler, ready = build_engine(args, role)
+        prepare(scheduler)
         if not args.skip_server_warmup:
             warm = time.monotonic()
             warmup(scheduler)

@@ -22,7 +22,13 @@ class FreeList:
         return len(self._free)
 
     @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    @property
     def used(self) -> frozenset[int]:
+        """A copy: O(ids in use), so not for every step (the prefix cache keeps most pages
+        in use)."""
         return frozenset(self._used)
 
     def alloc(self, n: int = 1) -> list[int] | None:

@@ -15,15 +15,19 @@ hit rate: prompt tokens served from the cache / prompt tokens, over each workloa
 scheduler's counters, which /metrics reports as sglang:cache_hit_rate).
 
 Each variant runs in a child process (so each gets the whole GPU, with default memory
-settings): build the engine, warm up (--warmup prompts of --random-len tokens, so kernels are
-tuned for the shapes), flush, random workloads, flush, multi-turn. The JSON is rewritten after
-every variant; a summary line per workload goes to stdout.
+settings) with a Triton cache directory of its own (--shared-triton-cache: the default one),
+so neither variant runs on kernels the other compiled or tuned: build the engine, prepare its
+kernels as a worker does at start-up (scheduler_process.prepare; prepare_s), random workloads,
+flush, multi-turn. The first request of each workload (first batch at concurrency > 1) is
+reported apart from the rest (`first`, `rest`): a kernel compiled under a request shows there.
+The JSON is rewritten after every variant; a summary line per workload goes to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import statistics
@@ -36,7 +40,7 @@ from pathlib import Path
 import torch
 
 from serving.engine.scheduler import Scheduler
-from serving.engine.scheduler_process import build_engine
+from serving.engine.scheduler_process import build_engine, prepare
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
 
@@ -62,7 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--random-len", type=int, default=4096)
     ap.add_argument("--random-output-len", type=int, default=16)
     ap.add_argument("--random-concurrency", default="1,16")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument(
+        "--shared-triton-cache",
+        action="store_true",
+        help="both variants use the default Triton cache (the second reuses the first's kernels)",
+    )
     ap.add_argument("--vocab", type=int, default=1000, help="prompt token ids are below this")
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)  # run_child's
     return ap.parse_args(argv)
@@ -139,9 +147,12 @@ def random_prompts(sched: Scheduler, a: argparse.Namespace, concurrency: int, se
             live += 1
         live -= len(drv.step())
     wall = time.perf_counter() - t0
+    ttft = [drv.ttft[f"rand{seed}-{i}"] for i in range(len(prompts))]
     return {
         "concurrency": concurrency,
-        "ttft_ms": stats_ms(list(drv.ttft.values())),
+        "ttft_ms": stats_ms(ttft),
+        "ttft_ms_first": stats_ms(ttft[:concurrency]),  # the first request / first batch
+        "ttft_ms_rest": stats_ms(ttft[concurrency:]),
         "wall_s": round(wall, 2),
         "hit_rate": hit_rate(before, counters(sched)),
     }
@@ -203,14 +214,9 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
     out: dict = {"flags": flags, "build_s": round(time.perf_counter() - t0, 1)}
     out["state_slots"] = sched.pool.plan.state_slots
     out["kv_tokens"] = sched.pool.plan.pages * sched.pool.plan.page_size
-    rng = random.Random(99)
-    drv = Driver(sched)
-    for i in range(a.warmup):
-        drv.submit(f"warm{i}", [rng.randrange(a.vocab) for _ in range(a.random_len)], 8)
-    while sched.has_work:
-        drv.step()
-    if sched.flush_cache() is not None:
-        raise RuntimeError("the cache did not flush after the warm-up")
+    t0 = time.perf_counter()
+    prepare(sched)  # what a worker does at start-up, no more
+    out["prepare_s"] = round(time.perf_counter() - t0, 1)
     concurrencies = [int(c) for c in a.random_concurrency.split(",") if c]
     out["random"] = [random_prompts(sched, a, c, seed=1000 + c) for c in concurrencies]
     sched.flush_cache()
@@ -218,12 +224,15 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
     return out
 
 
-def run_child(argv: list[str], name: str) -> dict:
+def run_child(argv: list[str], a: argparse.Namespace, name: str) -> dict:
     """run_variant in a fresh process: the engine's memory goes with it."""
     with tempfile.TemporaryDirectory() as tmp:
         part = Path(tmp) / f"{name}.json"
         cmd = [sys.executable, "-m", "serving.tools.bench_prefix_cache", *argv]
-        subprocess.run([*cmd, "--variants", name, "--child-out", str(part)], check=True)
+        env = dict(os.environ)
+        if not a.shared_triton_cache:
+            env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")  # fla's autotune results too
+        subprocess.run([*cmd, "--variants", name, "--child-out", str(part)], check=True, env=env)
         return json.loads(part.read_text())
 
 
@@ -244,15 +253,23 @@ def summarise(report: dict) -> dict:
         "random": [],
     }
     for r_on, r_off in zip(on["random"], off["random"]):
-        m_on, m_off = r_on["ttft_ms"]["mean"], r_off["ttft_ms"]["mean"]
-        out["random"].append(
-            {
-                "concurrency": r_on["concurrency"],
-                "ttft_ms_mean": {"cache": m_on, "no_cache": m_off},
-                "cache_overhead_pct": round(100 * (m_on / m_off - 1), 2),
-                "hit_rate": r_on["hit_rate"],
-            }
-        )
+        row = {"concurrency": r_on["concurrency"], "hit_rate": r_on["hit_rate"]}
+        # all requests; the first request / batch alone; the rest (steady state), mean and p50
+        for label, key, stat in (
+            ("all", "ttft_ms", "mean"),
+            ("first", "ttft_ms_first", "mean"),
+            ("rest", "ttft_ms_rest", "mean"),
+            ("rest_p50", "ttft_ms_rest", "p50"),
+        ):
+            m_on, m_off = r_on.get(key, {}).get(stat), r_off.get(key, {}).get(stat)
+            if m_on is None or not m_off:
+                continue
+            row[f"ttft_ms_{label}"] = {"cache": m_on, "no_cache": m_off}
+            row[f"cache_overhead_pct_{label}"] = round(100 * (m_on / m_off - 1), 2)
+        out["random"].append(row)
+    t1_on, t1_off = (x["multi_turn"]["ttft_ms_turn_1"]["mean"] for x in (on, off))
+    out["multi_turn_ttft_turn_1_ms"] = {"cache": t1_on, "no_cache": t1_off}
+    out["prepare_s"] = {k: x.get("prepare_s") for k, x in (("cache", on), ("no_cache", off))}
     return out
 
 
@@ -271,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     for name in a.variants.split(","):
-        report["variants"][name] = run_child(argv, name)
+        report["variants"][name] = run_child(argv, a, name)
         report["summary"] = summarise(report)
         report["total_s"] = round(time.perf_counter() - t0, 1)
         a.out.write_text(json.dumps(report, indent=2) + "\n")

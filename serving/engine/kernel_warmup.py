@@ -1,0 +1,100 @@
+"""prepare_kernels: at start-up, run the prefill shapes a worker can meet, so that every Triton
+kernel variant they use is compiled, and fla-core's autotuned kernels tuned, before the first
+user's request. A variant first met under a request costs that request (and its whole batch)
+seconds: the prefix cache's first H200 run showed 10-12 s TTFTs (docs/BENCHMARKS.md).
+
+What makes a variant: a kernel's constexprs (block sizes picked from the batch: the MoE tile
+bucket from tokens per expert, DSA's query block from a request's chunk length, sparse MLA's
+split count for short batches), Triton's specialization of integer arguments (== 1, divisible by
+16) and fla's autotune keys. The KDA path has one variant per model (kernels/triton/kda.py keeps
+its block sizes fixed); the rest varies with token counts. So, through the scheduler as requests
+go (the prefix cache on when it is on), with prompts of random tokens:
+1. one prompt of a full chunk: fla's chunk kernels autotune at their first call, so they are
+   tuned at a full-size prefill, not a tiny one;
+2. batches of 2^i and 2^i + 1 tokens, 16 up to --max-prefill-tokens (a batch beyond the chunk
+   size is several requests): every size bucket and both integer specializations;
+3. several requests at once that hit the cache (1 and G-3 uncached tokens, the state loaded from
+   a snapshot), miss with a snapshot inside their chunk (KDA in passes, one pass over a gathered
+   token index), branch off a cached prefix (a snapshot at the branch point); one of them
+   decodes across a grid position (the tracked snapshot); then hits alone and together, with
+   and without a snapshot at their end;
+then the cache is flushed and the _total counters are zeroed (the warm-up is not traffic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from serving.engine.scheduler import Scheduler
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams
+
+MAX_STEPS = 100_000  # a warm-up that does not finish is a bug: fail start-up, do not hang
+TOKEN_IDS = 1000  # prompt ids are below this (and the vocabulary)
+
+
+def prepare_kernels(sched: Scheduler) -> int:
+    """Run the warm-up requests; returns how many ran."""
+    cfg = sched.cfg
+    rng = random.Random(0)
+    vocab = min(TOKEN_IDS, sched.sampler.vocab_size)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    longest = cfg.context_length - 2  # room for the 2 output tokens
+    waves: list[list[tuple[list[int], int]]] = []
+    waves.append([(ids(min(cfg.chunked_prefill_size, cfg.max_prefill_tokens, longest)), 2)])
+    size = 16
+    while size <= cfg.max_prefill_tokens:
+        for n in (size, size + 1):
+            parts = -(-n // cfg.chunked_prefill_size)
+            if n <= cfg.max_prefill_tokens and parts <= cfg.max_running_requests:
+                cut = [n // parts + (i < n % parts) for i in range(parts)]
+                waves.append([(ids(k), 2) for k in cut if k <= longest])
+        size *= 2
+    grid = sched.admission.grid or 64
+    if 4 * grid <= longest and cfg.max_running_requests >= 5:
+        base = ids(2 * grid + grid // 2)  # a miss, snapshot at 2G inside its chunk: two passes
+        waves.append([(base, 2)])
+        waves.append(
+            [
+                (base[: 2 * grid] + ids(1), 2),  # a hit, one uncached token
+                (base[: 2 * grid] + ids(grid - 3), 5),  # a hit; decodes across 3G
+                (ids(grid + 33), 2),  # misses with snapshots inside: passes, a gathered one
+                (ids(2 * grid + 5), 2),
+                (base[:grid] + ids(grid + 7), 2),  # branches off base at G: a snapshot there
+            ]
+        )
+        waves.append([(base[: 2 * grid] + ids(grid), 2)])  # a hit, a snapshot at its end
+        waves.append([(base[: 2 * grid] + ids(9), 2)])  # a hit, no snapshot
+        waves.append([(base[: 2 * grid] + ids(3), 2), (base[: 2 * grid] + ids(5), 2)])
+    count = 0
+    for wave in waves:
+        for prompt, n in wave:
+            request = GenerateRequest(
+                f"warmup-{count}",
+                prompt,
+                SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+                bootstrap_host=FAKE_BOOTSTRAP_HOST,  # local only, as a health check
+            )
+            if sched.admission_problem(request) is None:  # a small pool: what fits
+                sched.add(request)
+                count += 1
+        for _ in range(MAX_STEPS):
+            if not sched.has_work:
+                break
+            for out in sched.step():
+                if out.finished and out.finish_reason.kind == "abort":
+                    raise RuntimeError(f"warm-up request failed: {out.finish_reason.message}")
+        else:
+            raise RuntimeError("the kernel warm-up did not finish")
+    refused = sched.flush_cache()
+    if refused is not None:
+        raise RuntimeError(f"the kernel warm-up left work behind: {refused}")
+    stats = sched.stats
+    for f in dataclasses.fields(stats):
+        if f.name.endswith("_total"):
+            setattr(stats, f.name, f.default)
+    sched.refresh_stats()
+    return count
