@@ -22,6 +22,32 @@ import triton.language as tl
 
 
 @triton.jit
+def _sinkhorn(logits, m, iters, eps):
+    """The [P, P] mixing logits (valid where m) -> row softmax + eps, then iters column/row
+    normalisations (the last is a column one), as kernels.mhc's reference."""
+    logits = tl.where(m, logits, float("-inf"))
+    logits = logits - tl.max(logits, axis=1)[:, None]
+    e = tl.where(m, tl.exp(logits), 0.0)
+    comb = tl.where(m, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    for _ in range(iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    return comb
+
+
+@triton.jit
+def _collapse(base, pre, i, h, h_mask, dt, HC: tl.constexpr, HD: tl.constexpr):
+    """sum_j pre[j] * streams[j, h] for one token's block of channels h, rounded to the
+    stream dtype as the reference's collapse is (float32 out)."""
+    col = tl.zeros(h.shape, dtype=tl.float32)
+    for j in tl.static_range(HC):
+        pj = tl.sum(tl.where(i == j, pre, 0.0))
+        col += pj * tl.load(base + j * HD + h, mask=h_mask, other=0.0).to(tl.float32)
+    return col.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _mhc_mix_kernel(
     mix_ptr,
     base_ptr,
@@ -53,14 +79,7 @@ def _mhc_mix_kernel(
     m = (r < HC) & (c < HC)
     offs = 2 * HC + r * HC + c
     logits = tl.load(row + offs, mask=m, other=0.0) * s2 + tl.load(base_ptr + offs, mask=m)
-    logits = tl.where(m, logits, float("-inf"))
-    logits = logits - tl.max(logits, axis=1)[:, None]
-    e = tl.where(m, tl.exp(logits), 0.0)
-    comb = tl.where(m, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    comb = _sinkhorn(logits, m, iters, eps)
     tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=m)
 
 
@@ -172,14 +191,7 @@ def _mhc_pre_finish_kernel(
     post = post_w * rstd * s1 + tl.load(base_ptr + HC + i, mask=vec_mask, other=0.0)
     tl.store(post_ptr + t * HC + i, 2.0 * tl.sigmoid(post), mask=vec_mask)
     logits = comb_w * rstd * s2 + tl.load(base_ptr + 2 * HC + r * HC + c, mask=m, other=0.0)
-    logits = tl.where(m, logits, float("-inf"))
-    logits = logits - tl.max(logits, axis=1)[:, None]
-    e = tl.where(m, tl.exp(logits), 0.0)
-    comb = tl.where(m, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
-    for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    comb = _sinkhorn(logits, m, iters, eps)
     tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=m)
 
     dt = out_ptr.dtype.element_ty
@@ -188,21 +200,13 @@ def _mhc_pre_finish_kernel(
     for h0 in range(0, HD, BLOCK_H):  # pass 1: the collapse's sum of squares
         h = h0 + tl.arange(0, BLOCK_H)
         h_mask = h < HD
-        col = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            pj = tl.sum(tl.where(i == j, pre, 0.0))
-            col += pj * tl.load(base + j * HD + h, mask=h_mask, other=0.0).to(tl.float32)
-        col = col.to(dt).to(tl.float32)
+        col = _collapse(base, pre, i, h, h_mask, dt, HC, HD)
         ss += col * col
     rms = 1.0 / tl.sqrt(tl.sum(ss) / HD + rms_eps)
     for h0 in range(0, HD, BLOCK_H):  # pass 2: the same collapse, normalised and scaled
         h = h0 + tl.arange(0, BLOCK_H)
         h_mask = h < HD
-        col = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            pj = tl.sum(tl.where(i == j, pre, 0.0))
-            col += pj * tl.load(base + j * HD + h, mask=h_mask, other=0.0).to(tl.float32)
-        col = col.to(dt).to(tl.float32)
+        col = _collapse(base, pre, i, h, h_mask, dt, HC, HD)
         normed = (col * rms).to(dt).to(tl.float32)
         w = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64) * HD + h, (w * normed).to(dt), mask=h_mask)
