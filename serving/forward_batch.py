@@ -63,6 +63,17 @@ class KDASaves:
         return cls(passes)
 
 
+# A token id in a batch's input (StepInput): the token sampled for this row by the step launched
+# before, still on the device (ModelRunner.next_tokens; the overlap scheduler's futures).
+FUTURE = -1
+
+
+def resolve_future(ids: torch.Tensor, rows: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    """In place: every FUTURE entry of `ids` (a token of request row rows[i]) becomes the token
+    published for that row. Device ops only (no host sync, capturable)."""
+    ids.copy_(torch.where(ids == FUTURE, next_tokens[rows], ids))
+
+
 @dataclass
 class ForwardBatch:
     """A ragged batch: request b contributes lens[b] new tokens at positions starts[b]...
