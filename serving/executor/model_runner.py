@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.forward_batch import FUTURE, ForwardBatch, resolve_future
+from serving.forward_batch import FUTURE, ForwardBatch, resolve_future, to_device
 from serving.memory.cache import request_rows
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
@@ -54,7 +54,7 @@ class ModelRunner:
             return
         if self.fanout is not None:
             self.fanout.publish(rows, tokens)
-        index = torch.tensor(rows, dtype=torch.int64).to(self.pool.device, non_blocking=True)
+        index = to_device(rows, torch.int64, self.pool.device)
         self.next_tokens[index] = tokens.to(torch.int64)
 
     def mark_step(self) -> torch.cuda.Event | None:

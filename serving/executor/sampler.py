@@ -18,6 +18,7 @@ from itertools import chain
 import torch
 
 from serving.executor.constrained import SequenceGrammar, has_constraint, load_tokenizer
+from serving.forward_batch import to_device
 from serving.protocol import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -254,9 +255,7 @@ def _unpack_bits(bitmask: bytes, size: int) -> torch.Tensor:
 
 
 def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # non_blocking: the host need not wait for the device (the overlap scheduler samples step
-    # N+1 while the device may still run step N)
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).unsqueeze(1)
+    return to_device(values, dtype, device).unsqueeze(1)
 
 
 def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
