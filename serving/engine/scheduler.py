@@ -241,8 +241,8 @@ class Scheduler:
         else:
             self.inflight = launched
         self.refresh_stats()
-        # the lines describe the batch launched now; token counts and throughput what has been
-        # committed (under overlap the launched batch's tokens count in the next line)
+        # a line describes the batch launched now; its token counts and throughput count
+        # committed tokens (under overlap a batch's tokens are committed one step later)
         if isinstance(batch, PrefillBatch):
             self.batch_log.prefill(batch.plan, running, len(self.prefill.waiting))
         elif batch is not None and batch.reqs:
