@@ -35,7 +35,7 @@ class KDASaves:
         cls, saves: list[list[tuple[int, int]]], rows: list[int], lens: list[int], device
     ) -> KDASaves:
         """saves[b]: (after how many of request b's new tokens, slot), ascending."""
-        t = lambda ids: torch.tensor(ids, dtype=torch.int64, device=device)  # noqa: E731
+        t = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
         starts = [sum(lens[:b]) for b in range(len(lens))]
         cuts = [[0] + [a for a, _ in request if a < n] + [n] for request, n in zip(saves, lens)]
         passes = []
@@ -61,6 +61,23 @@ class KDASaves:
                 )
             )
         return cls(passes)
+
+
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host values as a tensor on `device`, the host not waiting for the device: a blocking copy
+    would wait for the step in flight and undo the overlap scheduler."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+# A token id in a batch's input (StepInput): the token sampled for this row by the step launched
+# before, still on the device (ModelRunner.next_tokens; the overlap scheduler's futures).
+FUTURE = -1
+
+
+def resolve_future(ids: torch.Tensor, rows: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    """In place: every FUTURE entry of `ids` (a token of request row rows[i]) becomes the token
+    published for that row. Device ops only (no host sync, capturable)."""
+    ids.copy_(torch.where(ids == FUTURE, next_tokens[rows], ids))
 
 
 @dataclass
@@ -118,9 +135,9 @@ class ForwardBatch:
         device = req_to_token.device
         positions = [s + i for s, n in zip(starts, lens) for i in range(n)]
         token_req = [b for b, n in enumerate(lens) for _ in range(n)]
-        rows_t = torch.tensor(req_rows, dtype=torch.int64, device=device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        tok_req_t = torch.tensor(token_req, dtype=torch.int64, device=device)
+        rows_t = to_device(req_rows, torch.int64, device)
+        pos_t = to_device(positions, torch.int64, device)
+        tok_req_t = to_device(token_req, torch.int64, device)
         if logits == "all":
             logit_index = torch.arange(len(input_ids), device=device)
         elif not isinstance(logits, str):
@@ -129,12 +146,12 @@ class ForwardBatch:
             for n, every in zip(lens, logits):
                 end += n
                 index += range(end - n, end) if every else [end - 1]
-            logit_index = torch.tensor(index, dtype=torch.int64, device=device)
+            logit_index = to_device(index, torch.int64, device)
         else:
-            ends = torch.tensor(lens, device=device).cumsum(0) - 1
+            ends = to_device(lens, torch.int64, device).cumsum(0) - 1
             logit_index = ends.to(torch.int64)
         return cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+            input_ids=to_device(input_ids, torch.int64, device),
             positions=pos_t,
             token_slots=req_to_token[rows_t[tok_req_t], pos_t].to(torch.int64),
             req_rows=rows_t,

@@ -163,7 +163,11 @@ class ServerArgs:
     )
     cuda_graph_max_bs_decode: int = 32
     disable_overlap_schedule: bool = field(
-        default=False, metadata={"help": "accepted; the scheduler does not overlap today"}
+        default=False,
+        metadata={
+            "help": "commit each step before the next is scheduled, so the device waits for "
+            "the CPU's work (off: that work overlaps the next step; serving/engine/scheduler.py)"
+        },
     )
     # speculative decoding
     speculative_algorithm: str | None = field(default=None, metadata={"choices": [None, "EAGLE"]})

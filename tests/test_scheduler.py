@@ -133,3 +133,57 @@ def test_stop_conditions(tiny_ckpt, reference):
     sched = engine(tiny_ckpt)
     got = run(sched, [greedy("tok", p, 10, stop_token_ids=[free[3]])])
     assert got["tok"] == (free[: free.index(free[3]) + 1], FinishReason.stop(free[3]))
+
+
+def test_overlap_gives_the_tokens_of_the_sync_order(tiny_ckpt, reference):
+    """Greedy tokens, finish reasons and leaks with the overlap scheduler (the default) equal
+    --disable-overlap-schedule's; requests that stop (a stop token, EOS, max_tokens) when step N
+    is processed were already in step N+1: its extra token is dropped and their memory comes
+    back only after N+1 (the deferral path is exercised, then nothing leaks)."""
+    ps = prompts(5, seed=4)
+    free = reference(ps[0], 10)
+
+    def requests():
+        return [
+            greedy("stop", ps[0], 10, stop_token_ids=[free[4]]),
+            greedy("short", ps[1], 1),
+            greedy("long", ps[2], 14),
+            GenerateRequest("eos", ps[3], SamplingParams(max_new_tokens=9, temperature=0.0)),
+            greedy("chunked", ps[4] * 3, 6),
+        ]
+
+    flags = ("--chunked-prefill-size", "32")
+    sync = run(engine(tiny_ckpt, *flags, "--disable-overlap-schedule"), requests())
+    sched = engine(tiny_ckpt, *flags)
+    seen = {"in flight": 0, "deferred": 0}
+    step, settle = sched.step, sched.admission.settle
+
+    def watch_step():
+        out = step()
+        seen["in flight"] += sched.inflight is not None
+        return out
+
+    def watch_settle():
+        seen["deferred"] += bool(sched.admission.deferred)
+        settle()
+
+    sched.step, sched.admission.settle = watch_step, watch_settle
+    assert run(sched, requests()) == sync
+    assert sync["stop"][0] == free[:5] and sync["long"][0] == reference(ps[2], 14)
+    assert seen["in flight"] and seen["deferred"]  # it overlapped, and deferred a release
+
+
+def test_abort_of_a_request_in_flight_drops_its_token(tiny_ckpt):
+    sched = engine(tiny_ckpt)
+    sched.add(greedy("a", list(range(40)), 50))
+    sched.add(greedy("b", list(range(20)), 5))
+    got: list[int] = []
+    while len(got) < 3:
+        got += [t for o in sched.step() if o.rid == "a" for t in o.new_token_ids]
+    a = next(r for r in sched.inflight.reqs if r.rid == "a")
+    sched.abort("a")
+    assert a.row in sched.pool.rows.used and a in sched.admission.deferred  # until step done
+    outs = [o for o in sched.step() if o.rid == "a"]
+    assert outs and outs[0].finished and outs[0].new_token_ids == []
+    assert all(o.rid != "a" for o in sched.step())  # the launched step's token never goes out
+    run(sched, [])

@@ -66,6 +66,7 @@ class Room:
     dest: Destination | None = None
     req: Req | None = None
     sent_pages: int = 0
+    computed: int = 0  # prompt tokens whose KV the device has finished (chunk_prefilled)
     in_flight: int = 0  # transfer jobs queued or running
     failure: str | None = None
     abort_from: str | None = None  # decode asked to abort: ack once nothing is in flight
@@ -320,13 +321,15 @@ class PrefillRole(Role):
         # else: held, its last write in flight; _on_job_done finishes it
 
     # ---- scheduler hooks ----
-    # The hooks below only record what to ship: the step is not over when they run (the
-    # draft still extends over the chunk), so the writes go out from poll(), after the step.
-    def chunk_prefilled(self, req: Req) -> None:
+    # The hooks below only record what to ship (the step's device work is complete when they
+    # run); the writes go out from poll(), after the step.
+    def chunk_prefilled(self, req: Req, end: int) -> None:
         room_id = self.by_rid.get(req.rid)
-        if room_id is not None and req.uncached > 0:  # the last chunk ships in finished()
+        if room_id is not None and end < len(req.input_ids):  # the last chunk: finished()
             room = self.rooms[room_id]
             room.req = req
+            # not req.cached: under the overlap scheduler it may count a chunk still computing
+            room.computed = end
             if not room.scores_only:
                 self.to_ship.append((room_id, False))
 
@@ -361,7 +364,7 @@ class PrefillRole(Role):
             if room is None or room.failure is not None:
                 continue
             req = room.req
-            end = len(req.pages) if final else req.cached // self.scheduler.pool.plan.page_size
+            end = len(req.pages) if final else room.computed // self.scheduler.pool.plan.page_size
             if end <= room.sent_pages and not final:
                 continue
             src, dst = req.pages[room.sent_pages : end], room.dest.pages[room.sent_pages : end]

@@ -21,6 +21,12 @@ could never be matched.
 Invariant: a request owns its row and the pages in req.pages but not in req.shared_pages from
 admit() until release(); the tree owns the shared ones, and the request's KV lock on req.prefix
 keeps them. No other code hands rows, pages or state slots to a request or takes them back.
+
+Hazard (the overlap scheduler): a request that finishes while a launched step still holds it
+(req.in_flight) may still have its row and pages written by the device: an extra decode step
+whose token is discarded. release() then only defers; settle(), after that step completed,
+frees. Freeing at once would be safe for the device's own later kernels (one stream), but not
+for writers outside the stream: a PD transfer into pages or a row handed out again.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class Admission:
         self.grid = cache.grid if cache is not None else 0
         self.track_interval, self.vocab = track_interval, vocab
         self.pair_keys = pool.draft is not None
+        self.deferred: list[Req] = []  # released while in flight; freed by settle()
 
     # ---- admit ----
     def admit(self, req: Req, max_tokens: int, reserve: int) -> int | None:
@@ -118,7 +125,12 @@ class Admission:
     # ---- release ----
     def release(self, req: Req) -> None:
         """Everything back: the last tracked snapshot (and the KV before it) goes into the
-        cache, the cache's pages are unlocked, the request's own pages and row are freed."""
+        cache, the cache's pages are unlocked, the request's own pages and row are freed.
+        Deferred to settle() while a launched step still holds the request."""
+        if req.in_flight:
+            if req not in self.deferred:
+                self.deferred.append(req)
+            return
         if req.track_slot is not None:
             slot, req.track_slot = req.track_slot, None
             if req.track_pos > self._prefix_len(req):
@@ -137,6 +149,13 @@ class Admission:
         if req.row is not None:
             self.pool.free_row(req.row)
             req.row = None
+
+    def settle(self) -> None:
+        """Release the deferred requests whose last step has completed."""
+        done = [r for r in self.deferred if not r.in_flight]
+        self.deferred = [r for r in self.deferred if r.in_flight]
+        for req in done:
+            self.release(req)
 
     def owned_pages(self, req: Req) -> list[int]:
         """The pages `req` itself owns (for the pool invariant)."""

@@ -3,18 +3,24 @@ finish: the one place a request ends (queues, role hook, memory, the last output
 
 Plain decode, EAGLE's verify and PD decode's first token (sampled by prefill) all commit
 through here, so a token is appended, counted and checked for stops the same way everywhere.
+
+Under the overlap scheduler a step's tokens are drawn when it is launched (draw_step: on the
+device, the copy to the host under way) and committed when it is processed (commit_sampled),
+after the next step was launched. Hazard: a request may have finished (a stop, an abort) in
+between; its token from that step is then discarded, never appended.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from serving.engine.admission import Admission
 from serving.engine.request import Req, RoleHooks
 from serving.engine.stop_conditions import StopConditions
-from serving.executor.sampler import Sampler
+from serving.executor.sampler import SampledTokens, Sampler
 from serving.protocol import (
     FinishReason,
     GenerateRequest,
@@ -22,6 +28,38 @@ from serving.protocol import (
     SequenceOutput,
     TokenLogprob,
 )
+
+
+@dataclass
+class Sampled:
+    """One token drawn per request of `reqs`: on the host (`host`: token and logprob entry), or
+    still on the device (`device`)."""
+
+    reqs: list[Req]
+    host: list[tuple[int, list[TokenLogprob] | None]] | None = None
+    device: SampledTokens | None = None
+
+    def results(self) -> list[tuple[int, list[TokenLogprob] | None]]:
+        """Waits for the device's copy when there is one."""
+        if self.host is None:
+            self.host = [(tok, None) for tok in self.device.tolist()]
+        return self.host
+
+
+@dataclass
+class Launched:
+    """A step whose forward is launched and whose tokens are not committed yet. `reqs`: every
+    request in it (each counted in req.in_flight until processed); sync: processed right after
+    its launch (nothing overlaps it). kind names the manager that processes it; event
+    (ModelRunner.mark_step) is reached when the device has finished the step."""
+
+    kind: str
+    reqs: list[Req]
+    sampled: Sampled
+    sync: bool
+    event: object = None
+    ends: list[int] = field(default_factory=list)  # prefill: each request's end of chunk
+    started: list[Req] = field(default_factory=list)  # prefill: requests that start decoding
 
 
 class Commit:
@@ -39,11 +77,6 @@ class Commit:
         self.unqueue = unqueue  # takes a finished request out of the scheduler's queues
         self.outputs: list[SequenceOutput] = []
 
-    def sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        """Sample one token per request from its logits row and commit it."""
-        for req, (tok, lp) in zip(reqs, self.draw(reqs, logits)):
-            self.commit(req, [tok], lp)
-
     def draw(
         self, reqs: list[Req], logits: torch.Tensor
     ) -> list[tuple[int, list[TokenLogprob] | None]]:
@@ -58,6 +91,22 @@ class Commit:
             (tok, [logprobs[i]] if logprobs is not None and want[i] >= 0 else None)
             for i, tok in enumerate(tokens)
         ]
+
+    def draw_step(self, reqs: list[Req], logits: torch.Tensor, sync: bool) -> Sampled:
+        """A step's tokens: drawn on the host at once (sync), or left on the device (every
+        request overlap-safe, no logprobs wanted: the scheduler checks)."""
+        if sync or not reqs:
+            return Sampled(reqs, host=self.draw(reqs, logits))
+        return Sampled(reqs, device=self.sampler.sample_async(logits, [r.sampling for r in reqs]))
+
+    def commit_sampled(self, sampled: Sampled) -> None:
+        """Commit a processed step's tokens; a request that finished since its launch drops
+        its token (the extra step's output)."""
+        on_device = sampled.device is not None  # each such token was counted in req.pending
+        for req, (tok, lp) in zip(sampled.reqs, sampled.results()):
+            req.pending -= on_device
+            if req.finish_reason is None:
+                self.commit(req, [tok], lp)
 
     def commit(
         self, req: Req, tokens: list[int], logprobs: list[TokenLogprob] | None = None

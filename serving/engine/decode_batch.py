@@ -2,9 +2,10 @@
 
 schedule(): grow every running request by the tokens one step writes (evicting cached pages,
 then retracting the newest other request when pages run out; the retracted ones go back to the
-prefill queue). run(): one decode forward, or an EAGLE draft + verify step, over all of them;
-snapshot the KDA state of each request that crossed a grid position (admission.track, or from
-EAGLE's verify history); commit what it sampled; hand the prefix cache a snapshot every
+prefill queue). launch(): one decode forward, or an EAGLE draft + verify step, over all of
+them; snapshot the KDA state of each request that crossed a grid position (admission.track, or
+from EAGLE's verify history); draw the tokens. process() (under the overlap scheduler after the
+next step was launched): commit them; hand the prefix cache a snapshot every
 --mamba-track-interval tokens.
 """
 
@@ -14,9 +15,10 @@ import logging
 from dataclasses import dataclass, field
 
 from serving.engine.admission import Admission
-from serving.engine.commit import Commit
+from serving.engine.commit import Commit, Launched, Sampled
 from serving.engine.request import Req
 from serving.executor.model_runner import ModelRunner, StepInput
+from serving.forward_batch import FUTURE
 from serving.protocol import FinishReason, SchedulerStats
 from serving.speculative.eagle import Eagle, Proposal
 
@@ -44,37 +46,68 @@ class DecodeManager:
         self.tokens_per_step = 1 if spec is None else spec.steps + 1
         self.running: list[Req] = []
 
-    def schedule(self) -> DecodeBatch:
+    def schedule(self, retract: bool = True) -> DecodeBatch | None:
+        """Grow every request the step decodes; None when one needs a retraction and `retract`
+        is False (a step is in flight: retract only after it completed, see scheduler.py)."""
         retracted: list[Req] = []
         for req in list(self.running):
-            if req not in self.running:
-                continue  # retracted for an earlier request of this loop
+            if req not in self.running or self._ends_pending(req):
+                continue  # retracted for an earlier request of this loop / done when committed
             while req.finish_reason is None and not self.admission.grow(
                 req, req.cached + self.tokens_per_step
             ):
+                if not retract:
+                    return None
                 victim = self._retract_one(keep=req)
                 if victim is None:
                     reason = FinishReason.abort("out of KV cache memory while decoding", 503)
                     self.commit.finish(req, reason)
                 else:
                     retracted.append(victim)
-        return DecodeBatch([r for r in self.running if r.finish_reason is None], retracted)
+        reqs = [r for r in self.running if r.finish_reason is None and not self._ends_pending(r)]
+        return DecodeBatch(reqs, retracted)
 
-    def run(self, batch: DecodeBatch) -> None:
+    def _ends_pending(self, req: Req) -> bool:
+        """Its pending tokens will end it by length: decoding past it would be wasted, and on a
+        PD prefill worker (max_new_tokens 1) would change the row's state before it is shipped
+        (hazard)."""
+        return req.pending > 0 and self.commit.stops.ends_by_length(req, req.pending)
+
+    def launch(self, batch: DecodeBatch, sync: bool) -> Launched:
+        """One decode forward (a request whose last token is pending reads it on the device:
+        FUTURE) and its tokens drawn; EAGLE's step runs whole here (it is always sync)."""
         reqs = batch.reqs
-        if not reqs:
-            return
-        committed = self.stats.generation_tokens_total
         if self.spec is not None:
+            committed = self.stats.generation_tokens_total
             self._run_speculative(reqs)
-        else:
-            out = self.runner.forward([StepInput(r.row, r.cached, [r.fill_ids[-1]]) for r in reqs])
-            before = [r.cached for r in reqs]
+            self.stats.decode_tokens_total += self.stats.generation_tokens_total - committed
+            return Launched("decode", [], Sampled([], host=[]), True)
+        out = self.runner.forward(
+            [StepInput(r.row, r.cached, [FUTURE if r.pending else r.fill_ids[-1]]) for r in reqs]
+        )
+        before = [r.cached for r in reqs]
+        for r in reqs:
+            r.cached += 1
+            r.in_flight += 1
+        # The snapshot of a request that crossed a grid position is taken now, before the next
+        # step changes its state. With a stop found only when this step's predecessor is
+        # processed, it covers the stop token itself: still committed tokens only.
+        self.admission.track(reqs, before)
+        sampled = self.commit.draw_step(reqs, out.logits, sync)
+        if sampled.device is not None:
+            self.runner.publish([r.row for r in reqs], sampled.device.device)
             for r in reqs:
-                r.cached += 1
-            self.admission.track(reqs, before)
-            self.commit.sample(reqs, out.logits)
-            self._checkpoint(reqs)
+                r.pending += 1
+        return Launched("decode", reqs, sampled, sync, self.runner.mark_step())
+
+    def process(self, launched: Launched) -> None:
+        """After the step completed: commit its tokens, hand the cache due snapshots."""
+        reqs = launched.reqs
+        committed = self.stats.generation_tokens_total
+        for r in reqs:
+            r.in_flight -= 1
+        self.commit.commit_sampled(launched.sampled)
+        self._checkpoint(reqs)
         self.stats.decode_tokens_total += self.stats.generation_tokens_total - committed
 
     def _run_speculative(self, reqs: list[Req]) -> None:
@@ -108,6 +141,7 @@ class DecodeManager:
         for victim in reversed(self.running):
             if victim is keep or victim.finish_reason is not None:
                 continue
+            assert not victim.in_flight, "retraction only with no step in flight"
             self.running.remove(victim)
             self.admission.release(victim)
             victim.cached = 0

@@ -4,13 +4,16 @@ the one request part-way through chunked prefill.
 schedule(): continue the chunk-prefilling request, then admit waiting requests FIFO (a cached
 prefix first: admission.admit) while rows, pages (one per running request kept in reserve), the
 token budget and max_running_requests allow; pick each chunk's snapshot points for the prefix
-cache. run(): one forward over the plan (the KDA layers snapshot inside it), score prompt
-logprobs, sample a first token for the requests whose prompt is complete, let the draft catch
-up over the chunk, give the cache the chunks' KV and snapshots, then commit the tokens.
+cache. launch(): one forward over the plan (the KDA layers snapshot inside it), score prompt
+logprobs, draw a first token for the requests whose prompt is complete, let the draft catch up
+over the chunk, give the cache the chunks' KV and snapshots. process() (after the step
+completed; under the overlap scheduler after the next step was launched): the role hooks, then
+commit the tokens.
 
-Order in run() (hazard): the draft's KV of a chunk and the chunk's insertion into the cache come
-before commit, because commit may finish a request and release it; a cached page must never
-miss its draft KV.
+Order (hazard): the draft's KV of a chunk and the chunk's insertion into the cache come before
+commit, because commit may finish a request and release it; a cached page must never miss its
+draft KV. The cache may hold a chunk before the device computed it: every reader of the cache
+runs on the device after it, in stream order.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.engine.admission import Admission
-from serving.engine.commit import Commit
+from serving.engine.commit import Commit, Launched
 from serving.engine.request import Req, RoleHooks, SchedulerConfig
 from serving.executor.model_runner import ModelRunner, StepInput
 from serving.executor.sampler import score_tokens
@@ -103,8 +106,10 @@ class PrefillManager:
             return None
         return PrefillBatch(plan, [self.admission.plan_save(req, n) for req, n in plan])
 
-    def run(self, batch: PrefillBatch) -> list[Req]:
-        """One forward over the batch; returns the requests that start decoding."""
+    def launch(self, batch: PrefillBatch, sync: bool) -> Launched:
+        """One forward over the batch, the first tokens drawn (on the device unless `sync`:
+        the scheduler decides), the draft extended and the chunks cached; Launched.started
+        are the requests that start decoding (their first token may still be pending)."""
         plan = batch.plan
         targets = [req.prompt_targets(n) for req, n in plan]
         every = [bool(t) for t in targets]  # all of a chunk's logits, to score its prompt
@@ -120,6 +125,7 @@ class PrefillManager:
         last_row = self._score_prompts(plan, targets, out.logits)
         for req, n in plan:
             req.cached += n
+            req.in_flight += 1
             if req.uncached == 0 and self.prefilling is req:
                 self.prefilling = None
         # max_tokens 0 with prompt logprobs: scored, nothing to sample (on a PD prefill worker
@@ -129,23 +135,39 @@ class PrefillManager:
             for i, (req, _) in enumerate(plan)
             if req.uncached == 0 and req.sampling.params.max_new_tokens > 0
         ]
-        drawn = self.commit.draw(
-            [plan[i][0] for i in done], out.logits[[last_row[i] for i in done]]
-        )
-        first = {i: tok for i, (tok, _) in zip(done, drawn)}  # the sampled token, by plan index
+        started = [plan[i][0] for i in done]
+        sampled = self.commit.draw_step(started, out.logits[[last_row[i] for i in done]], sync)
+        # the sampled token, by plan index, when on the host (always with a draft: EAGLE's
+        # steps are sync)
+        first = {i: tok for i, (tok, _) in zip(done, sampled.host or [])}
         if self.spec is not None:
             self._extend_draft(plan, out.hidden, first)
         for i, ((req, n), saves) in enumerate(zip(plan, batch.saves)):
+            # the cache keys reach the first token only with a draft (pair keys), so the
+            # pending first token is never needed here
             tokens = req.fill_ids + ([first[i]] if i in first else [])
             for at, slot in saves:
                 self.admission.insert(req, req.cached - n + at, slot, tokens)
-        for req, _ in plan:
-            self.hooks.chunk_prefilled(req)
-            if req.uncached == 0 and req.sampling.params.max_new_tokens == 0:
+        if sampled.device is not None:
+            self.runner.publish([r.row for r in started], sampled.device.device)
+            for req in started:
+                req.pending += 1
+        reqs = [req for req, _ in plan]
+        ends = [r.cached for r in reqs]
+        return Launched("prefill", reqs, sampled, sync, self.runner.mark_step(), ends, started)
+
+    def process(self, launched: Launched) -> None:
+        """After the step completed: tell the role each chunk's KV is there, then commit the
+        first tokens. A request finished (aborted) since the launch gets neither."""
+        for req in launched.reqs:
+            req.in_flight -= 1
+        for req, end in zip(launched.reqs, launched.ends):
+            if req.finish_reason is not None:
+                continue
+            self.hooks.chunk_prefilled(req, end)
+            if end == len(req.input_ids) and req.sampling.params.max_new_tokens == 0:
                 self.commit.finish(req, FinishReason.length())
-        for i, (tok, lp) in zip(done, drawn):
-            self.commit.commit(plan[i][0], [tok], lp)
-        return [plan[i][0] for i in done if plan[i][0].finish_reason is None]
+        self.commit.commit_sampled(launched.sampled)
 
     def _score_prompts(
         self, plan: list[tuple[Req, int]], targets: list[range], logits: torch.Tensor

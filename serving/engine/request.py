@@ -20,8 +20,10 @@ class RoleHooks:
     until the role calls Scheduler.release_held(); nothing else frees them.
     """
 
-    def chunk_prefilled(self, req: Req) -> None:
-        """req.cached tokens of req are now in the cache (after every prefill chunk)."""
+    def chunk_prefilled(self, req: Req, end: int) -> None:
+        """The KV and state of req's first `end` tokens are computed (after every prefill
+        chunk, once its step completed). Under the overlap scheduler req.cached may already
+        count a later chunk the device is still computing: only `end` is safe to read."""
 
     def finished(self, req: Req) -> bool:
         """req just finished; True = the role holds its memory and reports it later."""
@@ -51,6 +53,7 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # None: no bound
     prefix_cache: bool = False  # the radix cache (needs state slots in the pool)
     track_interval: int = 256  # decode hands the cache a snapshot every this many tokens
+    overlap: bool = True  # launch step N+1 before committing step N (scheduler.py)
     # observability (serving/engine/batch_log.py)
     disaggregation_mode: str = "null"
     decode_log_interval: int = 40
@@ -78,6 +81,13 @@ class Req:
     branch: int = 0  # grid position where its tokens leave the cache's KV (a state is worth it)
     cached_tokens: int | None = None  # prompt tokens the cache served at its first admission
     finish_reason: FinishReason | None = None
+    # The overlap scheduler (scheduler.py). in_flight: launched steps holding this request whose
+    # results are not processed yet; its row and pages are freed only at 0 (admission.release
+    # defers). pending: tokens sampled for it still on the device, each committed when its step
+    # is processed (2 at most: step N+1 launched before step N's commit); the newest is at its
+    # row of ModelRunner.next_tokens, and the next step's input is FUTURE.
+    in_flight: int = 0
+    pending: int = 0
     last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
     # Prompt logprobs: prompt positions below `input_scored` are scored (or not wanted) and in
     # `input_logprobs`, which go out once, with the first output (a retracted request's

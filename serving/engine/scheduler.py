@@ -14,6 +14,22 @@ commit.commit (sampled tokens join a request, stops are checked). The halves own
 PrefillManager (prefill_batch.py) the waiting and chunk-prefilling requests, DecodeManager
 (decode_batch.py) the running ones; this file composes them. Req, SchedulerConfig and the role's
 hooks: request.py; when a request stops: stop_conditions.py.
+
+The overlap scheduler (SGLang's; on unless --disable-overlap-schedule). A step is launched
+(forward and sampling queued on the device) and processed (its tokens committed: stops,
+outputs) in two halves, and one step stays in flight: step() schedules and launches step N+1,
+then processes step N, whose device work ran meanwhile, while the device runs N+1. A request
+whose token of step N is still on the device is `pending`; N+1 reads that token there (FUTURE
+in its input, ModelRunner.next_tokens). Hazards:
+- a request that finishes when step N is processed is already in step N+1: its extra token is
+  discarded (commit_sampled), and its row and pages are freed only after N+1 completed
+  (admission.release defers to settle()). A request whose pending token ends it by length is
+  left out of N+1 (decode_batch._ends_pending), so max_tokens costs no extra step;
+- retraction frees a running request's memory at once: it happens only with nothing in flight;
+- what cannot be sampled before the previous token reaches the host (logprobs, penalties,
+  min_new_tokens, grammars, seeded draws: sampler.overlap_safe) and EAGLE's steps (their
+  verify reads the host) run sync: the step in flight is processed first, the new one right
+  after its launch. So does every step with --disable-overlap-schedule: today's order.
 """
 
 from __future__ import annotations
@@ -23,13 +39,13 @@ import os
 
 from serving.engine.admission import Admission, snapshot_grid
 from serving.engine.batch_log import BatchLog
-from serving.engine.commit import Commit
-from serving.engine.decode_batch import DecodeManager
-from serving.engine.prefill_batch import PrefillManager
+from serving.engine.commit import Commit, Launched
+from serving.engine.decode_batch import DecodeBatch, DecodeManager
+from serving.engine.prefill_batch import PrefillBatch, PrefillManager
 from serving.engine.request import Req, RoleHooks, SchedulerConfig
 from serving.engine.stop_conditions import StopConditions
 from serving.executor.model_runner import ModelRunner
-from serving.executor.sampler import Sampler, SamplingState
+from serving.executor.sampler import Sampler, SamplingState, overlap_safe
 from serving.memory.pool import MemoryPool
 from serving.memory.radix_cache import RadixCache
 from serving.protocol import (
@@ -82,6 +98,7 @@ class Scheduler:
         self.prefill = PrefillManager(config, runner, self.admission, self.commit, self.hooks, spec)
         self.decode = DecodeManager(runner, self.admission, self.commit, self.stats, spec)
         self.batch_log = BatchLog(config, self.stats, runner, spec, self.hooks)
+        self.inflight: Launched | None = None  # launched, not processed yet (overlap)
 
     @property
     def running(self) -> list[Req]:
@@ -207,7 +224,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.prefill.queued or self.running)
+        return bool(self.prefill.queued or self.running or self.inflight)
 
     @property
     def pending_outputs(self) -> bool:
@@ -215,26 +232,70 @@ class Scheduler:
 
     # ---- one forward ----
     def step(self) -> list[SequenceOutput]:
+        """Launch the next step, then process the one in flight (overlap), or both in order."""
         running = len(self.running)
-        batch = self.prefill.schedule(running)
-        step = None
-        if batch is not None:
-            self.running.extend(self.prefill.run(batch))
-        elif self.running:
-            step = self.decode.schedule()
-            for victim in step.retracted:
-                self.prefill.requeue(victim)
-            self.decode.run(step)
+        launched, batch = self._launch()
+        self._drain()
+        if launched is not None and launched.sync:
+            self._process(launched)
+        else:
+            self.inflight = launched
         self.refresh_stats()
-        if batch is not None:
+        # a line describes the batch launched now; its token counts and throughput count
+        # committed tokens (under overlap a batch's tokens are committed one step later)
+        if isinstance(batch, PrefillBatch):
             self.batch_log.prefill(batch.plan, running, len(self.prefill.waiting))
-        elif step is not None and step.reqs:
-            self.batch_log.decode(len(step.reqs), len(self.prefill.waiting))
+        elif batch is not None and batch.reqs:
+            self.batch_log.decode(len(batch.reqs), len(self.prefill.waiting))
         if CHECK_INVARIANTS:
             self.check_invariants()
         out, self.commit.outputs = self.commit.outputs, []
         self.batch_log.finished(out)
         return out
+
+    def _launch(self) -> tuple[Launched | None, PrefillBatch | DecodeBatch | None]:
+        """The step launched (None: nothing to run) and the batch it runs."""
+        batch = self.prefill.schedule(len(self.running))
+        if batch is not None:
+            # a drain here commits nothing of the batch: its requests are new or mid-prompt
+            sync = self._sync([req for req, _ in batch.plan])
+            if sync:
+                self._drain()
+            launched = self.prefill.launch(batch, sync)
+            self.running.extend(launched.started)
+            return launched, batch
+        if not self.running:
+            return None, None
+        sync = self._sync(self.running)
+        if sync:
+            self._drain()
+        step = self.decode.schedule(retract=self.inflight is None)
+        if step is None:  # out of pages: retract only once the step in flight is done
+            self._drain()
+            step = self.decode.schedule()
+        for victim in step.retracted:
+            self.prefill.requeue(victim)
+        return (self.decode.launch(step, sync) if step.reqs else None), step
+
+    def _sync(self, reqs: list[Req]) -> bool:
+        """Whether the next step over reqs must not overlap the one in flight."""
+        return (
+            not self.cfg.overlap
+            or self.spec is not None
+            or any(r.return_logprob or not overlap_safe(r.sampling) for r in reqs)
+        )
+
+    def _drain(self) -> None:
+        if self.inflight is not None:
+            launched, self.inflight = self.inflight, None
+            self._process(launched)
+
+    def _process(self, launched: Launched) -> None:
+        if launched.event is not None:
+            launched.event.synchronize()  # the device finished the step
+        manager = self.prefill if launched.kind == "prefill" else self.decode
+        manager.process(launched)
+        self.admission.settle()
 
     # ---- the prefix cache ----
     def flush_cache(self) -> str | None:
@@ -262,7 +323,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         live = self._live()
-        holders = live + self.hooks.owned()
+        holders = live + self.hooks.owned() + self.admission.deferred
         owners = {r.rid: (r.row, self.admission.owned_pages(r)) for r in holders}
         slots = {r.rid: [r.track_slot] for r in holders if r.track_slot is not None}
         if self.cache is not None:

@@ -248,6 +248,7 @@ def build_engine(args: ServerArgs, role=None):
             args.queue_limit,
             prefix_cache=args.radix_cache,
             track_interval=args.mamba_track_interval,
+            overlap=not args.disable_overlap_schedule,
             disaggregation_mode=args.disaggregation_mode,
             decode_log_interval=args.decode_log_interval,
             log_requests=args.log_requests,
@@ -455,6 +456,9 @@ def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
         pool.replay(msg.journal)
         if msg.kind == "forward":
             runner.forward(*msg.payload)
+        elif msg.kind == "publish":
+            tokens = torch.empty(len(msg.payload), dtype=torch.int64, device=pool.device)
+            runner.publish(msg.payload, broadcast_tensor(tokens))
         elif msg.kind == "extend_draft":
             rows, starts, tokens = msg.payload
             hidden = torch.empty(

@@ -46,6 +46,15 @@ class StopConditions:
                     return FinishReason.stop(pattern)
         if (grammar_reason := req.sampling.grammar_finish_reason()) is not None:
             return grammar_reason
-        if len(req.output_ids) >= p.max_new_tokens or len(req.fill_ids) >= self.context_length:
+        if self.ends_by_length(req, 0):
             return FinishReason.length()
         return None
+
+    def ends_by_length(self, req: Req, more: int) -> bool:
+        """Whether req reaches max_new_tokens or the context with `more` tokens beyond those
+        appended (the overlap scheduler: a pending token that will certainly end it)."""
+        p = req.sampling.params
+        return (
+            len(req.output_ids) + more >= p.max_new_tokens
+            or len(req.fill_ids) + more >= self.context_length
+        )

@@ -5,7 +5,9 @@ rows, start positions, token ids, logits mode) and the pool journal (row resets,
 the last forward), never text. With EAGLE it also sends the host inputs of each speculative
 program (draft extend, draft+verify, then the committed tokens for roll-back and catch-up).
 Followers (serving/engine/scheduler_process.run_follower) replay the journal into their own
-request table and run the same programs; rank 0 samples.
+request table and run the same programs; rank 0 samples. Under the overlap scheduler rank 0
+also broadcasts each step's sampled tokens (device to device, "publish"), since the next
+forward's inputs may name them (FUTURE) before any host has seen them.
 
 Hazard: every rank must enter the same collectives in the same order. So all forwards go
 through ModelRunner.forward or Eagle's programs (the fanout points), and a follower never
@@ -23,9 +25,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from serving.distributed import (
     ParallelState,
     broadcast_object,
+    broadcast_tensor,
     gather_object,
     init_parallel,
     init_simulated,
@@ -41,12 +46,13 @@ KEEPALIVE = "keepalive"
 
 @dataclass(frozen=True)
 class StepMessage:
-    """kind: "forward" (payload (items, logits)), or one of EAGLE's programs: "extend_draft"
-    ((rows, starts, next tokens); the target hiddens follow as a tensor broadcast),
-    "spec_verify" (host [3, B] tensor), "spec_commit" ((padded, last, state captures)),
-    "role" (the PD role's orders for its follower plug) or "profile" (/start_profile and
-    /stop_profile orders, serving/engine/profiler.py); every follower answers those two in a
-    gather."""
+    """kind: "forward" (payload (items, logits)), "publish" (request rows; rank 0's sampled
+    tokens for them follow as a tensor broadcast: the overlap scheduler's FUTURE inputs), or
+    one of EAGLE's programs: "extend_draft" ((rows, starts, next tokens); the target hiddens
+    follow as a tensor broadcast), "spec_verify" (host [3, B] tensor), "spec_commit" ((padded,
+    last, state captures)), "role" (the PD role's orders for its follower plug) or "profile"
+    (/start_profile and /stop_profile orders, serving/engine/profiler.py); every follower
+    answers those two in a gather."""
 
     kind: str
     journal: list[tuple]
@@ -67,6 +73,10 @@ class RankFanout:
     def send(self, kind: str, payload: object) -> None:
         broadcast_object(StepMessage(kind, self.pool.take_journal(), payload))
         self.last = time.monotonic()
+
+    def publish(self, rows: list[int], tokens: torch.Tensor) -> None:
+        self.send("publish", rows)
+        broadcast_tensor(tokens.to(torch.int64).contiguous())
 
     def ask(self, payload: object, kind: str = "role") -> list:
         """The followers' answers (ranks 1..N-1, in order) to `payload` (the role's, or a

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from serving.forward_batch import ForwardBatch
+from serving.forward_batch import ForwardBatch, resolve_future
 from serving.layers.mlp import max_captured_tokens
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
@@ -81,7 +81,8 @@ class DecodeGraphs:
     def fits(self, bs: int) -> bool:
         return bs <= self.sizes[-1]
 
-    def replay(self, items) -> ForwardOutput:
+    def replay(self, items, next_tokens: torch.Tensor | None = None) -> ForwardOutput:
+        """next_tokens: ModelRunner.next_tokens when some token ids are FUTURE."""
         n = len(items)
         bs = next(s for s in self.sizes if s >= n)
         pad = bs - n
@@ -90,9 +91,11 @@ class DecodeGraphs:
         host = torch.tensor(
             [[it.token_ids[0] for it in items] + [0] * pad, starts, rows], dtype=torch.int64
         ).to(self.pool.device, non_blocking=True)
-        self.input_ids[:bs].copy_(host[0])
-        self.positions[:bs].copy_(host[1])
         self.req_rows[:bs].copy_(host[2])
+        self.input_ids[:bs].copy_(host[0])
+        if next_tokens is not None:
+            resolve_future(self.input_ids[:bs], self.req_rows[:bs], next_tokens)
+        self.positions[:bs].copy_(host[1])
         self.token_slots[:bs].copy_(self.pool.req_to_token[host[2], host[1]])
         graph, out = self.graphs[bs]
         graph.replay()

@@ -2,13 +2,20 @@
 
 Decode batches (one token per request) replay a captured CUDA graph when one fits
 (serving/executor/cuda_graph.py); everything else runs eagerly.
+
+The overlap scheduler launches step N+1 before step N's sampled tokens reach the host. Such a
+token is FUTURE in the StepInput; publish() left it in `next_tokens` (by request row) on the
+device, and the forward reads it from there (resolve_future), so nothing waits for the host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serving.forward_batch import ForwardBatch
+import torch
+
+from serving.forward_batch import FUTURE, ForwardBatch, resolve_future, to_device
+from serving.memory.cache import request_rows
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
 
@@ -32,6 +39,32 @@ class ModelRunner:
         # TP rank 0: called with (items, logits) before every forward, so the other ranks run
         # the same forward (serving/engine/tp_worker.py). Followers leave it None.
         self.fanout = None
+        # The last token sampled for each request row, on the device (the overlap scheduler's
+        # futures). Hazard: a row's entry is valid only until its request's next step samples
+        # again; the scheduler keeps at most one step in flight, so a FUTURE always refers to
+        # the step launched just before the one that reads it.
+        self.next_tokens = torch.zeros(
+            request_rows(pool.req_to_token), dtype=torch.int64, device=pool.device
+        )
+
+    def publish(self, rows: list[int], tokens: torch.Tensor) -> None:
+        """The tokens just sampled (device [len(rows)]) for these request rows, for the next
+        step's FUTURE inputs; under TP the other ranks get them too (one broadcast)."""
+        if not rows:
+            return
+        if self.fanout is not None:
+            self.fanout.publish(rows, tokens)
+        index = to_device(rows, torch.int64, self.pool.device)
+        self.next_tokens[index] = tokens.to(torch.int64)
+
+    def mark_step(self) -> torch.cuda.Event | None:
+        """An event behind everything launched so far (None off CUDA, where each op has
+        finished when it returns): once it is reached, the step's pages and rows are written."""
+        if not self.pool.req_to_token.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def enable_decode_graphs(self, max_bs: int) -> None:
         from serving.executor.cuda_graph import DecodeGraphs
@@ -56,11 +89,15 @@ class ModelRunner:
     def forward(self, items: list[StepInput], logits: str | list[bool] = "last") -> ForwardOutput:
         if self.fanout is not None:
             self.fanout(items, logits)
+        future = any(FUTURE in item.token_ids for item in items)
         if (
             self.graphs is not None
             and logits == "last"
             and all(len(item.token_ids) == 1 and not item.saves for item in items)
             and self.graphs.fits(len(items))
         ):
-            return self.graphs.replay(items)
-        return self.model(self.build_batch(items, logits), self.pool.target)
+            return self.graphs.replay(items, self.next_tokens if future else None)
+        batch = self.build_batch(items, logits)
+        if future:
+            resolve_future(batch.input_ids, batch.req_rows[batch.token_req], self.next_tokens)
+        return self.model(batch, self.pool.target)

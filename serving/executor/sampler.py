@@ -18,6 +18,7 @@ from itertools import chain
 import torch
 
 from serving.executor.constrained import SequenceGrammar, has_constraint, load_tokenizer
+from serving.forward_batch import to_device
 from serving.protocol import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -116,6 +117,29 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
         if top_logprobs is not None and len(top_logprobs) != len(states):
             raise ValueError(f"{len(top_logprobs)} top_logprobs entries for {len(states)} rows")
+        raw, tokens, grammars = self._tokens(logits, states)
+        token_ids = tokens.tolist()
+        for i, grammar in grammars.items():
+            grammar.advance(token_ids[i])
+        if top_logprobs is None:
+            return token_ids, None
+        return token_ids, _logprobs(raw, tokens, token_ids, top_logprobs)
+
+    def sample_async(self, logits: torch.Tensor, states: list[SamplingState]) -> SampledTokens:
+        """sample() without waiting for the device: the tokens stay there (for the next step's
+        inputs) and their copy to the host is under way. Only for rows that are overlap_safe:
+        nothing here may read a token still on its way."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+        unsafe = [i for i, s in enumerate(states) if not overlap_safe(s)]
+        if unsafe:
+            raise ValueError(f"rows {unsafe} need their previous tokens on the host to sample")
+        return SampledTokens(self._tokens(logits, states)[1])
+
+    def _tokens(
+        self, logits: torch.Tensor, states: list[SamplingState]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, SequenceGrammar]]:
+        """(raw logits, sampled token ids on the device, the grammars still to advance)."""
         # Columns past the vocabulary (a padded lm_head) must never be sampled.
         raw = logits[:, : self.vocab_size].float()
         adjusted = _adjusted_logits(raw, states)
@@ -126,12 +150,7 @@ class Sampler:
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if sampled:
             tokens[sampled] = self._draw(adjusted[sampled], [states[i] for i in sampled])
-        token_ids = tokens.tolist()
-        for i, grammar in grammars.items():
-            grammar.advance(token_ids[i])
-        if top_logprobs is None:
-            return token_ids, None
-        return token_ids, _logprobs(raw, tokens, token_ids, top_logprobs)
+        return raw, tokens, grammars
 
     def _grammars(self, states: list[SamplingState]) -> dict[int, SequenceGrammar]:
         """Row -> grammar of every constrained row, created on first use and caught up."""
@@ -190,6 +209,41 @@ class Sampler:
         return picks
 
 
+def overlap_safe(state: SamplingState) -> bool:
+    """Whether a row can be sampled while its previous token is still on the device (the
+    overlap scheduler): nothing of the sampling reads the output so far. Penalties count it,
+    min_new_tokens and a seed's draw position count its length, a grammar advances over it."""
+    p = state.params
+    return (
+        not _has_penalties(p)
+        and p.min_new_tokens == 0
+        and not has_constraint(p)
+        and (p.seed is None or p.is_greedy)
+    )
+
+
+class SampledTokens:
+    """Sampled token ids on the device, their copy to the host started at once: on CUDA into
+    pinned memory behind an event, so tolist() waits for this step alone, not for whatever was
+    queued after it."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.device = tokens
+        self.event = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 def _unpack_bits(bitmask: bytes, size: int) -> torch.Tensor:
     """[size] bool from one bit per entry, little-endian within each byte; missing bits are 0."""
     packed = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
@@ -201,7 +255,7 @@ def _unpack_bits(bitmask: bytes, size: int) -> torch.Tensor:
 
 
 def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+    return to_device(values, dtype, device).unsqueeze(1)
 
 
 def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

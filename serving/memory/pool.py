@@ -17,6 +17,7 @@ import torch
 
 from serving.config import ModelConfig
 from serving.distributed import rank_cache_config
+from serving.forward_batch import to_device
 from serving.memory.allocator import FreeList, PageAllocator
 from serving.memory.cache import (
     ModelCache,
@@ -262,7 +263,7 @@ class MemoryPool:
     def _reset_rows(self, rows: list[int]) -> None:
         if self.journal is not None:
             self.journal.append(("reset", rows))
-        index = torch.tensor(rows, device=self.device)
+        index = to_device(rows, torch.int64, self.device)
         for cache in self.caches():
             reset_request_state(cache, index)
 
@@ -291,7 +292,7 @@ class MemoryPool:
         size = self.plan.page_size
         start = first * size
         slots = (
-            torch.tensor(new, device=self.device)[:, None] * size
+            to_device(new, torch.int64, self.device)[:, None] * size
             + torch.arange(size, device=self.device)
         ).flatten()
         end = min(start + slots.numel(), self.plan.max_context)  # the last page may overhang
@@ -302,14 +303,14 @@ class MemoryPool:
         """Snapshot the KDA states of `rows` into `slots` (after a forward wrote them)."""
         if self.journal is not None:
             self.journal.append(("save", rows, slots))
-        t = lambda ids: torch.tensor(ids, device=self.device)  # noqa: E731
+        t = lambda ids: to_device(ids, torch.int64, self.device)  # noqa: E731
         save_kda_states(self.target, t(rows), t(slots))
 
     def load_states(self, slots: list[int], rows: list[int]) -> None:
         """Start `rows` from the snapshots in `slots` (a prefix-cache hit)."""
         if self.journal is not None:
             self.journal.append(("load", slots, rows))
-        t = lambda ids: torch.tensor(ids, device=self.device)  # noqa: E731
+        t = lambda ids: to_device(ids, torch.int64, self.device)  # noqa: E731
         load_kda_states(self.target, t(slots), t(rows))
 
     def take_journal(self) -> list[tuple]:
