@@ -19,6 +19,8 @@
 # included; exporting and packing take about 1.5 minutes more. STEPS (default auto: as many as
 # fit this call) fixes the plan's length, the cosine schedule's end: for two calls on a warm
 # machine give both STEPS=2600 (a resume keeps the first call's plan and ignores it).
+# EXTEND=N, on a warm machine whose run has finished its plan: N more steps on a second cosine
+# segment (train_small --extend).
 set -euo pipefail
 MINUTES=${1:-7.5}
 STEPS=${STEPS:-auto}
@@ -26,14 +28,15 @@ OUT=${OUT:-/tmp/out}
 CARRY=data/gpu-carry
 RUN=data/gpu-run
 mkdir -p "$OUT" "$RUN"
-WHEEL=$(ls .whl/fla_core-*.whl "$CARRY"/fla_core-*.whl 2>/dev/null | head -1)  # either place
+WHEEL=$(compgen -G ".whl/fla_core-*.whl" || compgen -G "$CARRY/fla_core-*.whl")  # either place
+WHEEL=${WHEEL%%$'\n'*}
 python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEEL"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import fla, torch, transformers; print('fla', fla.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 RESUME=()
 if [ -f "$RUN/state.pt" ]; then
-    RESUME=(--resume)
+    RESUME=(--resume ${EXTEND:+--extend "$EXTEND"})
 else
     for f in tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja \
              config.json; do cp "$CARRY/$f" "$RUN/$f"; done
@@ -42,7 +45,9 @@ python3 -m serving.tools.train_small --run "$RUN" --tokens "$CARRY/tokens" --dev
     --minutes "$MINUTES" --steps "$STEPS" "${RESUME[@]}" 2>&1 | tee "$OUT/train.log"
 cp "$RUN/log.jsonl" "$OUT/log.jsonl"
 rm -rf data/small_model
-python3 -m serving.tools.train_small --run "$RUN" --tokens "$CARRY/tokens" \
+# Without fla on the path: the export check runs transformers on the CPU, where fla's Triton
+# kernels would be handed CPU tensors.
+PYTHONPATH=$PWD python3 -m serving.tools.train_small --run "$RUN" --tokens "$CARRY/tokens" \
     --export data/small_model 2>&1 \
     | grep -v "UNEXPECTED\|^model\.\|^-\|^Key\|^$" | tee -a "$OUT/train.log"
 cp data/small_model.export_check.json "$OUT/export_check.json"

@@ -225,7 +225,8 @@ def run_bench(args: argparse.Namespace, url: str, concurrency: int, requests: in
 def spec_metrics(decode_url: str) -> dict[str, float]:
     """EAGLE's acceptance over the decode worker's life, from its scheduler's counters
     (/server_info), with SGLang's definitions (serving/front/metrics.py)."""
-    stats = httpx.get(decode_url + "/server_info", timeout=10).json()["internal_states"][0]
+    states = httpx.get(decode_url + "/server_info", timeout=10).json().get("internal_states")
+    stats = states[0] if states else {}
     if not stats.get("spec_verify_steps") or not stats.get("spec_num_steps"):
         return {}
     length = stats["spec_committed_tokens"] / stats["spec_verify_steps"]

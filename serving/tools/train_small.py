@@ -6,6 +6,7 @@ checkpoint that transformers and our loader both read.
     python -m serving.tools.train_small --corpus data/corpus --run data/small-run \\
         --device cuda --minutes 8                                         # a run of <= 10 min
     python -m serving.tools.train_small --run data/small-run --resume --minutes 8
+    python -m serving.tools.train_small --run data/small-run --resume --extend 1000 --minutes 8
     python -m serving.tools.train_small --run data/small-run --export serving/assets/small_model
 
 The run folder holds the tokenizer (byte-level BPE trained on the corpus, GLM's special tokens,
@@ -75,6 +76,10 @@ class Plan:
     seed: int
     nextn_weight: float
     feature_weight: float
+    # --extend: a second cosine segment from this step to `steps` (0: none). It rises over
+    # `warmup` steps from the floor (0.1 lr) to extend_peak * lr, then decays to the floor again.
+    extend_from: int = 0
+    extend_peak: float = 0.5
 
 
 # ---- data ----
@@ -235,9 +240,16 @@ class Trainer:
 
     def lr_at(self, step: int) -> float:
         p = self.plan
+        if p.extend_from and step >= p.extend_from:
+            k = step - p.extend_from
+            if k < p.warmup:
+                return p.lr * (0.1 + (p.extend_peak - 0.1) * (k + 1) / p.warmup)
+            frac = min(1.0, (k - p.warmup) / max(1, p.steps - p.extend_from - p.warmup))
+            return p.lr * (0.1 + (p.extend_peak - 0.1) * 0.5 * (1 + math.cos(math.pi * frac)))
         if step < p.warmup:
             return p.lr * (step + 1) / p.warmup
-        frac = min(1.0, (step - p.warmup) / max(1, p.steps - p.warmup))
+        end = p.extend_from or p.steps
+        frac = min(1.0, (step - p.warmup) / max(1, end - p.warmup))
         return p.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
     def losses(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -357,6 +369,14 @@ def train(args: argparse.Namespace) -> None:
     else:
         check_resumable(run, state, args.preset)
         plan = Plan(**state["plan"])
+        if args.extend:
+            if state["step"] < plan.steps:
+                raise TrainError(f"--extend: {run}/state.pt is at step {state['step']} of "
+                                 f"{plan.steps}; finish its plan first (--resume)")
+            plan = dataclasses.replace(plan, steps=plan.steps + args.extend,
+                                       extend_from=state["step"])
+            log.info("extending the plan by %d steps to %d (a second cosine segment)",
+                     args.extend, plan.steps)
     began = time.monotonic()  # --minutes counts from here: loading the tokens and the first
     # steps' compiling and autotuning (minutes on a fresh GPU machine) are inside the budget
     trainer = Trainer(run, plan, args.device, tokens)
@@ -566,6 +586,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--resume", action="store_true", help="continue the run folder's state.pt")
+    ap.add_argument("--extend", type=int, default=0, metavar="STEPS",
+                    help="with --resume on a finished plan: STEPS more, on a second cosine "
+                    "segment (peak half the first's learning rate)")
     ap.add_argument("--save-every-minutes", type=float, default=2.0, help="state.pt cadence")
     ap.add_argument("--run-steps", type=int, default=None, help="stop this run after N steps")
     ap.add_argument("--export", metavar="DIR", help="write the checkpoint of state.pt to DIR")
