@@ -4,6 +4,7 @@ simulated rank (--simulate-rank; docs/DEPLOY.md section 6) at the seed's decode 
     # the GPU machine, in the repository root, .whl/ filled by deploy/gpu_wheels.sh (fla-core for
     # the fast path, Mooncake for the decode role):
     python3 deploy/gpu_simulated_rank.py --wheels .whl [--parts server,bench] [--budget-s 510]
+    python3 deploy/gpu_simulated_rank.py --wheels .whl --fp8   # the same rank in block FP8
     # any machine (CPU: the tiny checkpoint at a tiny size, the same code paths, no graphs):
     python deploy/gpu_simulated_rank.py --model-path DIR --device cpu --seed-flags "..." ...
 
@@ -16,6 +17,12 @@ simulated rank (--simulate-rank; docs/DEPLOY.md section 6) at the seed's decode 
    at batch 1/8/32 after 4k and 64k tokens, EAGLE's step, one 8,192-token prefill chunk, the
    collectives each step issues with the projected TP8 step, the HBM floor, the per-layer-kind
    profile, the top kernels), in the time left.
+--fp8: the real preset's config.json with GLM-5.3-Flash's published quantization_config
+(`tiny_model --preset real --fp8`), so both parts build rank R's shard as a CUDA load of the FP8
+checkpoint holds it (serving/models/random_init.py): e4m3 weights with float32 block scales for
+the projections, dense MLP, shared and routed experts, W8A8 GEMMs and the FP8 fused MoE, minus
+the projection shapes the start-up timing finds FP8 not faster for (its "FP8 linear" lines, and
+results.json's "fp8": /get_server_info's scheduler.fp8). Run it as its own device call.
 Writes under $OUT (or --out): results.json (rewritten after each part), worker.log, rank.jsonl,
 plan.txt (serving.tools.plan's prediction for the device's memory). Exit 1 if a part failed.
 """
@@ -54,7 +61,14 @@ BENCH = (
     "--stages decode,eagle,prefill,collectives,floor,layers,profile"
 )
 FAKE_BOOTSTRAP = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 0}  # serving.protocol's
-LOG_MARKS = ("start-up:", "memory plan", "memory built", "SIMULATED", "weights per GPU")
+LOG_MARKS = (
+    "start-up:",
+    "memory plan",
+    "memory built",
+    "SIMULATED",
+    "weights per GPU",
+    "FP8 linear",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,6 +78,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--model-path", type=Path, help="default: write the real preset's config")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the real preset's config in block FP8 (ignored with --model-path: its config.json "
+        "decides)",
+    )
     ap.add_argument("--wheels", type=Path, help="install these wheels first (a bare GPU image)")
     ap.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where --wheels go")
     ap.add_argument("--parts", default="server,bench", help="server, bench, or both")
@@ -92,10 +112,10 @@ class Report:
 def real_config(args: argparse.Namespace) -> Path:
     if args.model_path is not None:
         return args.model_path.resolve()
-    out = Path("/tmp/glm53-flash-config")
+    out = Path("/tmp/glm53-flash-fp8-config" if args.fp8 else "/tmp/glm53-flash-config")
     if not (out / "config.json").is_file():
         cmd = [sys.executable, "-m", "serving.tools.tiny_model", str(out), "--preset", "real"]
-        subprocess.run(cmd, check=True)
+        subprocess.run([*cmd, *(["--fp8"] if args.fp8 else [])], check=True)
     return out
 
 
@@ -197,6 +217,7 @@ def server_part(args: argparse.Namespace, model: Path, report: Report, budget: f
         result["concurrent"] = concurrent(url, args.prompt_len, vocab, local, args.concurrent)
         info = httpx.get(url + "/get_server_info", timeout=10).json()
         result["server_info"] = {k: info.get(k) for k in ("simulation", "internal_states")}
+        result["fp8"] = (info.get("scheduler") or {}).get("fp8")
         result["gpu_after_requests"] = gpu_memory_used()
     except StackError as e:
         report.data["errors"]["server"] = str(e)[:3000]

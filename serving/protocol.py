@@ -285,6 +285,8 @@ class SchedulerReady:
     page_size: int
     device: str
     dtype: str
+    # which weights run block FP8 and why (serving/models/fp8_choice.summary); None: no FP8
+    fp8: dict | None = None
 
 
 @dataclass

@@ -151,6 +151,17 @@ class ServerArgs:
             "shared_expert, moe, or all"
         },
     )
+    fp8_linears: str = field(
+        default="timed",
+        metadata={
+            "choices": ["timed", "all"],
+            "help": "block-FP8 checkpoints on CUDA: timed: at load each projection shape's FP8 "
+            "GEMM is timed against bf16 at 32 and 8192 tokens and the shapes where FP8 is not "
+            "faster at both are dequantized to bf16 (logged per shape; /get_server_info's "
+            "scheduler.fp8); all: every projection runs FP8. Kinds in --fp8-keep-bf16 stay "
+            "bf16 either way",
+        },
+    )
     disable_shared_experts_fusion: bool = field(
         default=False, metadata={"help": "accepted; shared experts are never fused here"}
     )

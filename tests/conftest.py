@@ -53,6 +53,22 @@ def v410_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def v410_fp8(v410_ckpt, tmp_path_factory):
+    """v410's config.json with the published quantization_config (block FP8) and its
+    tokenizer, no weights: what a simulated rank reads."""
+    import shutil
+
+    from serving.tools.quantize_fp8 import write_fp8_config
+
+    out = tmp_path_factory.mktemp("v410-fp8")
+    for f in v410_ckpt.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    write_fp8_config(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def scripted_ckpt(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with a scripted greedy reply (tests/scripted_checkpoint.py), written
     once per session; every server started on it only reads it."""

@@ -9,10 +9,16 @@ blocks with partial edges, and TP2 shares that start inside a block).
 With fp8_execution (what CUDA does) the modules hold FP8 and run the W8A8 torch references of
 kernels/fp8.py: their shares and scales are checked against the one-rank model, and the
 function tracks the twin within the activation quantization's error.
+
+The per-shape FP8-or-dense choice (serving/models/fp8_choice.py): its rule on given timings,
+and the load it drives with timings given in place of the GPU's (the timing itself is a GPU
+test, tests/test_triton_kernels_fp8.py): the shapes where FP8 is not faster load as their
+dequantized twin, parameter for parameter and logit for logit, and the plan counts them so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -349,3 +355,123 @@ def test_plan_reads_fp8_checkpoints(tiny_ckpt, tmp_path, capsys):
     assert "KV tokens per GPU" in out and tp4 < 80, out
     _, out = weights(real, *seed, "--tp-size", "2", "--ep-size", "2")
     assert "does not fit" in out, out
+
+
+def test_fp8_wins_only_where_faster_at_every_count():
+    from serving.models.fp8_choice import LinearChoice, ShapeTiming, fp8_wins
+
+    assert fp8_wins((10.0, 535.0), (14.0, 821.0))  # KDA q/k/v's 8,192-token figures, 1.53x
+    assert not fp8_wins((20.0, 75.0), (14.0, 48.0))  # MLA kv_a's: 0.64x
+    assert not fp8_wins((10.0, 900.0), (14.0, 821.0))  # wins decode, loses prefill
+    assert not fp8_wins((15.0, 500.0), (14.0, 821.0))  # wins prefill, loses decode
+    assert not fp8_wins((14.0, 821.0), (14.0, 821.0))  # a tie stays dense
+    with pytest.raises(ValueError):
+        fp8_wins((1.0,), (1.0, 2.0))
+    choice = LinearChoice(
+        "timed",
+        (
+            ShapeTiming((8192, 4096), (10.0, 535.0), (14.0, 821.0), "scaled_mm"),
+            ShapeTiming((512, 4096), (20.0, 75.0), (14.0, 48.0), "scaled_mm"),
+        ),
+    )
+    assert choice.dense_shapes == {(512, 4096)}
+    assert choice.timing((8192, 4096)).fp8 and choice.timing((1, 1)) is None
+
+
+def given_timings(monkeypatch, slow):
+    """fp8_choice times on this CPU with made-up timings: FP8 slower where slow(shape). Returns
+    the shapes measured, in order."""
+    import serving.models.fp8_choice as fc
+
+    measured = []
+
+    def measure(shape, dtype, device):
+        measured.append(shape)
+        fp8 = (20.0, 900.0) if slow(shape) else (10.0, 500.0)
+        return fc.ShapeTiming(shape, fp8, (15.0, 800.0), "triton")
+
+    monkeypatch.setattr(fc, "can_time", lambda device: True)
+    monkeypatch.setattr(fc, "measure", measure)
+    return measured
+
+
+def test_timed_shapes_load_dense_as_the_twin(pair, monkeypatch):
+    """Shapes timed slower in FP8 are dequantized at load: their parameters equal the twin's
+    (float32 and bfloat16), the others hold FP8; each shape is timed once; the plan with the
+    decision counts what was built; the summary says which run FP8 and why. With every
+    projection timed slower and the experts kept by --fp8-keep-bf16 moe, the model computes
+    exactly its dequantized twin."""
+    from serving.models.fp8_choice import linear_shape, summary
+    from serving.models.rank_plan import fp8_plan, module_weights
+
+    fp8, twin = pair
+    if fp8.parent.name.startswith("fp8-odd"):
+        pytest.skip("tiny covers it")
+    config = ModelConfig.from_pretrained(fp8)
+    small = lambda shape: min(shape) <= 16  # tiny: f_a/g_a, f_b/g_b, b, indexer wk
+    measured = given_timings(monkeypatch, small)
+    for dtype in (torch.float32, torch.bfloat16):
+        measured.clear()
+        kw = dict(load_draft=True, fp8_execution=True)
+        model, draft = load_weights(fp8, config, dtype, **kw)
+        want = load_weights(twin, ModelConfig.from_pretrained(twin), dtype, load_draft=True)
+        assert len(measured) == len(set(measured)) > 3, measured
+        choice = model.fp8_choice
+        assert choice.dense_shapes == {s for s in measured if small(s)} != set(measured)
+        kinds = set()
+        for got, ref in zip((model, draft), want):
+            ref_params = dict(ref.named_parameters())
+            for path, module in got.named_modules():
+                shape = linear_shape(module)
+                if shape is None:
+                    continue
+                if shape in choice.dense_shapes:
+                    kinds.add(module.kind)
+                    assert module.weight_scale_inv is None and module.weight.dtype == dtype
+                    assert torch.equal(module.weight, ref_params[path + ".weight"]), path
+                else:
+                    assert module.weight.dtype == torch.float8_e4m3fn, path
+        assert kinds == {"kda", "indexer"}, kinds
+    built = sum(p.numel() * p.element_size() for m in (model, draft) for p in m.parameters())
+    plan = fp8_plan(str(fp8), config, frozenset())
+    decided = dataclasses.replace(plan, dense_shapes=choice.dense_shapes)
+    assert module_weights(config, torch.bfloat16, True, decided)[1] == built
+    assert module_weights(config, torch.bfloat16, True, plan)[1] < built
+    info = summary({"target": model, "draft": draft}, choice, frozenset())
+    runs = {(e["kind"], tuple(e["shape"])): (e["runs"], e["why"]) for e in info["weights"]}
+    f_a = tuple(model.layers[0].self_attn.f_a_proj.weight.shape)
+    assert runs[("kda", f_a)] == ("bfloat16", "timed: FP8 not faster"), runs
+    assert runs[("mla", tuple(model.layers[1].self_attn.q_b_proj.weight.shape))][0] == "fp8"
+    moe = next(e for e in info["weights"] if e["kind"] == "moe")
+    assert moe["runs"] == "fp8" and moe["why"] == "routed experts: not timed", moe
+    assert "self_attn.f_a_proj" in next(
+        e["names"] for e in info["weights"] if tuple(e["shape"]) == f_a and e["kind"] == "kda"
+    )
+
+    given_timings(monkeypatch, lambda shape: True)
+    dense, _ = _load(fp8, load_draft=True, fp8_execution=True, keep_bf16=frozenset({"moe"}))
+    assert not any(getattr(m, "weight_scale_inv", None) is not None for m in dense.modules())
+    tokens_a, logp_a = _greedy_logprobs(dense)
+    tokens_b, logp_b = _greedy_logprobs(_load(twin)[0])
+    assert tokens_a == tokens_b and torch.equal(logp_a, logp_b)
+    info = summary({"target": dense}, dense.fp8_choice, frozenset({"moe"}))
+    whys = {e["why"] for e in info["weights"]}
+    assert whys == {"timed: FP8 not faster", "--fp8-keep-bf16"}, whys
+
+
+def test_fp8_linears_all_and_the_cpu_time_nothing(pair, monkeypatch):
+    """--fp8-linears all holds every projection in FP8 without timing; without CUDA nothing is
+    timed either (the CPU path dequantizes everything anyway)."""
+    fp8, _ = pair
+    if fp8.parent.name.startswith("fp8-odd"):
+        pytest.skip("tiny covers it")
+    measured = given_timings(monkeypatch, lambda shape: True)
+    model, _ = _load(fp8, fp8_execution=True, fp8_linears="all")
+    assert measured == [] and model.fp8_choice.policy == "all"
+    assert model.layers[0].self_attn.f_a_proj.weight.dtype == torch.float8_e4m3fn
+    monkeypatch.undo()
+    model, _ = _load(fp8, fp8_execution=True)
+    assert model.fp8_choice.timings == ()
+    assert model.layers[0].self_attn.f_a_proj.weight.dtype == torch.float8_e4m3fn
+    plain, _ = _load(fp8)  # the CPU default: all dequantized, no choice recorded
+    assert plain.fp8_choice is None

@@ -13,6 +13,7 @@ that cannot work are refused with one line.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 
@@ -72,7 +73,79 @@ def test_rank_parameters_equal_the_plan(v410_ckpt, rank, tp, ep):
         assert weight[real:].abs().sum() == 0 and weight[:real].abs().sum() > 0
 
 
-def test_simulated_forward_is_finite_and_counts_collectives(v410_ckpt):
+@pytest.mark.parametrize("rank,tp,ep", [(1, 2, 2), (3, 4, 4), (1, 1, 2)])
+def test_fp8_rank_equals_the_plan(v410_fp8, monkeypatch, rank, tp, ep):
+    """A config in block FP8: the shard holds float8_e4m3fn weights with float32 block scales
+    where a CUDA load of the checkpoint would (every module with FP8 kernels; kv_b, embeddings,
+    norms, router dense), minus --fp8-keep-bf16's kinds and the shapes timed slower in FP8
+    (made-up timings here); the plan with that decision counts exactly what was built, without
+    it more FP8. Each FP8 weight is the block quantization of the dense build's value (same
+    seed), the routed gate and up halves apart."""
+    from kernels.fp8 import quantize_weight
+    from serving.models.random_init import random_weights
+    from serving.models.rank_plan import fp8_plan, predict_rank
+    from tests.test_fp8 import given_timings
+
+    config = ModelConfig.from_pretrained(v410_fp8)
+    given_timings(monkeypatch, lambda shape: min(shape) <= 8)
+    keep = frozenset({"shared_expert"})
+
+    def plan(fp8):
+        return predict_rank(
+            config,
+            tp_size=tp,
+            ep_size=ep,
+            rank=rank,
+            dtype=torch.float32,
+            context=256,
+            running=4,
+            extra=8,
+            speculative_steps=1,
+            page_size=16,
+            mem_fraction_static=0.7,
+            total_memory=None,
+            fp8=fp8,
+        )
+
+    set_state(ParallelState(rank, tp, ep, simulated=True))
+    try:
+        target, draft = random_weights(
+            config, torch.float32, "cpu", fp8_execution=True, keep_bf16=keep
+        )
+        dense, dense_draft = random_weights(config, torch.float32, "cpu")
+    finally:
+        set_state(ParallelState())
+    choice = target.fp8_choice
+    assert choice.dense_shapes and choice.dense_shapes != {t.shape for t in choice.timings}
+    params = [p for m in (target, draft) for p in m.parameters()]
+    built = sum(p.numel() * p.element_size() for p in params)
+    offline = fp8_plan(str(v410_fp8), config, keep, headers=False)
+    decided = plan(dataclasses.replace(offline, dense_shapes=choice.dense_shapes))
+    assert built == decided.weight_bytes and sum(p.numel() for p in params) == decided.params
+    assert plan(offline).weight_bytes < built < plan(None).weight_bytes
+    want = dict(dense.named_parameters())
+    want.update({f"draft.{n}": p for n, p in dense_draft.named_parameters()})
+    got = dict(target.named_parameters())
+    got.update({f"draft.{n}": p for n, p in draft.named_parameters()})
+    fp8 = {n for n, p in got.items() if p.dtype == torch.float8_e4m3fn}
+    assert fp8 and {n + "_scale_inv" for n in fp8} == {n for n in got if n.endswith("_scale_inv")}
+    assert not [n for n in fp8 if "kv_b_proj" in n or "shared_experts" in n], fp8
+    for name, p in got.items():
+        if name in fp8 and name.endswith(".w13"):
+            half = p.shape[1] // 2
+            for rows in (slice(0, half), slice(half, None)):
+                q, _ = quantize_weight(want[name][:, rows])
+                assert torch.equal(p[:, rows].float(), q.float()), name
+        elif name in fp8:
+            w8, scale = quantize_weight(want[name])
+            assert torch.equal(p.float(), w8.float()), name
+            assert torch.equal(got[name + "_scale_inv"], scale), name
+        elif not name.endswith("_scale_inv"):
+            assert torch.equal(p, want[name]), name
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_simulated_forward_is_finite_and_counts_collectives(v410_ckpt, v410_fp8, fp8):
     """Rank 3 of tp 4: logits over the 410 real tokens only, finite, zero outside rank 3's
     columns 309..409 (the all-gather's other parts are zeroed, not left as the fake backend
     leaves them); the step's all-reduces and its one all-gather are counted with their bytes."""
@@ -81,10 +154,12 @@ def test_simulated_forward_is_finite_and_counts_collectives(v410_ckpt):
     from serving.memory.pool import MemoryPool, PoolPlan
     from serving.models.random_init import random_weights
 
-    config = ModelConfig.from_pretrained(v410_ckpt)
+    config = ModelConfig.from_pretrained(v410_fp8 if fp8 else v410_ckpt)
     init_simulated(3, 4, 1)
     try:
-        model, _ = random_weights(config, torch.float32, "cpu", draft=False)
+        model, _ = random_weights(config, torch.float32, "cpu", draft=False, fp8_execution=fp8)
+        held = [m for m in model.modules() if getattr(m, "weight_scale_inv", None) is not None]
+        assert bool(held) == fp8  # the W8A8 torch references run at rank 3's shapes
         pool = MemoryPool(config, PoolPlan(2, 32, 16, 256), torch.float32, "cpu")
         runner = ModelRunner(model, pool)
         row = pool.alloc_row()

@@ -327,3 +327,41 @@ def test_moe_fp8_cuda_graph(tokens):
         torch.cuda.synchronize()
         ref = moe_ref.experts_fp8(x, w13, w2, s13, s2, weights, ids, 10.0)
         assert _rel_max(out, ref) <= 2e-2 and _rel_fro(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_fp8_choice_at_the_real_shapes(tmp_path):
+    """The load-time choice (serving/models/fp8_choice.py) on this GPU, bf16, at every distinct
+    projection shape of GLM-5.3-Flash at TP1 and of rank 0 at the seed's TP8/EP8: FP8 and bf16
+    microseconds at 32 and 8,192 tokens and the choice are printed (-s; the same line the
+    loader logs) for docs/BENCHMARKS.md. The H200 measured KDA q/k/v, the dense gate/up and
+    MLA o at 1.41-1.53x bf16 at 8,192 tokens and the large projections at 1.1-1.5x in decode:
+    those must run FP8; KDA's f_b/g_b (K = 128, Triton GEMM) at 0.2x: dense."""
+    from serving.config import ModelConfig
+    from serving.distributed import ParallelState, set_state
+    from serving.models.fp8_choice import choose_linears, linear_shape
+    from serving.models.glm5_next import Glm5NextForCausalLM
+    from serving.tools.tiny_model import write_checkpoint
+
+    config = ModelConfig.from_pretrained(write_checkpoint(tmp_path / "real", preset="real"))
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for tp in (1, 8):
+        set_state(ParallelState(0, tp, tp))
+        try:
+            with torch.device("meta"):
+                target = Glm5NextForCausalLM(config, torch.bfloat16)
+        finally:
+            set_state(ParallelState())
+        for path, module in target.named_modules():
+            if (shape := linear_shape(module)) is not None:
+                shapes.setdefault(shape, []).append(f"tp{tp} {path}")
+    choice = choose_linears(shapes, torch.bfloat16, "cuda", "timed")
+    for t in choice.timings:
+        speedup = [round(d / f, 2) for f, d in zip(t.fp8_us, t.dense_us)]
+        print(
+            "fp8 choice", t.shape, t.gemm, t.fp8_us, t.dense_us, speedup, "fp8" if t.fp8 else "bf16"
+        )
+    assert {t.shape for t in choice.timings} == set(shapes)
+    for name in ("kda q/k/v", "dense gate/up", "mla o"):
+        assert choice.timing(REAL_LINEARS[name]).fp8, (name, choice.timing(REAL_LINEARS[name]))
+    assert REAL_LINEARS["kda f_b/g_b"] in choice.dense_shapes

@@ -23,6 +23,10 @@ block_fp8_linear picks one of two GEMMs per weight shape:
 No host sync; tile sizes and the backend are host-side functions of the shapes, so the path is
 capturable in CUDA graphs. M, N and K are run-time arguments of the Triton GEMM: one compiled
 kernel per tile configuration, not per shape.
+
+time_linear measures one weight shape, FP8 (block_fp8_linear as above) against the dense GEMM
+in the activations' dtype, as device time under a CUDA graph: what serving/models/fp8_choice.py
+decides from at load.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import AMAX_FLOOR, BLOCK, FP8, FP8_MAX, blocks
+from kernels.fp8 import AMAX_FLOOR, BLOCK, FP8, FP8_MAX, blocks, quantize_weight
 
 log = logging.getLogger(__name__)
 
@@ -358,3 +362,62 @@ def linear_backends(shapes, dtype: torch.dtype, device) -> dict[tuple[int, int],
         (n, k): "scaled_mm" if scaled_mm_usable(n, k, dtype, device) else "triton"
         for n, k in sorted(set(shapes))
     }
+
+
+# time_linear: each graph rotates through at most this many weight copies, and replays it
+# TIMING_REPLAYS times after TIMING_WARMUP (the median replay counts)
+TIMING_COPIES = 32
+TIMING_WARMUP, TIMING_REPLAYS = 2, 7
+
+
+def time_linear(n: int, k: int, tokens: int, dtype: torch.dtype, device) -> tuple[float, float]:
+    """Device microseconds per call of y = x W^T, x [tokens, k] in `dtype`, for a random weight
+    [n, k]: (block_fp8_linear: activation quantization plus the GEMM it picks for this shape;
+    F.linear on the weight in `dtype`). Each is captured in one CUDA graph (no launch overhead,
+    as the decode graphs run) that rotates through weight copies (and outputs) adding up to
+    twice the L2 cache, so each call reads its operands from HBM as successive layers do; the
+    median of the graph's replays, per call. Allocates about 2 x L2 of copies; runs eagerly
+    first (Triton compiles, the torch._scaled_mm probe), never under an outer capture."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(n, k, device=device, generator=gen) * k**-0.5
+    w8, scale = quantize_weight(w)
+    dense = w.to(dtype)
+    del w
+    x = torch.randn(tokens, k, device=device, generator=gen).to(dtype)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    act = tokens * (n + k) * x.element_size()
+
+    def copies(weight_bytes: int) -> int:
+        return max(1, min(TIMING_COPIES, -(-2 * l2 // (weight_bytes + act))))
+
+    fp8_ops = [(w8.clone(), scale.clone()) for _ in range(copies(w8.numel() + scale.numel() * 4))]
+    dense_ops = [dense.clone() for _ in range(copies(dense.numel() * dense.element_size()))]
+    fp8_us = _graph_us(lambda op: block_fp8_linear(x, *op), fp8_ops)
+    dense_us = _graph_us(lambda op: torch.nn.functional.linear(x, op), dense_ops)
+    return fp8_us, dense_us
+
+
+def _graph_us(fn, operands: list) -> float:
+    """Median device microseconds per fn(op) of one graph replay calling it on every op."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile, probe and allocate outside the capture
+        fn(operands[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for op in operands:
+            fn(op)
+    for _ in range(TIMING_WARMUP):
+        graph.replay()
+    times = []
+    for _ in range(TIMING_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] * 1e3 / len(operands)

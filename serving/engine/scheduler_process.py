@@ -58,18 +58,34 @@ def build_model(args: ServerArgs):
     steps = args.speculative_steps
     ps = state()
     started = time.monotonic()
+    keep = parse_fp8_kinds(args.fp8_keep_bf16)
     if ps.simulated:
         log.warning(SIMULATED, ps.rank, ps.world, ps.tp_size, ps.ep_size)
-        model, draft = random_weights(config, dtype, device, args.random_seed, draft=steps > 0)
+        model, draft = random_weights(
+            config,
+            dtype,
+            device,
+            args.random_seed,
+            draft=steps > 0,
+            keep_bf16=keep,
+            fp8_linears=args.fp8_linears,
+        )
     else:
-        keep = parse_fp8_kinds(args.fp8_keep_bf16)
         model, draft = load_weights(
-            args.model_path, config, dtype, device, load_draft=steps > 0, keep_bf16=keep
+            args.model_path,
+            config,
+            dtype,
+            device,
+            load_draft=steps > 0,
+            keep_bf16=keep,
+            fp8_linears=args.fp8_linears,
         )
     _sync(device)
     log.info(
         "start-up: weights %s in %.1f s",
-        "built (random)" if ps.simulated else "loaded",
+        ("built (random, block FP8)" if model.fp8_choice is not None else "built (random)")
+        if ps.simulated
+        else "loaded",
         time.monotonic() - started,
     )
     modules = [model] if draft is None else [model, draft]
@@ -119,7 +135,7 @@ def build_model(args: ServerArgs):
         pool.describe(),
         time.monotonic() - started,
     )
-    log_memory_plan(args, config, dtype, weight_bytes, plan, device)
+    log_memory_plan(args, config, dtype, weight_bytes, plan, device, model.fp8_choice)
     runner = ModelRunner(model, pool)
     if args.use_decode_graphs() and steps == 0:  # with EAGLE, decode is Eagle.step
         started = time.monotonic()
@@ -139,9 +155,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def log_memory_plan(args: ServerArgs, config, dtype, weight_bytes: int, plan, device: str) -> None:
+def log_memory_plan(
+    args: ServerArgs, config, dtype, weight_bytes: int, plan, device: str, choice=None
+) -> None:
     """serving.tools.plan's prediction for this rank, then what was built beside it; a WARNING
-    when the weights differ (the plan or the build is wrong)."""
+    when the weights differ (the plan or the build is wrong). `choice`: the model holds block
+    FP8 (serving/models/fp8_choice.py; None: nothing held FP8, as on the CPU): planned as its
+    checkpoint's headers say (a simulated rank: config.json), with the projection shapes the
+    load sent to the dense path."""
     import torch
 
     from serving.config import parse_fp8_kinds
@@ -152,8 +173,11 @@ def log_memory_plan(args: ServerArgs, config, dtype, weight_bytes: int, plan, de
     total, fp8 = None, None
     if device == "cuda":
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        if not ps.simulated:  # a simulated rank builds bf16 weights; the CPU dequantizes FP8
-            fp8 = fp8_plan(args.model_path, config, parse_fp8_kinds(args.fp8_keep_bf16))
+    if choice is not None:
+        keep = parse_fp8_kinds(args.fp8_keep_bf16)
+        fp8 = fp8_plan(args.model_path, config, keep, headers=not ps.simulated)
+        if fp8 is not None:
+            fp8 = dataclasses.replace(fp8, dense_shapes=choice.dense_shapes)
     predicted = predict_rank(
         config,
         tp_size=ps.tp_size,
@@ -206,12 +230,14 @@ def build_engine(args: ServerArgs, role=None):
     Under TP/EP this is rank 0; its runner fans every forward out to the other ranks."""
     from tokenizers import Tokenizer
 
+    from serving.config import parse_fp8_kinds
     from serving.distributed import state
     from serving.engine.request import SchedulerConfig
     from serving.engine.role import Role
     from serving.engine.scheduler import Scheduler
     from serving.engine.tp_worker import RankFanout
     from serving.executor.sampler import Sampler
+    from serving.models.fp8_choice import summary
 
     device = args.resolved_device()
     role = role if role is not None else Role()
@@ -259,6 +285,8 @@ def build_engine(args: ServerArgs, role=None):
         spec=spec,
     )
     role.attach(scheduler)
+    roles = {"target": model} if draft is None else {"target": model, "draft": draft}
+    fp8 = summary(roles, model.fp8_choice, parse_fp8_kinds(args.fp8_keep_bf16))
     ready = SchedulerReady(
         vocab_size=config.vocab_size,
         context_length=context,
@@ -269,6 +297,7 @@ def build_engine(args: ServerArgs, role=None):
         page_size=plan.page_size,
         device=device,
         dtype=str(dtype).removeprefix("torch."),
+        fp8=fp8,
     )
     return scheduler, ready
 

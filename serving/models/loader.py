@@ -14,8 +14,10 @@ other EP ranks are never read. No rank materialises the whole checkpoint.
 
 Block-FP8 checkpoints (serving/models/fp8_weights.py): an FP8 tensor's share is read with the
 scale blocks that cover it. With `fp8_execution` (default: on CUDA) every module that has FP8
-kernels (a `kind`, not in `keep_bf16`) and whose tensors are all FP8 holds them as they are;
-everything else, and every module on the CPU, gets them dequantized once, here.
+kernels (a `kind`, not in `keep_bf16`) and whose tensors are all FP8 holds them as they are,
+but the projections whose FP8 GEMM is not faster than the dense one on this device
+(serving/models/fp8_choice.py); everything else, and every module on the CPU, gets them
+dequantized once, here.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from safetensors.torch import save_file
 from kernels.fp8 import dequantize
 from serving.config import ModelConfig
 from serving.distributed import ParallelState, split, state
+from serving.models.fp8_choice import LinearChoice, choose_linears, linear_shape
 from serving.models.fp8_weights import (
     SCALE_SUFFIX,
     ScaleSlice,
@@ -280,10 +283,14 @@ def load_weights(
     load_draft: bool = False,
     fp8_execution: bool | None = None,
     keep_bf16: frozenset[str] = frozenset(),
+    fp8_linears: str = "timed",
 ) -> tuple[Glm5NextForCausalLM, NextNDraft | None]:
     """Build the target (and the NextN draft if asked) and fill them from the checkpoint.
     fp8_execution (default: device is CUDA): FP8 tensors stay FP8 in the modules that have FP8
-    kernels, except the layer kinds in keep_bf16; otherwise they are dequantized to `dtype`."""
+    kernels, except the layer kinds in keep_bf16 and (fp8_linears "timed", on CUDA) the
+    projection shapes where FP8 is not faster (serving/models/fp8_choice.py); otherwise they
+    are dequantized to `dtype`. The target's `fp8_choice` records that decision (None: no FP8
+    held)."""
     files = checkpoint_files(model_dir)
     header: dict[str, TensorInfo] = {}
     for path in files:
@@ -297,8 +304,10 @@ def load_weights(
     ps = state()
     if fp8_execution is None:
         fp8_execution = torch.device(device).type == "cuda"
+    choice = None
     if fp8 and fp8_execution:
-        hold_fp8_modules(modules, header, fp8, config, load_draft, ps, keep_bf16)
+        holders = fp8_modules(modules, header, fp8, config, load_draft, ps, keep_bf16)
+        choice = choose_and_hold(holders, dtype, device, fp8_linears)
     params = {role: dict(module.named_parameters()) for role, module in modules.items()}
     scales = _read_scales(files, header, config, load_draft, ps, params)
     filled: dict[tuple[str, str], int] = {}
@@ -361,6 +370,7 @@ def load_weights(
     )
     target_model = modules["target"].to(device).eval()
     target_model.checkpoint_bytes_read = read_bytes  # type: ignore[assignment]
+    target_model.fp8_choice = choice  # type: ignore[assignment]
     draft = modules.get("draft")
     if draft is not None:
         draft = draft.to(device).eval()
@@ -417,10 +427,28 @@ def hold_fp8_modules(
     load_draft: bool,
     ps: ParallelState,
     keep_bf16: frozenset[str],
+    dense_shapes: frozenset[tuple[int, int]] = frozenset(),
 ) -> None:
-    """hold_fp8() on every module with a `kind` not in keep_bf16 whose checkpoint tensors (this
-    rank's) are all FP8; refuses shares whose scale blocks are not their own. header None (a
-    config-only FP8 checkpoint, for the memory plan): every such module."""
+    """hold_fp8() on every module of fp8_modules but the projections whose weight shape is in
+    dense_shapes (fp8_choice: FP8 not faster there)."""
+    for _, _, module in fp8_modules(modules, header, fp8, config, load_draft, ps, keep_bf16):
+        if linear_shape(module) not in dense_shapes:
+            module.hold_fp8()
+
+
+def fp8_modules(
+    modules: dict[str, torch.nn.Module],
+    header: dict[str, TensorInfo] | None,
+    fp8: set[str],
+    config: ModelConfig,
+    load_draft: bool,
+    ps: ParallelState,
+    keep_bf16: frozenset[str],
+) -> list[tuple[str, str, torch.nn.Module]]:
+    """(role, path, module) of every module with a `kind` not in keep_bf16 whose checkpoint
+    tensors (this rank's) are all FP8; refuses shares whose scale blocks are not their own.
+    header None (a config-only FP8 checkpoint: the memory plan, a simulated rank): every module
+    with a `kind` not in keep_bf16."""
     tensors: dict[tuple[str, str], list[tuple[str, Target]]] = {}
     for name in header or ():
         if (
@@ -430,6 +458,7 @@ def hold_fp8_modules(
             continue
         role, target = mapped
         tensors.setdefault((role, target.param.rpartition(".")[0]), []).append((name, target))
+    out = []
     for role, root in modules.items():
         params = dict(root.named_parameters())
         for path, module in root.named_modules():
@@ -443,7 +472,25 @@ def hold_fp8_modules(
                 for name, target in mine:
                     shard = getattr(params.get(target.param), "shard", None)
                     check_holdable(name, header[name].shape, shard, kind)
+            out.append((role, path, module))
+    return out
+
+
+def choose_and_hold(
+    held: list[tuple[str, str, torch.nn.Module]], dtype: torch.dtype, device, policy: str
+) -> LinearChoice:
+    """fp8_choice's decision for these modules (fp8_modules' list), then hold_fp8() on each
+    but the projections it sends to the dense path."""
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for role, path, module in held:
+        shape = linear_shape(module)
+        if shape is not None:
+            shapes.setdefault(shape, []).append(f"{role}.{path}" if role == "draft" else path)
+    choice = choose_linears(shapes, dtype, device, policy)
+    for _, _, module in held:
+        if linear_shape(module) not in choice.dense_shapes:
             module.hold_fp8()
+    return choice
 
 
 def _read_scales(

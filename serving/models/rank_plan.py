@@ -9,7 +9,9 @@ difference between the two is seen at once.
 Block-FP8 checkpoints are planned as a CUDA rank loads them: the modules whose checkpoint
 tensors are FP8 (read from the safetensors headers) hold 1-byte weights plus float32 scales,
 minus the kinds in --fp8-keep-bf16. A config-only checkpoint with `quantization_config`
-(`tiny_model --preset real --fp8`) counts every module with FP8 kernels as FP8.
+(`tiny_model --preset real --fp8`) counts every module with FP8 kernels as FP8, as a simulated
+rank builds it. The projection shapes a CUDA start-up finds FP8 not faster for
+(serving/models/fp8_choice.py) are dense in the plan that worker logs; offline they count FP8.
 """
 
 from __future__ import annotations
@@ -33,19 +35,28 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Fp8Plan:
-    """What decides which modules hold FP8: the checkpoint's headers (None: config only)."""
+    """What decides which modules hold FP8: the checkpoint's headers (None: config only), the
+    kinds kept in bf16, and the projection shapes a worker's start-up found FP8 not faster for
+    (serving/models/fp8_choice.py; None: not decided, as offline, where every one counts FP8)."""
 
     header: dict[str, TensorInfo] | None
     fp8: frozenset[str]
     keep_bf16: frozenset[str]
+    dense_shapes: frozenset[tuple[int, int]] | None = None
 
     def describe(self, stored: str) -> str:
         kept = f", {','.join(sorted(self.keep_bf16))} kept in {stored}" if self.keep_bf16 else ""
+        if self.dense_shapes:
+            kept += f", {len(self.dense_shapes)} projection shapes in {stored} (FP8 not faster)"
         return f"block FP8 + {stored}{kept}"
 
 
-def fp8_plan(model_path: str, config: ModelConfig, keep_bf16: frozenset[str]) -> Fp8Plan | None:
-    files = sorted(Path(model_path).glob("*.safetensors"))
+def fp8_plan(
+    model_path: str, config: ModelConfig, keep_bf16: frozenset[str], headers: bool = True
+) -> Fp8Plan | None:
+    """The FP8 plan of a checkpoint: from its safetensors headers, else (no files, or headers
+    False: a simulated rank builds from config.json alone) from `quantization_config`."""
+    files = sorted(Path(model_path).glob("*.safetensors")) if headers else []
     if files:
         header = {}
         for path in files:
@@ -67,7 +78,16 @@ def module_weights(
         if draft:
             modules["draft"] = NextNDraft(config, dtype)
     if fp8 is not None:
-        hold_fp8_modules(modules, fp8.header, set(fp8.fp8), config, draft, state(), fp8.keep_bf16)
+        hold_fp8_modules(
+            modules,
+            fp8.header,
+            set(fp8.fp8),
+            config,
+            draft,
+            state(),
+            fp8.keep_bf16,
+            fp8.dense_shapes or frozenset(),
+        )
     params = [p for m in modules.values() for p in m.parameters()]
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
@@ -153,6 +173,11 @@ class RankPlan:
             f"bytes per KV token      {self.token_bytes:8d} (MLA latents + pooled index keys, "
             "replicated)",
         ]
+        if self.fp8 is not None and self.fp8.dense_shapes is None:
+            out.append(
+                "FP8 projections         all counted FP8; a CUDA start-up dequantizes the shapes "
+                "where FP8 is not faster (--fp8-linears timed) and logs its plan with them"
+            )
         try:
             tokens = self.kv_tokens()
         except ValueError as exc:

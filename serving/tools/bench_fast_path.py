@@ -32,8 +32,12 @@ shard of the --tp-size/--ep-size world, its collectives through the fake backend
 9. floor: the HBM floor of each decode and EAGLE step measured (bytes moved over --hbm-tbps)
    and the measured step's ratio to it.
 With --fp8, the model is also quantized to block FP8 in memory (serving/tools/quantize_fp8.py's
-choice; W8A8 kernels) and the prefill and decode stages run it after the bf16 model (rows carry
-"weights": "bf16" or "fp8"; the torch path is timed for bf16 only); the logits stage adds the FP8
+choice; W8A8 kernels; the projections --fp8-linears keeps dense as a server would, recorded in
+the "fp8_quantized" row) and the prefill and decode stages run it after the bf16 model (rows
+carry "weights": "bf16" or "fp8"; the torch path is timed for bf16 only). A --model-path config
+with `quantization_config` (tiny_model --preset real --fp8) is built in block FP8 from the start,
+as a simulated worker builds it (every stage runs FP8; "weights_built" says which weights run
+FP8). The logits stage adds the FP8
 model's last-token logits against the bf16 model's. On random weights that drift is large and
 is no bug: rounding is amplified layer by layer (CPU, float32, 96 tokens: bf16-rounded weights
 move the small preset's logits 7.5%, FP8 W8A8 36%; the bench preset's 14.6% bf16 drift on the
@@ -61,6 +65,7 @@ from serving.distributed import count_collectives, destroy_parallel, init_simula
 from serving.executor.model_runner import ModelRunner, StepInput
 from serving.executor.sampler import Sampler, SamplingState
 from serving.memory.pool import MemoryPool, PoolPlan
+from serving.models.fp8_choice import POLICIES
 from serving.models.loader import resolve_dtype
 from serving.models.random_init import random_weights
 from serving.protocol import SamplingParams
@@ -115,6 +120,7 @@ class Bench:
     args: argparse.Namespace
     measured: dict[tuple, float] = field(default_factory=dict)  # (stage, batch, context) -> ms
     fp8_model: torch.nn.Module | None = None  # --fp8: the model quantized in memory
+    built: str = "bf16"  # what `model` was built as: "fp8" for a config in block FP8
     weights: str = "bf16"  # what `model` holds while a stage runs: "bf16" or "fp8"
 
     @property
@@ -122,8 +128,9 @@ class Bench:
         return self.device == "cuda"
 
     def key(self, *k) -> tuple:
-        """A `measured` key; FP8 runs get their own, so the projections read bf16's."""
-        return k if self.weights == "bf16" else (*k, self.weights)
+        """A `measured` key; --fp8's runs get their own, so the projections read the built
+        model's."""
+        return k if self.weights == self.built else (*k, self.weights)
 
 
 def build(args: argparse.Namespace) -> Bench:
@@ -138,15 +145,49 @@ def build(args: argparse.Namespace) -> Bench:
             init_simulated(args.simulate_rank, args.tp_size, args.ep_size)
         dtype = resolve_dtype("auto", args.model_path)
         started = time.monotonic()
-        model, draft = random_weights(config, dtype, args.device)
+        model, draft = random_weights(config, dtype, args.device, fp8_linears=args.fp8_linears)
         _sync()
-        run.record(stage="weights_built", seconds=round(time.monotonic() - started, 2))
+        run.record(
+            stage="weights_built",
+            seconds=round(time.monotonic() - started, 2),
+            fp8=fp8_record(model, draft),
+        )
+    built = "fp8" if getattr(model, "fp8_choice", None) is not None else "bf16"
     fp8_model = None
     if args.fp8:
+        from serving.models.fp8_choice import choose_linears, linear_shape
         from serving.tools.quantize_fp8 import quantize_model
 
-        fp8_model = quantize_model(copy.deepcopy(model))
-    return Bench(run, config, model, draft, args.device, args, fp8_model=fp8_model)
+        if built == "fp8":
+            raise SystemExit("--fp8: the model is built in block FP8 already (its config.json)")
+        shapes: dict[tuple[int, int], list[str]] = {}
+        for path, module in model.named_modules():
+            if (shape := linear_shape(module)) is not None:
+                shapes.setdefault(shape, []).append(path)
+        dtype = next(model.parameters()).dtype
+        choice = choose_linears(shapes, dtype, args.device, args.fp8_linears)
+        fp8_model = quantize_model(copy.deepcopy(model), choice.dense_shapes)
+        fp8_model.fp8_choice = choice
+        run.record(stage="fp8_quantized", fp8=fp8_record(fp8_model, None))
+    return Bench(
+        run,
+        config,
+        model,
+        draft,
+        args.device,
+        args,
+        fp8_model=fp8_model,
+        built=built,
+        weights=built,
+    )
+
+
+def fp8_record(model: torch.nn.Module, draft: torch.nn.Module | None) -> dict | None:
+    """Which weights run FP8 and why (serving/models/fp8_choice.summary), for the JSON."""
+    from serving.models.fp8_choice import summary
+
+    roles = {"target": model} if draft is None else {"target": model, "draft": draft}
+    return summary(roles, getattr(model, "fp8_choice", None), frozenset())
 
 
 def run_stage(b: Bench, name: str) -> None:
@@ -162,7 +203,7 @@ def run_stage(b: Bench, name: str) -> None:
         try:
             STAGES[name](b)
         finally:
-            b.model, b.weights = bf16, "bf16"
+            b.model, b.weights = bf16, b.built
 
 
 def engine(
@@ -557,6 +598,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ep-size", type=int, default=1)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--fp8", action="store_true", help="also the model in block FP8 (W8A8)")
+    ap.add_argument(
+        "--fp8-linears",
+        choices=POLICIES,
+        default="timed",
+        help="which projections of an FP8 model run FP8, as the server's flag",
+    )
     ap.add_argument(
         "--stages",
         default=",".join(DEFAULT),

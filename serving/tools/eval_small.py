@@ -16,7 +16,7 @@ Stages (default all that the device allows):
              torch path (its kernels are CUDA-only) and the served dtype is float32
   fp8        the checkpoint quantized by serving/tools/quantize_fp8.py against itself in bf16 on
              the same prompts and windows: perplexities and greedy agreement (CUDA: the W8A8
-             kernels; CPU: weights dequantized at load)
+             kernels for every projection, --fp8-linears all; CPU: weights dequantized at load)
 Held-out text is never trained on: documents that serving/tools/corpus.py holds out by hash.
 """
 
@@ -66,9 +66,13 @@ def token_windows(tok, texts: list[str], window: int, limit: int) -> list[list[i
     return out[:limit]
 
 
-def load(model_path: str, dtype: torch.dtype, device: str, draft: bool = False):
+def load(
+    model_path: str, dtype: torch.dtype, device: str, draft: bool = False, fp8_linears="timed"
+):
     config = ModelConfig.from_pretrained(model_path)
-    return load_weights(model_path, config, dtype, device, load_draft=draft)
+    return load_weights(
+        model_path, config, dtype, device, load_draft=draft, fp8_linears=fp8_linears
+    )
 
 
 @torch.inference_mode()
@@ -110,8 +114,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 @torch.inference_mode()
-def teacher_forced(model, prompts: list[list[int]], outs: list[list[int]], device: str,
-                   batch: int = 8) -> dict:
+def teacher_forced(
+    model, prompts: list[list[int]], outs: list[list[int]], device: str, batch: int = 8
+) -> dict:
     """Score each prompt + its greedy tokens from another path (`outs`) with `model` in one
     forward pass: the share of those tokens that are `model`'s own argmax at their position.
     Unlike whole-sequence identity, one early flip costs one position, not the rest."""
@@ -137,7 +142,9 @@ def teacher_forced(model, prompts: list[list[int]], outs: list[list[int]], devic
 def fp8_vs_bf16(
     model_path: str, dtype: torch.dtype, device: str, windows, prompts, new: int
 ) -> dict:
-    """The block-FP8 checkpoint (quantize_fp8) against the original, both served in dtype."""
+    """The block-FP8 checkpoint (quantize_fp8) against the original, both served in dtype;
+    every projection in FP8 (--fp8-linears all: the accuracy of the FP8 kernels, not of the
+    timed mix a server would run)."""
     import tempfile
 
     from serving.tools.quantize_fp8 import quantize_checkpoint
@@ -146,7 +153,7 @@ def fp8_vs_bf16(
     want, want_ppl = greedy(base, prompts, new, device), perplexity(base, windows, device)
     del base
     with tempfile.TemporaryDirectory() as tmp:
-        fp8, _ = load(str(quantize_checkpoint(model_path, tmp)), dtype, device)
+        fp8, _ = load(str(quantize_checkpoint(model_path, tmp)), dtype, device, fp8_linears="all")
     got, got_ppl = greedy(fp8, prompts, new, device), perplexity(fp8, windows, device)
     ppl = {"ppl_fp8": got_ppl["perplexity"], "ppl_base": want_ppl["perplexity"]}
     ppl["ppl_ratio"] = ppl["ppl_fp8"] / ppl["ppl_base"]

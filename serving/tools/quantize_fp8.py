@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels.fp8 import quantize_weight
+from serving.models.fp8_choice import linear_shape
 from serving.models.fp8_weights import SCALE_SUFFIX
 from serving.models.loader import checkpoint_files
 
@@ -89,13 +90,16 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, ue8m0: bool = False) -
     return dst
 
 
-def quantize_model(model: torch.nn.Module) -> torch.nn.Module:
+def quantize_model(
+    model: torch.nn.Module, dense_shapes: frozenset[tuple[int, int]] = frozenset()
+) -> torch.nn.Module:
     """In memory, what quantize_checkpoint then a CUDA load give (for benchmarks on random
     weights): every module with FP8 kernels (a `kind`) holds block-FP8 weights quantized from
-    its own, the routed experts' gate and up halves apart. kv_b stays as it is: the loader
-    dequantizes it anyway."""
+    its own, the routed experts' gate and up halves apart; but the projections whose weight
+    shape is in dense_shapes (serving/models/fp8_choice.py: FP8 not faster) stay as they are,
+    as the loader dequantizes them. kv_b stays as it is: the loader dequantizes it anyway."""
     for module in model.modules():
-        if getattr(module, "kind", None) is None:
+        if getattr(module, "kind", None) is None or linear_shape(module) in dense_shapes:
             continue
         if module.kind == "moe":
             w13, w2 = module.w13.data, module.w2.data

@@ -109,7 +109,8 @@ def split_by_kind(prof, step_label: str, cuda: bool) -> dict[str, float]:
 
 
 def _routed(name: str) -> bool:
-    return name.endswith((".mlp.w13", ".mlp.w2"))
+    """The routed experts' weights (and, in block FP8, their scales)."""
+    return name.endswith((".mlp.w13", ".mlp.w2", ".mlp.w13_scale_inv", ".mlp.w2_scale_inv"))
 
 
 def hbm_floor(
@@ -143,6 +144,8 @@ def hbm_floor(
         for m in moes.values():
             local = m.w13.shape[0]
             per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+            if m.w13_scale_inv is not None:
+                per_expert += (m.w13_scale_inv[0].numel() + m.w2_scale_inv[0].numel()) * 4
             experts += local * p_hit * per_expert
     elem = next(modules[0].parameters()).element_size()
     dsa_layers = len(config.dsa_layers) + (len(modules) > 1)
