@@ -140,7 +140,7 @@ def load_peaks(ckpt: Path, layouts: list[tuple[int, int, int]], timeout: float =
 
 
 # ---- the sharded fast path against one rank, every layout in one pair of rank processes ----
-# (tests/test_tp_gpu.py: two ranks on one GPU over gloo, and the same body on the CPU)
+# (tests/test_tp_fast_path.py: two ranks on one GPU over gloo, and the same body on the CPU)
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_MODEL = REPO / "serving" / "assets" / "small_model"
@@ -236,7 +236,6 @@ def _layouts_main(rank, port, ckpt, device, out_path, errors) -> None:
             fed = [results["tp1"]["fed"]]
             # bf16's own distance from float32 (the torch path on the CPU): the noise scale
             results["tp1_fp32_cpu"] = greedy_run(ckpt, "cpu", fed[0], dtype=torch.float32)
-        set_state(ParallelState(rank, 2, 2))
         dist.broadcast_object_list(fed, src=0)  # every layout is fed the reference's tokens
         for tp, ep in LAYOUTS:
             set_state(ParallelState(rank, tp, ep))
