@@ -12,7 +12,10 @@ simulated rank (--simulate-rank; docs/DEPLOY.md section 6) at the seed's decode 
    plain worker) at the seed's flags; start-up time to /health and its log's phase lines and
    memory plan; one /v1/chat/completions and --concurrent (96) /generate requests at once
    (prompts of --prompt-len random tokens, run locally on the decode role through SGLang's fake
-   bootstrap host); /get_server_info (peak_used_rows); the GPU memory in use. Then stopped.
+   bootstrap host); /get_server_info's request rows (peak_used_rows); the GPU memory in use.
+   Then stopped. Local requests are scheduled like a plain worker's: at most
+   --max-running-requests (32) rows at once. The 64 extra rows are taken only by PD transfers
+   in flight, so the seed's 96 rows at once need a prefill partner (docs/BENCHMARKS.md, call 2).
 2. bench: serving.tools.bench_fast_path's rank stages on the same rank (decode steps with graphs
    at batch 1/8/32 after 4k and 64k tokens, EAGLE's step, one 8,192-token prefill chunk, the
    collectives each step issues with the projected TP8 step, the HBM floor, the per-layer-kind
@@ -96,6 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompt-len", type=int, default=1024, help="of the concurrent requests")
     ap.add_argument("--concurrent", type=int, default=96, help="/generate requests at once")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="of every request")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "rank_out"))
     return ap.parse_args(argv)
 
@@ -208,16 +212,16 @@ def server_part(args: argparse.Namespace, model: Path, report: Report, budget: f
         chat = {
             "model": "rank",
             "messages": [{"role": "user", "content": "List three things to check."}],
-            "max_tokens": 32,
+            "max_tokens": args.max_new_tokens,
             "temperature": 0,
             **local,
         }
         result["chat"] = _post(url + "/v1/chat/completions", chat, 120)
         vocab = ModelConfig.from_pretrained(str(model)).vocab_size
-        result["concurrent"] = concurrent(url, args.prompt_len, vocab, local, args.concurrent)
-        info = httpx.get(url + "/get_server_info", timeout=10).json()
-        result["server_info"] = {k: info.get(k) for k in ("simulation", "internal_states")}
-        result["fp8"] = (info.get("scheduler") or {}).get("fp8")
+        result["concurrent"] = concurrent(
+            url, args.prompt_len, args.max_new_tokens, vocab, local, args.concurrent
+        )
+        result["server_info"] = server_info(url)
         result["gpu_after_requests"] = gpu_memory_used()
     except StackError as e:
         report.data["errors"]["server"] = str(e)[:3000]
@@ -229,10 +233,23 @@ def server_part(args: argparse.Namespace, model: Path, report: Report, budget: f
         report["server"] = result
 
 
-def concurrent(url: str, prompt_len: int, vocab: int, local: dict, n: int) -> dict:
-    """`n` /generate requests at once (96: the decode role's 32 running + 64 extra rows, the
-    seed's bug at the seed's size; server_info's peak_used_rows shows the rows held at once):
-    wall time and outcomes."""
+def server_info(url: str) -> dict:
+    """/get_server_info's simulation warning and the scheduler's request rows (peak_used_rows:
+    the most held at once). A failed call is a StackError with its body: run 5 parsed a 500's
+    error body as the answer and reported both fields as null."""
+    r = httpx.get(url + "/get_server_info", timeout=10)
+    if r.status_code != 200:
+        raise StackError(f"/get_server_info answered {r.status_code}: {r.text[:1000]}")
+    info = r.json()
+    stats = info["internal_states"][0]
+    keys = ("total_rows", "peak_used_rows", "used_rows", "running", "queued")
+    return {"simulation": info["simulation"], "rows": {k: stats[k] for k in keys},
+            "fp8": (info.get("scheduler") or {}).get("fp8")}
+
+
+def concurrent(url: str, prompt_len: int, new: int, vocab: int, local: dict, n: int) -> dict:
+    """`n` /generate requests at once, `new` tokens each: wall time and outcomes. Run locally
+    (the fake bootstrap host), at most --max-running-requests of them hold a row at once."""
     import random
 
     rng = random.Random(0)
@@ -242,7 +259,7 @@ def concurrent(url: str, prompt_len: int, vocab: int, local: dict, n: int) -> di
     def one(i: int) -> None:
         body = {
             "input_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)],
-            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
             **local,
         }
         res = _post(url + "/generate", body, 240)

@@ -93,12 +93,19 @@ def init_parallel(
     init_method: str,
     device: str,
     timeout_s: float = 600.0,
+    backend: str | None = None,
 ) -> ParallelState:
-    """Join the worker's process group (once per rank process)."""
+    """Join the worker's process group (once per rank process). backend: NCCL on CUDA, gloo on
+    the CPU, unless given. TEST MODE: backend "gloo" on CUDA lets several ranks share one GPU
+    (NCCL refuses two ranks on one device; tests/test_tp_gpu.py). gloo carries CUDA tensors for
+    every tensor collective below (all_reduce, all_gather, broadcast) by staging them through
+    pinned host memory; it is slow and cannot be captured in a CUDA graph, so never serve with
+    it."""
     global _state, _group, _cpu_group
     world = max(tp_size, ep_size)
     timeout = datetime.timedelta(seconds=timeout_s)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend is None:
+        backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
     )

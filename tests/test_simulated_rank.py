@@ -8,14 +8,19 @@ with EAGLE on a vocabulary of 410, padded to 412; a prefill + decode pair both s
 of tp 2 / ep 2, decode holding more rows than it runs): chat completions and /generate
 complete, the warnings and /server_info's field are there, the memory plan is logged beside what
 was built, nothing leaks; a decode simulating another rank is refused at the handshake; flags
-that cannot work are refused with one line.
+that cannot work are refused with one line. deploy/gpu_simulated_rank.py's server part, run
+from a checkout without pdserve installed (as on the GPU machine), records the simulated decode
+role's request rows from /get_server_info.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import subprocess
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,6 +31,7 @@ from serving.distributed import ParallelState, set_state
 from tests.pd_pair import FAST_TIMEOUTS, PDPair
 from tests.server_proc import Server, eagle_flags
 
+REPO = Path(__file__).resolve().parents[1]
 VOCAB = 410  # does not divide by 4: padded to 412, the last rank's last 2 rows are padding
 
 
@@ -440,3 +446,51 @@ def test_layer_kinds_split_needs_the_cpu_ranges():
         a = a + 1
     with pytest.raises(ValueError, match="no CPU time under 'step'"):
         split_by_kind(prof, "step", cuda=False)
+
+
+@pytest.fixture(scope="module")
+def uninstalled_python(tmp_path_factory) -> Path:
+    """An interpreter with every package of this one but pdserve, which is not installed (no
+    pdserve-*.dist-info, no editable finder): how the GPU scripts run the repository (the image's
+    venv, the wheels in a site dir, the checkout on sys.path)."""
+    import site
+    import venv
+
+    root = tmp_path_factory.mktemp("uninstalled")
+    venv.create(root, with_pip=False, symlinks=True)
+    (packages,) = root.glob("lib/python3*/site-packages")
+    for entry in Path(site.getsitepackages()[0]).iterdir():
+        if "pdserve" not in entry.name:
+            (packages / entry.name).symlink_to(entry)
+    python = root / "bin" / "python"
+    probe = "import importlib.util as u, torch; assert u.find_spec('mooncake') is not None"
+    subprocess.run([python, "-c", probe], check=True, timeout=120)
+    return python
+
+
+def test_gpu_script_reads_the_simulated_decode_rows(v410_ckpt, tmp_path, uninstalled_python):
+    """deploy/gpu_simulated_rank.py's server part at a tiny size on the CPU, run from the
+    checkout as on the GPU machine: /get_server_info answers (run 5's raised on the missing
+    package metadata, and the script read the 500's body as nulls) and the script records the
+    simulated decode role's request rows. Its requests run locally (SGLang's fake bootstrap
+    host): at most --max-running-requests rows at once; the extra rows are for PD transfers."""
+    pytest.importorskip("mooncake.engine")
+    out = tmp_path / "out"
+    seed = "--tp-size 2 --ep-size 2 --context-length 256 --max-running-requests 2"
+    seed += " --chunked-prefill-size 32 --skip-server-warmup"
+    cmd = [
+        *(str(uninstalled_python), "deploy/gpu_simulated_rank.py", "--parts", "server"),
+        *("--device", "cpu", "--model-path", str(v410_ckpt), "--seed-flags", seed),
+        *("--decode-flags", "--disaggregation-mode decode --disaggregation-decode-extra-slots 4"),
+        *("--concurrent", "6", "--prompt-len", "20", "--max-new-tokens", "4"),
+        *("--budget-s", "240", "--out", str(out)),
+    ]
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    results = json.loads((out / "results.json").read_text())
+    assert run.returncode == 0 and not results["errors"], (results["errors"], run.stdout[-3000:])
+    server = results["server"]
+    assert server["role"] == "decode" and server["concurrent"]["ok"] == 6, server
+    info = server["server_info"]
+    assert info["simulation"]["simulated_rank"] == 0, info
+    assert info["rows"]["total_rows"] == 6 and info["rows"]["used_rows"] == 0, info
+    assert info["rows"]["peak_used_rows"] == 2, info

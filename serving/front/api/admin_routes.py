@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 import uuid
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,6 +31,21 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 PROFILE_TIMEOUT_S = 600.0
 
 
+def package_version() -> str:
+    """pdserve's version for /server_info. A checkout run without `pip install` (the GPU scripts:
+    the image's venv, wheels in a site dir, the repository on sys.path) has no package metadata:
+    then the version in the checkout's pyproject.toml, marked as such. Run 5's decode role
+    raised PackageNotFoundError here on every /get_server_info (a 500 for the whole body)."""
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    text = pyproject.read_text() if pyproject.is_file() else ""
+    found = re.search(r'^version = "([^"]+)"', text, re.M)  # [project]'s, the first
+    return f"{found.group(1)} (source checkout, not installed)" if found else "unknown"
+
+
 def simulation(args) -> dict | None:
     """/server_info's warning for a --simulate-rank worker (None for a real one)."""
     if args.simulate_rank is None:
@@ -49,6 +66,7 @@ def simulation(args) -> dict | None:
 def admin_router(ctx: FrontContext) -> APIRouter:
     router = APIRouter()
     client = ctx.client
+    server_version = package_version()
 
     @router.get("/health")
     async def health() -> Response:
@@ -110,7 +128,7 @@ def admin_router(ctx: FrontContext) -> APIRouter:
                 "scheduler": dataclasses.asdict(ready) if ready else None,
                 "internal_states": [stats],
                 "simulation": simulation(ctx.args),
-                "version": version("pdserve"),
+                "version": server_version,
             }
         )
 
