@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: the GPU test suite (`pytest -m gpu`), timed, on the device image.
+#
+#   bash deploy/gpu_tests.sh [PYTEST ARGS...]      # repository root, on the GPU machine; carry .whl/
+#
+# The image lacks our serving dependencies (deploy/gpu_wheels.sh fills .whl/) and the test-only
+# clients (openai, sglang-router), so this collects only the files that hold GPU tests: a plain
+# `pytest -m gpu` would fail collecting the OpenAI tests' modules. Writes $OUT/gpu_tests.log
+# (with the 30 slowest tests) and $OUT/junit.xml.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+mapfile -t FILES < <(grep -l "mark\.gpu" tests/test_*.py)
+echo "GPU test files: ${FILES[*]}" | tee "$OUT/gpu_tests.log"
+t0=$SECONDS
+python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=30 \
+    --junitxml="$OUT/junit.xml" "${FILES[@]}" "$@" 2>&1 | tee -a "$OUT/gpu_tests.log"
+echo "pytest -m gpu: $((SECONDS - t0)) s" | tee -a "$OUT/gpu_tests.log"
