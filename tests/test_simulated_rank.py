@@ -40,15 +40,11 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("rank,tp,ep", [(1, 2, 2), (3, 4, 1), (2, 4, 4), (1, 1, 2)])
-def test_rank_parameters_equal_the_plan(v410_ckpt, rank, tp, ep):
-    """The random shard has exactly the parameters the plan predicts for that rank, and the
-    vocabulary's padding rows are zero (rank 3 of tp 4: rows 101 and 102 of its 103)."""
-    from serving.models.random_init import random_weights
+def rank_plan(config, rank: int, tp: int, ep: int, fp8=None):
+    """The plan of rank `rank` at the small sizes these tests build (float32 on CPU)."""
     from serving.models.rank_plan import predict_rank
 
-    config = ModelConfig.from_pretrained(v410_ckpt)
-    plan = predict_rank(
+    return predict_rank(
         config,
         tp_size=tp,
         ep_size=ep,
@@ -61,7 +57,18 @@ def test_rank_parameters_equal_the_plan(v410_ckpt, rank, tp, ep):
         page_size=16,
         mem_fraction_static=0.7,
         total_memory=None,
+        fp8=fp8,
     )
+
+
+@pytest.mark.parametrize("rank,tp,ep", [(1, 2, 2), (3, 4, 1), (2, 4, 4), (1, 1, 2)])
+def test_rank_parameters_equal_the_plan(v410_ckpt, rank, tp, ep):
+    """The random shard has exactly the parameters the plan predicts for that rank, and the
+    vocabulary's padding rows are zero (rank 3 of tp 4: rows 101 and 102 of its 103)."""
+    from serving.models.random_init import random_weights
+
+    config = ModelConfig.from_pretrained(v410_ckpt)
+    plan = rank_plan(config, rank, tp, ep)
     set_state(ParallelState(rank, tp, ep, simulated=True))
     try:
         target, draft = random_weights(config, torch.float32, "cpu")
@@ -89,7 +96,7 @@ def test_fp8_rank_equals_the_plan(v410_fp8, monkeypatch, rank, tp, ep):
     seed), the routed gate and up halves apart."""
     from kernels.fp8 import quantize_weight
     from serving.models.random_init import random_weights
-    from serving.models.rank_plan import fp8_plan, predict_rank
+    from serving.models.rank_plan import fp8_plan
     from tests.test_fp8 import given_timings
 
     config = ModelConfig.from_pretrained(v410_fp8)
@@ -97,21 +104,7 @@ def test_fp8_rank_equals_the_plan(v410_fp8, monkeypatch, rank, tp, ep):
     keep = frozenset({"shared_expert"})
 
     def plan(fp8):
-        return predict_rank(
-            config,
-            tp_size=tp,
-            ep_size=ep,
-            rank=rank,
-            dtype=torch.float32,
-            context=256,
-            running=4,
-            extra=8,
-            speculative_steps=1,
-            page_size=16,
-            mem_fraction_static=0.7,
-            total_memory=None,
-            fp8=fp8,
-        )
+        return rank_plan(config, rank, tp, ep, fp8)
 
     set_state(ParallelState(rank, tp, ep, simulated=True))
     try:

@@ -393,13 +393,15 @@ def time_linear(n: int, k: int, tokens: int, dtype: torch.dtype, device) -> tupl
 
     fp8_ops = [(w8.clone(), scale.clone()) for _ in range(copies(w8.numel() + scale.numel() * 4))]
     dense_ops = [dense.clone() for _ in range(copies(dense.numel() * dense.element_size()))]
-    fp8_us = _graph_us(lambda op: block_fp8_linear(x, *op), fp8_ops)
-    dense_us = _graph_us(lambda op: torch.nn.functional.linear(x, op), dense_ops)
+    fp8_us = graph_time_us(lambda op: block_fp8_linear(x, *op), fp8_ops)
+    dense_us = graph_time_us(lambda op: torch.nn.functional.linear(x, op), dense_ops)
     return fp8_us, dense_us
 
 
-def _graph_us(fn, operands: list) -> float:
-    """Median device microseconds per fn(op) of one graph replay calling it on every op."""
+def graph_time_us(fn, operands: list) -> float:
+    """Median device microseconds per fn(op), every call captured in one CUDA graph and
+    replayed: no launch overhead, as in the decode graphs. Operands (weight copies) that rotate
+    through more bytes than L2 holds are each read from HBM, as successive layers' weights are."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile, probe and allocate outside the capture

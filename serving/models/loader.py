@@ -420,18 +420,12 @@ def _dequantize(w8: torch.Tensor, scale: torch.Tensor, where: ScaleSlice) -> tor
 
 
 def hold_fp8_modules(
-    modules: dict[str, torch.nn.Module],
-    header: dict[str, TensorInfo] | None,
-    fp8: set[str],
-    config: ModelConfig,
-    load_draft: bool,
-    ps: ParallelState,
-    keep_bf16: frozenset[str],
+    selected: list[tuple[str, str, torch.nn.Module]],
     dense_shapes: frozenset[tuple[int, int]] = frozenset(),
 ) -> None:
-    """hold_fp8() on every module of fp8_modules but the projections whose weight shape is in
-    dense_shapes (fp8_choice: FP8 not faster there)."""
-    for _, _, module in fp8_modules(modules, header, fp8, config, load_draft, ps, keep_bf16):
+    """hold_fp8() on every module fp8_modules() selected but the projections whose weight shape
+    is in dense_shapes (fp8_choice: FP8 not faster there)."""
+    for _, _, module in selected:
         if linear_shape(module) not in dense_shapes:
             module.hold_fp8()
 

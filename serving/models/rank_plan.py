@@ -27,7 +27,7 @@ from serving.memory.cache import tail_slots_for
 from serving.memory.pool import fit_kv_tokens, kda_state_bytes, row_bytes, token_bytes
 from serving.models.fp8_weights import TensorInfo, fp8_weights, read_header
 from serving.models.glm5_next import Glm5NextForCausalLM
-from serving.models.loader import hold_fp8_modules
+from serving.models.loader import fp8_modules, hold_fp8_modules
 from serving.models.nextn import NextNDraft
 
 GIB = 2**30
@@ -78,16 +78,10 @@ def module_weights(
         if draft:
             modules["draft"] = NextNDraft(config, dtype)
     if fp8 is not None:
-        hold_fp8_modules(
-            modules,
-            fp8.header,
-            set(fp8.fp8),
-            config,
-            draft,
-            state(),
-            fp8.keep_bf16,
-            fp8.dense_shapes or frozenset(),
+        selected = fp8_modules(
+            modules, fp8.header, set(fp8.fp8), config, draft, state(), fp8.keep_bf16
         )
+        hold_fp8_modules(selected, fp8.dense_shapes or frozenset())
     params = [p for m in modules.values() for p in m.parameters()]
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 

@@ -254,26 +254,6 @@ REAL_FP8_LINEARS = {
 }
 
 
-def _time_graph(fn: Callable[[object], object], operands: list) -> float:
-    """Median device ms per call of fn(op) for op in operands, every call captured in one CUDA
-    graph and replayed: no launch overhead, as in the decode graphs. The operands (weight
-    copies) rotate through more bytes than L2 holds, so each is read from HBM, as successive
-    layers' weights are."""
-    import triton.testing
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, probe and allocate outside the capture
-        fn(operands[0])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for op in operands:
-            fn(op)
-    ms = triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
-    return float(ms) / len(operands)
-
-
 def _copies(nbytes: int) -> int:
     """Weight copies that together exceed the H200's 50 MiB L2 twice (at most 32)."""
     return max(2, min(32, -(-(100 << 20) // nbytes)))
@@ -317,11 +297,13 @@ def bench_fp8_linear(prefill: int, decode_tokens) -> list[dict]:
                 if tokens == prefill:
                     times[key] = _time(fn, x, w8, scale)
                 else:
-                    times[key] = _time_graph(lambda op, fn=fn, x=x: fn(x, *op), fp8_ops)
+                    times[key] = (
+                        tfp8.graph_time_us(lambda op, fn=fn, x=x: fn(x, *op), fp8_ops) / 1e3
+                    )
             if tokens == prefill:
                 bf16_ms = _time(F.linear, x, w16)
             else:
-                bf16_ms = _time_graph(lambda op, x=x: F.linear(x, op), bf16_ops)
+                bf16_ms = tfp8.graph_time_us(lambda op, x=x: F.linear(x, op), bf16_ops) / 1e3
             ms = times["chosen"]
             extra = {
                 "backend": "scaled_mm"
@@ -375,6 +357,7 @@ def _fp8_experts(hidden, experts, inter, dev, gen):
 
 def bench_moe_fp8(tokens_list) -> list[dict]:
     from kernels.triton import moe as tmoe
+    from kernels.triton.fp8 import graph_time_us
 
     rows = []
     dev = DEVICE
@@ -395,8 +378,8 @@ def bench_moe_fp8(tokens_list) -> list[dict]:
             fp8_args = (x, w13, w2, s13, s2, weights, ids, 10.0)
             bf16_args = (x, w13_16, w2_16, weights, ids, 10.0)
             if tokens <= 128:  # decode: device time under a CUDA graph, as the decode graphs run
-                ms = _time_graph(lambda a: tmoe.experts_fp8(*a), [fp8_args])
-                bf16_ms = _time_graph(lambda a: tmoe.experts(*a), [bf16_args])
+                ms = graph_time_us(lambda a: tmoe.experts_fp8(*a), [fp8_args]) / 1e3
+                bf16_ms = graph_time_us(lambda a: tmoe.experts(*a), [bf16_args]) / 1e3
             else:
                 ms = _time(tmoe.experts_fp8, *fp8_args)
                 bf16_ms = _time(tmoe.experts, *bf16_args)
