@@ -422,6 +422,8 @@ def test_kernel_warmup_runs_every_kda_path_the_cache_serves(tiny_ckpt, monkeypat
     assert prepare_kernels(sched) > 10
     assert_all_free(sched)
     assert sched.stats.prompt_tokens_total == sched.stats.cache_lookup_tokens_total == 0
+    # the batch lines count from the zeroed counters (an H200 log read "#cached-token: -768")
+    assert sched.batch_log.hits == sched.batch_log.decoded == 0
     warm, served = set(seen), seen
     seen.clear()
     system = tokens(150, seed=40)

@@ -42,7 +42,12 @@ class BatchLog:
         cuda = str(runner.pool.device).startswith("cuda")
         self.graph_name = "cuda graph" if cuda else "cpu graph"
         self.decode_batches = 0
-        now = time.perf_counter()
+        self.rebase()
+
+    def rebase(self) -> None:
+        """Count from the stats as they are now: at start, and after the warm-up zeroes the
+        _total counters (the lines report differences of counters, which must not go back)."""
+        stats, now = self.stats, time.perf_counter()
         self.last_prefill, self.last_decode = now, now
         self.hits = stats.cache_hit_tokens_total
         self.decoded = stats.decode_tokens_total

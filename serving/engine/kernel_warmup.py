@@ -97,4 +97,5 @@ def prepare_kernels(sched: Scheduler) -> int:
         if f.name.endswith("_total"):
             setattr(stats, f.name, f.default)
     sched.refresh_stats()
+    sched.batch_log.rebase()
     return count
