@@ -59,6 +59,9 @@ from deploy.launch_local import (  # noqa: E402
 SPEC_METRICS = ("spec_accept_length", "spec_accept_rate")
 
 
+SHARED_DEVICE_FRACTION = 0.4  # per role, unless the worker args give --mem-fraction-static
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python deploy/pd_bench.py",
@@ -245,6 +248,10 @@ def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, re
     log_dir = args.out / name
     log_dir.mkdir(parents=True, exist_ok=True)
     worker = f"{args.worker_args} {flags}"
+    if "--mem-fraction-static" not in f"{worker} {args.prefill_args} {args.decode_args}":
+        # both roles share one device and each sizes its pools against the device's total
+        # memory: two of the default 0.8 do not fit (the decode worker fails at start-up)
+        worker += f" --mem-fraction-static {SHARED_DEVICE_FRACTION}"
     ns = argparse.Namespace(
         host="127.0.0.1",
         port=0,

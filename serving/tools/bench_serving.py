@@ -9,7 +9,9 @@ first token (TTFT), time per output token (TPOT: per request (end - TTFT) / (tok
 averaged, as SGLang's bench_serving defines it), each request's decode-phase tokens/s (the
 inverse, averaged), and inter-token latency (ITL: the gaps between stream events that brought
 new tokens; with speculative decoding one event can bring several tokens, so TPOT is the
-figure to compare across configurations).
+figure to compare across configurations). `ttft_parts_ms_mean` averages the stage times
+that the last chunk's meta_info carries (queue, prefill forward, KV transfer, decode queue,
+first decode step: docs/PROTOCOL.md), so a TTFT splits into its parts.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], n: in
     start = time.perf_counter()
     stamps: list[float] = []
     seen = 0
+    meta: dict = {}
     async with client.stream("POST", url + "/generate", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            count = len(json.loads(line[6:])["output_ids"])
+            chunk = json.loads(line[6:])
+            count, meta = len(chunk["output_ids"]), chunk.get("meta_info") or meta
             if count > seen:
                 stamps.append(time.perf_counter())
                 seen = count
@@ -48,6 +52,7 @@ async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], n: in
         "e2e": end - start,
         "itl": [b - a for a, b in zip(stamps, stamps[1:])],
         "tokens": seen,
+        "stages": {k: v for k, v in meta.items() if k.endswith("_time") and v is not None},
     }
 
 
@@ -95,6 +100,10 @@ async def run(args: argparse.Namespace) -> dict:
         "itl_ms_mean": round(statistics.mean(itl), 3) if itl else None,
         "itl_ms_p50": round(pct(itl, 0.5), 2) if itl else None,
         "itl_ms_p99": round(pct(itl, 0.99), 2) if itl else None,
+        "ttft_parts_ms_mean": {
+            name: round(1000 * statistics.mean(r["stages"].get(name, 0.0) for r in results), 1)
+            for name in sorted({n for r in results for n in r["stages"]})
+        },
     }
 
 
