@@ -104,6 +104,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "pd_bench_out"))
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for health")
     ap.add_argument("--bench-timeout", type=float, default=600, help="seconds per bench run")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile N forward steps of prefill and decode (/start_profile, CPU + GPU, no "
+        "stacks) from the start of the highest-concurrency run; traces in OUT/VARIANT/profile",
+    )
     args = ap.parse_args(argv)
     variants = args.variant or ["base="]
     args.variants = []
@@ -271,7 +279,10 @@ def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, re
         wait_ready(procs, args.timeout, t0)
         report["startup_s"][name] = round(time.monotonic() - t0, 1)
         router, decode = procs[-1], procs[1]
+        top = max(c for c, _ in args.benches)
         for concurrency, requests in args.benches:
+            if args.profile_steps and concurrency == top:
+                start_profiles(procs, log_dir / "profile", args.profile_steps)
             res = run_bench(args, router.url, concurrency, requests)
             check_alive(procs)
             report["runs"].append({"variant": name, "flags": flags, **res})
@@ -292,6 +303,18 @@ def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, re
         write_report(args, report)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _interrupt)
+
+
+def start_profiles(procs: list[Proc], out: Path, steps: int) -> None:
+    """Both workers profile their next `steps` forward steps and write the traces themselves
+    when those are done (SGLang's num_steps)."""
+    out.mkdir(parents=True, exist_ok=True)
+    body = {"output_dir": str(out), "num_steps": steps, "with_stack": False}
+    for p in procs:
+        if p.role in ("prefill", "decode"):
+            r = httpx.post(p.url + "/start_profile", json={**body, "profile_prefix": p.role})
+            if r.status_code != 200:
+                raise StackError(f"{p.role} /start_profile answered {r.status_code}: {r.text}")
 
 
 def write_report(args: argparse.Namespace, report: dict) -> None:
