@@ -105,6 +105,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for health")
     ap.add_argument("--bench-timeout", type=float, default=600, help="seconds per bench run")
     ap.add_argument(
+        "--direct",
+        action="store_true",
+        help="after each run through the router, the same run straight to the workers "
+        "(bench_serving --direct: the client does the router's bootstrap), as VARIANT-direct",
+    )
+    ap.add_argument(
         "--profile-steps",
         type=int,
         default=0,
@@ -218,8 +224,10 @@ def environment() -> dict:
     return json.loads(r.stdout) if r.returncode == 0 else {"probe_error": r.stderr[-500:]}
 
 
-def run_bench(args: argparse.Namespace, url: str, concurrency: int, requests: int) -> dict:
-    cmd = [sys.executable, "-m", "serving.tools.bench_serving", "--url", url]
+def run_bench(
+    args: argparse.Namespace, url: str, concurrency: int, requests: int, extra: tuple = ()
+) -> dict:
+    cmd = [sys.executable, "-m", "serving.tools.bench_serving", "--url", url, *extra]
     cmd += ["--concurrency", str(concurrency), "--requests", str(requests)]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     try:
@@ -288,6 +296,15 @@ def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, re
             report["runs"].append({"variant": name, "flags": flags, **res})
             print(f"  {name} c={concurrency}: {json.dumps(res)}", flush=True)
             write_report(args, report)
+            if args.direct:  # the same load without the router: what the router adds
+                prefill = procs[0]
+                port = prefill.cmd[prefill.cmd.index("--disaggregation-bootstrap-port") + 1]
+                extra = ("--direct", prefill.url, port)
+                res = run_bench(args, decode.url, concurrency, requests, extra)
+                check_alive(procs)
+                report["runs"].append({"variant": f"{name}-direct", "flags": flags, **res})
+                print(f"  {name}-direct c={concurrency}: {json.dumps(res)}", flush=True)
+                write_report(args, report)
         report["metrics"][name] = spec_metrics(decode.url)
         report["decode_rows"][name] = decode_rows(decode.url)
     except StackError as e:

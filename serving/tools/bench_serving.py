@@ -12,6 +12,11 @@ new tokens; with speculative decoding one event can bring several tokens, so TPO
 figure to compare across configurations). `ttft_parts_ms_mean` averages the stage times
 that the last chunk's meta_info carries (queue, prefill forward, KV transfer, decode queue,
 first decode step: docs/PROTOCOL.md), so a TTFT splits into its parts.
+
+`--direct PREFILL_URL BOOTSTRAP_PORT` (with --url the decode worker) plays the router's part
+itself: each request goes to the prefill worker and to the decode worker with the same
+bootstrap triple, and streams from decode. Against a run through the router (same stack), the
+difference is what the router adds.
 """
 
 from __future__ import annotations
@@ -25,14 +30,27 @@ import time
 
 import httpx
 
+ROOMS = random.Random()  # bootstrap rooms of --direct requests (the router's are 63-bit too)
 
-async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], n: int) -> dict:
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, ids: list[int], n: int, direct: tuple | None = None
+) -> dict:
     body = {
         "input_ids": ids,
         "stream": True,
         "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
     }
     start = time.perf_counter()
+    prefill = None
+    if direct is not None:
+        prefill_url, bootstrap_port = direct
+        host = httpx.URL(prefill_url).host
+        body.update(bootstrap_host=host, bootstrap_port=bootstrap_port,
+                    bootstrap_room=ROOMS.getrandbits(63))  # fmt: skip
+        prefill = asyncio.create_task(
+            client.post(prefill_url + "/generate", json={**body, "stream": False})
+        )
     stamps: list[float] = []
     seen = 0
     meta: dict = {}
@@ -47,6 +65,8 @@ async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], n: in
                 stamps.append(time.perf_counter())
                 seen = count
     end = time.perf_counter()
+    if prefill is not None:
+        (await prefill).raise_for_status()
     return {
         "ttft": stamps[0] - start,
         "e2e": end - start,
@@ -66,15 +86,16 @@ async def run(args: argparse.Namespace) -> dict:
     prompts = [
         [rng.randrange(0, args.vocab) for _ in range(args.input_len)] for _ in range(args.requests)
     ]
+    direct = (args.direct[0], int(args.direct[1])) if args.direct else None
     sem = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency * 2)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def bounded(ids: list[int]) -> dict:
             async with sem:
-                return await one_request(client, args.url, ids, args.output_len)
+                return await one_request(client, args.url, ids, args.output_len, direct)
 
-        await one_request(client, args.url, prompts[0], 2)  # warm up
+        await one_request(client, args.url, prompts[0], 2, direct)  # warm up
         t0 = time.perf_counter()
         results = await asyncio.gather(*(bounded(p) for p in prompts))
         wall = time.perf_counter() - t0
@@ -115,6 +136,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument(
+        "--direct",
+        nargs=2,
+        metavar=("PREFILL_URL", "BOOTSTRAP_PORT"),
+        help="PD without a router: --url is the decode worker (see above)",
+    )
     print(json.dumps(asyncio.run(run(ap.parse_args()))))
 
 
