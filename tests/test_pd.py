@@ -106,6 +106,25 @@ def test_pd_seeded_sampling_equals_single_worker(pair, single):
     pair.idle()
 
 
+def test_pd_first_token_top_logprobs_equal_single_worker(pair, single):
+    """The first token's logprob and top logprobs are prefill's, carried in the host part of
+    the aux row (serving/memory/pool.AuxRows); the pair answers what one worker answers."""
+    body = {**greedy_body(prompts()[4], 4), "return_logprob": True, "top_logprobs_num": 5}
+    want = httpx.post(single.url + "/generate", json=body, timeout=60).json()
+    decode, prefill = pair.dispatch("/generate", body)
+    assert prefill.status_code == 200 and decode.status_code == 200, decode.text
+    got, want = decode.json()["meta_info"], want["meta_info"]
+    g_tok, w_tok = got["output_token_logprobs"], want["output_token_logprobs"]
+    assert [e[1] for e in g_tok] == [e[1] for e in w_tok] and len(w_tok) == 4
+    g_top, w_top = got["output_top_logprobs"], want["output_top_logprobs"]
+    assert len(g_top) == len(w_top) == 4 and len(g_top[0]) == 5
+    for g_step, w_step in zip([g_tok] + g_top, [w_tok] + w_top):
+        assert [e[1] for e in g_step] == [e[1] for e in w_step]
+        assert all(abs(a[0] - b[0]) <= 2e-4 for a, b in zip(g_step, w_step)), (g_step, w_step)
+    assert g_tok[0][0] != 0.0 and g_top[0][0][0] != 0.0  # prefill's values, not an empty row
+    pair.idle()
+
+
 STAGES = ("queue_time", "prefill_forward_time")
 DECODE_STAGES = (
     *STAGES,

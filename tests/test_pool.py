@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 from serving.config import ModelConfig
 from serving.memory.cache import DSALayerCache, KDALayerCache, request_rows
-from serving.memory.pool import MemoryPool, PoolPlan
+from serving.memory.pool import AuxRows, MemoryPool, PoolPlan
 
 ROW_BUFFERS = ("conv", "state", "tail_keys", "tail_gates")
 
@@ -90,3 +93,46 @@ def test_invariant_check_catches_leaks_and_aliases(pool):
     pool.check({})
     with pytest.raises(RuntimeError, match="freed but not in use"):
         pool.free_row(row)
+
+
+def _aux_fields_read(path: str, cls: str, method: str) -> set[str]:
+    """Names X of every `aux.X` in one method's source."""
+    tree = ast.parse(Path(path).read_text())
+    node = next(
+        f
+        for c in tree.body
+        if isinstance(c, ast.ClassDef) and c.name == cls
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name == method
+    )
+    return {
+        n.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "aux"
+    }
+
+
+def test_aux_host_part_is_host_memory_and_all_the_handoff_host_code_touches():
+    """The aux columns the host reads and writes live in host memory whatever the pool's
+    device (on CUDA pinned), so decode's admission of an arrived request (DecodeRole._commit)
+    and prefill's aux write (PrefillRole._write_aux) never wait for the device. With the device
+    part on 'meta', any of their aux fields that is not host memory shows up here."""
+    aux = AuxRows.allocate(5, 8, torch.bfloat16, "meta")
+    host = {name for name, t in vars(aux).items() if t.device.type == "cpu"}
+    assert host == {"ints", "floats", "top_ids"}, host
+    assert {name for name, t in vars(aux).items() if t.is_meta} == {"draft_token", "draft_hidden"}
+    assert all(t.shape[0] == 5 for _, t in aux.tensors())
+    root = Path(__file__).resolve().parent.parent
+    for path, cls, method in (
+        (root / "workers/decode.py", "DecodeRole", "_commit"),
+        (root / "workers/prefill.py", "PrefillRole", "_write_aux"),
+    ):
+        used = _aux_fields_read(str(path), cls, method)
+        assert used and used <= host, (method, used - host)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_aux_host_part_is_pinned_on_cuda():
+    aux = AuxRows.allocate(3, 8, torch.bfloat16, "cuda")
+    assert all(t.is_pinned() for t in (aux.ints, aux.floats, aux.top_ids))
+    assert aux.draft_token.is_cuda and aux.draft_hidden.is_cuda

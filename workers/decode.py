@@ -31,7 +31,6 @@ import httpx
 from serving.distributed import state
 from serving.engine.request import Req
 from serving.engine.role import Role
-from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import (
     FAKE_BOOTSTRAP_HOST,
     FinishReason,
@@ -442,7 +441,8 @@ class DecodeRole(Role):
             if self.scheduler.free_running_slots <= 0:
                 continue  # every later one waits too: FIFO
             req = t.req
-            room, first, cached, ntop = aux.ints[req.row, :DRAFT_TOKEN].tolist()
+            # host memory (AuxRows): no wait for the step in flight
+            room, first, cached, ntop = aux.ints[req.row].tolist()
             if room != t.room:
                 self._fail(
                     t, f"handoff corrupted: aux row holds room {room}, expected {t.room}", 500
@@ -453,7 +453,7 @@ class DecodeRole(Role):
                 floats = aux.floats[req.row].tolist()
                 ids = aux.top_ids[req.row, :ntop].tolist()
                 logprobs = [TokenLogprob(first, floats[0], list(zip(ids, floats[1 : 1 + ntop])))]
-            aux.ints[req.row, :DRAFT_TOKEN] = 0  # EAGLE's proposal stays: decode starts from it
+            aux.ints[req.row] = 0  # a later handoff into this row must write its own room
             del self.transfers[t.room]
             del self.by_rid[req.rid]
             req.cached = len(req.input_ids)

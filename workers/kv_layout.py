@@ -2,7 +2,10 @@
 
 Page buffers (indexed by KV page): every DSA layer's latents and pooled index keys, target and
 draft. Page p of a buffer is one contiguous range, so a run of consecutive pages is one write.
-Row buffers (indexed by request row): KDA conv and recurrent states, compression tails, aux.
+Row buffers (indexed by request row): KDA conv and recurrent states, compression tails, aux
+(serving/memory/pool.AuxRows: its host-read columns live in host memory, pinned on CUDA, so
+decode reads them without a device sync; EAGLE's columns stay on the device). Mooncake writes
+between host and device memory alike: a buffer's address is all a write needs.
 
 The layout (names and per-item byte sizes, in order) must be identical on both sides; comparing
 it at the handshake catches a page-size, dtype, model or speculative-config mismatch.

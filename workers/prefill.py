@@ -29,7 +29,6 @@ import torch
 from serving.distributed import state
 from serving.engine.request import Req
 from serving.engine.role import Role
-from serving.memory.pool import DRAFT_TOKEN
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams, SchedulerStats
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
@@ -391,16 +390,17 @@ class PrefillRole(Role):
 
     # ---- transfer ----
     def _write_aux(self, req: Req, room: Room) -> None:
+        """Host writes into the host part of the aux row: complete when this returns, so before
+        the transfer that carries them is posted. EAGLE's proposal and hidden are already
+        current on the device (Eagle.extend_draft)."""
         aux = self.scheduler.pool.aux
         lp = req.last_logprob
         top = lp.top if lp is not None else []
-        # the DRAFT_TOKEN column is already current on the device (Eagle.extend_draft)
-        aux.ints[req.row, :DRAFT_TOKEN] = torch.tensor(
-            [room.request.bootstrap_room, req.output_ids[-1], req.cached_tokens or 0, len(top)],
-            dtype=torch.int64,
+        aux.ints[req.row] = torch.tensor(
+            [room.request.bootstrap_room, req.output_ids[-1], req.cached_tokens or 0, len(top)]
         )
         floats = [lp.logprob if lp is not None else 0.0] + [v for _, v in top]
-        aux.floats[req.row, : len(floats)] = torch.tensor(floats, dtype=torch.float32)
+        aux.floats[req.row, : len(floats)] = torch.tensor(floats)
         if top:
             aux.top_ids[req.row, : len(top)] = torch.tensor([t for t, _ in top])
 

@@ -35,31 +35,41 @@ log = logging.getLogger(__name__)
 AUX_TOP_LOGPROBS = 20
 
 
-DRAFT_TOKEN = 4  # column of AuxRows.ints
-
-
 @dataclass
 class AuxRows:
     """Per-request-row extras that a PD handoff carries besides KV and state.
 
-    ints:         bootstrap_room, first token, cached tokens, number of top logprobs, and at
-                  DRAFT_TOKEN EAGLE's current proposal d1 (written and read on the device by
-                  serving/speculative/eagle.py; the handoff carries it, so decode starts from it)
+    Host part (pinned on CUDA), written and read by the host only, so decode admits an arrived
+    request without waiting for the step in flight:
+    ints:         bootstrap_room, first token, cached tokens, number of top logprobs
     floats:       first-token logprob, then its top logprobs; top_ids: their token ids
+    Device part, written and read on the device by serving/speculative/eagle.py (the handoff
+    carries it, so decode starts from it):
+    draft_token:  EAGLE's current proposal d1
     draft_hidden: the NextN draft's hidden state at the last drafted position (EAGLE's stash)
+
+    Hazard: prefill must finish writing the host part before it posts the transfer, and decode
+    may read it only after prefill's Success (then every write has landed).
     """
 
-    ints: torch.Tensor  # [rows, 5] int64
-    floats: torch.Tensor  # [rows, 1 + AUX_TOP_LOGPROBS] float32
-    top_ids: torch.Tensor  # [rows, AUX_TOP_LOGPROBS] int64
-    draft_hidden: torch.Tensor  # [rows, hidden] model dtype
+    ints: torch.Tensor  # [rows, 4] int64, host
+    floats: torch.Tensor  # [rows, 1 + AUX_TOP_LOGPROBS] float32, host
+    top_ids: torch.Tensor  # [rows, AUX_TOP_LOGPROBS] int64, host
+    draft_token: torch.Tensor  # [rows] int64, device
+    draft_hidden: torch.Tensor  # [rows, hidden] model dtype, device
 
     @classmethod
     def allocate(cls, rows: int, hidden: int, dtype: torch.dtype, device: str) -> AuxRows:
+        pin = torch.device(device).type == "cuda"  # a peer's NIC/engine writes it; no pageable
+
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
         return cls(
-            ints=torch.zeros(rows, 5, dtype=torch.int64, device=device),
-            floats=torch.zeros(rows, 1 + AUX_TOP_LOGPROBS, dtype=torch.float32, device=device),
-            top_ids=torch.zeros(rows, AUX_TOP_LOGPROBS, dtype=torch.int64, device=device),
+            ints=host(rows, 4, dtype=torch.int64),
+            floats=host(rows, 1 + AUX_TOP_LOGPROBS, dtype=torch.float32),
+            top_ids=host(rows, AUX_TOP_LOGPROBS, dtype=torch.int64),
+            draft_token=torch.zeros(rows, dtype=torch.int64, device=device),
             draft_hidden=torch.zeros(rows, hidden, dtype=dtype, device=device),
         )
 

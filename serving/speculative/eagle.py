@@ -2,7 +2,7 @@
 
 Per request, between steps: y, the last committed token (position n, not yet in the target's
 cache); and, on the device in request-row buffers that also travel in a PD handoff, d1, the
-draft's proposal for position n+1 (pool.aux.ints[row, DRAFT_TOKEN]), and the draft's hidden
+draft's proposal for position n+1 (pool.aux.draft_token[row]), and the draft's hidden
 state at position n-1 (pool.aux.draft_hidden[row]). Keeping d1 on the device means a step never
 waits for the draft: the host only reads the verify logits.
 
@@ -38,7 +38,7 @@ from serving.distributed import broadcast_tensor
 from serving.executor.sampler import Sampler, SamplingState
 from serving.forward_batch import ForwardBatch
 from serving.memory.cache import ModelCache
-from serving.memory.pool import DRAFT_TOKEN, MemoryPool
+from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
 from serving.speculative.graphs import SpecGraphs, Verified
@@ -164,7 +164,7 @@ class Eagle:
     def _stash(self, rows: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         aux = self.pool.aux
         aux.draft_hidden[rows] = hidden.to(aux.draft_hidden.dtype)
-        aux.ints[rows, DRAFT_TOKEN] = logits.argmax(-1)
+        aux.draft_token[rows] = logits.argmax(-1)
 
     # ---- the two device programs of a step (graph-captured on CUDA) ----
     def draft_and_verify(
@@ -176,7 +176,7 @@ class Eagle:
     ) -> Verified:
         """tokens (y), positions (n), rows: [B]. Steps 1 and 2 of the module doc."""
         r2t = self.pool.req_to_token
-        chain = [self.pool.aux.ints[rows, DRAFT_TOKEN]]
+        chain = [self.pool.aux.draft_token[rows]]
         hidden = self.pool.aux.draft_hidden[rows]
         for k in range(2, self.steps + 1):
             batch = ForwardBatch.uniform(chain[-1], rows, positions + k - 2, 1, r2t, max_seq_len)
