@@ -98,12 +98,21 @@ class RankSender(threading.Thread):
         self.engine, self.pages, self.rows = engine, pages, rows
         self.rank, self.world = rank, world
         self.peers: dict[str, list[RankMemory]] = {}
-        self.jobs: queue.Queue[tuple[int, list[tuple[str, Writes]]]] = queue.Queue()
+        self.jobs: queue.Queue[tuple[int, list[tuple[str, Writes]], torch.cuda.Event | None]] = (
+            queue.Queue()
+        )
         self.results: queue.Queue[JobDone] = queue.Queue()
 
     def apply(self, orders: list[PeerMemory | Ship]) -> None:
+        ready = None
         if any(isinstance(o, Ship) for o in orders) and torch.cuda.is_available():
-            torch.cuda.synchronize()  # the forward that wrote these pages must be done
+            # The forward that wrote these pages must be done before Mooncake reads them. The
+            # sender thread waits for this event, not the scheduler: under the overlap scheduler
+            # the next step is in flight, and a host sync here would idle the GPU once per
+            # shipped chunk. Every step runs on this thread's current stream (graphs replay on
+            # it too), so an event recorded there after the launches covers the writes.
+            ready = torch.cuda.Event()
+            ready.record()
         for order in orders:
             if isinstance(order, PeerMemory):
                 self.peers[order.key] = order.ranks
@@ -117,12 +126,14 @@ class RankSender(threading.Thread):
                     r = row_writes(self.rows, target.row_addrs, *order.rows)
                     w = tuple(a + b for a, b in zip(w, r))
                 writes.append((target.session, w))
-            self.jobs.put((order.job, writes))
+            self.jobs.put((order.job, writes, ready))
 
     def run(self) -> None:
         while True:
-            job, writes = self.jobs.get()
+            job, writes, ready = self.jobs.get()
             error = None
+            if ready is not None:
+                ready.synchronize()
             t0 = time.perf_counter()
             try:
                 for session, w in writes:
