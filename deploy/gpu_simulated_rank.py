@@ -243,8 +243,11 @@ def server_info(url: str) -> dict:
     info = r.json()
     stats = info["internal_states"][0]
     keys = ("total_rows", "peak_used_rows", "used_rows", "running", "queued")
-    return {"simulation": info["simulation"], "rows": {k: stats[k] for k in keys},
-            "fp8": (info.get("scheduler") or {}).get("fp8")}
+    return {
+        "simulation": info["simulation"],
+        "rows": {k: stats[k] for k in keys},
+        "fp8": (info.get("scheduler") or {}).get("fp8"),
+    }
 
 
 def concurrent(url: str, prompt_len: int, new: int, vocab: int, local: dict, n: int) -> dict:
