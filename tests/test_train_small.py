@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.tools.train_small import main
+from serving.tools.train_small import Plan, Trainer, main
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "64",
@@ -45,10 +45,25 @@ def test_resumed_run_equals_a_straight_run_and_exports(corpus, tmp_path):
             assert torch.equal(t, b[part][name]), f"{part}.{name} differs after the resume"
     log = [json.loads(x) for x in (split / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3, 4]
+    # --extend: four more steps on a second cosine segment (warm-up 2 from the floor to half the
+    # first peak, then down to the floor at the plan's end); the first segment's rates unchanged
+    main(["--run", str(straight), "--corpus", str(corpus), *ARGS, "--resume", "--extend", "4"])
+    state = torch.load(straight / "state.pt", weights_only=False)
+    assert state["step"] == 8 and state["plan"]["extend_from"] == 4
+    first, both = _lrs(Plan(**a["plan"]), 4), _lrs(Plan(**state["plan"]), 9)
+    lr = a["plan"]["lr"]
+    assert both[:4] == first
+    assert both[4:] == pytest.approx([0.3 * lr, 0.5 * lr, 0.5 * lr, 0.3 * lr, 0.1 * lr])
     main(["--run", str(split), "--export", str(tmp_path / "ckpt")])
     check = json.loads((tmp_path / "ckpt.export_check.json").read_text())
     assert check["target_rel_err"] < 1e-5 and check["target_argmax_equal"] == 1.0, check
     assert check["draft_rel_err"] < 1e-5 and check["draft_argmax_equal"] == 1.0, check
+
+
+def _lrs(plan, n: int) -> list[float]:
+    """The learning rates of steps 0..n-1 under `plan`."""
+    trainer = type("T", (), {"plan": plan})()
+    return [Trainer.lr_at(trainer, step) for step in range(n)]
 
 
 def test_refusals_name_the_problem(corpus, tmp_path, capsys):
@@ -71,6 +86,8 @@ def test_refusals_name_the_problem(corpus, tmp_path, capsys):
     run = tmp_path / "r4"
     main(["--run", str(run), "--corpus", str(corpus), *ARGS, "--run-steps", "1"])
     assert "pass --resume" in _refusal("--run", str(run), "--corpus", str(corpus), *ARGS)
+    assert "finish its plan first" in _refusal("--run", str(run), "--resume", "--extend", "2",
+                                               *ARGS)  # fmt: skip
     raw = json.loads((run / "config.json").read_text())
     raw["text_config"]["hidden_size"] = 96
     (run / "config.json").write_text(json.dumps(raw))
