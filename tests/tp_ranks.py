@@ -1,4 +1,4 @@
-"""Helpers that run TP/EP ranks in spawned processes (tests/test_tp.py, tests/test_tp_gpu.py)."""
+"""Helpers that run TP/EP ranks in spawned processes (tests/test_tp.py, test_tp_fast_path.py)."""
 
 from __future__ import annotations
 
@@ -54,19 +54,24 @@ def scenario(ckpt: str) -> list[torch.Tensor]:
     return out
 
 
-def _rank_main(rank, tp, ep, port, ckpt, out_path, errors) -> None:
+def _reporting(main, rank: int, errors, *args) -> None:
+    """A rank process's target: main(rank, *args); a failure reaches the parent through errors."""
     try:
-        from serving.distributed import destroy_parallel, init_parallel
-
-        init_parallel(rank, tp, ep, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=120)
-        torch.set_num_threads(1)
-        logits = scenario(ckpt)
-        if rank == 0:
-            torch.save(logits, out_path)
-        destroy_parallel()
+        main(rank, *args)
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
+
+
+def _rank_main(rank, tp, ep, port, ckpt, out_path) -> None:
+    from serving.distributed import destroy_parallel, init_parallel
+
+    init_parallel(rank, tp, ep, f"tcp://127.0.0.1:{port}", "cpu", timeout_s=120)
+    torch.set_num_threads(1)
+    logits = scenario(ckpt)
+    if rank == 0:
+        torch.save(logits, out_path)
+    destroy_parallel()
 
 
 def run_ranks(ckpt: Path, tp: int, ep: int, out_path: Path, timeout: float = 180.0) -> None:
@@ -76,7 +81,10 @@ def run_ranks(ckpt: Path, tp: int, ep: int, out_path: Path, timeout: float = 180
     port = free_port()
     world = max(tp, ep)
     procs = [
-        ctx.Process(target=_rank_main, args=(r, tp, ep, port, str(ckpt), str(out_path), errors))
+        ctx.Process(
+            target=_reporting,
+            args=(_rank_main, r, errors, tp, ep, port, str(ckpt), str(out_path)),
+        )
         for r in range(world)
     ]
     _join(procs, errors, timeout)
@@ -217,39 +225,35 @@ def greedy_run(
     return out
 
 
-def _layouts_main(rank, port, ckpt, device, out_path, errors) -> None:
-    try:
-        from serving.distributed import ParallelState, destroy_parallel, init_parallel, set_state
+def _layouts_main(rank, port, ckpt, device, out_path) -> None:
+    from serving.distributed import ParallelState, destroy_parallel, init_parallel, set_state
 
-        if device == "cuda":
-            # Both ranks on GPU 0 (of what CUDA_VISIBLE_DEVICES shows): each process has its
-            # own CUDA context there; their kernels time-share the device.
-            torch.cuda.set_device(0)
-        # gloo on CUDA too: NCCL refuses two ranks on one device (the test mode of init_parallel)
-        init_parallel(rank, 2, 2, f"tcp://127.0.0.1:{port}", device, 300, backend="gloo")
-        torch.set_num_threads(1)
-        results = {}
-        fed = [None]
-        if rank == 0:  # the reference: one rank, no collective (rank 1 waits for its tokens)
-            set_state(ParallelState())
-            results["tp1"] = greedy_run(ckpt, device)
-            fed = [results["tp1"]["fed"]]
-            # bf16's own distance from float32 (the torch path on the CPU): the noise scale
-            results["tp1_fp32_cpu"] = greedy_run(ckpt, "cpu", fed[0], dtype=torch.float32)
-        dist.broadcast_object_list(fed, src=0)  # every layout is fed the reference's tokens
-        for tp, ep in LAYOUTS:
-            set_state(ParallelState(rank, tp, ep))
-            results[layout_name(tp, ep)] = greedy_run(ckpt, device, fed[0])
-        for tp, ep in WRONG_SHARDS:
-            set_state(ParallelState(rank, tp, ep))
-            wrong = ParallelState(0, tp, ep)
-            results["wrong_" + layout_name(tp, ep)] = greedy_run(ckpt, device, fed[0], wrong)
-        if rank == 0:
-            torch.save(results, out_path)
-        destroy_parallel()
-    except BaseException:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
+    if device == "cuda":
+        # Both ranks on GPU 0 (of what CUDA_VISIBLE_DEVICES shows): each process has its
+        # own CUDA context there; their kernels time-share the device.
+        torch.cuda.set_device(0)
+    # gloo on CUDA too: NCCL refuses two ranks on one device (the test mode of init_parallel)
+    init_parallel(rank, 2, 2, f"tcp://127.0.0.1:{port}", device, 300, backend="gloo")
+    torch.set_num_threads(1)
+    results = {}
+    fed = [None]
+    if rank == 0:  # the reference: one rank, no collective (rank 1 waits for its tokens)
+        set_state(ParallelState())
+        results["tp1"] = greedy_run(ckpt, device)
+        fed = [results["tp1"]["fed"]]
+        # bf16's own distance from float32 (the torch path on the CPU): the noise scale
+        results["tp1_fp32_cpu"] = greedy_run(ckpt, "cpu", fed[0], dtype=torch.float32)
+    dist.broadcast_object_list(fed, src=0)  # every layout is fed the reference's tokens
+    for tp, ep in LAYOUTS:
+        set_state(ParallelState(rank, tp, ep))
+        results[layout_name(tp, ep)] = greedy_run(ckpt, device, fed[0])
+    for tp, ep in WRONG_SHARDS:
+        set_state(ParallelState(rank, tp, ep))
+        wrong = ParallelState(0, tp, ep)
+        results["wrong_" + layout_name(tp, ep)] = greedy_run(ckpt, device, fed[0], wrong)
+    if rank == 0:
+        torch.save(results, out_path)
+    destroy_parallel()
 
 
 def run_layouts(ckpt: Path, device: str, out_path: Path, timeout: float = 240.0) -> None:
@@ -259,6 +263,8 @@ def run_layouts(ckpt: Path, device: str, out_path: Path, timeout: float = 240.0)
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     port = free_port()
-    args = (port, str(ckpt), device, str(out_path), errors)
-    procs = [ctx.Process(target=_layouts_main, args=(r, *args)) for r in range(2)]
+    args = (port, str(ckpt), device, str(out_path))
+    procs = [
+        ctx.Process(target=_reporting, args=(_layouts_main, r, errors, *args)) for r in range(2)
+    ]
     _join(procs, errors, timeout)
