@@ -25,7 +25,7 @@ set -euo pipefail
 MINUTES=${1:-7.5}
 STEPS=${STEPS:-auto}
 OUT=${OUT:-/tmp/out}
-CARRY=data/gpu-carry
+CARRY=${CARRY:-data/gpu-carry}  # another staged part: CARRY=data/gpu-carry2
 RUN=data/gpu-run
 mkdir -p "$OUT" "$RUN"
 WHEEL=$(compgen -G ".whl/fla_core-*.whl" || compgen -G "$CARRY/fla_core-*.whl")  # either place
