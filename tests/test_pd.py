@@ -138,7 +138,8 @@ DECODE_STAGES = (
 def test_pd_stage_times_split_the_ttft(pair):
     """decode's meta_info splits the time to first token into its stages, prefill's carried in
     the Success message: all present, none negative, together no more than the TTFT the client
-    measured; the batch log lines and the finish line are in both workers' logs."""
+    measured (less the first decode step, which under overlap follows the first output); the batch
+    log lines and the finish line are in both workers' logs."""
     full = {**greedy_body(prompts()[7], 6), **pair.bootstrap(), "stream": True}
     res = {}
 
@@ -161,7 +162,9 @@ def test_pd_stage_times_split_the_ttft(pair):
     assert events[-1]["output_ids"] and meta["completion_tokens"] == 6
     stages = {k: meta[k] for k in DECODE_STAGES}
     assert all(v >= 0 for v in stages.values()), stages
-    assert sum(stages.values()) <= ttft, (stages, ttft)
+    # the overlap scheduler streams the adopted first token before the first decode step runs
+    before_first = sum(v for k, v in stages.items() if k != "first_decode_step_time")
+    assert before_first <= ttft, (stages, ttft)
     assert stages["prefill_forward_time"] > 0 and stages["first_decode_step_time"] > 0, stages
     prefill_meta = res["p"].json()["meta_info"]
     assert all(prefill_meta[k] >= 0 for k in (*STAGES, "kv_transfer_time")), prefill_meta

@@ -46,7 +46,7 @@ def windows(tok):
 
 
 def test_heldout_perplexity_is_far_below_a_random_models(windows):
-    """Measured: 44.2 on these 8 x 256-token windows of a held-out Python-docs page (41.7 on 64
+    """Measured: 25.6 on these 8 x 256-token windows of a held-out Python-docs page (22.4 on 64
     x 512 windows of the whole held-out corpus, docs/SMALL_MODEL.md); a random model of the same
     shape sits near the vocabulary size (8,192)."""
     import json
@@ -59,13 +59,13 @@ def test_heldout_perplexity_is_far_below_a_random_models(windows):
     raw["dtype"] = "float32"
     _, random_target, _ = random_model(raw, "cpu")
     theirs = perplexity(random_target, windows, "cpu")["perplexity"]
-    assert ours < 60, ours
+    assert ours < 40, ours
     assert theirs > 1000, theirs
 
 
 def test_eagle_accepts_the_draft_on_heldout_prompts(tok):
     """Accept length = committed tokens per verify step (1 = nothing accepted). Measured on 8
-    held-out prompts x 24 tokens: 1.54 at 1 step, 1.72 at 3 steps. Greedy tokens equal plain
+    held-out prompts x 24 tokens: 1.55 at 1 step, 1.98 at 3 steps. Greedy tokens equal plain
     decoding."""
     from serving.tools.bench_spec import measure
 
@@ -75,8 +75,8 @@ def test_eagle_accepts_the_draft_on_heldout_prompts(tok):
     three = measure(str(SMALL), 3, prompts, 24, flags=FLOAT32)
     assert one["outputs"] == plain["outputs"]
     assert three["outputs"] == plain["outputs"]
-    assert one["accept_length"] >= 1.4, one
-    assert three["accept_length"] >= 1.55, three
+    assert one["accept_length"] >= 1.45, one
+    assert three["accept_length"] >= 1.75, three
 
 
 def test_teacher_forced_agreement_scores_another_paths_greedy_tokens(windows):

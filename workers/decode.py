@@ -31,6 +31,7 @@ import httpx
 from serving.distributed import state
 from serving.engine.request import Req
 from serving.engine.role import Role
+from serving.executor.streams import landed_writes
 from serving.protocol import (
     FAKE_BOOTSTRAP_HOST,
     FinishReason,
@@ -431,7 +432,7 @@ class DecodeRole(Role):
 
     def _commit(self) -> None:
         """Successful transfers enter the running batch, oldest first, as slots free up."""
-        aux = self.scheduler.pool.aux
+        aux, landed = self.scheduler.pool.aux, False
         for t in list(self.transfers.values()):
             if t.state != KVPoll.Success:
                 continue
@@ -461,6 +462,9 @@ class DecodeRole(Role):
             if req.return_logprob:  # prefill scored the prompt; a re-prefill scores nothing
                 req.input_logprobs = t.input_logprobs or []
                 req.input_scored = len(req.input_ids)
+            if not landed:  # the steps that read its pages and row come after Mooncake's copies
+                landed_writes(self.scheduler.pool.device)
+                landed = True
             self.scheduler.adopt(req, first, logprobs)
 
     def _finish_scored(self, t: Transfer) -> None:

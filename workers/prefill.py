@@ -426,7 +426,12 @@ class PrefillRole(Role):
         fanout) and collect what each rank finished. Followers with writes still owed are asked
         again at most every RANK_POLL_S, with no orders."""
         orders, self.orders = self.orders, []
-        self.sender.apply(orders)
+        # Ships come from processed steps: each was synchronised before its hooks ran. With a
+        # later step in flight (overlap) nothing launched since writes a shipped page or row
+        # (the prefill worker never decodes; a next chunk writes only later pages, and rows ship
+        # with the last chunk), so no event is needed. Without one, process-time device work
+        # (EAGLE's draft extend) may still be queued: the sender records an event.
+        self.sender.apply(orders, written=self.scheduler.inflight is not None)
         done: list[tuple[int, JobDone]] = [(0, d) for d in self.sender.done()]
         if self.fanout is not None:
             now = time.monotonic()

@@ -103,14 +103,18 @@ class RankSender(threading.Thread):
         )
         self.results: queue.Queue[JobDone] = queue.Queue()
 
-    def apply(self, orders: list[PeerMemory | Ship]) -> None:
+    def apply(self, orders: list[PeerMemory | Ship], written: bool = False) -> None:
+        """`written`: the caller knows the device work that wrote the shipped pages and rows is
+        complete (rank 0 under the overlap scheduler: they come from steps it has synchronised,
+        and a step launched after them is in flight, which an event recorded now would also
+        wait for)."""
         ready = None
-        if any(isinstance(o, Ship) for o in orders) and torch.cuda.is_available():
+        if not written and any(isinstance(o, Ship) for o in orders) and torch.cuda.is_available():
             # The forward that wrote these pages must be done before Mooncake reads them. The
-            # sender thread waits for this event, not the scheduler: under the overlap scheduler
-            # the next step is in flight, and a host sync here would idle the GPU once per
-            # shipped chunk. Every step runs on this thread's current stream (graphs replay on
-            # it too), so an event recorded there after the launches covers the writes.
+            # sender thread waits for this event, not the scheduler: a host sync here would idle
+            # the GPU once per shipped chunk. Every step runs on this thread's current stream
+            # (graphs replay on it too), so an event recorded there after the launches covers
+            # the writes, and whatever was launched after them.
             ready = torch.cuda.Event()
             ready.record()
         for order in orders:

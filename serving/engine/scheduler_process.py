@@ -47,11 +47,13 @@ def build_model(args: ServerArgs):
     from serving.config import ModelConfig, parse_fp8_kinds
     from serving.distributed import min_over_ranks, state
     from serving.executor.model_runner import ModelRunner
+    from serving.executor.streams import use_compute_stream
     from serving.memory.pool import MemoryPool, SnapshotBudget, plan_pool
     from serving.models.loader import load_weights, resolve_dtype
     from serving.models.random_init import random_weights
 
     device = args.resolved_device()
+    use_compute_stream(device)  # before anything is built: weights, pool and graphs live on it
     config = ModelConfig.from_pretrained(args.model_path)
     dtype = resolve_dtype(args.dtype, args.model_path, device)
     torch.manual_seed(args.random_seed)
@@ -457,6 +459,7 @@ def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
     )
     from serving.engine.profiler import RankProfiler, rank_name
     from serving.engine.tp_worker import KEEPALIVE, STOP, join_group
+    from serving.executor.streams import landed_writes
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -484,6 +487,8 @@ def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
             continue
         pool.replay(msg.journal)
         if msg.kind == "forward":
+            if args.disaggregation_mode == "decode":
+                landed_writes(pool.device)  # this rank's pool may hold a handoff just adopted
             runner.forward(*msg.payload)
         elif msg.kind == "publish":
             tokens = torch.empty(len(msg.payload), dtype=torch.int64, device=pool.device)
