@@ -259,10 +259,10 @@ def format_summary(s: dict, top: int = 10) -> str:
     ]
     st = s["steps"]
     if st["count"]:
+        gpu = f"; GPU busy {100 * st['gpu_busy_fraction']:.1f}% of step time" if g["events"] else ""
         lines.append(
             f"  steps ({st['range']}): {st['count']}, mean {st['mean_ms']:.2f} ms, p50 "
-            f"{st['p50_ms']:.2f}, max {st['max_ms']:.2f}; GPU busy "
-            f"{100 * st['gpu_busy_fraction']:.1f}% of step time"
+            f"{st['p50_ms']:.2f}, max {st['max_ms']:.2f}{gpu}"
         )
     else:
         lines.append(f"  steps ({st['range']}): none in the trace")
