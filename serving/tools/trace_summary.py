@@ -57,6 +57,10 @@ def load(path: str | Path) -> dict:
     return trace
 
 
+def _number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Sorted, disjoint intervals covering exactly the given (start, end) ones."""
     merged: list[tuple[float, float]] = []
@@ -159,7 +163,10 @@ def summarize(trace: dict, step_range: str = STEP_RANGE, top: int = TOP) -> dict
     events = [
         e
         for e in trace["traceEvents"]
-        if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "dur" in e
+        if isinstance(e, dict)
+        and e.get("ph") == "X"
+        and _number(e.get("ts"))
+        and _number(e.get("dur"))
     ]
     if not events:
         raise ValueError("the trace has no complete (ph X) events")
@@ -184,7 +191,7 @@ def summarize(trace: dict, step_range: str = STEP_RANGE, top: int = TOP) -> dict
         row = copies.setdefault(kind, {"calls": 0, "total_us": 0.0, "bytes": None})
         row["calls"] += 1
         row["total_us"] += dur
-        if isinstance(args.get("bytes"), int | float):
+        if _number(args.get("bytes")):
             row["bytes"] = (row["bytes"] or 0) + int(args["bytes"])
     busy = union([iv for ivs in streams.values() for iv in ivs])
     busy_us = covered(busy)
