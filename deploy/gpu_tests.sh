@@ -6,7 +6,9 @@
 # The image lacks our serving dependencies (deploy/gpu_wheels.sh fills .whl/) and the test-only
 # clients (openai, sglang-router), so this collects only the files that hold GPU tests: a plain
 # `pytest -m gpu` would fail collecting the OpenAI tests' modules. Writes $OUT/gpu_tests.log
-# (with the 30 slowest tests) and $OUT/junit.xml.
+# (one line per test as it finishes, then the 20 slowest tests) and $OUT/junit.xml. A run cut
+# off by the call's time limit writes no junit.xml and no summary; the log's lines, written
+# unbuffered, still say which tests passed and which one was running.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -15,6 +17,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mapfile -t FILES < <(grep -l "mark\.gpu" tests/test_*.py)
 echo "GPU test files: ${FILES[*]}" | tee "$OUT/gpu_tests.log"
 t0=$SECONDS
-python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=30 \
+python3 -m pytest -m gpu -v -p no:cacheprovider -rfE --durations=20 \
     --junitxml="$OUT/junit.xml" "${FILES[@]}" "$@" 2>&1 | tee -a "$OUT/gpu_tests.log"
 echo "pytest -m gpu: $((SECONDS - t0)) s" | tee -a "$OUT/gpu_tests.log"

@@ -19,7 +19,8 @@ with --worker-args + the variant's flags on both workers, wait until all three a
 bench_serving run per --bench CONCURRENCY:REQUESTS, read the decode worker's /metrics and its
 request rows (peak held at once), stop the
 stack (router, decode, prefill; process groups killed when they do not exit). Writes
-OUT/results.json (rewritten after every run) and OUT/VARIANT/{prefill,decode,router}.log, then
+OUT/results.json (rewritten after every run), OUT/VARIANT/{prefill,decode,router}.log and, with
+--profile-steps, OUT/VARIANT/profile_summary.json (the workers' traces summarised), then
 prints a table and the decode worker's speculative-decoding metric lines. Exit 1 if any variant
 failed (the error and its log tail are in results.json and printed).
 """
@@ -116,7 +117,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="profile N forward steps of prefill and decode (/start_profile, CPU + GPU, no "
-        "stacks) from the start of the highest-concurrency run; traces in OUT/VARIANT/profile",
+        "stacks) from the start of the (first) highest-concurrency run; after it, each trace is "
+        "summarised (serving.tools.trace_summary) into OUT/VARIANT/profile_summary.json and "
+        "the raw traces in OUT/VARIANT/profile are deleted",
+    )
+    ap.add_argument(
+        "--keep-traces",
+        action="store_true",
+        help="with --profile-steps: keep the raw traces too (large: they seldom fit what a "
+        "device call brings back)",
     )
     args = ap.parse_args(argv)
     variants = args.variant or ["base="]
@@ -288,14 +297,20 @@ def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, re
         report["startup_s"][name] = round(time.monotonic() - t0, 1)
         router, decode = procs[-1], procs[1]
         top = max(c for c, _ in args.benches)
+        profile = args.profile_steps > 0  # until the first run at `top` has been profiled
         for concurrency, requests in args.benches:
-            if args.profile_steps and concurrency == top:
+            profiled = profile and concurrency == top
+            if profiled:
                 start_profiles(procs, log_dir / "profile", args.profile_steps)
             res = run_bench(args, router.url, concurrency, requests)
             check_alive(procs)
             report["runs"].append({"variant": name, "flags": flags, **res})
             print(f"  {name} c={concurrency}: {json.dumps(res)}", flush=True)
             write_report(args, report)
+            if profiled:
+                stop_profiles(procs)
+                summarize_profiles(log_dir, args.keep_traces)
+                profile = False
             if args.direct:  # the same load without the router: what the router adds
                 prefill = procs[0]
                 port = prefill.cmd[prefill.cmd.index("--disaggregation-bootstrap-port") + 1]
@@ -332,6 +347,45 @@ def start_profiles(procs: list[Proc], out: Path, steps: int) -> None:
             r = httpx.post(p.url + "/start_profile", json={**body, "profile_prefix": p.role})
             if r.status_code != 200:
                 raise StackError(f"{p.role} /start_profile answered {r.status_code}: {r.text}")
+
+
+def stop_profiles(procs: list[Proc]) -> None:
+    """Make sure both workers' traces are written: a worker still profiling (the run took
+    fewer steps than asked) stops now; one that stopped by itself answers 400, and only after
+    its trace was written (the scheduler writes it before it reads the next command)."""
+    for p in procs:
+        if p.role in ("prefill", "decode"):
+            r = httpx.post(p.url + "/stop_profile", timeout=600)
+            if r.status_code != 200 and "not in progress" not in r.text:
+                raise StackError(f"{p.role} /stop_profile answered {r.status_code}: {r.text}")
+
+
+def summarize_profiles(log_dir: Path, keep_traces: bool) -> None:
+    """Summarise every trace in log_dir/profile into log_dir/profile_summary.json, keyed by
+    role, then rank ({"decode": {"TP-0": summary}}), print each one's top lines and, unless
+    `keep_traces`, delete the traces that were summarised (a trace that failed is kept)."""
+    from serving.tools.trace_summary import format_summary, summarize_file
+
+    summaries: dict[str, dict] = {}
+    traces = sorted((log_dir / "profile").glob("*.trace.json.gz"))
+    for trace in traces:
+        # <role>-<profile id>-TP-<rank>[-EP-<rank>].trace.json.gz (the id is a time: no "-")
+        role, _, rank = trace.name.removesuffix(".trace.json.gz").split("-", 2)
+        try:
+            summary = summarize_file(trace)
+        except (OSError, ValueError) as e:
+            summaries.setdefault(role, {})[rank] = {"file": trace.name, "error": str(e)}
+            print(f"  [{log_dir.name}] {trace.name}: not summarised: {e}", flush=True)
+            continue
+        summaries.setdefault(role, {})[rank] = summary
+        print(f"\n  [{log_dir.name}] {role} {rank}:\n{format_summary(summary, top=8)}", flush=True)
+        if not keep_traces:
+            trace.unlink()
+    if not traces:
+        print(f"  [{log_dir.name}] no traces in {log_dir / 'profile'}", flush=True)
+    (log_dir / "profile_summary.json").write_text(json.dumps(summaries, indent=2) + "\n")
+    if not keep_traces and not any((log_dir / "profile").iterdir()):
+        (log_dir / "profile").rmdir()
 
 
 def write_report(args: argparse.Namespace, report: dict) -> None:

@@ -18,6 +18,7 @@ import torch
 from serving.config import ModelConfig
 from serving.models.loader import load_weights
 from serving.tools.generate import StepRunner
+from serving.tools.trace_summary import summarize_file
 from tests.server_proc import Server
 
 CONTEXT = 256
@@ -212,7 +213,8 @@ def test_prefix_cache_interface(server, reference):
 def test_profile_start_stop(server, tmp_path):
     """SGLang's /start_profile and /stop_profile on a real worker: a trace of the scheduler's
     CPU activity that parses; clear 400s for stop without start, start twice and a directory
-    that cannot be written; num_steps stops by itself; the server keeps serving."""
+    that cannot be written; num_steps stops by itself; the server keeps serving; the trace's
+    summary (serving.tools.trace_summary) has the host ops and one range per scheduler step."""
     url, out = server.url, tmp_path / "traces"
 
     def start(**body) -> httpx.Response:
@@ -233,6 +235,10 @@ def test_profile_start_stop(server, tmp_path):
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any(n.startswith("aten::") for n in names), sorted(names)[:20]
+    summary = summarize_file(trace)  # what pd_bench --profile-steps keeps of a trace
+    assert summary["window_ms"] > 0 and summary["steps"]["count"] >= 3, summary["steps"]
+    assert 0 < summary["steps"]["mean_ms"] <= summary["steps"]["max_ms"] < summary["window_ms"]
+    assert any(o["name"].startswith("aten::") for o in summary["cpu_ops"]["top"])
     assert (r := stop()).status_code == 400  # stopped: nothing in progress
 
     blocker = tmp_path / "a-file"
@@ -248,8 +254,9 @@ def test_profile_start_stop(server, tmp_path):
     deadline = time.monotonic() + 30
     while not list(out.glob("short-*-TP-0.trace.json.gz")) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert list(out.glob("short-*-TP-0.trace.json.gz"))
-    assert stop().status_code == 400
+    assert stop().status_code == 400  # answered after the trace was written
+    [short] = out.glob("short-*-TP-0.trace.json.gz")
+    assert summarize_file(short)["steps"]["count"] == 2  # each profiled step is marked
     assert generate(url, prompt(81), 4)["meta_info"]["completion_tokens"] == 4
 
 

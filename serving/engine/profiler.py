@@ -6,6 +6,8 @@ RankProfiler is one rank's profiler (rank 0 and every follower hold one). Profil
 (RankFanout.ask with kind "profile"), so every rank profiles the same steps; a follower answers
 each order with its error or its trace's path. Traces are SGLang's
 `<prefix-><profile id>-TP-<rank>[-EP-<rank>].trace.json.gz` (gzip-compressed Chrome trace JSON).
+On rank 0 each scheduler step is a STEP_RANGE range in the trace (serving.tools.trace_summary
+counts and times them); followers mark none.
 
 Hazard: a trace is only written by stop; a profiler left running keeps every event in memory,
 so `num_steps` counts down in `after_step` and stops it by itself.
@@ -13,6 +15,7 @@ so `num_steps` counts down in `after_step` and stops it by itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -26,6 +29,7 @@ log = logging.getLogger(__name__)
 ACTIVITIES = ("CPU", "GPU")
 IN_PROGRESS = "Profiling is already in progress. Call /stop_profile first."
 NOT_IN_PROGRESS = "Profiling is not in progress. Call /start_profile first."
+STEP_RANGE = "scheduler.step"  # record_function name of one scheduler step in a trace
 
 
 def default_dir(profile_dir: str | None) -> str:
@@ -138,6 +142,12 @@ class ProfileControl:
         if errors:
             return "; ".join(errors), ", ".join(paths)
         return None, ", ".join(paths)
+
+    def step_range(self) -> contextlib.AbstractContextManager:
+        """Wrap one scheduler step: a STEP_RANGE range while profiling, nothing otherwise."""
+        if not self.local.active:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(STEP_RANGE)
 
     def after_step(self) -> None:
         """Call after every forward step: `num_steps` profiling stops by itself."""

@@ -430,7 +430,8 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
         role.poll()
         if scheduler.has_work or scheduler.pending_outputs:
             watchdog.started = time.monotonic()
-            outputs = scheduler.step()
+            with profiler.step_range():
+                outputs = scheduler.step()
             watchdog.started = None
             profiler.after_step()
         else:
