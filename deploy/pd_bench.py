@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -92,7 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--variant",
         action="append",
         metavar="NAME=FLAGS",
-        help="a named set of extra flags for both workers (repeatable; default: base=)",
+        help="a named set of extra flags for both workers (repeatable; default: base=); leading "
+        "VAR=VALUE words are environment for the workers, e.g. "
+        "--variant legacy='PDSERVE_DEFAULT_STREAM=1 MC_TCP_SLICE_SIZE=4194304'",
     )
     ap.add_argument(
         "--bench",
@@ -269,9 +272,35 @@ def decode_rows(decode_url: str) -> dict:
     return {k: stats[k] for k in ("total_rows", "peak_used_rows", "used_rows", "used_pages")}
 
 
+def split_env(flags: str) -> tuple[dict[str, str], str]:
+    """A variant's leading VAR=VALUE words (environment) and the flags after them."""
+    words, env = shlex.split(flags), {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    return env, shlex.join(words)
+
+
 def run_variant(args: argparse.Namespace, model: Path, name: str, flags: str, report: dict) -> None:
     log_dir = args.out / name
     log_dir.mkdir(parents=True, exist_ok=True)
+    env, flags = split_env(flags)
+    report.setdefault("variant_env", {})[name] = env
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the workers inherit it at start (launch_local.start)
+    try:
+        _run_variant(args, model, name, flags, report, log_dir)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run_variant(
+    args: argparse.Namespace, model: Path, name: str, flags: str, report: dict, log_dir: Path
+) -> None:
     worker = f"{args.worker_args} {flags}"
     if "--mem-fraction-static" not in f"{worker} {args.prefill_args} {args.decode_args}":
         # both roles share one device and each sizes its pools against the device's total
