@@ -14,6 +14,9 @@ Stages (default all that the device allows):
              agreement (the first path's greedy tokens scored by the second in one forward: the
              share that are its argmax too) and both perplexities. On CPU the fast path is the
              torch path (its kernels are CUDA-only) and the served dtype is float32
+  agreement_fp32
+             (CUDA; not in the default set) the fast path against the torch path with both in
+             float32, on the same prompts: the share of the bf16 disagreement that rounding makes
   fp8        the checkpoint quantized by serving/tools/quantize_fp8.py against itself in bf16 on
              the same prompts and windows: perplexities and greedy agreement (CUDA: the W8A8
              kernels for every projection, --fp8-linears all; CPU: weights dequantized at load)
@@ -256,6 +259,16 @@ def main() -> None:
             record("bf16_vs_fp32_fast", {**agreement(fast, full), **forced,
                                          "ppl_bf16": fast_ppl["perplexity"],
                                          "ppl_fp32": full_ppl["perplexity"]})  # fmt: skip
+    if "agreement_fp32" in stages:  # both paths in float32: what is left is not bf16 rounding
+        fp32, _ = load(args.model_path, torch.float32, args.device)
+        fast = greedy(fp32, prompt_windows, args.new_tokens, args.device)
+        kernels.TORCH_ONLY = True
+        try:
+            slow = greedy(fp32, prompt_windows, args.new_tokens, args.device)
+            forced = teacher_forced(fp32, prompt_windows, fast, args.device)
+        finally:
+            kernels.TORCH_ONLY = False
+        record("fast_vs_torch_fp32", {**agreement(fast, slow), **forced})
     if "fp8" in stages:
         record("fp8_vs_bf16", fp8_vs_bf16(args.model_path, served, args.device, windows,
                                           prompt_windows, args.new_tokens))  # fmt: skip
