@@ -70,7 +70,7 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     one from pageable memory may wait for it too (the driver stages it): either waits for the
     step in flight and undoes the overlap scheduler. On CUDA the values go through pinned memory
     (torch's caching host allocator: a block is reused only once its copy has run)."""
-    pinned = torch.device(device).type == "cuda"
+    pinned = torch.device(device).type == "cuda" and len(values) > 0
     return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
 
 
