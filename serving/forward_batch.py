@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import torch
 
@@ -64,9 +65,20 @@ class KDASaves:
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
-    """Host values as a tensor on `device`, the host not waiting for the device: a blocking copy
-    would wait for the step in flight and undo the overlap scheduler."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """Host values as a tensor on `device`, the host not waiting for the device. A blocking copy
+    (torch.tensor(values, device=cuda), .to(cuda)) synchronizes the stream, and a non-blocking
+    one from pageable memory may wait for it too (the driver stages it): either waits for the
+    step in flight and undoes the overlap scheduler. On CUDA the values go through pinned memory
+    (torch's caching host allocator: a block is reused only once its copy has run)."""
+    pinned = torch.device(device).type == "cuda" and len(values) > 0
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+
+
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor's copy on `device`, without waiting for the device (to_device's way)."""
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # A token id in a batch's input (StepInput): the token sampled for this row by the step launched
@@ -97,10 +109,14 @@ class ForwardBatch:
     logit_index: torch.Tensor  # [N] int64 indices into T
     req_to_token: torch.Tensor  # the request table (position -> KV slot per row)
     max_seq_len: int  # bound on start + len over the batch (static under CUDA graphs)
-    # Speculative verify: KDA layers record {layer: [conv inputs, per-position states]} here so
-    # the state after the last accepted token can be restored (serving/speculative/eagle.py).
+    # The host's copies of starts, lens and req_rows: a ragged extend (build) reads these, never
+    # the device tensors (reading those back would sync). Batches built from device tensors
+    # (uniform, captured graphs) hold placeholders and take the graph-safe paths.
     starts_cpu: list[int]
     lens_cpu: list[int]
+    rows_cpu: list[int]
+    # Speculative verify: KDA layers record {layer: [conv inputs, per-position states]} here so
+    # the state after the last accepted token can be restored (serving/speculative/eagle.py).
     kda_history: dict[int, list[torch.Tensor]] | None = None
     # Set when every request adds exactly step_len tokens (decode: 1; speculative verify and
     # draft catch-up: N+1). Layers then take their graph-safe paths: no host syncs, no
@@ -135,23 +151,21 @@ class ForwardBatch:
         device = req_to_token.device
         positions = [s + i for s, n in zip(starts, lens) for i in range(n)]
         token_req = [b for b, n in enumerate(lens) for _ in range(n)]
-        rows_t = to_device(req_rows, torch.int64, device)
-        pos_t = to_device(positions, torch.int64, device)
-        tok_req_t = to_device(token_req, torch.int64, device)
+        ends = list(accumulate(lens))
         if logits == "all":
-            logit_index = torch.arange(len(input_ids), device=device)
-        elif not isinstance(logits, str):
-            index: list[int] = []
-            end = 0
-            for n, every in zip(lens, logits):
-                end += n
-                index += range(end - n, end) if every else [end - 1]
-            logit_index = to_device(index, torch.int64, device)
+            index: list[int] | range = range(len(input_ids))
+        elif isinstance(logits, str):
+            index = [end - 1 for end in ends]
         else:
-            ends = to_device(lens, torch.int64, device).cumsum(0) - 1
-            logit_index = ends.to(torch.int64)
+            index = []
+            for n, end, every in zip(lens, ends, logits):
+                index += range(end - n, end) if every else [end - 1]
+        # the step's metadata in one host-to-device copy (each copy is a driver call)
+        parts = [input_ids, positions, token_req, req_rows, index]
+        packed = to_device(list(chain.from_iterable(parts)), torch.int64, device)
+        ids_t, pos_t, tok_req_t, rows_t, logit_index = packed.split([len(p) for p in parts])
         return cls(
-            input_ids=to_device(input_ids, torch.int64, device),
+            input_ids=ids_t,
             positions=pos_t,
             token_slots=req_to_token[rows_t[tok_req_t], pos_t].to(torch.int64),
             req_rows=rows_t,
@@ -161,6 +175,7 @@ class ForwardBatch:
             max_seq_len=max(s + n for s, n in zip(starts, lens)),
             starts_cpu=list(starts),
             lens_cpu=list(lens),
+            rows_cpu=list(req_rows),
             kda_saves=KDASaves.plan(saves, req_rows, lens, device)
             if saves is not None and any(saves)
             else None,
@@ -197,5 +212,6 @@ class ForwardBatch:
             max_seq_len=max_seq_len,
             starts_cpu=[],
             lens_cpu=[step_len] * num_reqs,
+            rows_cpu=[],
             step_len=step_len,
         )

@@ -116,6 +116,35 @@ def test_decode_graphs_equal_eager(tiny_ckpt):
     assert graphs == eager
 
 
+def test_step_launches_never_wait_for_the_device(tiny_ckpt):
+    """The overlap scheduler's premise (serving/tools/sync_check.py): launching a prefill batch
+    or a decode step (graphs and eager, greedy and sampled rows, tokens pending on the device)
+    neither syncs with the host nor waits for the device work queued before it."""
+    from serving.tools.sync_check import check
+
+    args = ServerArgs.from_cli(
+        [
+            "--model-path",
+            str(tiny_ckpt),
+            "--device",
+            "cuda",
+            "--cuda-graph-backend-decode",
+            "full",
+            "--cuda-graph-max-bs-decode",
+            "8",
+            "--page-size",
+            "16",
+            "--skip-server-warmup",
+            "--max-total-tokens",
+            "8192",
+        ]
+    )
+    paths, _ = check(build_engine(args)[0], 200, 2, 8, sleep_ms=200)
+    assert set(paths) == {"prefill", "decode_graphs", "decode_eager"}, paths
+    for path, record in paths.items():
+        assert record["syncs"] == 0 and not record["blocked"], (path, record)
+
+
 @pytest.fixture(scope="module")
 def plain_tokens(distilled_ckpt):
     """Plain decoding's tokens, with graphs: both EAGLE cases compare with them (one engine

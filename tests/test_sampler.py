@@ -191,6 +191,24 @@ def test_temperature_sampling_matches_softmax():
     assert chi_square(counts, torch.softmax(logits, -1).tolist()) > CHI2_CRITICAL_1E3[5]
 
 
+def test_draws_equal_torch_multinomial_from_the_same_generator():
+    """The sampler's sync-free draw is torch.multinomial's one-sample path: the same token from
+    the same generator state (rows cut by masks included), so switching changed no seeded
+    stream."""
+    from serving.executor.sampler import _multinomial
+
+    g = torch.Generator().manual_seed(5)
+    for case in range(40):
+        rows, vocab = 1 + case % 4, 2 + 37 * case
+        logits = torch.randn(rows, vocab, generator=g) * (1 + case % 5)
+        if case % 3 == 0:
+            logits[:, vocab // 2 :] = float("-inf")
+        probs = torch.softmax(logits, -1)
+        want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(case))
+        got = _multinomial(probs, torch.Generator().manual_seed(case))
+        assert torch.equal(got, want.squeeze(1)), case
+
+
 def test_top_p_sampling_matches_truncated_distribution():
     probs = [0.1, 0.35, 0.04, 0.2, 0.06, 0.25]
     counts = draw_counts(Sampler(6, "cpu", seed=321), logits_of(probs), 20000, top_p=0.75)

@@ -22,6 +22,10 @@ cache of the last W inputs, ours is [R, C, K-1].
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from itertools import accumulate
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -198,6 +202,47 @@ def _conv_history(x, weight, conv_state, rows, lens: list[int]) -> torch.Tensor:
     return seq
 
 
+# ---------------------------------------------------------------------------------------------
+# ragged-batch metadata
+# ---------------------------------------------------------------------------------------------
+
+FLA_CHUNK = 64  # fla's chunked KDA: tokens per chunk (chunk_kda's default)
+_VARLEN_CACHE = 16  # batch shapes kept (each a few hundred bytes on the device)
+
+
+class Varlen(NamedTuple):
+    """A ragged batch's offsets for the kernels: cu [B+1] and fla's chunk_indices [NT, 2]
+    ((sequence, chunk within it) of each FLA_CHUNK-token chunk) on the device, cu_cpu on the
+    host. Read only: shared by every KDA layer (and later steps) of the same lengths."""
+
+    cu: torch.Tensor
+    cu_cpu: torch.Tensor
+    chunk_indices: torch.Tensor
+
+
+_varlens: OrderedDict[tuple, Varlen] = OrderedDict()
+
+
+def varlen(lens: list[int], device: torch.device) -> Varlen:
+    """The metadata of a batch with these lengths, built on the host and copied once, through
+    pinned memory, without waiting for the device: fla's own prepare_chunk_indices builds it on
+    the host too but copies it with a blocking .to() (a stream sync, once per layer)."""
+    key = (device, tuple(lens))
+    hit = _varlens.get(key)
+    if hit is not None:
+        _varlens.move_to_end(key)
+        return hit
+    cu = [0, *accumulate(lens)]
+    chunks = [v for b, n in enumerate(lens) for i in range(-(-n // FLA_CHUNK)) for v in (b, i)]
+    host = torch.tensor(cu + chunks, dtype=torch.int64, pin_memory=True)
+    packed = host.to(device, non_blocking=True)
+    meta = Varlen(packed[: len(cu)], host[: len(cu)].clone(), packed[len(cu) :].view(-1, 2))
+    _varlens[key] = meta
+    if len(_varlens) > _VARLEN_CACHE:
+        _varlens.popitem(last=False)
+    return meta
+
+
 def causal_conv_extend(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -213,7 +258,7 @@ def causal_conv_extend(
     """
     if history is not None:
         history.append(_conv_history(x, weight, conv_state, rows, lens))
-    cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(x.device, non_blocking=True)
+    cu = varlen(lens, x.device).cu
     return _conv_run(x, weight, conv_state, rows, cu, len(lens), max(lens), EXTEND_BLOCK_T)
 
 
@@ -347,8 +392,8 @@ def kda_extend(
     _check_state(state)
     max_len, total = max(lens), q.shape[0]
     dev = q.device
-    cu_cpu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
-    cu = cu_cpu.to(dev, non_blocking=True)
+    meta = varlen(lens, dev)
+    cu = meta.cu
     if history is not None:
         per_token = torch.empty(total, *state.shape[1:], device=dev, dtype=torch.float32)
         starts = cu[:-1]
@@ -372,25 +417,27 @@ def kda_extend(
         state[rows] = hist[:, -1]
         return o
 
-    from fla.ops.kda import chunk_kda
+    # fla's chunk_kda minus its entry checks and its blocking chunk_indices copy: its forward
+    # is chunk_kda_fwd with these arguments (fla-core 0.6.0) when the l2norm and the beta
+    # sigmoid stay outside the kernel; the inputs must be contiguous (chunk_kda's input_guard)
+    from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
-    with torch.no_grad():
-        o, final = chunk_kda(
-            q=_l2norm(q).unsqueeze(0),
+    with torch.no_grad(), torch.cuda.device(dev):
+        o, final = chunk_kda_fwd(
+            q=_l2norm(q).unsqueeze(0),  # our l2norm: no autotuning keyed on T
             k=_l2norm(k).unsqueeze(0),
-            v=v.unsqueeze(0),
-            g=g.float().unsqueeze(0),
-            beta=beta.float().unsqueeze(0),
+            v=v.contiguous().unsqueeze(0),
+            g=g.float().contiguous().unsqueeze(0),
+            beta=beta.float().contiguous().unsqueeze(0),
             scale=q.shape[-1] ** -0.5,
             initial_state=state[rows].contiguous(),
             output_final_state=True,
-            use_qk_l2norm_in_kernel=False,  # done above: no autotuning keyed on T
-            use_gate_in_kernel=False,
-            use_beta_sigmoid_in_kernel=False,
-            safe_gate=safe_gate,
             cu_seqlens=cu,
-            cu_seqlens_cpu=cu_cpu,
-        )
+            cu_seqlens_cpu=meta.cu_cpu,
+            chunk_indices=meta.chunk_indices,
+            chunk_size=FLA_CHUNK,
+            safe_gate=safe_gate,
+        )[:2]
     state[rows] = final
     return o[0].to(q.dtype)
 

@@ -28,6 +28,7 @@ from serving.engine.commit import Commit, Launched
 from serving.engine.request import Req, RoleHooks, SchedulerConfig
 from serving.executor.model_runner import ModelRunner, StepInput
 from serving.executor.sampler import score_tokens
+from serving.forward_batch import to_device, upload
 from serving.protocol import FinishReason
 from serving.speculative.eagle import Eagle
 
@@ -136,7 +137,8 @@ class PrefillManager:
             if req.uncached == 0 and req.sampling.params.max_new_tokens > 0
         ]
         started = [plan[i][0] for i in done]
-        sampled = self.commit.draw_step(started, out.logits[[last_row[i] for i in done]], sync)
+        last = to_device([last_row[i] for i in done], torch.int64, out.logits.device)
+        sampled = self.commit.draw_step(started, out.logits[last], sync)
         # the sampled token, by plan index, when on the host (always with a draft: EAGLE's
         # steps are sync)
         first = {i: tok for i, (tok, _) in zip(done, sampled.host or [])}
@@ -204,5 +206,6 @@ class PrefillManager:
                 index.append(torch.arange(offset, offset + len(nxt)))
             offset += n
         if rows:
-            index_t = torch.cat(index).to(hidden.device)
-            self.spec.extend_draft(rows, starts, tokens, hidden[index_t])
+            self.spec.extend_draft(
+                rows, starts, tokens, hidden[upload(torch.cat(index), hidden.device)]
+            )

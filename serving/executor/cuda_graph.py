@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from serving.forward_batch import ForwardBatch, resolve_future
+from serving.forward_batch import ForwardBatch, resolve_future, to_device
 from serving.layers.mlp import max_captured_tokens
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
@@ -70,6 +70,7 @@ class DecodeGraphs:
             logit_index=self.arange[:bs],
             starts_cpu=[0] * bs,
             lens_cpu=[1] * bs,
+            rows_cpu=[0] * bs,
             req_to_token=self.pool.req_to_token,
             max_seq_len=self.pool.plan.max_context,
         )
@@ -88,9 +89,11 @@ class DecodeGraphs:
         pad = bs - n
         rows = [it.row for it in items] + [0] * pad
         starts = [it.start for it in items] + [0] * pad
-        host = torch.tensor(
-            [[it.token_ids[0] for it in items] + [0] * pad, starts, rows], dtype=torch.int64
-        ).to(self.pool.device, non_blocking=True)
+        host = to_device(
+            [[it.token_ids[0] for it in items] + [0] * pad, starts, rows],
+            torch.int64,
+            self.pool.device,
+        )
         self.req_rows[:bs].copy_(host[2])
         self.input_ids[:bs].copy_(host[0])
         if next_tokens is not None:

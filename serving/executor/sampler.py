@@ -18,7 +18,7 @@ from itertools import chain
 import torch
 
 from serving.executor.constrained import SequenceGrammar, has_constraint, load_tokenizer
-from serving.forward_batch import to_device
+from serving.forward_batch import to_device, upload
 from serving.protocol import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -149,7 +149,8 @@ class Sampler:
         tokens = adjusted.argmax(dim=-1)  # first maximum: ties go to the lowest id
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if sampled:
-            tokens[sampled] = self._draw(adjusted[sampled], [states[i] for i in sampled])
+            index = _index(sampled, logits.device)
+            tokens[index] = self._draw(adjusted[index], [states[i] for i in sampled])
         return raw, tokens, grammars
 
     def _grammars(self, states: list[SamplingState]) -> dict[int, SequenceGrammar]:
@@ -179,12 +180,13 @@ class Sampler:
         if not rows:
             return adjusted
         allowed = torch.stack([_unpack_bits(masks[i], self.vocab_size) for i in rows])
-        allowed = allowed.to(raw.device)
-        masked = adjusted[rows].masked_fill(~allowed, float("-inf"))
+        allowed = upload(allowed, raw.device)
+        index = _index(rows, raw.device)
+        masked = adjusted[index].masked_fill(~allowed, float("-inf"))
         dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
-        masked = torch.where(dead, raw[rows].masked_fill(~allowed, float("-inf")), masked)
+        masked = torch.where(dead, raw[index].masked_fill(~allowed, float("-inf")), masked)
         out = adjusted.clone() if adjusted is raw else adjusted
-        out[rows] = masked
+        out[index] = masked
         return out
 
     def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -200,12 +202,12 @@ class Sampler:
         picks = torch.empty(len(states), dtype=torch.long, device=logits.device)
         shared = [j for j, p in enumerate(params) if p.seed is None]
         if shared:
-            drawn = torch.multinomial(probs[shared], 1, generator=self._generator)
-            picks[shared] = drawn.squeeze(1)
+            index = _index(shared, logits.device)
+            picks[index] = _multinomial(probs[index], self._generator)
         for j, s in enumerate(states):
             if s.params.seed is not None:
                 self._seeded.manual_seed(draw_seed(s.params.seed, len(s.output_ids)))
-                picks[j : j + 1] = torch.multinomial(probs[j], 1, generator=self._seeded)
+                picks[j : j + 1] = _multinomial(probs[j : j + 1], self._seeded)
         return picks
 
 
@@ -244,6 +246,22 @@ class SampledTokens:
         return self.host.tolist()
 
 
+def _multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of probs [N, V]: torch.multinomial(probs, 1)'s own one-sample path
+    (argmax of p / q, q ~ Exp(1) from `generator`), so the same tokens from the same generator
+    state, without its two checks of the distribution, which read it back to the host (a sync
+    per draw). Every row here has a positive entry: temperature, top-k, top-p and min-p each
+    keep the row's most likely token."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return probs.div(q).argmax(dim=-1)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices as a device tensor: indexing a CUDA tensor with a Python list copies the
+    list with a blocking copy (a sync)."""
+    return to_device(rows, torch.int64, device)
+
+
 def _unpack_bits(bitmask: bytes, size: int) -> torch.Tensor:
     """[size] bool from one bit per entry, little-endian within each byte; missing bits are 0."""
     packed = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
@@ -262,10 +280,10 @@ def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device
     """[len(ids), vocab] float32 occurrence counts, built with one scatter on the device."""
     lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
     flat = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.long)
-    row_of = torch.repeat_interleave(torch.arange(len(ids)), lengths)
+    row_of = torch.repeat_interleave(torch.arange(len(ids)), lengths)  # on the host: no sync
     counts = torch.zeros(len(ids), vocab, dtype=torch.float32, device=device)
     counts.index_put_(
-        (row_of.to(device), flat.to(device)),
+        (upload(row_of, device), upload(flat, device)),
         torch.ones(flat.numel(), dtype=torch.float32, device=device),
         accumulate=True,
     )
@@ -309,8 +327,9 @@ def _adjusted_logits(raw: torch.Tensor, states: Sequence[SamplingState]) -> torc
     out = raw.clone()
     if penalised:
         params = [states[i].params for i in penalised]
-        out[penalised] = apply_penalties(
-            out[penalised],
+        index = _index(penalised, raw.device)
+        out[index] = apply_penalties(
+            out[index],
             [states[i].prompt_ids for i in penalised],
             [states[i].output_ids for i in penalised],
             [p.repetition_penalty for p in params],
@@ -318,14 +337,14 @@ def _adjusted_logits(raw: torch.Tensor, states: Sequence[SamplingState]) -> torc
             [p.presence_penalty for p in params],
         )
     if bias_rows:
-        index = torch.tensor([bias_rows, bias_cols], dtype=torch.long).to(raw.device)
+        index = to_device([bias_rows, bias_cols], torch.long, raw.device)
         out.index_put_(
             (index[0], index[1]),
-            torch.tensor(bias_values, dtype=out.dtype).to(raw.device),
+            to_device(bias_values, out.dtype, raw.device),
             accumulate=True,
         )
     if ban_rows:
-        index = torch.tensor([ban_rows, ban_cols], dtype=torch.long).to(raw.device)
+        index = to_device([ban_rows, ban_cols], torch.long, raw.device)
         out[index[0], index[1]] = float("-inf")
     return out
 
@@ -354,7 +373,7 @@ def _mask_top_k_top_p(
     device = logits.device
     # Stable sort: equal logits keep id order, so truncation at a tie is deterministic.
     ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-    k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=device)
+    k = to_device([vocab if k == -1 else min(k, vocab) for k in top_k], torch.int64, device)
     p = _column(top_p, logits.dtype, device)
     position = torch.arange(vocab, device=device).unsqueeze(0)
     beyond_k = position >= k.unsqueeze(1)

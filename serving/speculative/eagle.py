@@ -36,7 +36,7 @@ import torch
 
 from serving.distributed import broadcast_tensor
 from serving.executor.sampler import Sampler, SamplingState
-from serving.forward_batch import ForwardBatch
+from serving.forward_batch import ForwardBatch, to_device, upload
 from serving.memory.cache import ModelCache
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import Glm5NextForCausalLM
@@ -108,7 +108,7 @@ def save_kda_states_from_history(
     if not captures:
         return
     device = cache.req_to_token.device
-    batch, index, slots = (torch.tensor(c, device=device) for c in zip(*captures))
+    batch, index, slots = to_device(list(zip(*captures)), torch.int64, device)
     for layer, (conv_inputs, states) in history.items():
         kc = cache.kda(layer)
         conv, state = _kda_states_at(conv_inputs, states, batch, index)
@@ -258,7 +258,7 @@ class Eagle:
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(num) else None
         if graphs is not None:
             return PendingStep(graphs.draft_and_verify(host), graphs)
-        tokens, positions, rows = host.to(self.pool.device).unbind(0)
+        tokens, positions, rows = upload(host, self.pool.device).unbind(0)
         seq_len = int(host[1].max()) + self.steps + 1
         verified = self.draft_and_verify(tokens, positions, rows, seq_len)
         return PendingStep(verified, None, rows, positions, seq_len)
@@ -279,8 +279,8 @@ class Eagle:
                 pending.verified,
                 pending.rows,
                 pending.positions,
-                torch.tensor(padded, device=self.pool.device),
-                torch.tensor(last, device=self.pool.device),
+                to_device(padded, torch.int64, self.pool.device),
+                to_device(last, torch.int64, self.pool.device),
                 pending.seq_len,
             )
         save_kda_states_from_history(self.pool.target, pending.verified.kda_history, captures)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.executor.cuda_graph import batch_ladder, capture
+from serving.forward_batch import upload
 from serving.memory.pool import MemoryPool
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class SpecGraphs:
         self.bs = self._size(n)
         padded = torch.zeros(3, self.bs, dtype=torch.int64)
         padded[:, :n] = host
-        self.inputs[:, : self.bs].copy_(padded, non_blocking=True)
+        self.inputs[:, : self.bs].copy_(upload(padded, self.inputs.device))
         graph, verified, _ = self.graphs[self.bs]
         graph.replay()
         return verified
@@ -89,7 +90,8 @@ class SpecGraphs:
     def roll_back_and_catch_up(self, committed: list[list[int]], last: list[int]) -> None:
         host = torch.zeros(self.bs, len(committed[0]) + 1, dtype=torch.int64)
         host[: len(last)] = torch.tensor([row + [a] for row, a in zip(committed, last)])
-        self.committed[: self.bs].copy_(host[:, :-1], non_blocking=True)
-        self.last[: self.bs].copy_(host[:, -1], non_blocking=True)
+        host = upload(host, self.last.device)
+        self.committed[: self.bs].copy_(host[:, :-1])
+        self.last[: self.bs].copy_(host[:, -1])
         _, _, graph = self.graphs[self.bs]
         graph.replay()

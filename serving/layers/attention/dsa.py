@@ -116,8 +116,8 @@ def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALaye
     ops = _indexer_ops(k)
     out = []
     offset = 0
-    for b, (start, n) in enumerate(zip(batch.starts_cpu, batch.lens_cpu)):
-        row = batch.req_rows[b]
+    # `row` is the host's int: a 0-dim device tensor as an index would be read back (a sync)
+    for b, (start, n, row) in enumerate(zip(batch.starts_cpu, batch.lens_cpu, batch.rows_cpu)):
         end = start + n
         chunk = slice(offset, offset + n)
         # 1. pools that close in this chunk; early members come from the ring
@@ -142,8 +142,9 @@ def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALaye
         # 3. score every complete pool of the request, select per query
         positions = batch.positions[chunk]
         scores = _score(
-            shape, q[chunk], head_w[chunk], r2t, row.view(1), positions, max(last, 1), cache
-        )
+            shape, q[chunk], head_w[chunk], r2t, batch.req_rows[b : b + 1], positions,
+            max(last, 1), cache,
+        )  # fmt: skip
         out.append(ops.select_tokens(scores, positions, kp, shape.select_pools, shape.select_tail))
         offset += n
     return torch.cat(out)

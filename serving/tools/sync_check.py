@@ -1,0 +1,256 @@
+"""Host syncs on the engine's step launches, on CUDA. The overlap scheduler (scheduler.py) helps
+only if launching step N+1 never waits for the device, which is still running step N.
+
+    python -m serving.tools.sync_check --out "$OUT" [--preset bench] [--prompt-len 1024]
+        [--prefill-requests 2] [--decode-batch 8] [--sleep-ms 500]
+
+Builds --preset with random weights (bench_fast_path.make_model), a pool, decode CUDA graphs up to
+--decode-batch and the Scheduler as a worker runs it (overlap on, the compute stream), runs the
+workload below once to compile and tune every kernel it meets, then again with one launch of each
+path watched (Scheduler._launch: scheduling and memory, the inputs, the forward, the sampling, all
+queued on the device):
+- prefill: --prefill-requests prompts of --prompt-len tokens, one batch;
+- decode_graphs, decode_eager (graphs off for that launch): --decode-batch running requests, half
+  greedy and half sampled (temperature, top-k, top-p), each last token still pending on the device
+  (read as FUTURE), so the step before is in flight, as under overlap.
+A watched launch is queued behind a --sleep-ms device sleep, and two things are recorded:
+- syncs: torch.cuda.set_sync_debug_mode("warn")'s warnings (.item(), .tolist(), blocking copies,
+  a 0-dim device index, ...), each site as the innermost frames of this repository and of fla;
+- blocked: whether the sleep had finished by the time the launch returned (an event behind it
+  had been reached). A launch that waited for the device in any way (also one torch does not
+  flag, e.g. a non-blocking copy from pageable memory that the driver staged) is blocked, and
+  its launch_ms includes the sleep.
+The JSON (printed, and written to --out: a file, or sync_check.json in a directory) has, per path,
+syncs, sites, blocked and launch_ms (the host's time to launch the step), and the seconds each
+phase took. check() is also what tests/test_gpu.py runs on the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+import warnings
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from serving.engine.request import SchedulerConfig
+from serving.engine.scheduler import Scheduler
+from serving.executor.model_runner import ModelRunner
+from serving.executor.sampler import Sampler
+from serving.executor.streams import use_compute_stream
+from serving.memory.pool import MemoryPool, PoolPlan
+from serving.protocol import GenerateRequest, SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+DECODE_PROMPT = 48  # tokens of each decode request's prompt
+DECODE_TOKENS = 24  # output tokens of each decode request: past the watched steps
+
+
+def _site() -> str:
+    """The innermost frames of ours and of fla's on the stack (this file excluded)."""
+    picked: list[str] = []
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        path = Path(frame.filename)
+        if path == Path(__file__).resolve():
+            continue
+        if "/fla/" in frame.filename:
+            if not picked:
+                picked.append(f"fla/{frame.filename.split('/fla/', 1)[1]}:{frame.lineno}")
+        elif "site-packages" not in frame.filename and path.is_relative_to(REPO):
+            picked.append(f"{path.relative_to(REPO)}:{frame.lineno} ({frame.name})")
+            break
+    return " <- ".join(picked) or "unattributed"
+
+
+def _cycles_per_ms() -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
+
+
+class Watch:
+    """Wraps a scheduler's _launch; while `path` is set, the next launch is watched and its
+    record stored under that name."""
+
+    def __init__(self, sched: Scheduler, sleep_ms: float) -> None:
+        self.sched, self.launch = sched, sched._launch
+        self.sleep_cycles = int(sleep_ms * _cycles_per_ms())
+        self.path: str | None = None
+        self.records: dict[str, dict] = {}
+        sched._launch = self._watched
+
+    def _watched(self):
+        if self.path is None:
+            return self.launch()
+        path, self.path = self.path, None
+        torch.cuda._sleep(self.sleep_cycles)  # stands for more of the step in flight
+        behind = torch.cuda.Event()
+        behind.record()
+        sites: Counter[str] = Counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+
+            def show(message, category, filename, lineno, file=None, line=None):
+                if "synchroniz" in str(message):
+                    sites[_site()] += 1
+
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            started = time.perf_counter()
+            try:
+                launched, batch = self.launch()
+            finally:
+                launch_ms = 1000 * (time.perf_counter() - started)
+                torch.cuda.set_sync_debug_mode("default")
+        blocked = behind.query()
+        self.records[path] = {
+            "requests": 0 if batch is None else len(getattr(batch, "plan", None) or batch.reqs),
+            "syncs": sum(sites.values()),
+            "sites": dict(sites.most_common()),
+            "blocked": blocked,
+            "launch_ms": round(launch_ms, 2),
+        }
+        return launched, batch
+
+
+def _add(sched: Scheduler, tag: str, n: int, length: int, max_tokens: int, sampled: int) -> None:
+    """n requests of `length` random tokens; the last `sampled` of them sample."""
+    g = torch.Generator().manual_seed(zlib.crc32(tag.encode()))
+    vocab = sched.pool.config.vocab_size
+    for i in range(n):
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if i >= n - sampled:
+            params = SamplingParams(
+                max_new_tokens=max_tokens, temperature=0.8, top_k=50, top_p=0.9, ignore_eos=True
+            )
+        prompt = torch.randint(0, vocab, (length,), generator=g).tolist()
+        sched.add(GenerateRequest(f"{tag}-{i}", prompt, params))
+
+
+def _finish(sched: Scheduler) -> None:
+    while sched.has_work:
+        sched.step()
+
+
+def _workload(sched: Scheduler, watch: Watch, prompt_len: int, prefills: int, batch: int, tag):
+    """The prefill launch, then the decode launches with and without graphs (watched when
+    watch.records is to be filled: `tag` is "check")."""
+    watching = tag == "check"
+    _add(sched, f"{tag}-prefill", prefills, prompt_len, 2, 0)
+    watch.path = "prefill" if watching else None
+    sched.step()  # launches the prefill batch: nothing else is queued
+    _finish(sched)
+    _add(sched, f"{tag}-decode", batch, DECODE_PROMPT, DECODE_TOKENS, batch // 2)
+    # every request running, a step in flight: the next launches read FUTURE tokens
+    for _ in range(batch + 8):
+        if not sched.prefill.queued and len(sched.running) == batch and sched.inflight:
+            break
+        sched.step()
+    else:
+        raise RuntimeError(f"{batch} requests never ran at once (--max-running-requests?)")
+    sched.step()  # one more plain decode step: the decode inputs at steady state
+    runner = sched.runner
+    if runner.graphs is not None:
+        watch.path = "decode_graphs" if watching else None
+        sched.step()
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        watch.path = "decode_eager" if watching else None
+        sched.step()
+    finally:
+        runner.graphs = graphs
+    _finish(sched)
+
+
+def check(
+    sched: Scheduler, prompt_len: int, prefill_requests: int, decode_batch: int, sleep_ms: float
+) -> tuple[dict[str, dict], dict[str, float]]:
+    """(per path: syncs, sites, blocked, launch_ms; seconds per phase) for a CUDA scheduler
+    with the overlap scheduler on and decode graphs up to decode_batch (or none)."""
+    assert sched.cfg.overlap, "the check is about the overlap scheduler's launches"
+    watch = Watch(sched, sleep_ms)
+    seconds = {}
+    try:
+        for tag in ("warmup", "check"):
+            started = time.monotonic()
+            _workload(sched, watch, prompt_len, prefill_requests, decode_batch, tag)
+            torch.cuda.synchronize()
+            seconds[tag] = round(time.monotonic() - started, 1)
+    finally:
+        del sched._launch  # the class's again
+    sched.check_invariants()
+    return watch.records, seconds
+
+
+def build(args: argparse.Namespace) -> Scheduler:
+    from serving.tools.bench_fast_path import make_model
+
+    use_compute_stream(args.device)
+    config, model, _ = make_model(args.preset, args.device)  # the draft is not used
+    rows = max(args.prefill_requests, args.decode_batch) + 2
+    context = args.prompt_len + 2 * DECODE_TOKENS
+    plan = PoolPlan(rows=rows, pages=rows * -(-context // 64), page_size=64, max_context=context)
+    pool = MemoryPool(config, plan, model.dtype, args.device)
+    runner = ModelRunner(model, pool)
+    runner.enable_decode_graphs(args.decode_batch)
+    tokens = args.prefill_requests * args.prompt_len
+    return Scheduler(
+        runner,
+        pool,
+        Sampler(config.vocab_size, args.device),
+        SchedulerConfig(rows, tokens, tokens, context),
+        frozenset(config.eos_token_ids),
+    )
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", help="a JSON file, or a directory for sync_check.json")
+    ap.add_argument("--preset", default="bench", help="serving.tools.tiny_model's presets")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--prefill-requests", type=int, default=2)
+    ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--sleep-ms", type=float, default=500, help="device sleep before a launch")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    started = time.monotonic()
+    sched = build(args)
+    torch.cuda.synchronize()
+    built = round(time.monotonic() - started, 1)
+    paths, seconds = check(
+        sched, args.prompt_len, args.prefill_requests, args.decode_batch, args.sleep_ms
+    )
+    report = {
+        "tool": "sync_check",
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "prompt_len": args.prompt_len,
+        "prefill_requests": args.prefill_requests,
+        "decode_batch": args.decode_batch,
+        "sleep_ms": args.sleep_ms,
+        "paths": paths,
+        "seconds": {"build": built, **seconds},
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        (out / "sync_check.json" if out.is_dir() else out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
