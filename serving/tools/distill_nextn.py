@@ -3,6 +3,8 @@ measured on checkpoints with random weights.
 
     python -m serving.tools.distill_nextn --model-path DIR --out DIR2 [--steps 400] [--device cuda]
     python -m serving.tools.distill_nextn --model-path DIR --out DIR2 --fit-target-head
+    python -m serving.tools.distill_nextn --model-path DIR --out DIR2 --corpus data/corpus \
+        --labels target --depth 3 --lr 5e-4 [--dtype float32]
 
 1. The target continues random prompts greedily (the text EAGLE will have to predict).
 2. Target forwards over the sequences (16 at a time) give their pre-norm hidden states h_i
@@ -12,7 +14,17 @@ measured on checkpoints with random weights.
    weights change. Labels: `text` (default) the next token x_{i+2}, prompt positions weighted
    0.2 (random prompt tokens are unpredictable); `target` the target's argmax at position i+1,
    every position weighted 1 (what greedy verification accepts, prompts included).
-4. DIR is copied to DIR2 with the new NextN tensors.
+4. DIR is copied to DIR2 with the new NextN tensors (the target's tensors byte-identical).
+
+--depth K (default 1: step 3 as above) also trains EAGLE's draft steps 2..K, unrolled exactly as
+serving/speculative/eagle.py runs them: each row is cut at a random n in the greedy part; the
+draft extends over positions 0..n-1 with the target's hiddens (the prefill/catch-up; all its
+positions trained as at depth 1), then takes K-1 decode steps at positions n, n+1, .. feeding
+back its own pre-norm hidden (not the target's) with the text's next token (the target's greedy
+token, which is what d_k is conditioned on whenever verification reaches it), through the same
+draft cache. Step k's label is the target's choice k positions ahead; the loss weights steps
+1..K by 1.0, 0.8, 0.6, .. (floor 0.2; depth_weights), and the hidden chain keeps its gradients.
+Without it the draft only ever saw the target's hiddens and is off-distribution from step 2 on.
 
 A random target has no structure to learn: its draft only memorises the distillation text and
 accepts almost nothing on new prompts. --fit-target-head first refits the target's lm_head to a
@@ -105,6 +117,96 @@ def target_hidden(
     return hidden, choice
 
 
+def depth_weights(depth: int) -> list[float]:
+    """Loss weights of draft steps 1..depth: 1.0, 0.8, 0.6, ... (floor 0.2). Step k counts only
+    when steps 1..k-1 were all accepted, so it matters less."""
+    return [max(0.2, 1.0 - 0.2 * k) for k in range(depth)]
+
+
+def fresh_pool(
+    config: ModelConfig, plan: PoolPlan, device: str, rows: int, length: int
+) -> tuple[MemoryPool, list[int]]:
+    """A new pool (empty caches, no autograd history) with `rows` rows of `length` tokens."""
+    pool = MemoryPool(config, plan, torch.float32, device)
+    out = []
+    for _ in range(rows):
+        row = pool.alloc_row()
+        pages: list[int] = []
+        pool.grow(row, pages, length)
+        out.append(row)
+    return pool, out
+
+
+def unrolled_steps(
+    draft: NextNDraft,
+    target,
+    pool: MemoryPool,
+    rows: list[int],
+    seqs: list[list[int]],
+    choices: list[torch.Tensor],
+    hiddens: list[torch.Tensor],
+    cuts: list[int],
+    labels: str,
+    prompt_len: int,
+    depth: int,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(logits, labels, weights) of draft steps 1..depth, row b cut at n = cuts[b] (prompt_len
+    <= n <= len - 1 - depth), run as the server's EAGLE worker runs them
+    (serving/speculative/eagle.py):
+
+    - step 1 (prefill/catch-up extend): draft positions 0..n-1 with inputs (x_{i+1}, the target's
+      h_i), leaving the draft cache as the server's before a decode step whose last committed
+      token is y = x_n; the output at n-1 gives d1 (label x_{n+1}) and the hidden stashed for
+      step 2. Every position of the extend is trained (as at depth 1);
+    - step k >= 2 (a draft step): one decode token per row at position n+k-2, input
+      (embed(x_{n+k-1}), the draft's own pre-norm hidden from step k-1), attending to that cache
+      plus steps 2..k's own writes; label x_{n+k}.
+
+    The input token is the text's (the target's greedy, as n >= prompt_len), not the draft's own
+    proposal: greedy verification looks at d_k only when d_1..d_{k-1} equalled those tokens. The
+    hidden chain keeps its gradients (step k's loss trains steps 1..k-1's computation too).
+    Labels: `target` the target's argmax after each position (choices), `text` the next token."""
+    forward = NextNDraft.forward.__wrapped__  # the server's forward, with autograd on
+    device = pool.device
+    r2t = pool.req_to_token
+    ids = [t for s, n in zip(seqs, cuts) for t in s[1 : 1 + n]]
+    batch = ForwardBatch.build(ids, rows, [0] * len(rows), cuts, r2t, logits="all")
+    hidden = torch.cat([h[:n] for h, n in zip(hiddens, cuts)])
+    out = forward(draft, target, batch, hidden, pool.draft)
+    if labels == "target":
+        label = torch.cat([c[1 : 1 + n] for c, n in zip(choices, cuts)])
+        weight = torch.ones(len(ids), device=device)
+    else:
+        label = torch.tensor([t for s, n in zip(seqs, cuts) for t in s[2 : 2 + n]], device=device)
+        weight = torch.tensor(  # random prompt tokens are unpredictable
+            [0.2 if i < prompt_len - 1 else 1.0 for n in cuts for i in range(n)], device=device
+        )
+    steps = [(out.logits, label, weight)]
+    hidden = out.hidden[torch.tensor(cuts, device=device).cumsum(0) - 1]
+    rows_t = torch.tensor(rows, device=device)
+    cut_t = torch.tensor(cuts, device=device)
+    seq_len = max(cuts) + depth + 1  # what the server passes for `depth` steps (Eagle.verify)
+    for k in range(2, depth + 1):
+        tokens = torch.tensor([s[n + k - 1] for s, n in zip(seqs, cuts)], device=device)
+        batch = ForwardBatch.uniform(tokens, rows_t, cut_t + k - 2, 1, r2t, seq_len)
+        out = forward(draft, target, batch, hidden, pool.draft)
+        hidden = out.hidden
+        if labels == "target":
+            label = torch.stack([c[n + k - 1] for c, n in zip(choices, cuts)])
+        else:
+            label = torch.tensor([s[n + k] for s, n in zip(seqs, cuts)], device=device)
+        steps.append((out.logits, label, torch.ones(len(rows), device=device)))
+    return steps
+
+
+def unrolled_losses(*args, **kwargs) -> list[torch.Tensor]:
+    """Weighted mean cross-entropy of each draft step of unrolled_steps(*args, **kwargs)."""
+    return [
+        (F.cross_entropy(logits, label, reduction="none") * weight).sum() / weight.sum()
+        for logits, label, weight in unrolled_steps(*args, **kwargs)
+    ]
+
+
 def train(
     model_path: str,
     out_dir: str,
@@ -121,6 +223,7 @@ def train(
     fit_tokens: int = 65536,
     corpus: str | None = None,
     dtype: str = "auto",
+    depth: int = 1,
 ) -> dict:
     """Distil the draft of model_path into out_dir (module docstring). labels: "text" or
     "target" (None: "target" with fit_target_head, else "text")."""
@@ -134,6 +237,10 @@ def train(
     labels = labels or ("target" if fit_target_head else "text")
     if labels not in ("text", "target"):
         raise ValueError(f"labels must be 'text' or 'target', not {labels!r}")
+    if depth < 1:
+        raise ValueError(f"depth must be at least 1, not {depth}")
+    if depth > 1 and gen_len < depth + 1:  # cuts n lie in prompt_len .. length-1-depth
+        raise ValueError(f"depth {depth} needs gen_len of at least {depth + 1}, not {gen_len}")
     config = ModelConfig.from_pretrained(model_path)
     # The text comes from the target in the dtype it is served in: on random weights, bfloat16
     # and float32 greedy continuations part ways within a few tokens.
@@ -168,45 +275,52 @@ def train(
         page_size=page,
         max_context=length,
         with_draft=True,
+        num_draft_tokens=depth + 1 if depth > 1 else 1,  # the server's ring for `depth` steps
     )
     forward = NextNDraft.forward.__wrapped__  # the server's forward, with autograd on
     g = torch.Generator().manual_seed(seed + 1)
     losses = []
     t1 = time.perf_counter()
+    weights = depth_weights(depth)
+    depth_losses: list[list[float]] = []
     for step in range(steps):
-        pool = MemoryPool(config, plan, torch.float32, device)
-        rows, pages = [], []
-        for _ in range(batch_size):
-            row = pool.alloc_row()
-            pg: list[int] = []
-            pool.grow(row, pg, length)
-            rows.append(row)
-            pages.append(pg)
+        pool, rows = fresh_pool(config, plan, device, batch_size, length)
         pick = torch.randint(0, len(seqs), (batch_size,), generator=g).tolist()
-        # position i: input x_{i+1} with h_i, label x_{i+2}; positions 0 .. length-3
-        n = length - 2
-        ids = [t for i in pick for t in seqs[i][1 : 1 + n]]
-        if labels == "target":
-            label = torch.cat([choices[i][1 : 1 + n] for i in pick])
+        if depth > 1:
+            cuts = torch.randint(prompt_len, length - depth, (batch_size,), generator=g).tolist()
+            per_depth = unrolled_losses(
+                draft, target, pool, rows, [seqs[i] for i in pick],
+                [choices[i] for i in pick], [hiddens[i] for i in pick], cuts, labels, prompt_len,
+                depth,
+            )  # fmt: skip
+            loss = sum(w * x for w, x in zip(weights, per_depth)) / sum(weights)
+            depth_losses.append([x.item() for x in per_depth])
         else:
-            label = torch.tensor([t for i in pick for t in seqs[i][2 : 2 + n]], device=device)
-        hidden = torch.cat([hiddens[i][:n] for i in pick])
-        batch = ForwardBatch.build(
-            ids, rows, [0] * batch_size, [n] * batch_size, pool.req_to_token, logits="all"
-        )
-        out = forward(draft, target, batch, hidden, pool.draft)
-        weight = torch.ones(n, device=device)
-        if labels == "text":
-            weight[: prompt_len - 1] = 0.2  # random prompt tokens are unpredictable
-        loss = (
-            F.cross_entropy(out.logits, label, reduction="none").view(batch_size, n) * weight
-        ).sum() / (weight.sum() * batch_size)
+            # position i: input x_{i+1} with h_i, label x_{i+2}; positions 0 .. length-3
+            n = length - 2
+            ids = [t for i in pick for t in seqs[i][1 : 1 + n]]
+            if labels == "target":
+                label = torch.cat([choices[i][1 : 1 + n] for i in pick])
+            else:
+                label = torch.tensor([t for i in pick for t in seqs[i][2 : 2 + n]], device=device)
+            hidden = torch.cat([hiddens[i][:n] for i in pick])
+            batch = ForwardBatch.build(
+                ids, rows, [0] * batch_size, [n] * batch_size, pool.req_to_token, logits="all"
+            )
+            out = forward(draft, target, batch, hidden, pool.draft)
+            weight = torch.ones(n, device=device)
+            if labels == "text":
+                weight[: prompt_len - 1] = 0.2  # random prompt tokens are unpredictable
+            loss = (
+                F.cross_entropy(out.logits, label, reduction="none").view(batch_size, n) * weight
+            ).sum() / (weight.sum() * batch_size)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
         if step % 50 == 0 or step == steps - 1:
-            print(f"step {step}: loss {loss.item():.3f}", flush=True)
+            each = " ".join(f"{x:.3f}" for x in depth_losses[-1]) if depth > 1 else ""
+            print(f"step {step}: loss {loss.item():.3f} {each}".rstrip(), flush=True)
     train_s = time.perf_counter() - t1
     for p in draft.parameters():
         p.requires_grad_(False)
@@ -220,7 +334,13 @@ def train(
         "train_s": round(train_s, 1),
         "steps": steps,
         "labels": labels,
+        "depth": depth,
     }
+    if depth > 1:
+        tail = depth_losses[-10:]
+        summary["depth_weights"] = weights
+        summary["first_depth_losses"] = depth_losses[0]
+        summary["last_depth_losses"] = [sum(col) / len(tail) for col in zip(*tail)]
     if fit is not None:
         summary["fit"] = fit
     return summary
@@ -257,6 +377,12 @@ def main() -> None:
         help="the target's dtype while it writes the distillation text (as it will be served)",
     )
     ap.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="draft steps trained unrolled as EAGLE runs them (1: the catch-up step only)",
+    )
+    ap.add_argument(
         "--corpus",
         default=None,
         help="prompts from this corpus (serving.tools.corpus's output) instead of random tokens",
@@ -278,6 +404,7 @@ def main() -> None:
         fit_tokens=args.fit_tokens,
         corpus=args.corpus,
         dtype=args.dtype,
+        depth=args.depth,
     )
     print(json.dumps(summary))
 
