@@ -277,7 +277,6 @@ def train(
         with_draft=True,
         num_draft_tokens=depth + 1 if depth > 1 else 1,  # the server's ring for `depth` steps
     )
-    forward = NextNDraft.forward.__wrapped__  # the server's forward, with autograd on
     g = torch.Generator().manual_seed(seed + 1)
     losses = []
     t1 = time.perf_counter()
@@ -286,34 +285,17 @@ def train(
     for step in range(steps):
         pool, rows = fresh_pool(config, plan, device, batch_size, length)
         pick = torch.randint(0, len(seqs), (batch_size,), generator=g).tolist()
+        # depth 1: every row whole, position i: input x_{i+1} with h_i, positions 0 .. length-3
+        cuts = [length - 2] * batch_size
         if depth > 1:
             cuts = torch.randint(prompt_len, length - depth, (batch_size,), generator=g).tolist()
-            per_depth = unrolled_losses(
-                draft, target, pool, rows, [seqs[i] for i in pick],
-                [choices[i] for i in pick], [hiddens[i] for i in pick], cuts, labels, prompt_len,
-                depth,
-            )  # fmt: skip
-            loss = sum(w * x for w, x in zip(weights, per_depth)) / sum(weights)
-            depth_losses.append([x.item() for x in per_depth])
-        else:
-            # position i: input x_{i+1} with h_i, label x_{i+2}; positions 0 .. length-3
-            n = length - 2
-            ids = [t for i in pick for t in seqs[i][1 : 1 + n]]
-            if labels == "target":
-                label = torch.cat([choices[i][1 : 1 + n] for i in pick])
-            else:
-                label = torch.tensor([t for i in pick for t in seqs[i][2 : 2 + n]], device=device)
-            hidden = torch.cat([hiddens[i][:n] for i in pick])
-            batch = ForwardBatch.build(
-                ids, rows, [0] * batch_size, [n] * batch_size, pool.req_to_token, logits="all"
-            )
-            out = forward(draft, target, batch, hidden, pool.draft)
-            weight = torch.ones(n, device=device)
-            if labels == "text":
-                weight[: prompt_len - 1] = 0.2  # random prompt tokens are unpredictable
-            loss = (
-                F.cross_entropy(out.logits, label, reduction="none").view(batch_size, n) * weight
-            ).sum() / (weight.sum() * batch_size)
+        per_depth = unrolled_losses(
+            draft, target, pool, rows, [seqs[i] for i in pick],
+            [choices[i] for i in pick], [hiddens[i] for i in pick], cuts, labels, prompt_len,
+            depth,
+        )  # fmt: skip
+        loss = sum(w * x for w, x in zip(weights, per_depth)) / sum(weights)
+        depth_losses.append([x.item() for x in per_depth])
         opt.zero_grad()
         loss.backward()
         opt.step()

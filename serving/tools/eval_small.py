@@ -26,6 +26,7 @@ Held-out text is never trained on: documents that serving/tools/corpus.py holds 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
@@ -49,6 +50,16 @@ SAMPLE_QUESTIONS = (
     "Tell me a fortune.",
 )
 STOP_TEXTS = ("<|user|>", "<|endoftext|>", "<|observation|>")
+
+
+@contextlib.contextmanager
+def torch_path():
+    """Run the block on the torch path (the kernels' references, PDSERVE_TORCH_KERNELS=1)."""
+    kernels.TORCH_ONLY = True
+    try:
+        yield
+    finally:
+        kernels.TORCH_ONLY = False
 
 
 def heldout_texts(path: Path) -> list[str]:
@@ -241,13 +252,10 @@ def main() -> None:
         fast_model, _ = load(args.model_path, served, args.device)
         fast = greedy(fast_model, prompt_windows, args.new_tokens, args.device)
         fast_ppl = perplexity(fast_model, windows, args.device)
-        kernels.TORCH_ONLY = True
-        try:
+        with torch_path():
             slow = greedy(fast_model, prompt_windows, args.new_tokens, args.device)
             slow_ppl = perplexity(fast_model, windows, args.device)
             forced = teacher_forced(fast_model, prompt_windows, fast, args.device)
-        finally:
-            kernels.TORCH_ONLY = False
         record("fast_vs_torch", {**agreement(fast, slow), **forced, "dtype": str(served),
                                  "ppl_fast": fast_ppl["perplexity"],
                                  "ppl_torch": slow_ppl["perplexity"]})  # fmt: skip
@@ -262,12 +270,9 @@ def main() -> None:
     if "agreement_fp32" in stages:  # both paths in float32: what is left is not bf16 rounding
         fp32, _ = load(args.model_path, torch.float32, args.device)
         fast = greedy(fp32, prompt_windows, args.new_tokens, args.device)
-        kernels.TORCH_ONLY = True
-        try:
+        with torch_path():
             slow = greedy(fp32, prompt_windows, args.new_tokens, args.device)
             forced = teacher_forced(fp32, prompt_windows, fast, args.device)
-        finally:
-            kernels.TORCH_ONLY = False
         record("fast_vs_torch_fp32", {**agreement(fast, slow), **forced})
     if "fp8" in stages:
         record("fp8_vs_bf16", fp8_vs_bf16(args.model_path, served, args.device, windows,
