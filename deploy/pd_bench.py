@@ -120,9 +120,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="profile N forward steps of prefill and decode (/start_profile, CPU + GPU, no "
-        "stacks) from the start of the (first) highest-concurrency run; after it, each trace is "
+        "stacks) of the (first) highest-concurrency run, from --profile-delay-s after its start; "
+        "after it, each trace is "
         "summarised (serving.tools.trace_summary) into OUT/VARIANT/profile_summary.json and "
         "the raw traces in OUT/VARIANT/profile are deleted",
+    )
+    ap.add_argument(
+        "--profile-delay-s",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="with --profile-steps: start profiling S seconds into the run, once the load has "
+        "reached the workers (0: from its first request; default 1.0)",
     )
     ap.add_argument(
         "--keep-traces",
@@ -237,20 +246,34 @@ def environment() -> dict:
 
 
 def run_bench(
-    args: argparse.Namespace, url: str, concurrency: int, requests: int, extra: tuple = ()
+    args: argparse.Namespace,
+    url: str,
+    concurrency: int,
+    requests: int,
+    extra: tuple = (),
+    under_load=None,
 ) -> dict:
+    """One bench_serving run; `under_load()` is called --profile-delay-s after it starts."""
     cmd = [sys.executable, "-m", "serving.tools.bench_serving", "--url", url, *extra]
     cmd += ["--concurrency", str(concurrency), "--requests", str(requests)]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
+        if under_load is not None:
+            time.sleep(args.profile_delay_s)
+            under_load()
+        out, err = bench.communicate(timeout=args.bench_timeout)
     except subprocess.TimeoutExpired:
         raise StackError(
             f"bench_serving at concurrency {concurrency}: over {args.bench_timeout} s"
         ) from None
-    if r.returncode != 0:
-        raise StackError(f"bench_serving at concurrency {concurrency} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    if bench.returncode != 0:
+        raise StackError(f"bench_serving at concurrency {concurrency} failed:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def spec_metrics(decode_url: str) -> dict[str, float]:
@@ -329,9 +352,10 @@ def _run_variant(
         profile = args.profile_steps > 0  # until the first run at `top` has been profiled
         for concurrency, requests in args.benches:
             profiled = profile and concurrency == top
-            if profiled:
-                start_profiles(procs, log_dir / "profile", args.profile_steps)
-            res = run_bench(args, router.url, concurrency, requests)
+            under_load = None
+            if profiled:  # once the load is running: its steady state, not its first arrivals
+                under_load = lambda: start_profiles(procs, log_dir / "profile", args.profile_steps)  # noqa: E731
+            res = run_bench(args, router.url, concurrency, requests, under_load=under_load)
             check_alive(procs)
             report["runs"].append({"variant": name, "flags": flags, **res})
             print(f"  {name} c={concurrency}: {json.dumps(res)}", flush=True)

@@ -8,12 +8,14 @@ Stages (default all that the device allows):
   ppl        perplexity of the held-out documents, windows of --window tokens, our model
   samples    greedy answers to SAMPLE_QUESTIONS through the chat template
   accept     EAGLE accept length at 1 and 3 steps on held-out prompts (the real scheduler)
-  agreement  fast path vs torch path, and bf16 vs float32, on --prompts held-out prompts
-             x --new-tokens greedy tokens: the share of prompts whose tokens are all equal, the
+  agreement  fast path vs torch path on --prompts held-out prompts x --new-tokens greedy
+             tokens: the share of prompts whose tokens are all equal, the
              share of token positions equal before the first difference, teacher-forced token
              agreement (the first path's greedy tokens scored by the second in one forward: the
              share that are its argmax too) and both perplexities. On CPU the fast path is the
              torch path (its kernels are CUDA-only) and the served dtype is float32
+  bf16_vs_fp32
+             (CUDA) the fast path in bf16 against itself in float32, measured likewise
   agreement_fp32
              (CUDA; not in the default set) the fast path against the torch path with both in
              float32, on the same prompts: the share of the bf16 disagreement that rounding makes
@@ -213,7 +215,7 @@ def main() -> None:
     ap.add_argument("--model-path", default="serving/assets/small_model")
     ap.add_argument("--heldout", default="data/corpus/heldout.jsonl.gz")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--stages", default="ppl,samples,accept,agreement,fp8")
+    ap.add_argument("--stages", default="ppl,samples,accept,agreement,bf16_vs_fp32,fp8")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--ppl-windows", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=64)
@@ -248,10 +250,19 @@ def main() -> None:
         record("accept", {**accept_lengths(args.model_path, prompt_windows, args.new_tokens,
                                            flags), "prompts": len(prompt_windows),
                           "new_tokens": args.new_tokens})  # fmt: skip
+    fast_cache: dict = {}
+
+    def fast_bf16():
+        """The served model's greedy tokens and perplexity on the fast path (computed once)."""
+        if not fast_cache:
+            model, _ = load(args.model_path, served, args.device)
+            fast_cache.update(model=model, tokens=greedy(model, prompt_windows, args.new_tokens,
+                                                         args.device),
+                              ppl=perplexity(model, windows, args.device))  # fmt: skip
+        return fast_cache["model"], fast_cache["tokens"], fast_cache["ppl"]
+
     if "agreement" in stages:
-        fast_model, _ = load(args.model_path, served, args.device)
-        fast = greedy(fast_model, prompt_windows, args.new_tokens, args.device)
-        fast_ppl = perplexity(fast_model, windows, args.device)
+        fast_model, fast, fast_ppl = fast_bf16()
         with torch_path():
             slow = greedy(fast_model, prompt_windows, args.new_tokens, args.device)
             slow_ppl = perplexity(fast_model, windows, args.device)
@@ -259,14 +270,15 @@ def main() -> None:
         record("fast_vs_torch", {**agreement(fast, slow), **forced, "dtype": str(served),
                                  "ppl_fast": fast_ppl["perplexity"],
                                  "ppl_torch": slow_ppl["perplexity"]})  # fmt: skip
-        if served != torch.float32:
-            fp32, _ = load(args.model_path, torch.float32, args.device)
-            full = greedy(fp32, prompt_windows, args.new_tokens, args.device)
-            full_ppl = perplexity(fp32, windows, args.device)
-            forced = teacher_forced(fp32, prompt_windows, fast, args.device)
-            record("bf16_vs_fp32_fast", {**agreement(fast, full), **forced,
-                                         "ppl_bf16": fast_ppl["perplexity"],
-                                         "ppl_fp32": full_ppl["perplexity"]})  # fmt: skip
+    if "bf16_vs_fp32" in stages and served != torch.float32:
+        _, fast, fast_ppl = fast_bf16()
+        fp32, _ = load(args.model_path, torch.float32, args.device)
+        full = greedy(fp32, prompt_windows, args.new_tokens, args.device)
+        full_ppl = perplexity(fp32, windows, args.device)
+        forced = teacher_forced(fp32, prompt_windows, fast, args.device)
+        record("bf16_vs_fp32_fast", {**agreement(fast, full), **forced,
+                                     "ppl_bf16": fast_ppl["perplexity"],
+                                     "ppl_fp32": full_ppl["perplexity"]})  # fmt: skip
     if "agreement_fp32" in stages:  # both paths in float32: what is left is not bf16 rounding
         fp32, _ = load(args.model_path, torch.float32, args.device)
         fast = greedy(fp32, prompt_windows, args.new_tokens, args.device)
