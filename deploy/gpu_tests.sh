@@ -6,17 +6,22 @@
 # The image lacks our serving dependencies (deploy/gpu_wheels.sh fills .whl/) and the test-only
 # clients (openai, sglang-router), so this collects only the files that hold GPU tests: a plain
 # `pytest -m gpu` would fail collecting the OpenAI tests' modules. Writes $OUT/gpu_tests.log
-# (one line per test as it finishes, then the 20 slowest tests) and $OUT/junit.xml. A run cut
-# off by the call's time limit writes no junit.xml and no summary; the log's lines, written
-# unbuffered, still say which tests passed and which one was running.
+# (one line per test as it finishes, a failure's report as soon as it fails, then the 20
+# slowest tests) and $OUT/junit.xml. A run cut off by the call's time limit writes no junit.xml
+# and no summary; the log's lines, written unbuffered, still say which tests passed, why the
+# failed ones failed and which one was running. Where pytest-timeout is installed (the device
+# image has it) a test stuck in Python for PDSERVE_GPU_TEST_TIMEOUT seconds (default 150) fails
+# and the run goes on; one stuck in compiled code is not interrupted.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/deploy PYTHONUNBUFFERED=1
+TIMEOUT=()
+python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT=(--timeout "${PDSERVE_GPU_TEST_TIMEOUT:-150}")
 mapfile -t FILES < <(grep -l "mark\.gpu" tests/test_*.py)
 echo "GPU test files: ${FILES[*]}" | tee "$OUT/gpu_tests.log"
 t0=$SECONDS
-python3 -m pytest -m gpu -v -p no:cacheprovider -rfE --durations=20 \
+python3 -m pytest -m gpu -v -p no:cacheprovider -p instafail "${TIMEOUT[@]}" -rfE --durations=20 \
     --junitxml="$OUT/junit.xml" "${FILES[@]}" "$@" 2>&1 | tee -a "$OUT/gpu_tests.log"
 echo "pytest -m gpu: $((SECONDS - t0)) s" | tee -a "$OUT/gpu_tests.log"
