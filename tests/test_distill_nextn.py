@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from serving.config import ModelConfig
@@ -122,3 +123,33 @@ def test_depth_2_changes_only_the_nextn_tensors(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match="gen_len"):
         train(str(tiny_ckpt), str(tmp_path / "x"), steps=1, device="cpu", lr=1e-3, count=4,
               prompt_len=PROMPT, gen_len=2, batch_size=4, seed=0, depth=2)  # fmt: skip
+
+
+def test_soft_labels_are_the_targets_top_k_and_their_cross_entropy(setup, tiny_ckpt):
+    """top_k > 1: each position's label is the target's top-k tokens, most likely first (the
+    greedy choice), with probabilities renormalised over them; each step's loss is the
+    probability-weighted cross-entropy over those tokens."""
+    config, target, draft, seqs, hiddens, choices, plan = setup
+    page = max(16, config.index_kpool)
+    runner = StepRunner(target, max_requests=4, max_context=PROMPT + GEN + 16, page_size=page)
+    _, soft = target_hidden(runner, seqs, top_k=4)
+    for (ids, probs), greedy in zip(soft, choices):
+        assert ids.shape == probs.shape == (len(greedy), 4)
+        assert torch.equal(ids[:, 0], greedy)
+        assert torch.allclose(probs.sum(-1), torch.ones(len(greedy)))
+        assert bool((probs[:, :-1] >= probs[:, 1:]).all())
+    cuts = [PROMPT, PROMPT + 2, PROMPT + 4, PROMPT + 5]
+    args = (draft, target)
+    with torch.no_grad():
+        pool, rows = fresh_pool(config, plan, "cpu", 4, PROMPT + GEN)
+        steps = unrolled_steps(*args, pool, rows, seqs, soft, hiddens, cuts, "target", PROMPT, 2)
+        pool, rows = fresh_pool(config, plan, "cpu", 4, PROMPT + GEN)
+        losses = unrolled_losses(*args, pool, rows, seqs, soft, hiddens, cuts, "target", PROMPT, 2)
+    for (logits, (ids, probs), weight), loss in zip(steps, losses):
+        each = sum(
+            probs[:, j] * F.cross_entropy(logits, ids[:, j], reduction="none") for j in range(4)
+        )
+        assert torch.allclose(loss, (each * weight).sum() / weight.sum(), rtol=1e-5)
+    with pytest.raises(ValueError, match="top_k"):
+        train(str(tiny_ckpt), "unused", steps=1, device="cpu", lr=1e-3, count=4, prompt_len=PROMPT,
+              gen_len=GEN, batch_size=4, seed=0, labels="text", top_k=4)  # fmt: skip

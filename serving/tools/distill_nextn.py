@@ -13,7 +13,9 @@ measured on checkpoints with random weights.
    (embed(x_{i+1}), h_i) to the label of position i+1 with cross-entropy; only the draft's
    weights change. Labels: `text` (default) the next token x_{i+2}, prompt positions weighted
    0.2 (random prompt tokens are unpredictable); `target` the target's argmax at position i+1,
-   every position weighted 1 (what greedy verification accepts, prompts included).
+   every position weighted 1 (what greedy verification accepts, prompts included). With
+   --top-k K > 1 a `target` label is the target's top-K distribution (renormalised), and the
+   loss the cross-entropy against it: the draft learns the target's near-ties too, not one side.
 4. DIR is copied to DIR2 with the new NextN tensors (the target's tensors byte-identical).
 
 --depth K (default 1: step 3 as above) also trains EAGLE's draft steps 2..K, unrolled exactly as
@@ -98,11 +100,16 @@ def make_data(runner: StepRunner, prompts: list[list[int]], gen_len: int) -> lis
     return out
 
 
+Choice = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 def target_hidden(
-    runner: StepRunner, seqs: list[list[int]], per_forward: int = 16
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per sequence: the target's pre-norm hiddens [L, H] and its greedy choice [L] after each
-    position (one extend forward per `per_forward` sequences)."""
+    runner: StepRunner, seqs: list[list[int]], per_forward: int = 16, top_k: int = 1
+) -> tuple[list[torch.Tensor], list[Choice]]:
+    """Per sequence: the target's pre-norm hiddens [L, H] and its choice after each position
+    (one extend forward per `per_forward` sequences): top_k 1, the greedy token [L]; more, the
+    soft label (ids [L, top_k], probabilities [L, top_k]): the target's top_k tokens with their
+    probabilities renormalised over them."""
     hidden, choice = [], []
     for i in range(0, len(seqs), per_forward):
         chunk = seqs[i : i + per_forward]
@@ -111,10 +118,24 @@ def target_hidden(
         out = runner.step(states, lens, logits="all")
         # clone: a normal tensor (not an inference tensor) that autograd may save
         hidden += [h.float().clone() for h in out.hidden.split(lens)]
-        choice += list(out.logits.argmax(-1).split(lens))
+        if top_k == 1:
+            choice += list(out.logits.argmax(-1).split(lens))
+        else:
+            probs, ids = torch.softmax(out.logits.float(), -1).topk(top_k, -1)
+            probs = probs / probs.sum(-1, keepdim=True)
+            choice += [(i.clone(), q.clone()) for i, q in zip(ids.split(lens), probs.split(lens))]
         for st in states:
             runner.release(st)
     return hidden, choice
+
+
+def _soft(choice: Choice, at) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [..., K], probabilities [..., K]) of `choice` at positions `at`; a greedy choice is
+    its token with probability 1."""
+    if isinstance(choice, tuple):
+        return choice[0][at], choice[1][at]
+    ids = choice[at].unsqueeze(-1)
+    return ids, torch.ones(ids.shape, device=ids.device)
 
 
 def depth_weights(depth: int) -> list[float]:
@@ -143,15 +164,16 @@ def unrolled_steps(
     pool: MemoryPool,
     rows: list[int],
     seqs: list[list[int]],
-    choices: list[torch.Tensor],
+    choices: list[Choice],
     hiddens: list[torch.Tensor],
     cuts: list[int],
     labels: str,
     prompt_len: int,
     depth: int,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(logits, labels, weights) of draft steps 1..depth, row b cut at n = cuts[b] (prompt_len
-    <= n <= len - 1 - depth), run as the server's EAGLE worker runs them
+) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """(logits, (label ids [N, K], label probabilities [N, K]), weights) of draft steps
+    1..depth, row b cut at n = cuts[b] (prompt_len <= n <= len - 1 - depth), run as the server's
+    EAGLE worker runs them
     (serving/speculative/eagle.py):
 
     - step 1 (prefill/catch-up extend): draft positions 0..n-1 with inputs (x_{i+1}, the target's
@@ -165,7 +187,8 @@ def unrolled_steps(
     The input token is the text's (the target's greedy, as n >= prompt_len), not the draft's own
     proposal: greedy verification looks at d_k only when d_1..d_{k-1} equalled those tokens. The
     hidden chain keeps its gradients (step k's loss trains steps 1..k-1's computation too).
-    Labels: `target` the target's argmax after each position (choices), `text` the next token."""
+    Labels: `target` the target's choice after each position (choices: its argmax, or its top-K
+    distribution from target_hidden(top_k=K)), `text` the next token."""
     forward = NextNDraft.forward.__wrapped__  # the server's forward, with autograd on
     device = pool.device
     r2t = pool.req_to_token
@@ -174,10 +197,12 @@ def unrolled_steps(
     hidden = torch.cat([h[:n] for h, n in zip(hiddens, cuts)])
     out = forward(draft, target, batch, hidden, pool.draft)
     if labels == "target":
-        label = torch.cat([c[1 : 1 + n] for c, n in zip(choices, cuts)])
+        parts = [_soft(c, slice(1, 1 + n)) for c, n in zip(choices, cuts)]
+        label = (torch.cat([i for i, _ in parts]), torch.cat([q for _, q in parts]))
         weight = torch.ones(len(ids), device=device)
     else:
-        label = torch.tensor([t for s, n in zip(seqs, cuts) for t in s[2 : 2 + n]], device=device)
+        text = torch.tensor([t for s, n in zip(seqs, cuts) for t in s[2 : 2 + n]], device=device)
+        label = _soft(text, slice(None))
         weight = torch.tensor(  # random prompt tokens are unpredictable
             [0.2 if i < prompt_len - 1 else 1.0 for n in cuts for i in range(n)], device=device
         )
@@ -192,19 +217,23 @@ def unrolled_steps(
         out = forward(draft, target, batch, hidden, pool.draft)
         hidden = out.hidden
         if labels == "target":
-            label = torch.stack([c[n + k - 1] for c, n in zip(choices, cuts)])
+            parts = [_soft(c, n + k - 1) for c, n in zip(choices, cuts)]
+            label = (torch.stack([i for i, _ in parts]), torch.stack([q for _, q in parts]))
         else:
-            label = torch.tensor([s[n + k] for s, n in zip(seqs, cuts)], device=device)
+            text = torch.tensor([s[n + k] for s, n in zip(seqs, cuts)], device=device)
+            label = _soft(text, slice(None))
         steps.append((out.logits, label, torch.ones(len(rows), device=device)))
     return steps
 
 
 def unrolled_losses(*args, **kwargs) -> list[torch.Tensor]:
-    """Weighted mean cross-entropy of each draft step of unrolled_steps(*args, **kwargs)."""
-    return [
-        (F.cross_entropy(logits, label, reduction="none") * weight).sum() / weight.sum()
-        for logits, label, weight in unrolled_steps(*args, **kwargs)
-    ]
+    """Weighted mean cross-entropy of each draft step of unrolled_steps(*args, **kwargs) against
+    its labels' distribution (a greedy label: the usual cross-entropy)."""
+    out = []
+    for logits, (ids, probs), weight in unrolled_steps(*args, **kwargs):
+        ce = -(probs * F.log_softmax(logits.float(), -1).gather(-1, ids)).sum(-1)
+        out.append((ce * weight).sum() / weight.sum())
+    return out
 
 
 def train(
@@ -224,9 +253,11 @@ def train(
     corpus: str | None = None,
     dtype: str = "auto",
     depth: int = 1,
+    top_k: int = 1,
 ) -> dict:
     """Distil the draft of model_path into out_dir (module docstring). labels: "text" or
-    "target" (None: "target" with fit_target_head, else "text")."""
+    "target" (None: "target" with fit_target_head, else "text"); top_k > 1 with "target": the
+    target's top_k distribution as the label, not its argmax."""
     fit = None
     if fit_target_head:
         from serving.tools.fit_target_head import fit_head
@@ -237,6 +268,8 @@ def train(
     labels = labels or ("target" if fit_target_head else "text")
     if labels not in ("text", "target"):
         raise ValueError(f"labels must be 'text' or 'target', not {labels!r}")
+    if top_k < 1 or (top_k > 1 and labels != "target"):
+        raise ValueError(f"top_k {top_k} needs labels 'target' and must be at least 1")
     if depth < 1:
         raise ValueError(f"depth must be at least 1, not {depth}")
     if depth > 1 and gen_len < depth + 1:  # cuts n lie in prompt_len .. length-1-depth
@@ -259,7 +292,7 @@ def train(
     else:
         prompts = training_prompts(config.vocab_size, count, prompt_len, seed)
     seqs = make_data(runner, prompts, gen_len)
-    hiddens, choices = target_hidden(runner, seqs)
+    hiddens, choices = target_hidden(runner, seqs, top_k=top_k)
     data_s = time.perf_counter() - t0
     del served, runner
     target, draft = load_weights(model_path, config, torch.float32, device, load_draft=True)
@@ -316,6 +349,7 @@ def train(
         "train_s": round(train_s, 1),
         "steps": steps,
         "labels": labels,
+        "top_k": top_k,
         "depth": depth,
     }
     if depth > 1:
@@ -365,6 +399,13 @@ def main() -> None:
         help="draft steps trained unrolled as EAGLE runs them (1: the catch-up step only)",
     )
     ap.add_argument(
+        "--top-k",
+        type=int,
+        default=1,
+        help="with --labels target: train on the target's top-K probabilities (renormalised) "
+        "instead of its argmax (1)",
+    )
+    ap.add_argument(
         "--corpus",
         default=None,
         help="prompts from this corpus (serving.tools.corpus's output) instead of random tokens",
@@ -387,6 +428,7 @@ def main() -> None:
         corpus=args.corpus,
         dtype=args.dtype,
         depth=args.depth,
+        top_k=args.top_k,
     )
     print(json.dumps(summary))
 
