@@ -291,7 +291,7 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
     ceil(in/128)] float32; returns [..., out] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w8.shape[0]
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, k).contiguous()  # x may be a column slice (StackedProjections' outputs)
     if x2.shape[0] == 0:
         return torch.empty(*lead, n, device=x.device, dtype=x.dtype)
     if x2.shape[0] >= SCALED_MM_MIN_TOKENS and scaled_mm_usable(n, k, x.dtype, x.device):

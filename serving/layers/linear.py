@@ -10,6 +10,10 @@ and lm_head, serving/distributed.padded_vocab) is longer along that dim than the
 all pieces: a piece is ceil(n / pieces) rows, the last pieces end in zero rows the checkpoint
 lacks.
 
+Stacked projections: several projections of one input (KDA's q/k/v/gates, MLA's and the
+indexer's down-projections, gate/up of a dense MLP) run as one GEMM over their weights stacked
+(StackedProjections), one launch instead of up to six: at TP8 a decode step is launch-bound.
+
 Block FP8: a module with a `kind` (FP8_KINDS) can hold its weights as float8_e4m3fn beside
 float32 block scales `<param>_scale_inv` (hold_fp8, called by the loader before it fills them)
 and then runs the W8A8 kernels (kernels/fp8.py; kernels/triton/fp8.py on the fast path). The
@@ -128,3 +132,73 @@ def fp8_linear(x: torch.Tensor):
 
         return block_fp8_linear
     return fp8_kernels.block_fp8_linear
+
+
+class StackedProjections:
+    """Projections of one input x, named by their owner's attributes (Linear modules, or plain
+    weight parameters applied as x W^T), run as one GEMM once `stack()` has put their weights
+    side by side in one tensor. The parts' parameters become views of that tensor, so the
+    checkpoint names, the loader and the exporters see the parts unchanged.
+
+    Hazards: a part's storage replaced after stacking (module.to(), a new Parameter) leaves the
+    stack stale: `__call__` then runs the parts one by one (the first part's data pointer is
+    compared). Training (a part requiring grad under autograd) runs them one by one too: the
+    stacked tensor is no leaf. Only bf16/float32 parts that need no collective after their GEMM
+    stack (no FP8, no row split, no gather); otherwise nothing stacks.
+
+    Not an nn.Module: it owns no parameters (the owner registers them) and is no submodule."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]) -> None:
+        self.owner, self.names = owner, names
+        self.stacked: torch.Tensor | None = None
+        self.sizes: list[int] = []
+
+    def _part(self, name: str):
+        try:
+            return self.owner.get_submodule(name)
+        except AttributeError:
+            return self.owner.get_parameter(name)
+
+    def stack(self) -> bool:
+        """Stack the parts' weights (after the weights are final); False if they cannot."""
+        parts = [self._part(n) for n in self.names]
+        weights = []
+        for part in parts:
+            if isinstance(part, Linear):
+                if part.weight_scale_inv is not None or part.split == "row" or part.gather:
+                    return False
+                weights.append(part.weight)
+            else:
+                weights.append(part)
+        first = weights[0]
+        if any(w.dtype != first.dtype or w.device != first.device for w in weights):
+            return False
+        stacked = torch.cat([w.data for w in weights])
+        offset = 0
+        for w in weights:
+            w.data = stacked[offset : offset + w.shape[0]]
+            offset += w.shape[0]
+        self.stacked, self.sizes, self._first = stacked, [w.shape[0] for w in weights], first
+        return True
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s = self.stacked
+        if s is not None and self._first.data_ptr() == s.data_ptr():
+            if not (torch.is_grad_enabled() and self._first.requires_grad):
+                return F.linear(x, s).split(self.sizes, dim=-1)
+        out = []
+        for name in self.names:
+            part = self._part(name)
+            out.append(part(x) if isinstance(part, Linear) else F.linear(x, part))
+        return tuple(out)
+
+
+def stack_projections(*models: nn.Module | None) -> None:
+    """Stack every StackedProjections of these models (call once their weights are final)."""
+    for model in models:
+        if model is None:
+            continue
+        for module in model.modules():
+            for value in vars(module).values():
+                if isinstance(value, StackedProjections):
+                    value.stack()

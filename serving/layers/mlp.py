@@ -9,7 +9,7 @@ from kernels import fast_path
 from kernels import moe as moe_kernels
 from serving.config import ModelConfig
 from serving.distributed import all_reduce, split, state
-from serving.layers.linear import Linear, block_scales, fp8_twin, param, shard
+from serving.layers.linear import Linear, StackedProjections, block_scales, fp8_twin, param, shard
 
 
 class DenseMLP(nn.Module):
@@ -30,9 +30,10 @@ class DenseMLP(nn.Module):
         self.up_proj = Linear(hidden, inter, dtype, split="column", kind=kind)
         self.down_proj = Linear(inter, hidden, dtype, split="row", reduce=reduce, kind=kind)
         self.limit = limit
+        self.gate_up = StackedProjections(self, ("gate_proj", "up_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = moe_kernels.swiglu(self.gate_proj(x), self.up_proj(x), self.limit)
+        h = moe_kernels.swiglu(*self.gate_up(x), self.limit)
         return self.down_proj(h)
 
 

@@ -22,7 +22,7 @@ from serving.layers.attention.dsa import (
     sparse_mla,
     write_latent,
 )
-from serving.layers.linear import Linear, param
+from serving.layers.linear import Linear, StackedProjections, param
 from serving.layers.norm import RMSNorm
 from serving.memory.cache import DSALayerCache
 
@@ -48,14 +48,22 @@ class Indexer(nn.Module):
         self.index_kpool_compress_gate = param(d, config.hidden_size, dtype=dtype)
         self.index_kpool_compress_ape = param(config.index_kpool, d, dtype=torch.float32)
 
+    # what the indexer projects from the layer's input x, in its owner's StackedProjections
+    X_PROJECTIONS = ("wk", "index_kpool_compress_gate", "weights_proj")
+
     def forward(
-        self, x: torch.Tensor, q_lora: torch.Tensor, batch: ForwardBatch, cache: DSALayerCache
+        self,
+        x_proj: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        q_lora: torch.Tensor,
+        batch: ForwardBatch,
+        cache: DSALayerCache,
     ) -> torch.Tensor:
-        """Returns selected token positions [T, index_width] (-1 = empty) per new token."""
+        """Returns selected token positions [T, index_width] (-1 = empty) per new token.
+        x_proj: X_PROJECTIONS applied to the layer's input."""
+        wk, gates, head_w = x_proj
         q = self.wq_b(q_lora).view(-1, self.heads, self.d)
-        k = F.layer_norm(self.wk(x), (self.d,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
-        gates = F.linear(x, self.index_kpool_compress_gate)
-        head_w = self.weights_proj(x).float() * self.scale
+        k = F.layer_norm(wk, (self.d,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
+        head_w = head_w.float() * self.scale
         return select_positions(
             self.shape, q, k, gates, head_w, self.index_kpool_compress_ape, batch, cache
         )
@@ -77,6 +85,10 @@ class DSAttention(nn.Module):
         self.kv_b_proj = Linear(r, h * (self.nope + self.v_dim), dtype, split="column")
         self.o_proj = Linear(h * self.v_dim, config.hidden_size, dtype, split="row", kind="mla")
         self.indexer = Indexer(config, dtype) if has_indexer else None
+        from_x = ("q_a_proj", "kv_a_proj_with_mqa")
+        if has_indexer:
+            from_x += tuple(f"indexer.{name}" for name in Indexer.X_PROJECTIONS)
+        self.in_proj = StackedProjections(self, from_x)
 
     def forward(
         self,
@@ -86,11 +98,12 @@ class DSAttention(nn.Module):
         shared_positions: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output [T, Hd], selected positions [T, W]) for a later shared layer."""
-        q_lora = self.q_a_layernorm(self.q_a_proj(x))
+        q_a, kv_a, *indexer_in = self.in_proj(x)
+        q_lora = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_lora).view(-1, self.heads, self.nope)
-        write_latent(self.kv_a_layernorm(self.kv_a_proj_with_mqa(x)), batch, cache)
+        write_latent(self.kv_a_layernorm(kv_a), batch, cache)
         if self.indexer is not None:
-            positions = self.indexer(x, q_lora, batch, cache)
+            positions = self.indexer(tuple(indexer_in), q_lora, batch, cache)
         else:
             assert shared_positions is not None, "shared DSA layer without a full layer before it"
             positions = shared_positions

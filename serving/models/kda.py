@@ -14,7 +14,7 @@ from serving.config import ModelConfig
 from serving.distributed import state
 from serving.forward_batch import ForwardBatch
 from serving.layers.attention.kda import delta_rule, short_conv
-from serving.layers.linear import Linear, param, shard, tp_param
+from serving.layers.linear import Linear, StackedProjections, param, shard, tp_param
 from serving.memory.cache import KDALayerCache
 
 
@@ -48,10 +48,13 @@ class KDAttention(nn.Module):
         self.o_norm = param(dim, dtype=torch.float32)
         self.norm_eps = config.rms_norm_eps
         self.o_proj = Linear(qkv, hidden, dtype, split="row", kind="kda")
+        self.in_proj = StackedProjections(
+            self, ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")
+        )
 
-    def _forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-channel log decay g [T, H, Dk] (float32)."""
-        g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias
+    def _forget_gate(self, f_a: torch.Tensor) -> torch.Tensor:
+        """Per-channel log decay g [T, H, Dk] (float32) from f_a_proj's output."""
+        g = self.f_b_proj(f_a).float() + self.dt_bias
         g = g.view(-1, self.heads, self.dim)
         rate = self.A_log.exp().view(1, self.heads, 1)
         if self.lower_bound is not None:
@@ -66,15 +69,16 @@ class KDAttention(nn.Module):
         history: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """history (multi-token batches): receives [conv inputs, per-position states]."""
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        q, k, v, f_a, g_a, b = self.in_proj(x)
+        mixed = torch.cat([q, k, v], dim=-1)
         mixed = short_conv(mixed, self.conv_weight, batch, cache, history)
         q, k, v = (t.view(-1, self.heads, self.dim) for t in mixed.chunk(3, dim=-1))
-        g = self._forget_gate(x)
-        beta = torch.sigmoid(self.b_proj(x)).float()
+        g = self._forget_gate(f_a)
+        beta = torch.sigmoid(b).float()
         o = delta_rule(q, k, v, g, beta, batch, cache, history)
         # gated RMSNorm per head, in float32
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm
-        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.heads, self.dim).float()
+        gate = self.g_b_proj(g_a).view(-1, self.heads, self.dim).float()
         o = (of * torch.sigmoid(gate)).to(x.dtype).flatten(1)
         return self.o_proj(o)

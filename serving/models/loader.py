@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from kernels.fp8 import dequantize
 from serving.config import ModelConfig
 from serving.distributed import ParallelState, split, state
+from serving.layers.linear import stack_projections
 from serving.models.fp8_choice import LinearChoice, choose_linears, linear_shape
 from serving.models.fp8_weights import (
     SCALE_SUFFIX,
@@ -376,6 +377,7 @@ def load_weights(
         draft = draft.to(device).eval()
     if fp8 and fp8_execution and torch.device(device).type == "cuda":
         log_fp8_linear_backends([target_model, draft], dtype, device)
+    stack_projections(target_model, draft)  # after .to(device): it would replace the views
     return target_model, draft
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from kernels.fp8 import quantize_weight
 from serving.config import ModelConfig
 from serving.distributed import state
+from serving.layers.linear import stack_projections
 from serving.models.fp8_weights import SCALE_SUFFIX
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.loader import choose_and_hold, fp8_modules
@@ -145,6 +146,7 @@ def random_weights(
         init_module(module, config, gen)
         module.eval()
     roles["target"].fp8_choice = choice  # type: ignore[assignment]
+    stack_projections(*roles.values())
     return roles["target"], roles.get("draft")  # type: ignore[return-value]
 
 
