@@ -424,10 +424,14 @@ def test_pd_with_eagle_uses_rows_up_to_the_extra_slots(distilled_ckpt, tmp_path)
         "2",
     )
     ps = training_prompts(1024, 96, 16, seed=0)
+    # 16 tokens each: the first requests must still be decoding when the last ones arrive (all
+    # 96 held at once), also on a loaded machine where the 96 arrivals take seconds; with 8,
+    # a CI run under load peaked at 87
+    tokens = 16
     single = Server(distilled_ckpt, log_dir=tmp_path)
     try:
         expected = [
-            httpx.post(single.url + "/generate", json=greedy_body(p, 8), timeout=120).json()[
+            httpx.post(single.url + "/generate", json=greedy_body(p, tokens), timeout=120).json()[
                 "output_ids"
             ]
             for p in ps
@@ -450,7 +454,7 @@ def test_pd_with_eagle_uses_rows_up_to_the_extra_slots(distilled_ckpt, tmp_path)
         got: dict[int, list[int]] = {}
 
         def run(i: int) -> None:
-            decode, _ = pd.dispatch("/generate", greedy_body(ps[i], 8), timeout=300)
+            decode, _ = pd.dispatch("/generate", greedy_body(ps[i], tokens), timeout=300)
             assert decode.status_code == 200, decode.text
             got[i] = decode.json()["output_ids"]
 
