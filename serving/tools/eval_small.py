@@ -250,42 +250,39 @@ def main() -> None:
         record("accept", {**accept_lengths(args.model_path, prompt_windows, args.new_tokens,
                                            flags), "prompts": len(prompt_windows),
                           "new_tokens": args.new_tokens})  # fmt: skip
-    fast_cache: dict = {}
+    runs: dict[torch.dtype, dict] = {}
 
-    def fast_bf16():
-        """The served model's greedy tokens and perplexity on the fast path (computed once)."""
-        if not fast_cache:
-            model, _ = load(args.model_path, served, args.device)
-            fast_cache.update(model=model, tokens=greedy(model, prompt_windows, args.new_tokens,
-                                                         args.device),
-                              ppl=perplexity(model, windows, args.device))  # fmt: skip
-        return fast_cache["model"], fast_cache["tokens"], fast_cache["ppl"]
+    def fast_run(dtype: torch.dtype, with_ppl: bool = False) -> dict:
+        """The fast path in `dtype`: its model, greedy tokens and (with_ppl) perplexity, each
+        computed once for every stage that compares against them."""
+        run = runs.setdefault(dtype, {})
+        if "model" not in run:
+            run["model"], _ = load(args.model_path, dtype, args.device)
+            run["tokens"] = greedy(run["model"], prompt_windows, args.new_tokens, args.device)
+        if with_ppl and "ppl" not in run:
+            run["ppl"] = perplexity(run["model"], windows, args.device)["perplexity"]
+        return run
 
     if "agreement" in stages:
-        fast_model, fast, fast_ppl = fast_bf16()
+        fast = fast_run(served, with_ppl=True)
         with torch_path():
-            slow = greedy(fast_model, prompt_windows, args.new_tokens, args.device)
-            slow_ppl = perplexity(fast_model, windows, args.device)
-            forced = teacher_forced(fast_model, prompt_windows, fast, args.device)
-        record("fast_vs_torch", {**agreement(fast, slow), **forced, "dtype": str(served),
-                                 "ppl_fast": fast_ppl["perplexity"],
+            slow = greedy(fast["model"], prompt_windows, args.new_tokens, args.device)
+            slow_ppl = perplexity(fast["model"], windows, args.device)
+            forced = teacher_forced(fast["model"], prompt_windows, fast["tokens"], args.device)
+        record("fast_vs_torch", {**agreement(fast["tokens"], slow), **forced,
+                                 "dtype": str(served), "ppl_fast": fast["ppl"],
                                  "ppl_torch": slow_ppl["perplexity"]})  # fmt: skip
     if "bf16_vs_fp32" in stages and served != torch.float32:
-        _, fast, fast_ppl = fast_bf16()
-        fp32, _ = load(args.model_path, torch.float32, args.device)
-        full = greedy(fp32, prompt_windows, args.new_tokens, args.device)
-        full_ppl = perplexity(fp32, windows, args.device)
-        forced = teacher_forced(fp32, prompt_windows, fast, args.device)
-        record("bf16_vs_fp32_fast", {**agreement(fast, full), **forced,
-                                     "ppl_bf16": fast_ppl["perplexity"],
-                                     "ppl_fp32": full_ppl["perplexity"]})  # fmt: skip
+        fast, full = fast_run(served, with_ppl=True), fast_run(torch.float32, with_ppl=True)
+        forced = teacher_forced(full["model"], prompt_windows, fast["tokens"], args.device)
+        record("bf16_vs_fp32_fast", {**agreement(fast["tokens"], full["tokens"]), **forced,
+                                     "ppl_bf16": fast["ppl"], "ppl_fp32": full["ppl"]})  # fmt: skip
     if "agreement_fp32" in stages:  # both paths in float32: what is left is not bf16 rounding
-        fp32, _ = load(args.model_path, torch.float32, args.device)
-        fast = greedy(fp32, prompt_windows, args.new_tokens, args.device)
+        full = fast_run(torch.float32)
         with torch_path():
-            slow = greedy(fp32, prompt_windows, args.new_tokens, args.device)
-            forced = teacher_forced(fp32, prompt_windows, fast, args.device)
-        record("fast_vs_torch_fp32", {**agreement(fast, slow), **forced})
+            slow = greedy(full["model"], prompt_windows, args.new_tokens, args.device)
+            forced = teacher_forced(full["model"], prompt_windows, full["tokens"], args.device)
+        record("fast_vs_torch_fp32", {**agreement(full["tokens"], slow), **forced})
     if "fp8" in stages:
         record("fp8_vs_bf16", fp8_vs_bf16(args.model_path, served, args.device, windows,
                                           prompt_windows, args.new_tokens))  # fmt: skip
