@@ -29,7 +29,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/fla_core-*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/deploy PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader \
     | tee "$OUT/steps.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
@@ -40,7 +40,8 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log, keep going
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $? after $((SECONDS - t0)) s (limit $limit)" | tee -a "$OUT/steps.txt"
 }
-PYTEST=(python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=8)
+# instafail (deploy/instafail.py): each failure's report as it happens, so a cut run still says why
+PYTEST=(python3 -m pytest -m gpu -p no:cacheprovider -p instafail -rA --durations=8)
 step kernels 85 "${PYTEST[@]}" -q -s tests/test_triton_kernels_fp8.py
 step fp8_kernels 90 python3 -m serving.tools.bench_kernels_moe_kda --only fp8 \
     --out "$OUT/fp8_kernels.json"

@@ -114,7 +114,11 @@ def _check_linear(m, n, k, dtype, device, interpreter=False):
         assert out.dtype == dtype and out.shape == (m, n), name
         assert not out.isnan().any(), name
         if dtype == torch.float32:
-            assert _rel_max(out, ref) <= 1e-5, name
+            # Hopper's FP8 MMA accumulates in reduced precision inside each 128-wide K block
+            # (the kernel promotes to float32 between blocks, as DeepSeek-V3's report
+            # prescribes): 2e-4 relative max measured on the H200 at 300 x 4096 x 1536; the
+            # interpreter accumulates in float32
+            assert _rel_max(out, ref) <= (1e-5 if interpreter else 1e-3), name
         else:
             assert _rel_max(out, ref) <= (2e-2 if interpreter else 1e-2), name
             assert _rel_fro(out, ref) <= 1e-2, name
@@ -335,8 +339,11 @@ def test_fp8_choice_at_the_real_shapes(tmp_path):
     projection shape of GLM-5.3-Flash at TP1 and of rank 0 at the seed's TP8/EP8: FP8 and bf16
     microseconds at 32 and 8,192 tokens and the choice are printed (-s; the same line the
     loader logs) for docs/BENCHMARKS.md. The H200 measured KDA q/k/v, the dense gate/up and
-    MLA o at 1.41-1.53x bf16 at 8,192 tokens and the large projections at 1.1-1.5x in decode:
-    those must run FP8; KDA's f_b/g_b (K = 128, Triton GEMM) at 0.2x: dense."""
+    MLA o at 1.41-1.53x bf16 at 8,192 tokens; at 32 tokens (this timing's decode count)
+    torch._scaled_mm's block-scaled GEMM plus the activation quantization beat bf16 only for
+    N >= 8,192 (KDA q/k/v 18.5 vs 22.2 us, dense gate/up 23.6 vs 31.3) and lost for the rest
+    (MLA o 52.4 vs 43.1 us, 4096 x 16384; session 6's run): those two must run FP8, MLA o
+    may go either way; KDA's f_b/g_b (K = 128, Triton GEMM) at 0.2x: dense."""
     from serving.config import ModelConfig
     from serving.distributed import ParallelState, set_state
     from serving.models.fp8_choice import choose_linears, linear_shape
@@ -362,6 +369,6 @@ def test_fp8_choice_at_the_real_shapes(tmp_path):
             "fp8 choice", t.shape, t.gemm, t.fp8_us, t.dense_us, speedup, "fp8" if t.fp8 else "bf16"
         )
     assert {t.shape for t in choice.timings} == set(shapes)
-    for name in ("kda q/k/v", "dense gate/up", "mla o"):
+    for name in ("kda q/k/v", "dense gate/up"):
         assert choice.timing(REAL_LINEARS[name]).fp8, (name, choice.timing(REAL_LINEARS[name]))
     assert REAL_LINEARS["kda f_b/g_b"] in choice.dense_shapes

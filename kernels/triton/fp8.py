@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 # Programs the small-M GEMM heuristic aims at: about two per SM on an H200 (132 SMs).
 TARGET_PROGRAMS = 264
+# pipelined A and B tiles' shared memory (the rest of the 227 KiB: Triton's own scratch)
+SMEM_TILE_BUDGET = 160 * 1024
 # block_fp8_linear uses torch._scaled_mm (where the shape passed its probe) from this many tokens
 # up; fewer go to the Triton GEMM with the quantization fused (one launch). 1: cuBLASLt for all;
 # bench_kernels_moe_kda --only fp8 times both backends per shape and token count.
@@ -192,9 +194,14 @@ def _gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+def gemm_config(m: int, n: int, k: int, a_bytes: int = 1) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an H200 (host ints only).
-    BLOCK_K is 128 (one scale group; what QUANT_A needs) or, for K < 128, covers K."""
+    BLOCK_K is 128 (one scale group; what QUANT_A needs) or, for K < 128, covers K. a_bytes:
+    the A tile's element size (1: e4m3; 2 or 4: QUANT_A on bf16 or float32 input).
+
+    Hazard: the pipeline holds num_stages - 1 A and B tiles in shared memory (227 KiB per SM on
+    the H200). Float32 input at 128-row tiles and 4 stages asked for 272 KiB and Triton refused
+    to launch (OutOfResources, measured); stages drop until the tiles fit SMEM_TILE_BUDGET."""
     block_k = max(32, min(BLOCK, triton.next_power_of_2(k)))  # e4m3 dots take K >= 32
     if m <= 16:
         block_m, block_n, warps, stages = 16, 128, 4, 4
@@ -210,6 +217,9 @@ def gemm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
         while block_n > 32 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < TARGET_PROGRAMS:
             block_n //= 2
     block_n = max(16, min(block_n, triton.next_power_of_2(n)))
+    stage_bytes = block_m * block_k * a_bytes + block_n * block_k
+    while stages > 2 and (stages - 1) * stage_bytes > SMEM_TILE_BUDGET:
+        stages -= 1
     return block_m, block_n, block_k, warps, stages
 
 
@@ -221,7 +231,7 @@ def _triton_gemm(
     (m, k), n = a.shape, w8.shape[0]
     assert max(m, n) * k < 2**31 and m * n < 2**31, "FP8 GEMM buffers exceed int32 offsets"
     y = torch.empty(m, n, device=a.device, dtype=dtype)
-    block_m, block_n, block_k, warps, stages = gemm_config(m, n, k)
+    block_m, block_n, block_k, warps, stages = gemm_config(m, n, k, a.element_size())
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     quant_a = a_scale is None
     _gemm_kernel[grid](
