@@ -136,3 +136,18 @@ def test_aux_host_part_is_pinned_on_cuda():
     aux = AuxRows.allocate(3, 8, torch.bfloat16, "cuda")
     assert all(t.is_pinned() for t in (aux.ints, aux.floats, aux.top_ids))
     assert aux.draft_token.is_cuda and aux.draft_hidden.is_cuda
+
+
+def test_free_list_hands_out_the_lowest_free_ids_and_refuses_bad_frees():
+    from serving.memory.allocator import FreeList
+
+    ids = FreeList(10, "page")
+    assert ids.alloc(4) == [1, 2, 3, 4]
+    ids.free([3, 1])
+    assert ids.alloc(3) == [1, 3, 5]  # freed ids come back lowest first, before fresh ones
+    assert ids.alloc(6) is None and ids.num_free == 5  # nothing taken when short
+    with pytest.raises(RuntimeError, match="page 7 freed but not in use"):
+        ids.free([7])
+    with pytest.raises(RuntimeError, match="page 0 freed"):
+        ids.free([0])  # the padding id is never handed out
+    assert sorted(ids.used) == [1, 2, 3, 4, 5] and ids.num_used == 5

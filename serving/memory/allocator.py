@@ -7,14 +7,20 @@ another request's cache silently.
 
 from __future__ import annotations
 
+import heapq
+
 
 class FreeList:
-    """Ids 1..capacity handed out lowest first (0 is the reserved padding id)."""
+    """Ids 1..capacity handed out lowest first (0 is the reserved padding id).
+
+    The free ids are a min-heap: alloc and free cost O(log n) per id. (A list kept sorted cost
+    O(free ids) per free: 4 ms a call on an H200 worker's 778k KV pages, measured, on the
+    scheduler's path at every finished request.)"""
 
     def __init__(self, capacity: int, what: str) -> None:
         self.capacity = capacity
         self.what = what
-        self._free = list(range(capacity, 0, -1))  # pop() yields the lowest id
+        self._free = list(range(1, capacity + 1))  # ascending: already a heap
         self._used: set[int] = set()
 
     @property
@@ -35,7 +41,7 @@ class FreeList:
         """n ids, or None (nothing taken) when fewer than n are free."""
         if n > len(self._free):
             return None
-        ids = [self._free.pop() for _ in range(n)]
+        ids = [heapq.heappop(self._free) for _ in range(n)]
         self._used.update(ids)
         return ids
 
@@ -44,8 +50,7 @@ class FreeList:
             if i not in self._used:
                 raise RuntimeError(f"{self.what} {i} freed but not in use")
             self._used.remove(i)
-            self._free.append(i)
-        self._free.sort(reverse=True)
+            heapq.heappush(self._free, i)
 
 
 class PageAllocator(FreeList):
