@@ -13,6 +13,8 @@ random: --random-requests prompts of --random-len unique random tokens (--random
 tokens each), at each --random-concurrency: what the cache costs when nothing is reused.
 hit rate: prompt tokens served from the cache / prompt tokens, over each workload (the
 scheduler's counters, which /metrics reports as sglang:cache_hit_rate).
+stalls: per workload, the CUDA allocator's cudaMalloc / cudaFree calls and retries and Python's
+full collections (host stalls that device time does not show).
 
 Each variant runs in a child process (so each gets the whole GPU, with default memory
 settings) with a Triton cache directory of its own (--shared-triton-cache: the default one),
@@ -26,6 +28,7 @@ The JSON is rewritten after every variant; a summary line per workload goes to s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -126,6 +129,22 @@ def counters(sched: Scheduler) -> tuple[int, int]:
     return sched.stats.cache_hit_tokens_total, sched.stats.cache_lookup_tokens_total
 
 
+def stall_counters() -> dict[str, int]:
+    """What can stall the host between kernels and is invisible in device time: the CUDA caching
+    allocator's cudaMalloc / cudaFree calls and its retries (an allocation that failed, freed
+    every cached block and tried again: synchronizing), and Python's full collections."""
+    out = {"gc_full_collections": gc.get_stats()[2]["collections"]}
+    if torch.cuda.is_available():
+        mem = torch.cuda.memory_stats()
+        for key in ("num_alloc_retries", "num_device_alloc", "num_device_free"):
+            out[key] = mem.get(key, 0)
+    return out
+
+
+def stalls_since(before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in stall_counters().items()}
+
+
 def hit_rate(before: tuple[int, int], after: tuple[int, int]) -> float:
     prompt = after[1] - before[1]
     return round((after[0] - before[0]) / prompt, 4) if prompt else 0.0
@@ -136,7 +155,7 @@ def random_prompts(sched: Scheduler, a: argparse.Namespace, concurrency: int, se
     prompts = [
         [rng.randrange(a.vocab) for _ in range(a.random_len)] for _ in range(a.random_requests)
     ]
-    drv, before = Driver(sched), counters(sched)
+    drv, before, stalls = Driver(sched), counters(sched), stall_counters()
     todo = list(enumerate(prompts))
     live = 0
     t0 = time.perf_counter()
@@ -155,6 +174,7 @@ def random_prompts(sched: Scheduler, a: argparse.Namespace, concurrency: int, se
         "ttft_ms_rest": stats_ms(ttft[concurrency:]),
         "wall_s": round(wall, 2),
         "hit_rate": hit_rate(before, counters(sched)),
+        "stalls": stalls_since(stalls),
     }
 
 
@@ -162,7 +182,7 @@ def multi_turn(sched: Scheduler, a: argparse.Namespace) -> dict:
     rng = random.Random(7)
     user = lambda: [rng.randrange(a.vocab) for _ in range(a.user_len)]  # noqa: E731
     system = [rng.randrange(a.vocab) for _ in range(a.system_len)]
-    drv, before = Driver(sched), counters(sched)
+    drv, before, stalls = Driver(sched), counters(sched), stall_counters()
     prompts = {c: system + user() for c in range(a.conversations)}
     turn_of: dict[str, tuple[int, int]] = {}
     ttft_by_turn: dict[int, list[float]] = {t: [] for t in range(1, a.turns + 1)}
@@ -202,6 +222,7 @@ def multi_turn(sched: Scheduler, a: argparse.Namespace) -> dict:
         "output_tok_per_s": round(output_tokens / wall, 1),
         "prompt_tok_per_s": round(prompt_tokens / wall, 1),
         "hit_rate": hit_rate(before, counters(sched)),
+        "stalls": stalls_since(stalls),
     }
 
 
