@@ -7,7 +7,8 @@
 
 Fresh prompts of --prompt-len random tokens, one at a time (--output-len tokens each): --warm
 of them untimed (they compile what they need), --timed of them timed (TTFT, and the wall time
-of each of the first scheduler steps), then two under cProfile and two under the torch profiler
+of each of the first scheduler steps, the prefill step's thread CPU time beside it, the
+threads and the load average), then two under cProfile and two under the torch profiler
 (CPU and CUDA). --prepare runs the worker's start-up kernel warm-up first
 (scheduler_process.prepare), as bench_prefix_cache and a server do. Writes
 profile_<variant>.txt: the JSON summary line, cProfile's top functions by own time, the torch
@@ -20,8 +21,10 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -63,13 +66,17 @@ def main() -> None:
     rng, drv = random.Random(5), Driver(sched)
     first_steps: dict[str, list[float]] = {}
 
+    first_cpu: dict[str, float] = {}
+
     def one(rid: str) -> None:
         drv.submit(rid, [rng.randrange(1000) for _ in range(a.prompt_len)], a.output_len)
         steps = []
         while True:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             done = drv.step()
             steps.append(round((time.perf_counter() - t) * 1e3, 2))
+            if len(steps) == 1:  # the prefill step: this thread's CPU time against its wall time
+                first_cpu[rid] = round((time.thread_time() - cpu) * 1e3, 2)
             if done:
                 break
         first_steps[rid] = steps[:6]
@@ -82,6 +89,9 @@ def main() -> None:
     report["stalls"] = stalls_since(stalls)
     report["ttft_ms"] = [round(drv.ttft[f"t{i}"] * 1e3, 2) for i in range(a.timed)]
     report["first_steps_ms"] = {k: v for k, v in first_steps.items() if k.startswith("t")}
+    # wall time the scheduler thread was not on a CPU: waiting for the device, or for a core
+    report["first_step_thread_cpu_ms"] = {k: v for k, v in first_cpu.items() if k.startswith("t")}
+    report["threads"], report["loadavg_1m"] = threading.active_count(), os.getloadavg()[0]
     text = io.StringIO()
     prof = cProfile.Profile()
     prof.enable()
