@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from serving.engine.scheduler_process import build_engine, prepare
 from serving.server_args import ServerArgs
-from serving.tools.bench_prefix_cache import Driver, stall_counters, stalls_since
+from serving.tools.bench_prefix_cache import Driver, stall_counters, stalls_since, watch_compiles
 
 
 def main() -> None:
@@ -55,6 +55,7 @@ def main() -> None:
         ["--model-path", a.model_path, "--skip-server-warmup", *flags, *a.worker_args.split()]
     )
     args.validate()
+    watch_compiles()
     t0 = time.perf_counter()
     sched = build_engine(args)[0]
     report: dict = {"variant": variant, "build_s": round(time.perf_counter() - t0, 1)}

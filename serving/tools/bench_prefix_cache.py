@@ -13,8 +13,8 @@ random: --random-requests prompts of --random-len unique random tokens (--random
 tokens each), at each --random-concurrency: what the cache costs when nothing is reused.
 hit rate: prompt tokens served from the cache / prompt tokens, over each workload (the
 scheduler's counters, which /metrics reports as sglang:cache_hit_rate).
-stalls: per workload, the CUDA allocator's cudaMalloc / cudaFree calls and retries and Python's
-full collections (host stalls that device time does not show).
+stalls: per workload, the CUDA allocator's cudaMalloc / cudaFree calls and retries, Python's full
+collections and the Triton kernels built under it (host stalls that device time does not show).
 
 Each variant runs in a child process (so each gets the whole GPU, with default memory
 settings) with a Triton cache directory of its own (--shared-triton-cache: the default one),
@@ -129,11 +129,38 @@ def counters(sched: Scheduler) -> tuple[int, int]:
     return sched.stats.cache_hit_tokens_total, sched.stats.cache_lookup_tokens_total
 
 
-def stall_counters() -> dict[str, int]:
+# Triton kernels built in this process since start-up, in order: (name, loaded from the disk
+# cache); appended by watch_compiles' listener
+COMPILED: list[tuple[str, bool]] = []
+
+
+def watch_compiles() -> None:
+    """Record every Triton kernel this process builds (compiled, or loaded from the disk cache)
+    through triton.knobs.compilation.listener, chaining any listener already set."""
+    try:
+        from triton import knobs
+
+        previous = knobs.compilation.listener
+    except (ImportError, AttributeError):  # no Triton, or one older than its knobs (3.4)
+        return
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
+        COMPILED.append((getattr(src, "name", str(src)), bool(cache_hit)))
+        if previous is not None:
+            previous(
+                src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                cache_hit=cache_hit,
+            )  # fmt: skip
+
+    knobs.compilation.listener = listener
+
+
+def stall_counters() -> dict:
     """What can stall the host between kernels and is invisible in device time: the CUDA caching
     allocator's cudaMalloc / cudaFree calls and its retries (an allocation that failed, freed
-    every cached block and tried again: synchronizing), and Python's full collections."""
-    out = {"gc_full_collections": gc.get_stats()[2]["collections"]}
+    every cached block and tried again: synchronizing), Python's full collections, and Triton
+    kernels built (a compile under a request costs it seconds)."""
+    out = {"gc_full_collections": gc.get_stats()[2]["collections"], "triton_builds": len(COMPILED)}
     if torch.cuda.is_available():
         mem = torch.cuda.memory_stats()
         for key in ("num_alloc_retries", "num_device_alloc", "num_device_free"):
@@ -141,8 +168,11 @@ def stall_counters() -> dict[str, int]:
     return out
 
 
-def stalls_since(before: dict[str, int]) -> dict[str, int]:
-    return {k: v - before[k] for k, v in stall_counters().items()}
+def stalls_since(before: dict) -> dict:
+    out = {k: v - before[k] for k, v in stall_counters().items()}
+    built = COMPILED[before["triton_builds"] :]
+    out["triton_built"] = sorted({name + ("" if hit else " (compiled)") for name, hit in built})
+    return out
 
 
 def hit_rate(before: tuple[int, int], after: tuple[int, int]) -> float:
@@ -230,6 +260,7 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
     flags = shlex.split(a.worker_args) + (["--disable-radix-cache"] if name == "no_cache" else [])
     args = ServerArgs.from_cli(["--model-path", a.model_path, "--skip-server-warmup", *flags])
     args.validate()
+    watch_compiles()
     t0 = time.perf_counter()
     sched = build_engine(args)[0]
     out: dict = {"flags": flags, "build_s": round(time.perf_counter() - t0, 1)}
