@@ -136,12 +136,15 @@ COMPILED: list[tuple[str, bool]] = []
 
 def watch_compiles() -> None:
     """Record every Triton kernel this process builds (compiled, or loaded from the disk cache)
-    through triton.knobs.compilation.listener, chaining any listener already set."""
+    through triton.knobs.compilation.listener, chaining any listener already set. Once per
+    process: a second listener chained on the first would record every build twice."""
     try:
         from triton import knobs
 
         previous = knobs.compilation.listener
     except (ImportError, AttributeError):  # no Triton, or one older than its knobs (3.4)
+        return
+    if getattr(previous, "records_builds", False):
         return
 
     def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
@@ -152,6 +155,7 @@ def watch_compiles() -> None:
                 cache_hit=cache_hit,
             )  # fmt: skip
 
+    listener.records_builds = True
     knobs.compilation.listener = listener
 
 
