@@ -1,12 +1,17 @@
 """KV handoff cost: the transfer alone (no forward), beside raw Mooncake bandwidth, same run.
 
-    python -m serving.tools.bench_transfer [--model-path DIR | --preset tiny|bench] [--json F]
+    python -m serving.tools.bench_transfer [--presets tiny bench] [--device cuda] [--inflight 1 4]
 
 Two processes on loopback, each with a real MemoryPool shaped by the model config and the real
 Mooncake engine. For each prompt length the prefill side sends what a finished request sends:
 its KV pages of every page buffer (runs merged) plus its request-state rows and aux row, as one
 batch, exactly as workers/prefill.py does. The raw figure is one contiguous write of the same
-number of bytes between the same two engines.
+number of bytes between the same two engines. With --inflight K, K such batches are submitted
+at once (Mooncake's async writes) and waited for in order: `inflight_GiBps` is their bytes over
+the time until the last is done (H200, session 7: no gain over one at a time, so the PD sender,
+workers/rank_transfer.py, writes one job at a time). --device cuda puts both pools in GPU memory
+(Mooncake's TCP transport then stages each slice through the host; MC_TCP_SLICE_SIZE sets the
+slice, workers/transfer_engine.py its default).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ PAGE_SIZE = 64
 MAX_TOKENS = 4096 + PAGE_SIZE
 
 
-def pool_for(config: ModelConfig, dtype: torch.dtype) -> MemoryPool:
+def pool_for(config: ModelConfig, dtype: torch.dtype, device: str) -> MemoryPool:
     plan = PoolPlan(
         rows=2,
         pages=MAX_TOKENS // PAGE_SIZE + 1,
@@ -37,20 +42,20 @@ def pool_for(config: ModelConfig, dtype: torch.dtype) -> MemoryPool:
         max_context=MAX_TOKENS,
         with_draft=config.num_nextn_predict_layers > 0,
     )
-    return MemoryPool(config, plan, dtype, "cpu")
+    return MemoryPool(config, plan, dtype, device)
 
 
 def raw_size(config: ModelConfig, dtype: torch.dtype) -> int:
-    pool = pool_for(config, dtype)
+    pool = pool_for(config, dtype, "cpu")
     return sum(b.nbytes for b in page_buffers(pool) + row_buffers(pool))
 
 
-def target_side(config_raw: dict, dtype_name: str, conn) -> None:
+def target_side(config_raw: dict, dtype_name: str, device: str, conn) -> None:
     config, dtype = ModelConfig.from_dict(config_raw), getattr(torch, dtype_name)
-    pool = pool_for(config, dtype)
+    pool = pool_for(config, dtype, device)
     engine = MooncakeEngine("127.0.0.1", None)
     pages, rows = page_buffers(pool), row_buffers(pool)
-    scratch = torch.empty(raw_size(config, dtype), dtype=torch.uint8)
+    scratch = torch.empty(raw_size(config, dtype), dtype=torch.uint8, device=device)
     engine.register(
         [(b.addr, b.nbytes) for b in pages + rows] + [(scratch.data_ptr(), scratch.numel())]
     )
@@ -60,19 +65,24 @@ def target_side(config_raw: dict, dtype_name: str, conn) -> None:
     conn.recv()  # hold the memory until the initiator is done
 
 
-def measure(config_raw: dict, dtype_name: str, lengths: list[int], repeats: int) -> list[dict]:
+def measure(
+    config_raw: dict, dtype_name: str, lengths: list[int], repeats: int, device: str,
+    inflight: list[int],
+) -> list[dict]:  # fmt: skip
     config, dtype = ModelConfig.from_dict(config_raw), getattr(torch, dtype_name)
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=target_side, args=(config_raw, dtype_name, child))
+    proc = mp.get_context("spawn").Process(
+        target=target_side, args=(config_raw, dtype_name, device, child)
+    )
     proc.start()
     session, page_addrs, row_addrs, scratch_addr = parent.recv()
-    pool = pool_for(config, dtype)
+    pool = pool_for(config, dtype, device)
     for _, t in pool.target.tensors():
         if t.is_floating_point():
             t.normal_()  # real bytes, not zeros
     engine = MooncakeEngine("127.0.0.1", None)
     pages, rows = page_buffers(pool), row_buffers(pool)
-    source = torch.randint(0, 255, (raw_size(config, dtype),), dtype=torch.uint8)
+    source = torch.randint(0, 255, (raw_size(config, dtype),), dtype=torch.uint8, device=device)
     engine.register(
         [(b.addr, b.nbytes) for b in pages + rows] + [(source.data_ptr(), source.numel())]
     )
@@ -97,6 +107,15 @@ def measure(config_raw: dict, dtype_name: str, lengths: list[int], repeats: int)
                 engine.write(session, [source.data_ptr()], [scratch_addr], [total])
                 raw_times.append(time.perf_counter() - t0)
             raw = statistics.median(raw_times)
+            in_flight = {}
+            for k in inflight:
+                runs = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    for batch in [engine.write_async(session, srcs, dsts, lens) for _ in range(k)]:
+                        engine.wait(batch)
+                    runs.append(time.perf_counter() - t0)
+                in_flight[k] = round(k * total / statistics.median(runs) / 2**30, 3)
             out.append(
                 {
                     "prompt_tokens": n,
@@ -106,6 +125,7 @@ def measure(config_raw: dict, dtype_name: str, lengths: list[int], repeats: int)
                     "handoff_GiBps": round(total / handoff / 2**30, 3),
                     "raw_same_bytes_GiBps": round(total / raw / 2**30, 3),
                     "ratio_to_raw": round(raw / handoff, 3),
+                    "inflight_GiBps": in_flight,
                 }
             )
     finally:
@@ -120,14 +140,20 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 4096])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cpu", help="where both pools live (cpu | cuda)")
+    ap.add_argument(
+        "--inflight", type=int, nargs="+", default=[1, 4], help="async writes in flight at once"
+    )
     args = ap.parse_args()
     results = {}
     for preset in args.presets:
         raw = {**COMMON, **PRESETS[preset]}
         dtype = raw.pop("dtype")
-        results[preset] = measure(raw, dtype, args.lengths, args.repeats)
+        results[preset] = measure(
+            raw, dtype, args.lengths, args.repeats, args.device, args.inflight
+        )
         for row in results[preset]:
-            print(json.dumps({"preset": preset, **row}), flush=True)
+            print(json.dumps({"preset": preset, "device": args.device, **row}), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
