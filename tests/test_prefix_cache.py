@@ -401,6 +401,31 @@ def kda_path(batch, history) -> tuple:
     return kind, len(batch.lens_cpu) > 1, any(batch.starts_cpu), history is not None
 
 
+def test_kernel_warmup_meets_indexer_pool_counts_off_the_multiple_of_16(tiny_ckpt, monkeypatch):
+    """Triton specializes the indexer's scoring kernel on its pool count (longest sequence //
+    kpool) being a multiple of 16; 2^i (+ 1) token prompts only give multiples from 16 kpool
+    tokens up, and a hit on a 4,096-token prefix (260 pools) compiled the kernel under the first
+    users' requests on the H200. The warm-up meets the other case too, with >= 1,024 query
+    tokens (the kernel's multi-query blocks) at both parities of the token count."""
+    from serving.engine.kernel_warmup import prepare_kernels
+    from serving.layers.attention import dsa
+
+    seen: set[tuple[int, int]] = set()
+    real = dsa._score
+
+    def recording(shape, q, head_w, r2t, rows, positions, max_pools, cache):
+        seen.add((q.shape[0], max_pools))
+        return real(shape, q, head_w, r2t, rows, positions, max_pools, cache)
+
+    monkeypatch.setattr(dsa, "_score", recording)
+    flags = ("--chunked-prefill-size", "2048", "--max-prefill-tokens", "2048")
+    sched = engine(tiny_ckpt, *flags, "--context-length", "4096")
+    prepare_kernels(sched)
+    big = {(n % 16 == 0, pools % 16 == 0) for n, pools in seen if n >= 1024}
+    assert big == {(True, True), (False, True), (True, False), (False, False)}, sorted(seen)
+    assert_all_free(sched)
+
+
 def test_kernel_warmup_runs_every_kda_path_the_cache_serves(tiny_ckpt, monkeypatch):
     """Every KDA path (and flag combination) that chats with a shared system prompt, concurrent
     and single random prompts run with the cache on has run in the start-up warm-up already

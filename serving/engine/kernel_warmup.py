@@ -12,7 +12,8 @@ go (the prefix cache on when it is on), with prompts of random tokens:
 1. one prompt of a full chunk: fla's chunk kernels autotune at their first call, so they are
    tuned at a full-size prefill, not a tiny one;
 2. batches of 2^i and 2^i + 1 tokens, 16 up to --max-prefill-tokens (a batch beyond the chunk
-   size is several requests): every size bucket and both integer specializations;
+   size is several requests): every size bucket and both integer specializations; from 16 kpool
+   tokens up also 2^i + max(16, kpool) (+ 1), whose indexer pool count is not a multiple of 16;
 3. several requests at once that hit the cache (1 and G-3 uncached tokens, the state loaded from
    a snapshot), miss with a snapshot inside their chunk (KDA in passes, one pass over a gathered
    token index), branch off a cached prefix (a snapshot at the branch point); one of them
@@ -45,9 +46,17 @@ def prepare_kernels(sched: Scheduler) -> int:
     longest = cfg.context_length - 2  # room for the 2 output tokens
     waves: list[list[tuple[list[int], int]]] = []
     waves.append([(ids(min(cfg.chunked_prefill_size, cfg.max_prefill_tokens, longest)), 2)])
+    kpool = sched.pool.config.index_kpool
     size = 16
     while size <= cfg.max_prefill_tokens:
-        for n in (size, size + 1):
+        # The indexer's pool count (longest sequence // kpool) is an integer argument too: at
+        # 2^i >= 16 kpool tokens it is always divisible by 16, so 2^i + max(16, kpool) (+ 1)
+        # tokens give the other case (kpool a power of two), at both parities of the token
+        # count. Hits on a long cached prefix meet it first (4,096 cached + 64 new: 260 pools;
+        # BENCHMARKS, prefix cache's turn 1).
+        more = size + max(16, kpool)
+        odd_pools = (more, more + 1) if size >= 16 * kpool else ()
+        for n in (size, size + 1, *odd_pools):
             parts = -(-n // cfg.chunked_prefill_size)
             if n <= cfg.max_prefill_tokens and parts <= cfg.max_running_requests:
                 cut = [n // parts + (i < n % parts) for i in range(parts)]
