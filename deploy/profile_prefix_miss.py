@@ -4,15 +4,26 @@
     # checkpoint (python -m serving.tools.tiny_model /tmp/bench --preset bench --device cuda):
     python3 deploy/profile_prefix_miss.py --model-path /tmp/bench --out $OUT [--prepare]
     python3 deploy/profile_prefix_miss.py --model-path /tmp/bench --out $OUT --disable-radix-cache
+    python3 deploy/profile_prefix_miss.py --model-path /tmp/bench --out $OUT --prepare --alternate
 
 Fresh prompts of --prompt-len random tokens, one at a time (--output-len tokens each): --warm
 of them untimed (they compile what they need), --timed of them timed (TTFT, and the wall time
 of each of the first scheduler steps, the prefill step's thread CPU time beside it, the
-threads and the load average), then two under cProfile and two under the torch profiler
-(CPU and CUDA). --prepare runs the worker's start-up kernel warm-up first
-(scheduler_process.prepare), as bench_prefix_cache and a server do. Writes
+threads and the load average, every thread's CPU time over the timed requests (native threads
+too, from /proc), the CPU the scheduler thread is on, and a fixed pure-Python loop's time after
+the build, the warm-up and the timed requests: a process-wide slowdown shows there), then two
+under cProfile and two under the torch profiler (CPU and CUDA). --prepare runs the worker's
+start-up kernel warm-up first (scheduler_process.prepare), as bench_prefix_cache and a server
+do. Writes
 profile_<variant>.txt: the JSON summary line, cProfile's top functions by own time, the torch
 profiler's tables by own CPU time and by device time.
+
+--alternate: the 3% comparison itself, made immune to the host's speed. Both engines (cache and
+--disable-radix-cache) are built in this one process, each with --mem-fraction-static 0.4 on a
+GPU unless --worker-args gives one, and their timed misses alternate (cache first on even turns,
+no cache first on odd ones), so a virtual CPU that slows down or speeds up (the GPU machine's
+do, by up to 1.8x: bench_prefix_cache's docstring) weighs on both alike. Writes
+alternate.json: each variant's TTFTs, mean and median, and the cache's overhead in percent.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import json
 import os
 import pstats
 import random
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -33,7 +45,76 @@ from torch.profiler import ProfilerActivity, profile
 
 from serving.engine.scheduler_process import build_engine, prepare
 from serving.server_args import ServerArgs
-from serving.tools.bench_prefix_cache import Driver, stall_counters, stalls_since, watch_compiles
+from serving.tools.bench_prefix_cache import (
+    Driver,
+    python_loop_ms,
+    stall_counters,
+    stalls_since,
+    watch_compiles,
+)
+
+
+def thread_cpu_ticks() -> dict[str, int]:
+    """CPU time (clock ticks, user + system) of every thread of this process, by 'name/tid'."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        out[f"{name}/{task.name}"] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def current_cpu() -> int:
+    return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+
+
+def alternate(a: argparse.Namespace) -> dict:
+    extra = a.worker_args.split()
+    if torch.cuda.is_available() and "--mem-fraction-static" not in extra:
+        extra += ["--mem-fraction-static", "0.4"]  # two engines share the GPU
+    drivers: dict[str, Driver] = {}
+    report: dict = {"mode": "alternate", "prompt_len": a.prompt_len}
+    for name, flags in (("cache", []), ("no_cache", ["--disable-radix-cache"])):
+        args = ServerArgs.from_cli(
+            ["--model-path", a.model_path, "--skip-server-warmup", *flags, *extra]
+        )
+        args.validate()
+        sched = build_engine(args)[0]
+        if a.prepare:
+            prepare(sched)
+        drivers[name] = Driver(sched)
+    rng = random.Random(5)
+
+    def miss(name: str, rid: str) -> float:
+        drv = drivers[name]
+        drv.submit(rid, [rng.randrange(1000) for _ in range(a.prompt_len)], a.output_len)
+        while rid not in drv.step():
+            pass
+        return drv.ttft[rid] * 1e3
+
+    for i in range(a.warm):
+        for name in drivers:
+            miss(name, f"warm{i}")
+    ttft: dict[str, list[float]] = {name: [] for name in drivers}
+    loops = [python_loop_ms()]
+    for i in range(a.timed):
+        for name in list(drivers) if i % 2 == 0 else list(reversed(drivers)):
+            ttft[name].append(round(miss(name, f"t{i}"), 2))
+    loops.append(python_loop_ms())
+    for name, values in ttft.items():
+        report[name] = {
+            "ttft_ms": values,
+            "mean": round(statistics.fmean(values), 2),
+            "median": round(statistics.median(values), 2),
+        }
+    on, off = report["cache"], report["no_cache"]
+    for stat in ("mean", "median"):
+        report[f"cache_overhead_pct_{stat}"] = round(100 * (on[stat] / off[stat] - 1), 2)
+    report["python_loop_ms"] = loops
+    return report
 
 
 def main() -> None:
@@ -47,7 +128,15 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--timed", type=int, default=6)
+    ap.add_argument("--alternate", action="store_true", help="both variants, misses alternating")
     a = ap.parse_args()
+    if a.alternate:
+        watch_compiles()
+        report = alternate(a)
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "alternate.json").write_text(json.dumps(report, indent=1) + "\n")
+        print(json.dumps(report), flush=True)
+        return
 
     variant = "no_cache" if a.disable_radix_cache else "cache"
     flags = ["--disable-radix-cache"] if a.disable_radix_cache else []
@@ -59,10 +148,12 @@ def main() -> None:
     t0 = time.perf_counter()
     sched = build_engine(args)[0]
     report: dict = {"variant": variant, "build_s": round(time.perf_counter() - t0, 1)}
+    report["python_loop_ms"] = {"built": python_loop_ms()}
     if a.prepare:
         t0 = time.perf_counter()
         prepare(sched)
         report["prepare_s"] = round(time.perf_counter() - t0, 1)
+        report["python_loop_ms"]["prepared"] = python_loop_ms()
     report["pages"] = sched.pool.plan.pages
     rng, drv = random.Random(5), Driver(sched)
     # per request: the wall time of its first scheduler steps, and the prefill step's thread CPU
@@ -83,10 +174,16 @@ def main() -> None:
 
     for i in range(a.warm):
         one(f"warm{i}")
-    stalls = stall_counters()
+    stalls, ticks, wall = stall_counters(), thread_cpu_ticks(), time.perf_counter()
     for i in range(a.timed):
         one(f"t{i}")
     report["stalls"] = stalls_since(stalls)
+    ms_per_tick = 1e3 / os.sysconf("SC_CLK_TCK")
+    busy = {k: (v - ticks.get(k, 0)) * ms_per_tick for k, v in thread_cpu_ticks().items()}
+    report["timed_wall_ms"] = round((time.perf_counter() - wall) * 1e3, 1)
+    report["thread_cpu_ms"] = dict(sorted(busy.items(), key=lambda kv: -kv[1])[:8])
+    report["python_loop_ms"]["timed"] = python_loop_ms()
+    report["cpu"], report["cpus_allowed"] = current_cpu(), len(os.sched_getaffinity(0))
     report["ttft_ms"] = [round(drv.ttft[f"t{i}"] * 1e3, 2) for i in range(a.timed)]
     timed = {f"t{i}": first_steps[f"t{i}"] for i in range(a.timed)}
     report["first_steps_ms"] = {k: steps for k, (steps, _) in timed.items()}

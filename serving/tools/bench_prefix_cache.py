@@ -23,6 +23,14 @@ kernels as a worker does at start-up (scheduler_process.prepare; prepare_s), ran
 flush, multi-turn. The first request of each workload (first batch at concurrency > 1) is
 reported apart from the rest (`first`, `rest`): a kernel compiled under a request shows there.
 The JSON is rewritten after every variant; a summary line per workload goes to stdout.
+
+Host speed: the GPU machine's virtual CPUs differ and drift (H200, session 7: a fixed
+pure-Python loop took 7.5-8.3 ms on some of its 16 and 12.7-15.4 ms on the others, which ones
+changing from machine to machine; on one pinned CPU the same loop went from 13.7 to 7.7 ms within
+a minute), so an engine's host-bound steps may run up to 1.8x slower in one variant than in the
+other. --cpu N pins both variants to CPU N once their kernels are prepared (a cold preparation
+pinned to one CPU took over 5 minutes); each variant reports `python_loop_ms` (that loop before
+and after its workloads) and the CPUs it ran on, so a comparison can be checked for it.
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="both variants use the default Triton cache (the second reuses the first's kernels)",
     )
     ap.add_argument("--vocab", type=int, default=1000, help="prompt token ids are below this")
+    ap.add_argument("--cpu", type=int, help="pin both variants to this CPU (host speed)")
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)  # run_child's
     return ap.parse_args(argv)
 
@@ -157,6 +166,18 @@ def watch_compiles() -> None:
 
     listener.records_builds = True
     knobs.compilation.listener = listener
+
+
+def python_loop_ms() -> float:
+    """Median wall time of a fixed pure-Python loop: this process's host speed now."""
+    runs = []
+    for _ in range(5):
+        t = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            total += i % 7
+        runs.append(time.perf_counter() - t)
+    return round(sorted(runs)[2] * 1e3, 2)
 
 
 def stall_counters() -> dict:
@@ -273,10 +294,15 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
     t0 = time.perf_counter()
     prepare(sched)  # what a worker does at start-up, no more
     out["prepare_s"] = round(time.perf_counter() - t0, 1)
+    if a.cpu is not None:  # after the build and warm-up: compiling on one CPU takes minutes
+        os.sched_setaffinity(0, {a.cpu})
+    out["python_loop_ms"] = {"before": python_loop_ms()}
     concurrencies = [int(c) for c in a.random_concurrency.split(",") if c]
     out["random"] = [random_prompts(sched, a, c, seed=1000 + c) for c in concurrencies]
     sched.flush_cache()
     out["multi_turn"] = multi_turn(sched, a)
+    out["python_loop_ms"]["after"] = python_loop_ms()
+    out["cpus"] = sorted(os.sched_getaffinity(0))
     return out
 
 
@@ -326,6 +352,9 @@ def summarise(report: dict) -> dict:
     t1_on, t1_off = (x["multi_turn"]["ttft_ms_turn_1"]["mean"] for x in (on, off))
     out["multi_turn_ttft_turn_1_ms"] = {"cache": t1_on, "no_cache": t1_off}
     out["prepare_s"] = {k: x.get("prepare_s") for k, x in (("cache", on), ("no_cache", off))}
+    out["python_loop_ms"] = {
+        k: x.get("python_loop_ms") for k, x in (("cache", on), ("no_cache", off))
+    }
     return out
 
 
