@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from serving.engine.scheduler import Scheduler
 from serving.engine.scheduler_process import build_engine, prepare
 from serving.server_args import ServerArgs
 from serving.tools.bench_prefix_cache import (
@@ -52,6 +53,11 @@ from serving.tools.bench_prefix_cache import (
     stalls_since,
     watch_compiles,
 )
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    """Fresh token ids: a miss (ids below 1000, every checkpoint's vocabulary holds them)."""
+    return [rng.randrange(1000) for _ in range(n)]
 
 
 def thread_cpu_ticks() -> dict[str, int]:
@@ -71,18 +77,24 @@ def current_cpu() -> int:
     return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
 
 
+def engine(a: argparse.Namespace, cache: bool, extra: list[str]) -> Scheduler:
+    flags = [] if cache else ["--disable-radix-cache"]
+    args = ServerArgs.from_cli(
+        ["--model-path", a.model_path, "--skip-server-warmup", *flags, *a.worker_args.split()]
+        + extra
+    )
+    args.validate()
+    return build_engine(args)[0]
+
+
 def alternate(a: argparse.Namespace) -> dict:
-    extra = a.worker_args.split()
-    if torch.cuda.is_available() and "--mem-fraction-static" not in extra:
-        extra += ["--mem-fraction-static", "0.4"]  # two engines share the GPU
+    extra = []
+    if torch.cuda.is_available() and "--mem-fraction-static" not in a.worker_args:
+        extra = ["--mem-fraction-static", "0.4"]  # two engines share the GPU
     drivers: dict[str, Driver] = {}
     report: dict = {"mode": "alternate", "prompt_len": a.prompt_len}
-    for name, flags in (("cache", []), ("no_cache", ["--disable-radix-cache"])):
-        args = ServerArgs.from_cli(
-            ["--model-path", a.model_path, "--skip-server-warmup", *flags, *extra]
-        )
-        args.validate()
-        sched = build_engine(args)[0]
+    for name in ("cache", "no_cache"):
+        sched = engine(a, name == "cache", extra)
         if a.prepare:
             prepare(sched)
         drivers[name] = Driver(sched)
@@ -90,7 +102,7 @@ def alternate(a: argparse.Namespace) -> dict:
 
     def miss(name: str, rid: str) -> float:
         drv = drivers[name]
-        drv.submit(rid, [rng.randrange(1000) for _ in range(a.prompt_len)], a.output_len)
+        drv.submit(rid, random_prompt(rng, a.prompt_len), a.output_len)
         while rid not in drv.step():
             pass
         return drv.ttft[rid] * 1e3
@@ -139,14 +151,9 @@ def main() -> None:
         return
 
     variant = "no_cache" if a.disable_radix_cache else "cache"
-    flags = ["--disable-radix-cache"] if a.disable_radix_cache else []
-    args = ServerArgs.from_cli(
-        ["--model-path", a.model_path, "--skip-server-warmup", *flags, *a.worker_args.split()]
-    )
-    args.validate()
     watch_compiles()
     t0 = time.perf_counter()
-    sched = build_engine(args)[0]
+    sched = engine(a, not a.disable_radix_cache, [])
     report: dict = {"variant": variant, "build_s": round(time.perf_counter() - t0, 1)}
     report["python_loop_ms"] = {"built": python_loop_ms()}
     if a.prepare:
@@ -160,7 +167,7 @@ def main() -> None:
     first_steps: dict[str, tuple[list[float], float]] = {}
 
     def one(rid: str) -> None:
-        drv.submit(rid, [rng.randrange(1000) for _ in range(a.prompt_len)], a.output_len)
+        drv.submit(rid, random_prompt(rng, a.prompt_len), a.output_len)
         steps = []
         while True:
             t, cpu = time.perf_counter(), time.thread_time()

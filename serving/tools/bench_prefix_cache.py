@@ -351,10 +351,8 @@ def summarise(report: dict) -> dict:
         out["random"].append(row)
     t1_on, t1_off = (x["multi_turn"]["ttft_ms_turn_1"]["mean"] for x in (on, off))
     out["multi_turn_ttft_turn_1_ms"] = {"cache": t1_on, "no_cache": t1_off}
-    out["prepare_s"] = {k: x.get("prepare_s") for k, x in (("cache", on), ("no_cache", off))}
-    out["python_loop_ms"] = {
-        k: x.get("python_loop_ms") for k, x in (("cache", on), ("no_cache", off))
-    }
+    for key in ("prepare_s", "python_loop_ms"):
+        out[key] = {"cache": on.get(key), "no_cache": off.get(key)}
     return out
 
 
