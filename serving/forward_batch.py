@@ -27,7 +27,8 @@ class KDASaves:
     grid positions inside a chunk). KDA layers then run the extend in passes, each continuing
     the rows' states where the last one left them: pass k covers every request's k-th segment
     (a request's chunk is cut at its save points), and the states are saved between passes.
-    One pass when every save is at its request's last token."""
+    Only requests with a save inside their tokens come here: a save at a request's last token
+    is ModelRunner.forward's, after the model (so there are always two passes or more)."""
 
     passes: list[KDAPass]
 

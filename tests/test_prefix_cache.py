@@ -392,8 +392,6 @@ def kda_path(batch, history) -> tuple:
         kind = "uniform"
     elif batch.kda_saves is None:
         kind = "extend"
-    elif len(batch.kda_saves.passes) == 1:
-        kind = "one pass"
     elif any(isinstance(p.index, torch.Tensor) for p in batch.kda_saves.passes):
         kind = "passes, gathered"
     else:
@@ -459,5 +457,5 @@ def test_kernel_warmup_runs_every_kda_path_the_cache_serves(tiny_ckpt, monkeypat
     run(sched, [greedy(f"x{i}", tokens(60 + 37 * i, seed=70 + i), 2) for i in range(3)])
     one(sched, tokens(200, seed=80), 2)
     assert served - warm == set(), f"served first after the warm-up: {served - warm}"
-    assert {"passes", "one pass", "extend", "decode"} <= {kind for kind, *_ in served}, served
+    assert {"passes", "extend", "decode"} <= {kind for kind, *_ in served}, served
     assert_all_free(sched)

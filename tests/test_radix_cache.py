@@ -131,3 +131,42 @@ def test_a_state_off_the_grid_is_refused(pool):
         cache.set_state(node, 1)
     cache.flush()
     assert all_back(pool)
+
+
+@pytest.mark.parametrize("count", [1, 4, 5, 9])
+def test_state_snapshots_copy_every_kda_layer_both_ways(count):
+    """save/load_kda_states move each KDA layer's conv and recurrent state between request rows
+    and snapshot slots, by row copies (up to FEW_ROWS) or index tensors (more): both ways equal
+    the plain indexed copy, and nothing else moves."""
+    from serving.memory.cache import (
+        FEW_ROWS,
+        KDALayerCache,
+        ModelCache,
+        load_kda_states,
+        save_kda_states,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+
+    def layer():
+        r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+        return KDALayerCache(r(12, 6, 3), r(12, 2, 4, 4), r(10, 6, 3), r(10, 2, 4, 4))
+
+    cache = ModelCache(torch.zeros(12, 8, dtype=torch.int64), {0: layer(), 2: layer()})
+    rows, slots = list(range(1, 1 + count)), list(range(9, 9 - count, -1))
+    assert (count <= FEW_ROWS) == (count in (1, 4))
+    before = {i: [t.clone() for t in vars(c).values()] for i, c in cache.layers.items()}
+    save_kda_states(cache, rows, slots)
+    for i, c in cache.layers.items():
+        conv, state, saved_conv, saved_state = before[i]
+        saved_conv[slots], saved_state[slots] = conv[rows], state[rows]
+        assert torch.equal(c.saved_conv, saved_conv) and torch.equal(c.saved_state, saved_state)
+        assert torch.equal(c.conv, conv) and torch.equal(c.state, state)
+        c.conv.zero_()
+        c.state.zero_()
+    load_kda_states(cache, slots, rows)
+    for i, c in cache.layers.items():
+        conv, state = before[i][:2]
+        assert torch.equal(c.conv[rows], conv[rows]) and torch.equal(c.state[rows], state[rows])
+        others = [r for r in range(12) if r not in rows]
+        assert not c.conv[others].any() and not c.state[others].any()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.config import KDA, ModelConfig
+from serving.forward_batch import to_device
 
 
 def request_rows(req_to_token: torch.Tensor) -> int:
@@ -143,20 +144,44 @@ def allocate_model_cache(
     return ModelCache(req_to_token=req_to_token, layers=caches)
 
 
-def save_kda_states(cache: ModelCache, rows: torch.Tensor, slots: torch.Tensor) -> None:
+# At most this many rows move as plain row copies (one launch each, no index tensors); more go
+# through index tensors built once for all layers.
+FEW_ROWS = 4
+
+
+def save_kda_states(cache: ModelCache, rows: list[int], slots: list[int]) -> None:
     """Snapshot the KDA states of request rows into slots."""
-    for layer in cache.layers.values():
-        if isinstance(layer, KDALayerCache):
-            layer.saved_conv[slots] = layer.conv[rows]
-            layer.saved_state[slots] = layer.state[rows]
+    _copy_kda_states(cache, True, rows, slots)
 
 
-def load_kda_states(cache: ModelCache, slots: torch.Tensor, rows: torch.Tensor) -> None:
+def load_kda_states(cache: ModelCache, slots: list[int], rows: list[int]) -> None:
     """Start request rows from snapshots (a prefix-cache hit)."""
-    for layer in cache.layers.values():
-        if isinstance(layer, KDALayerCache):
-            layer.conv[rows] = layer.saved_conv[slots]
-            layer.state[rows] = layer.saved_state[slots]
+    _copy_kda_states(cache, False, slots, rows)
+
+
+def _copy_kda_states(cache: ModelCache, to_slots: bool, src: list[int], dst: list[int]) -> None:
+    """Every KDA layer's conv and recurrent state, src -> dst (rows to slots, or back). Their
+    host cost counts: a prefill's or a hit's launches run barely ahead of the device, and an
+    index gather plus an index_put per tensor cost several times one row copy."""
+    layers = [layer for layer in cache.layers.values() if isinstance(layer, KDALayerCache)]
+    if not layers or not src:
+        return
+    pairs = []
+    for layer in layers:
+        assert layer.saved_conv is not None and layer.saved_state is not None
+        if to_slots:
+            pairs += [(layer.saved_conv, layer.conv), (layer.saved_state, layer.state)]
+        else:
+            pairs += [(layer.conv, layer.saved_conv), (layer.state, layer.saved_state)]
+    if len(src) <= FEW_ROWS:
+        for to, frm in pairs:
+            for d, s in zip(dst, src):
+                to[d].copy_(frm[s])
+        return
+    device = layers[0].state.device
+    src_ids, dst_ids = (to_device(ids, torch.int64, device) for ids in (src, dst))
+    for to, frm in pairs:
+        to[dst_ids] = frm[src_ids]
 
 
 def reset_request_state(cache: ModelCache, rows: torch.Tensor) -> None:

@@ -313,15 +313,13 @@ class MemoryPool:
         """Snapshot the KDA states of `rows` into `slots` (after a forward wrote them)."""
         if self.journal is not None:
             self.journal.append(("save", rows, slots))
-        t = lambda ids: to_device(ids, torch.int64, self.device)  # noqa: E731
-        save_kda_states(self.target, t(rows), t(slots))
+        save_kda_states(self.target, rows, slots)
 
     def load_states(self, slots: list[int], rows: list[int]) -> None:
         """Start `rows` from the snapshots in `slots` (a prefix-cache hit)."""
         if self.journal is not None:
             self.journal.append(("load", slots, rows))
-        t = lambda ids: to_device(ids, torch.int64, self.device)  # noqa: E731
-        load_kda_states(self.target, t(slots), t(rows))
+        load_kda_states(self.target, slots, rows)
 
     def take_journal(self) -> list[tuple]:
         entries, self.journal = self.journal or [], []

@@ -98,11 +98,6 @@ def _in_passes(
 ) -> torch.Tensor:
     """run() over each pass's tokens, save() after it. Each pass continues the rows' states in
     place, so the result equals one run over the whole chunk."""
-    if len(saves.passes) == 1:  # every save is at its request's end: one run, in batch order
-        p = saves.passes[0]
-        out = run(inputs, p.rows, p.lens)
-        save(p.save_rows, p.save_slots)
-        return out
     pieces = []
     for p in saves.passes:
         pieces.append((p.index, run(tuple(t[p.index] for t in inputs), p.rows, p.lens)))
