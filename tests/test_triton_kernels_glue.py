@@ -92,6 +92,13 @@ def test_mhc_interpreter_many_splits():
     _check_mhc(2, 4, 1024, torch.bfloat16, "cpu")
 
 
+@cpu_interp
+def test_mhc_interpreter_splits_past_one_block():
+    # hc*Hd 9216: 72 partials, summed 64 at a time (a full block, then a masked one), as a
+    # decode token's 128 at the real size
+    _check_mhc(1, 4, 2304, torch.float32, "cpu")
+
+
 def _route_inputs(tokens, hidden, experts, dtype, device, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
@@ -124,6 +131,8 @@ def test_route_interpreter(tokens, dtype, local):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 32, 8192])
 def test_glue_gpu_real_shapes(tokens):
-    """Rank 0 of TP8/EP8: Hd 4096, hc 4, 288 experts (36 local), top 8; bf16."""
+    """Rank 0 of TP8/EP8: Hd 4096, hc 4, 288 experts (36 local), top 8; bf16, and the collapse
+    in float32 too (its logits' tf32x3 dots held to float32's 1e-5)."""
     _check_mhc(tokens, 4, 4096, torch.bfloat16, "cuda")
+    _check_mhc(tokens, 4, 4096, torch.float32, "cuda")
     _check_route(tokens, 4096, 288, 8, torch.bfloat16, "cuda", (0, 36))
