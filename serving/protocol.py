@@ -213,8 +213,9 @@ class SequenceOutput:
     queue_time: float | None = None
     # With the finished output: where its time to first token went, in seconds (those that
     # apply; docs/PROTOCOL.md): queue_time, prefill_forward_time; PD decode also
-    # decode_prealloc_time, kv_transfer_time, decode_queue_time, first_decode_step_time; PD
-    # prefill kv_transfer_time (its prompt done -> every rank's writes done)
+    # decode_prealloc_time, prefill_arrival_wait_time, kv_transfer_time (with its parts
+    # kv_ship_wait_time and kv_write_time), decode_queue_time, first_decode_step_time; PD
+    # prefill the same prefill parts and kv_transfer_time (its prompt done -> writes done)
     stage_times: dict[str, float] | None = None
 
     def __reduce__(self):

@@ -128,11 +128,37 @@ def test_pd_first_token_top_logprobs_equal_single_worker(pair, single):
 STAGES = ("queue_time", "prefill_forward_time")
 DECODE_STAGES = (
     *STAGES,
+    "prefill_arrival_wait_time",
     "decode_prealloc_time",
     "kv_transfer_time",
     "decode_queue_time",
     "first_decode_step_time",
 )
+
+
+def test_pd_stage_times_keep_a_late_prefill_arrival_out_of_the_kv_transfer(pair):
+    """Decode's destinations reach prefill before the request itself does (here: it is sent
+    to prefill a second later): the wait is prefill_arrival_wait_time, not KV transfer time,
+    and the TTFT parts still add up to at most the TTFT."""
+    full = {**greedy_body(prompts()[5], 4), **pair.bootstrap()}
+    res = {}
+
+    def decode() -> None:
+        res["d"] = httpx.post(pair.decode.url + "/generate", json=full, timeout=120)
+
+    t = threading.Thread(target=decode)
+    sent = time.perf_counter()
+    t.start()
+    time.sleep(1.0)
+    assert httpx.post(pair.prefill.url + "/generate", json=full, timeout=120).status_code == 200
+    t.join()
+    elapsed = time.perf_counter() - sent
+    meta = res["d"].json()["meta_info"]
+    stages = {k: meta[k] for k in DECODE_STAGES}
+    assert stages["prefill_arrival_wait_time"] >= 0.8, stages
+    assert stages["kv_transfer_time"] < 0.5, stages
+    assert sum(v for k, v in stages.items() if k != "first_decode_step_time") <= elapsed, stages
+    pair.idle()
 
 
 def test_pd_stage_times_split_the_ttft(pair):
@@ -166,6 +192,9 @@ def test_pd_stage_times_split_the_ttft(pair):
     before_first = sum(v for k, v in stages.items() if k != "first_decode_step_time")
     assert before_first <= ttft, (stages, ttft)
     assert stages["prefill_forward_time"] > 0 and stages["first_decode_step_time"] > 0, stages
+    # the KV transfer's two parts seen at prefill: behind other writes, and its own writes
+    parts = meta["kv_ship_wait_time"] + meta["kv_write_time"]
+    assert meta["kv_write_time"] > 0 and parts <= stages["kv_transfer_time"], meta
     prefill_meta = res["p"].json()["meta_info"]
     assert all(prefill_meta[k] >= 0 for k in (*STAGES, "kv_transfer_time")), prefill_meta
     pair.idle()

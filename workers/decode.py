@@ -49,6 +49,7 @@ from workers.kv_layout import (
 )
 from workers.messages import (
     NO_ROW,
+    PREFILL_STAGES,
     Abort,
     AbortAck,
     Destination,
@@ -415,15 +416,15 @@ class DecodeRole(Role):
 
     def _prefill_stages(self, t: Transfer, prefill: dict[str, float]) -> None:
         """Prefill's stages join the request's; the KV transfer is the rest of the time from
-        the destinations going out to Success (the writes, prefill's wait for them, and the
-        control messages' way), so the stages add up to the time to first token."""
+        the destinations going out to Success (prefill's wait for the writes, the writes, and
+        the control messages' way), so the TTFT parts add up to the time to first token.
+        kv_ship_wait_time and kv_write_time are parts of kv_transfer_time, not more of it."""
         stages = t.req.stages
-        for name in ("queue_time", "prefill_forward_time"):
+        for name in PREFILL_STAGES:
             stages[name] = float(prefill.get(name, 0.0))
         waited = t.req.queued_at - t.dest_sent_at
-        stages["kv_transfer_time"] = max(
-            0.0, waited - stages["queue_time"] - stages["prefill_forward_time"]
-        )
+        before = ("prefill_arrival_wait_time", "queue_time", "prefill_forward_time")
+        stages["kv_transfer_time"] = max(0.0, waited - sum(stages[k] for k in before))
 
     def _on_abort_ack(self, msg: AbortAck) -> None:
         q = self.quarantine.pop(msg.room, None)

@@ -94,9 +94,20 @@ class Status:
     message: str = ""
     # with Success: the prompt tokens prefill scored (logprob_start_len), encode_logprobs' form
     input_logprobs: list[list] = field(default_factory=list)
-    # with Success: prefill's stages of the request in seconds (queue_time,
-    # prefill_forward_time), for decode's meta_info
+    # with Success: prefill's stages of the request in seconds (PREFILL_STAGES), for decode's
+    # meta_info
     stage_times: dict[str, float] = field(default_factory=dict)
+
+
+# prefill's stages of a request that go to decode with Success: the three TTFT parts prefill
+# saw, then two parts of the KV transfer (docs/PROTOCOL.md)
+PREFILL_STAGES = (
+    "prefill_arrival_wait_time",
+    "queue_time",
+    "prefill_forward_time",
+    "kv_ship_wait_time",
+    "kv_write_time",
+)
 
 
 def encode_logprobs(logprobs: list[TokenLogprob]) -> list[list[Any]]:

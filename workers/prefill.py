@@ -35,6 +35,7 @@ from workers.kv_endpoint import KVEndpoint
 from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
 from workers.messages import (
     NO_ROW,
+    PREFILL_STAGES,
     Abort,
     AbortAck,
     Destination,
@@ -51,8 +52,6 @@ from workers.transfer_engine import advertise_host
 
 log = logging.getLogger(__name__)
 
-# prefill's stages of a request that decode's meta_info reports (carried in Status)
-PREFILL_STAGES = ("queue_time", "prefill_forward_time")
 # While followers still owe writes, rank 0 asks them at most this often (a broadcast + gather).
 RANK_POLL_S = 0.01
 
@@ -72,6 +71,8 @@ class Room:
     nbytes: int = 0  # written so far, all ranks
     write_s: float = 0.0  # time its writes ran (per job: the slowest rank's)
     final_at: float = 0.0  # when its last write was ordered (its prefill had finished)
+    # how long decode's destinations waited here for the request itself (they came first)
+    arrival_wait: float = 0.0
 
     @property
     def scores_only(self) -> bool:
@@ -191,8 +192,9 @@ class PrefillRole(Role):
             )
         self.rooms[room] = Room(request, time.monotonic() + self.timeouts.bootstrap)
         self.by_rid[request.rid] = room
-        _, early = self.early.pop(room, (0.0, None))
+        early_at, early = self.early.pop(room, (0.0, None))
         if isinstance(early, Destination):
+            self.rooms[room].arrival_wait = time.monotonic() - early_at
             self._on_dest(early)
         elif isinstance(early, Abort):
             self._on_abort(early)
@@ -473,12 +475,17 @@ class PrefillRole(Role):
             )
             scored = encode_logprobs(room.req.input_logprobs)
             req = room.req
+            now = time.monotonic()
+            req.stages["prefill_arrival_wait_time"] = room.arrival_wait
+            # the last write ordered -> done: behind other requests' writes, then its own
+            req.stages["kv_ship_wait_time"] = max(0.0, now - room.final_at - job.seconds)
+            req.stages["kv_write_time"] = job.seconds  # the last write: after the prefill
             stages = {k: req.stages[k] for k in PREFILL_STAGES if k in req.stages}
             success = Status(
                 job.room, int(KVPoll.Success), input_logprobs=scored, stage_times=stages
             )
             self.endpoint.send(room.dest.decode_addr, success)
-            req.stages["kv_transfer_time"] = time.monotonic() - (req.first_token_at or 0.0)
+            req.stages["kv_transfer_time"] = now - (req.first_token_at or 0.0)
             self.scheduler.release_held(req, logprobs=_as_list(req.last_logprob))
             self._forget(job.room)
         elif room.failure is not None and room.in_flight == 0 and room.req is not None:
