@@ -6,7 +6,9 @@ the GPU case runs the real per-rank shapes.
 Tolerances: float32, 1e-5 relative to the reference's largest magnitude (only the summation
 order differs). bf16: the kernels round where the references round (the collapse, the norm,
 each expansion term), so outputs match up to one bf16 ulp where an fp32 sum lands on a rounding
-boundary: 1e-2 relative. Router ids and their order are equal exactly; weights 1e-5.
+boundary: 1e-2 relative. Router ids and their order are equal exactly, weights to 1e-5, on every
+row but near-ties (two selection scores within 1e-5, under 1% of the rows: there the summation
+order may decide; the H200 found such rows at 8,192 tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import pytest
 
 torch = pytest.importorskip("torch")
+F = torch.nn.functional
 pytest.importorskip("triton")
 
 from kernels import mhc as mhc_ref  # noqa: E402
@@ -107,16 +110,30 @@ def _route_inputs(tokens, hidden, experts, dtype, device, seed=0):
     return x, gate, bias
 
 
+def _near_ties(x, gate, bias, top_k):
+    """Rows whose selection scores (float64) have two of their top k + 1 within 1e-5: there a
+    float32 sum in another order may pick or rank the experts differently (the reference's
+    own float32 is 3e-7 off float64 at 4,096 inputs). At 8,192 random tokens, 288 experts,
+    about 34 rows of 8,192."""
+    choice = F.linear(x.double(), gate.double()).sigmoid() + bias.double()
+    top = choice.topk(top_k + 1, dim=-1).values
+    return (top[:, :-1] - top[:, 1:]).min(-1).values < 1e-5
+
+
 def _check_route(tokens, hidden, experts, top_k, dtype, device, local):
     from kernels.triton.route import route
 
     x, gate, bias = _route_inputs(tokens, hidden, experts, dtype, device)
+    tied = _near_ties(x, gate, bias, top_k)
+    assert tied.float().mean() < 0.01, int(tied.sum())
     for normalize in (True, False):
         args = (x, gate, bias, top_k, 1, 1, normalize, 2.5, local)
         w, ids = route(*args)
         w_ref, ids_ref = moe_ref.route(*args)
-        assert ids.dtype == ids_ref.dtype == torch.int64 and torch.equal(ids, ids_ref)
-        assert w.dtype == torch.float32 and torch.allclose(w, w_ref, rtol=1e-5, atol=1e-6)
+        assert ids.dtype == ids_ref.dtype == torch.int64 and w.dtype == torch.float32
+        # every row equal but near-ties, whose experts or order may differ
+        assert torch.equal(ids[~tied], ids_ref[~tied]), (ids != ids_ref).any(-1).nonzero()
+        assert torch.allclose(w[~tied], w_ref[~tied], rtol=1e-5, atol=1e-6)
 
 
 @cpu_interp
