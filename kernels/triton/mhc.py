@@ -184,6 +184,7 @@ def _mhc_pre_finish_kernel(
     post_w = tl.zeros([P], dtype=tl.float32)
     comb_w = tl.zeros([P, P], dtype=tl.float32)
     sq = 0.0
+    comb_off = 2 * HC + r * HC + c
     # SPLITS partials at a time, each block summed as a tree: a fixed order (deterministic)
     # without a serial load per partial (a decode's one token has ~128 of them)
     for s0 in range(0, splits, SPLITS):
@@ -194,7 +195,6 @@ def _mhc_pre_finish_kernel(
         pre_w += tl.sum(tl.load(row[:, None] + i[None, :], mask=vm, other=0.0), axis=0)
         post_w += tl.sum(tl.load(row[:, None] + HC + i[None, :], mask=vm, other=0.0), axis=0)
         cm = s_mask[:, None, None] & m[None, :, :]
-        comb_off = 2 * HC + r * HC + c
         comb_w += tl.sum(
             tl.load(row[:, None, None] + comb_off[None, :, :], mask=cm, other=0.0), axis=0
         )

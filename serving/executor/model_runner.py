@@ -72,12 +72,10 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.pool, max_bs)
 
     def build_batch(
-        self, items: list[StepInput], logits: str | list[bool] = "last"
+        self, items: list[StepInput], logits: str | list[bool], saves: list[list[tuple[int, int]]]
     ) -> ForwardBatch:
-        """The batch, its KDA layers snapshotting inside it only where a save is not at its
-        request's last token (forward() takes those after the model)."""
+        """saves: per item, the snapshots its KDA layers take inside the forward."""
         ids = [t for item in items for t in item.token_ids]
-        saves = [[] if _saves_at_end(item) else list(item.saves) for item in items]
         return ForwardBatch.build(
             ids,
             [item.row for item in items],
@@ -99,23 +97,20 @@ class ModelRunner:
             and self.graphs.fits(len(items))
         ):
             return self.graphs.replay(items, self.next_tokens if future else None)
-        batch = self.build_batch(items, logits)
+        # A chunk's snapshot at its end (a miss's only one) is taken once the whole forward is
+        # launched, as row copies: inside the KDA layers its host cost delayed the layers'
+        # launches (about 1 ms of a 4,096-token miss on the H200). Every rank takes its own
+        # (not journaled). An item with a snapshot inside its tokens keeps all of them inside.
+        at_end = [all(n == len(item.token_ids) for n, _ in item.saves) for item in items]
+        inside = [[] if end else list(item.saves) for item, end in zip(items, at_end)]
+        batch = self.build_batch(items, logits, inside)
         if future:
             resolve_future(batch.input_ids, batch.req_rows[batch.token_req], self.next_tokens)
         out = self.model(batch, self.pool.target)
-        # a chunk's snapshot at its end (a miss's only one) is taken once the whole forward is
-        # launched, as row copies: inside the KDA layers its host cost delayed the layers'
-        # launches (about 1 ms of a 4,096-token miss on the H200); every rank takes its own
-        # (not journaled)
-        at_end = [
-            (item.row, slot) for item in items if _saves_at_end(item) for _, slot in item.saves
+        after = [
+            (item.row, slot) for item, end in zip(items, at_end) if end for _, slot in item.saves
         ]
-        if at_end:
-            rows, slots = zip(*at_end)
+        if after:
+            rows, slots = zip(*after)
             save_kda_states(self.pool.target, list(rows), list(slots))
         return out
-
-
-def _saves_at_end(item: StepInput) -> bool:
-    """Every snapshot of the item is after its last token (none inside it)."""
-    return bool(item.saves) and all(n == len(item.token_ids) for n, _ in item.saves)
