@@ -138,8 +138,9 @@ DECODE_STAGES = (
 
 def test_pd_stage_times_keep_a_late_prefill_arrival_out_of_the_kv_transfer(pair):
     """Decode's destinations reach prefill before the request itself does (here: it is sent
-    to prefill a second later): the wait is prefill_arrival_wait_time, not KV transfer time,
-    and the TTFT parts still add up to at most the TTFT."""
+    to prefill two seconds later): the wait is prefill_arrival_wait_time, not KV transfer time,
+    and the TTFT parts still add up to at most the TTFT. Margins for a loaded machine: decode
+    may take up to a second to send its destinations, the tiny model's transfer up to one."""
     full = {**greedy_body(prompts()[5], 4), **pair.bootstrap()}
     res = {}
 
@@ -149,14 +150,14 @@ def test_pd_stage_times_keep_a_late_prefill_arrival_out_of_the_kv_transfer(pair)
     t = threading.Thread(target=decode)
     sent = time.perf_counter()
     t.start()
-    time.sleep(1.0)
+    time.sleep(2.0)
     assert httpx.post(pair.prefill.url + "/generate", json=full, timeout=120).status_code == 200
     t.join()
     elapsed = time.perf_counter() - sent
     meta = res["d"].json()["meta_info"]
     stages = {k: meta[k] for k in DECODE_STAGES}
-    assert stages["prefill_arrival_wait_time"] >= 0.8, stages
-    assert stages["kv_transfer_time"] < 0.5, stages
+    assert stages["prefill_arrival_wait_time"] >= 1.0, stages
+    assert stages["kv_transfer_time"] < 1.0, stages  # the old arithmetic: over 2 s
     assert sum(v for k, v in stages.items() if k != "first_decode_step_time") <= elapsed, stages
     pair.idle()
 
