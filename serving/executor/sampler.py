@@ -345,7 +345,8 @@ def _adjusted_logits(raw: torch.Tensor, states: Sequence[SamplingState]) -> torc
         )
     if ban_rows:
         index = to_device([ban_rows, ban_cols], torch.long, raw.device)
-        out[index[0], index[1]] = float("-inf")
+        # a device value: `out[i, j] = float("-inf")` would copy it from the host, blocking
+        out.index_put_((index[0], index[1]), out.new_full((), float("-inf")))
     return out
 
 

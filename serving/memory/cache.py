@@ -185,11 +185,14 @@ def _copy_kda_states(cache: ModelCache, to_slots: bool, src: list[int], dst: lis
 
 
 def reset_request_state(cache: ModelCache, rows: torch.Tensor) -> None:
-    """Zero the per-request state of new rows (KDA states start from zero; tails are empty)."""
+    """Zero the per-request state of new rows (KDA states start from zero; tails are empty).
+
+    Hazard: `t[rows] = 0` on CUDA copies the Python 0 from the host with a blocking copy, which
+    waits for the step in flight; index_fill_ takes the value as a kernel argument."""
     for layer in cache.layers.values():
         if isinstance(layer, KDALayerCache):
-            layer.conv[rows] = 0
-            layer.state[rows] = 0
+            layer.conv.index_fill_(0, rows, 0)
+            layer.state.index_fill_(0, rows, 0)
         elif layer.tail_keys is not None:
-            layer.tail_keys[rows] = 0
-            layer.tail_gates[rows] = 0
+            layer.tail_keys.index_fill_(0, rows, 0)
+            layer.tail_gates.index_fill_(0, rows, 0)
