@@ -12,6 +12,7 @@ tests/test_nextn_and_tiny.py::test_transformers_ignores_our_kernels_package hold
 that line.
 """
 
+import contextlib
 import os
 
 import torch
@@ -19,6 +20,18 @@ import torch
 # PDSERVE_TORCH_KERNELS=1 keeps the torch references on CUDA too: the oracle a fast path is
 # compared with, and the "before" of the benchmarks.
 TORCH_ONLY = os.environ.get("PDSERVE_TORCH_KERNELS") == "1"
+
+
+@contextlib.contextmanager
+def torch_path():
+    """Run the block on the torch references, as PDSERVE_TORCH_KERNELS=1 does: the oracle, and
+    the only path with backward passes. Not thread-safe (one module flag)."""
+    global TORCH_ONLY
+    before, TORCH_ONLY = TORCH_ONLY, True
+    try:
+        yield
+    finally:
+        TORCH_ONLY = before
 
 
 def fast_path(t: torch.Tensor) -> bool:

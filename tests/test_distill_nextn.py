@@ -35,7 +35,7 @@ def setup(tiny_ckpt):
     target, draft = load_weights(str(tiny_ckpt), config, torch.float32, "cpu", load_draft=True)
     page = max(16, config.index_kpool)
     runner = StepRunner(target, max_requests=4, max_context=PROMPT + GEN + 16, page_size=page)
-    seqs = make_data(runner, training_prompts(config.vocab_size, 4, PROMPT, seed=3), GEN)
+    seqs = make_data(runner, training_prompts(config.vocab_size, 4, PROMPT, seed=3), GEN, 4)
     hiddens, choices = target_hidden(runner, seqs)
     length = PROMPT + GEN
     plan = PoolPlan(

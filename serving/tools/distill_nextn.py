@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 
 import torch
 import torch.nn.functional as F
 
+from kernels import torch_path
 from serving.config import ModelConfig
 from serving.forward_batch import ForwardBatch
 from serving.memory.pool import MemoryPool, PoolPlan
@@ -56,7 +58,11 @@ from serving.models.loader import (
 from serving.models.nextn import NextNDraft
 from serving.tools.generate import StepRunner
 
-GEN_BATCH = 64  # sequences continued together (the target forwards over them: 16 at a time)
+
+def gen_batch(device: str) -> int:
+    """Sequences continued together: more on a GPU, where a step of this small model costs its
+    kernel launches whatever the batch."""
+    return 256 if device.startswith("cuda") else 64
 
 
 def training_prompts(vocab: int, count: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -91,12 +97,15 @@ def corpus_prompts(
     return out
 
 
-def make_data(runner: StepRunner, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
+def make_data(
+    runner: StepRunner, prompts: list[list[int]], gen_len: int, batch: int
+) -> list[list[int]]:
     out = []
-    for i in range(0, len(prompts), GEN_BATCH):
-        chunk = prompts[i : i + GEN_BATCH]
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
         gens = runner.greedy(chunk, gen_len)
         out += [p + c for p, c in zip(chunk, gens)]
+        print(f"data: {len(out)} of {len(prompts)} sequences", flush=True)
     return out
 
 
@@ -142,6 +151,15 @@ def depth_weights(depth: int) -> list[float]:
     """Loss weights of draft steps 1..depth: 1.0, 0.8, 0.6, ... (floor 0.2). Step k counts only
     when steps 1..k-1 were all accepted, so it matters less."""
     return [max(0.2, 1.0 - 0.2 * k) for k in range(depth)]
+
+
+def cosine_factor(step: int, steps: int, start: float, deadline: float | None) -> float:
+    """The learning rate's factor: cosine from 1 to 0.1 over the run, whose progress is the
+    larger of the steps done and (with a deadline) the time spent."""
+    done = step / steps
+    if deadline is not None:
+        done = max(done, (time.perf_counter() - start) / (deadline - start))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
 
 
 def fresh_pool(
@@ -254,10 +272,13 @@ def train(
     dtype: str = "auto",
     depth: int = 1,
     top_k: int = 1,
+    minutes: float | None = None,
 ) -> dict:
     """Distil the draft of model_path into out_dir (module docstring). labels: "text" or
     "target" (None: "target" with fit_target_head, else "text"); top_k > 1 with "target": the
-    target's top_k distribution as the label, not its argmax."""
+    target's top_k distribution as the label, not its argmax. The learning rate decays from lr
+    to lr / 10 (cosine_factor). minutes: the training loop stops after this long even if fewer
+    than `steps` ran (the export follows), so a run fits a device call."""
     fit = None
     if fit_target_head:
         from serving.tools.fit_target_head import fit_head
@@ -281,7 +302,7 @@ def train(
     page = max(16, config.index_kpool)
     runner = StepRunner(
         served,
-        max_requests=GEN_BATCH,
+        max_requests=gen_batch(device),
         max_context=prompt_len + gen_len + 16,
         page_size=page,
         device=device,
@@ -291,8 +312,8 @@ def train(
         prompts = corpus_prompts(model_path, corpus, count, prompt_len, seed)
     else:
         prompts = training_prompts(config.vocab_size, count, prompt_len, seed)
-    seqs = make_data(runner, prompts, gen_len)
-    hiddens, choices = target_hidden(runner, seqs, top_k=top_k)
+    seqs = make_data(runner, prompts, gen_len, gen_batch(device))
+    hiddens, choices = target_hidden(runner, seqs, per_forward=gen_batch(device) // 4, top_k=top_k)
     data_s = time.perf_counter() - t0
     del served, runner
     target, draft = load_weights(model_path, config, torch.float32, device, load_draft=True)
@@ -315,27 +336,36 @@ def train(
     t1 = time.perf_counter()
     weights = depth_weights(depth)
     depth_losses: list[list[float]] = []
-    for step in range(steps):
-        pool, rows = fresh_pool(config, plan, device, batch_size, length)
-        pick = torch.randint(0, len(seqs), (batch_size,), generator=g).tolist()
-        # depth 1: every row whole, position i: input x_{i+1} with h_i, positions 0 .. length-3
-        cuts = [length - 2] * batch_size
-        if depth > 1:
-            cuts = torch.randint(prompt_len, length - depth, (batch_size,), generator=g).tolist()
-        per_depth = unrolled_losses(
-            draft, target, pool, rows, [seqs[i] for i in pick],
-            [choices[i] for i in pick], [hiddens[i] for i in pick], cuts, labels, prompt_len,
-            depth,
-        )  # fmt: skip
-        loss = sum(w * x for w, x in zip(weights, per_depth)) / sum(weights)
-        depth_losses.append([x.item() for x in per_depth])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            each = " ".join(f"{x:.3f}" for x in depth_losses[-1]) if depth > 1 else ""
-            print(f"step {step}: loss {loss.item():.3f} {each}".rstrip(), flush=True)
+    deadline = None if minutes is None else t1 + 60 * minutes
+    with torch_path():  # the Triton kernels have no backward passes; the data used them
+        for step in range(steps):
+            if deadline is not None and time.perf_counter() > deadline:
+                print(f"stopped by --minutes after {step} steps", flush=True)
+                break
+            for group in opt.param_groups:
+                group["lr"] = lr * cosine_factor(step, steps, t1, deadline)
+            pool, rows = fresh_pool(config, plan, device, batch_size, length)
+            pick = torch.randint(0, len(seqs), (batch_size,), generator=g).tolist()
+            # depth 1: every row whole, position i: input x_{i+1} with h_i, positions 0..length-3
+            cuts = [length - 2] * batch_size
+            if depth > 1:
+                cuts = torch.randint(
+                    prompt_len, length - depth, (batch_size,), generator=g
+                ).tolist()
+            per_depth = unrolled_losses(
+                draft, target, pool, rows, [seqs[i] for i in pick],
+                [choices[i] for i in pick], [hiddens[i] for i in pick], cuts, labels, prompt_len,
+                depth,
+            )  # fmt: skip
+            loss = sum(w * x for w, x in zip(weights, per_depth)) / sum(weights)
+            depth_losses.append([x.item() for x in per_depth])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if step % 50 == 0 or step == steps - 1:
+                each = " ".join(f"{x:.3f}" for x in depth_losses[-1]) if depth > 1 else ""
+                print(f"step {step}: loss {loss.item():.3f} {each}".rstrip(), flush=True)
     train_s = time.perf_counter() - t1
     for p in draft.parameters():
         p.requires_grad_(False)
@@ -347,7 +377,7 @@ def train(
         "last_loss": sum(losses[-10:]) / min(10, len(losses)),
         "data_s": round(data_s, 1),
         "train_s": round(train_s, 1),
-        "steps": steps,
+        "steps": len(losses),
         "labels": labels,
         "top_k": top_k,
         "depth": depth,
@@ -374,6 +404,12 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="stop the training loop after this many minutes (then export), even before --steps",
+    )
     ap.add_argument(
         "--labels",
         choices=["text", "target"],
@@ -429,6 +465,7 @@ def main() -> None:
         dtype=args.dtype,
         depth=args.depth,
         top_k=args.top_k,
+        minutes=args.minutes,
     )
     print(json.dumps(summary))
 

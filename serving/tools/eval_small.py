@@ -28,7 +28,6 @@ Held-out text is never trained on: documents that serving/tools/corpus.py holds 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import math
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+from kernels import torch_path
 from serving.config import ModelConfig
 from serving.front.chat import ChatTemplate
 from serving.models.loader import load_weights
@@ -52,16 +51,6 @@ SAMPLE_QUESTIONS = (
     "Tell me a fortune.",
 )
 STOP_TEXTS = ("<|user|>", "<|endoftext|>", "<|observation|>")
-
-
-@contextlib.contextmanager
-def torch_path():
-    """Run the block on the torch path (the kernels' references, PDSERVE_TORCH_KERNELS=1)."""
-    kernels.TORCH_ONLY = True
-    try:
-        yield
-    finally:
-        kernels.TORCH_ONLY = False
 
 
 def heldout_texts(path: Path) -> list[str]:
