@@ -187,3 +187,52 @@ def test_abort_of_a_request_in_flight_drops_its_token(tiny_ckpt):
     assert outs and outs[0].finished and outs[0].new_token_ids == []
     assert all(o.rid != "a" for o in sched.step())  # the launched step's token never goes out
     run(sched, [])
+
+
+class ScalarIndexPuts(torch.overrides.TorchFunctionMode):
+    """Records `t[index] = <Python number>` with a tensor (or list) in the index: on CUDA torch
+    copies the number from the host with a blocking copy, which waits for the step in flight
+    (the H200's prefill lost most of its time to these in row resets). Basic slicing
+    (`t[:, 0] = 0`) fills on the device and is not recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__setitem__ and isinstance(args[2], (int, float, bool)):
+            key = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(k, (torch.Tensor, list)) for k in key):
+                import traceback
+
+                frame = traceback.extract_stack(limit=2)[0]
+                self.sites.append(f"{frame.filename}:{frame.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+EAGLE3 = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+          "--speculative-num-draft-tokens", "4")  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", [(), EAGLE3], ids=["plain", "eagle3"])
+def test_step_paths_never_index_put_a_host_scalar(tiny_ckpt, spec):
+    """The CPU's stand-in for tests/test_gpu.py's sync check, for the one hazard a CPU can see:
+    chunked prefill, prompts sharing a prefix, decode (EAGLE too), new rows admitted while
+    others run, sampled rows with min_new_tokens bans and logit_bias never write a Python
+    number through an advanced index."""
+    sched = engine(tiny_ckpt, "--chunked-prefill-size", "32", "--max-running-requests", "4", *spec)
+    ps = prompts(6, seed=9)
+    shared = ps[0] * 2
+    requests = [greedy(f"g{i}", p, 6) for i, p in enumerate(ps[:4])]
+    requests += [greedy("hit1", shared + [1, 2], 4), greedy("hit2", shared + [3], 4)]
+    requests.append(
+        GenerateRequest(
+            "sampled",
+            ps[5],
+            SamplingParams(max_new_tokens=6, temperature=0.8, min_new_tokens=4,
+                           logit_bias={7: -2.0}, stop_token_ids=[11]),
+        )
+    )  # fmt: skip
+    with ScalarIndexPuts() as watch:
+        run(sched, requests)
+    assert not watch.sites, watch.sites
