@@ -60,7 +60,7 @@ class SchedulerConfig:
     log_requests: bool = False
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: == is identity, so a membership test compares no fields
 class Req:
     rid: str
     input_ids: list[int]
