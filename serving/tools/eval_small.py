@@ -118,30 +118,45 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"prompts_identical": same / len(a), "tokens_before_first_difference": prefix / total}
 
 
+CLOSE_TOP_K = 5  # vLLM's check_logprobs_close compares within the top 5 logprobs
+
+
 @torch.inference_mode()
 def teacher_forced(
     model, prompts: list[list[int]], outs: list[list[int]], device: str, batch: int = 8
 ) -> dict:
     """Score each prompt + its greedy tokens from another path (`outs`) with `model` in one
     forward pass: the share of those tokens that are `model`'s own argmax at their position.
-    Unlike whole-sequence identity, one early flip costs one position, not the rest."""
-    equal, total = 0, 0
+    Unlike whole-sequence identity, one early flip costs one position, not the rest. Also one
+    side of vLLM's criterion for two implementations (tests/models/utils.py
+    check_logprobs_close): the share of prompts whose tokens are all `model`'s argmax, or whose
+    first token that is not lies within `model`'s top CLOSE_TOP_K there (a near-tie, after
+    which the two texts differ and are not compared)."""
+    equal, total, close, judged = 0, 0, 0, 0
     longest = max(len(p) + len(o) for p, o in zip(prompts, outs))
     runner = StepRunner(model, max_requests=batch, max_context=longest + 16, device=device)
     for i in range(0, len(prompts), batch):
         rows = [(p, o) for p, o in zip(prompts[i : i + batch], outs[i : i + batch]) if o]
         seqs = [runner.add(p + o[:-1]) for p, o in rows]
         out = runner.step(seqs, [len(p) + len(o) - 1 for p, o in rows], logits="all")
-        argmax = out.logits.argmax(-1).tolist()
+        top = out.logits.topk(CLOSE_TOP_K, -1).indices.tolist()
         at = 0
         for p, o in rows:
             first = at + len(p) - 1  # the row that predicts o[0]
-            equal += sum(a == b for a, b in zip(argmax[first : first + len(o)], o))
+            ranked = top[first : first + len(o)]
+            hits = [r[0] == t for r, t in zip(ranked, o)]
+            equal += sum(hits)
             total += len(o)
+            miss = next((j for j, hit in enumerate(hits) if not hit), None)
+            close += miss is None or o[miss] in ranked[miss]
+            judged += 1
             at += len(p) + len(o) - 1
         for s in seqs:
             runner.release(s)
-    return {"tokens_equal_teacher_forced": equal / total if total else float("nan")}
+    return {
+        "tokens_equal_teacher_forced": equal / total if total else float("nan"),
+        f"prompts_close_top{CLOSE_TOP_K}": close / judged if judged else float("nan"),
+    }
 
 
 def fp8_vs_bf16(
