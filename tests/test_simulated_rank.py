@@ -434,11 +434,53 @@ def test_layer_kinds_split_needs_the_cpu_ranges():
             a = a * 2  # rest
     ms = split_by_kind(prof, "step", cuda=False)
     assert ms["MoE"] > ms["mHC"] > 0 and ms["KDA"] == 0 and ms["rest"] > 0, ms
+    with pytest.raises(ValueError, match="no device time under 'step' \\(1 ranges\\)"):
+        split_by_kind(prof, "step", cuda=True)  # the trace path: a step, but no kernels
     assert abs(sum(v for k, v in ms.items() if k != "step") - ms["step"]) < 1e-6, ms
     with profile(activities=profiler_activities(cuda=False)) as prof:
         a = a + 1
     with pytest.raises(ValueError, match="no CPU time under 'step'"):
         split_by_kind(prof, "step", cuda=False)
+
+
+def test_kernel_time_goes_to_the_range_around_its_launch():
+    """The CUDA split reads a Chrome trace: each device event is charged, through its launch's
+    correlation id, to the innermost kind range around the launch (runtime or driver API
+    launches alike), the rest of the step to "rest"; launches outside the step count nowhere,
+    and a launch on another thread is not inside this thread's ranges."""
+    from serving.tools.step_costs import KINDS, kernel_time_by_range
+
+    def host(name, cat, ts, dur, tid=1, corr=None):
+        args = {} if corr is None else {"correlation": corr}
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1,
+                "tid": tid, "args": args}  # fmt: skip
+
+    def kernel(corr, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": f"k{corr}", "ts": 1000 + corr, "dur": dur,
+                "pid": 0, "tid": 7, "args": {"correlation": corr}}  # fmt: skip
+
+    events = [
+        host("step", "user_annotation", 0, 100),
+        host("KDA", "user_annotation", 10, 20),
+        host("cuLaunchKernelEx", "cuda_driver", 15, 1, corr=1),  # Triton's launch path
+        host("aten::mm", "cpu_op", 20, 5),
+        host("cudaLaunchKernel", "cuda_runtime", 21, 1, corr=2),  # inside an op inside KDA
+        host("MoE", "user_annotation", 40, 20),
+        host("mHC", "user_annotation", 45, 5),  # a kind inside a kind: the innermost wins
+        host("cuLaunchKernelEx", "cuda_driver", 46, 1, corr=3),
+        host("cudaMemcpyAsync", "cuda_runtime", 55, 1, corr=4),
+        host("cudaLaunchKernel", "cuda_runtime", 70, 1, corr=5),  # the step's rest
+        host("cudaLaunchKernel", "cuda_runtime", 150, 1, corr=6),  # after the step
+        host("cudaLaunchKernel", "cuda_runtime", 20, 1, tid=2, corr=7),  # another thread
+        kernel(1, 5.0), kernel(2, 7.0), kernel(3, 3.0), kernel(4, 2.0, "gpu_memcpy"),
+        kernel(5, 4.0), kernel(6, 100.0), kernel(7, 50.0),
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "KDA", "ts": 1000, "dur": 80,
+         "pid": 0, "tid": 7, "args": {}},  # the profiler's device copy of a range: not a kernel
+    ]  # fmt: skip
+    totals, steps = kernel_time_by_range({"traceEvents": events}, KINDS, "step")
+    assert steps == 1
+    assert totals == {**dict.fromkeys(KINDS, 0.0), "KDA": 12.0, "mHC": 3.0, "MoE": 2.0,
+                      "step": 21.0}, totals  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -85,18 +85,28 @@ def profiler_activities(cuda: bool) -> list:
 def split_by_kind(prof, step_label: str, cuda: bool) -> dict[str, float]:
     """ms per kind in `prof` (a finished torch.profiler.profile over profiler_activities(cuda)
     whose steps ran under record_function(step_label) inside layer_kinds), plus "rest" and
-    "step" (the total). Read from the labels' CPU-side ranges: on CUDA their device time is the
-    kernels launched inside them, children's included (the profiler's device-side copies of the
-    ranges would count the gaps too). Raises when the step label is missing or, on CUDA, holds
-    no kernel time: a profile without the CPU activity, or a replayed CUDA graph."""
-    from torch.autograd import DeviceType
+    "step" (the total). On CUDA from the Chrome trace (kernel_time_by_range: each kernel charged
+    through its launch's correlation id); on the CPU from the labels' CPU time. Raises when the
+    step label is missing or holds no time: a profile without the CPU activity, or a replayed
+    CUDA graph."""
+    if cuda:
+        import tempfile
+        from pathlib import Path
 
-    totals = dict.fromkeys((*KINDS, step_label), 0.0)
-    seen = 0
-    for e in prof.events():
-        if e.name in totals and e.device_type == DeviceType.CPU:
-            seen += e.name == step_label
-            totals[e.name] += e.device_time_total if cuda else e.cpu_time_total
+        from serving.tools.trace_summary import load
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            totals, seen = kernel_time_by_range(load(path), KINDS, step_label)
+    else:
+        from torch.autograd import DeviceType
+
+        totals, seen = dict.fromkeys((*KINDS, step_label), 0.0), 0
+        for e in prof.events():
+            if e.name in totals and e.device_type == DeviceType.CPU:
+                seen += e.name == step_label
+                totals[e.name] += e.cpu_time_total
     if not seen or totals[step_label] <= 0:
         raise ValueError(
             f"no {'device' if cuda else 'CPU'} time under {step_label!r} ({seen} ranges): "
@@ -106,6 +116,47 @@ def split_by_kind(prof, step_label: str, cuda: bool) -> dict[str, float]:
     out["rest"] = totals[step_label] / 1000 - sum(out.values())
     out["step"] = totals[step_label] / 1000
     return out
+
+
+def kernel_time_by_range(
+    trace: dict, labels: tuple[str, ...], step_label: str
+) -> tuple[dict[str, float], int]:
+    """Device time (us) of the kernels, copies and memsets launched inside each `labels` range
+    (charged to the innermost one around the launch) and inside `step_label` ranges, from a
+    Chrome trace; and the number of step ranges. A device event is matched to the runtime or
+    driver call that launched it by its correlation id, then that call's enclosing ranges on
+    its thread. Session 8's split read the profiler's per-op device totals instead, and its
+    kinds summed to half the step with mHC (all Triton, launched through the driver API's
+    cuLaunchKernelEx) at zero; the suspicion is that those totals miss driver-API launches.
+    This attribution does not depend on them."""
+    from serving.tools.trace_summary import GPU_CATS, HOST_CATS, nest
+
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    host = [e for e in events if e.get("cat") in HOST_CATS]
+    parent, _ = nest(host)
+    launch_at = {
+        e["args"]["correlation"]: i
+        for i, e in enumerate(host)
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    totals = dict.fromkeys((*labels, step_label), 0.0)
+    for e in events:
+        if e.get("cat") not in GPU_CATS:
+            continue
+        i = launch_at.get(e.get("args", {}).get("correlation"))
+        kind = None
+        while i is not None:
+            name = host[i].get("name")
+            if kind is None and name in labels:
+                kind = name
+            if name == step_label:
+                totals[step_label] += float(e["dur"])
+                if kind is not None:
+                    totals[kind] += float(e["dur"])
+                break
+            i = parent[i]
+    steps = sum(e.get("name") == step_label and e.get("cat") in HOST_CATS for e in events)
+    return totals, steps
 
 
 def _routed(name: str) -> bool:
