@@ -189,25 +189,34 @@ def test_abort_of_a_request_in_flight_drops_its_token(tiny_ckpt):
     run(sched, [])
 
 
-class ScalarIndexPuts(torch.overrides.TorchFunctionMode):
-    """Records `t[index] = <Python number>` with a tensor (or list) in the index: on CUDA torch
-    copies the number from the host with a blocking copy, which waits for the step in flight
-    (the H200's prefill lost most of its time to these in row resets). Basic slicing
-    (`t[:, 0] = 0`) fills on the device and is not recorded."""
+class StepPathHazards(torch.overrides.TorchFunctionMode):
+    """Records two ways a step launch waits for the device on CUDA, which a CPU run can see:
+    `t[index] = <Python number>` with a tensor (or list) in the index (torch copies the number
+    from the host with a blocking copy; the H200's prefill lost most of its time to these in
+    row resets), and `torch.tensor`/`torch.as_tensor` with a device (a blocking copy; step-path
+    code goes through forward_batch.to_device). Basic slicing (`t[:, 0] = 0`) fills on the
+    device and is not recorded, nor are the kernels' torch references (kernels/, the oracle:
+    on CUDA the fast path runs instead)."""
 
     def __init__(self):
         super().__init__()
         self.sites: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hazard = False
         if func is torch.Tensor.__setitem__ and isinstance(args[2], (int, float, bool)):
             key = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if any(isinstance(k, (torch.Tensor, list)) for k in key):
-                import traceback
+            hazard = any(isinstance(k, (torch.Tensor, list)) for k in key)
+        elif func in (torch.tensor, torch.as_tensor):
+            hazard = kwargs.get("device") is not None
+        if hazard:
+            import traceback
 
-                frame = traceback.extract_stack(limit=2)[0]
+            frame = traceback.extract_stack(limit=2)[0]
+            if "/kernels/" not in frame.filename:
                 self.sites.append(f"{frame.filename}:{frame.lineno}")
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 EAGLE3 = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
@@ -215,11 +224,10 @@ EAGLE3 = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
 
 
 @pytest.mark.parametrize("spec", [(), EAGLE3], ids=["plain", "eagle3"])
-def test_step_paths_never_index_put_a_host_scalar(tiny_ckpt, spec):
-    """The CPU's stand-in for tests/test_gpu.py's sync check, for the one hazard a CPU can see:
-    chunked prefill, prompts sharing a prefix, decode (EAGLE too), new rows admitted while
-    others run, sampled rows with min_new_tokens bans and logit_bias never write a Python
-    number through an advanced index."""
+def test_step_paths_never_copy_from_the_host_blocking(tiny_ckpt, spec):
+    """The CPU's stand-in for tests/test_gpu.py's sync check, for the hazards a CPU can see
+    (StepPathHazards): chunked prefill, prompts sharing a prefix, decode (EAGLE too), new rows
+    admitted while others run, sampled rows with min_new_tokens bans and logit_bias."""
     sched = engine(tiny_ckpt, "--chunked-prefill-size", "32", "--max-running-requests", "4", *spec)
     ps = prompts(6, seed=9)
     shared = ps[0] * 2
@@ -233,6 +241,6 @@ def test_step_paths_never_index_put_a_host_scalar(tiny_ckpt, spec):
                            logit_bias={7: -2.0}, stop_token_ids=[11]),
         )
     )  # fmt: skip
-    with ScalarIndexPuts() as watch:
+    with StepPathHazards() as watch:
         run(sched, requests)
     assert not watch.sites, watch.sites
