@@ -6,6 +6,8 @@ after every step (PDSERVE_CHECK_INVARIANTS) and at the end of every scenario.
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 
@@ -211,8 +213,6 @@ class StepPathHazards(torch.overrides.TorchFunctionMode):
         elif func in (torch.tensor, torch.as_tensor):
             hazard = kwargs.get("device") is not None
         if hazard:
-            import traceback
-
             frame = traceback.extract_stack(limit=2)[0]
             if "/kernels/" not in frame.filename:
                 self.sites.append(f"{frame.filename}:{frame.lineno}")

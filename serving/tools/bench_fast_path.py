@@ -50,6 +50,7 @@ run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import tempfile
@@ -94,9 +95,9 @@ class Run:
             f.write(json.dumps(row) + "\n")
 
 
-def torch_kernels(on: bool) -> None:
-    """Switch every op to its torch reference (on) or to the fast path (off), in this process."""
-    kernels.TORCH_ONLY = on
+def on_path(torch_only: bool):
+    """Every op on its torch reference (torch_only) or on the fast path, for a with-block."""
+    return kernels.torch_path() if torch_only else contextlib.nullcontext()
 
 
 def make_model(preset: str, device: str):
@@ -284,11 +285,10 @@ def stage_logits(b: Bench) -> None:
     ids = prompts(1, 512, high, low=low)[0]
     out = {}
     for name, torch_only in (("fast", False), ("torch", True)):
-        torch_kernels(torch_only)
-        runner, rows = engine(model, device, 1, 600)
-        out[name] = prefill(runner, rows[0], ids).logits.float()[-1]
+        with on_path(torch_only):
+            runner, rows = engine(model, device, 1, 600)
+            out[name] = prefill(runner, rows[0], ids).logits.float()[-1]
         del runner
-    torch_kernels(False)
     rel = ((out["fast"] - out["torch"]).norm() / out["torch"].norm()).item()
     same = int(out["fast"].argmax()) == int(out["torch"].argmax())
     b.run.record(stage="logits_fast_vs_torch", prompt=512, rel_err=rel, argmax_equal=same)
@@ -305,12 +305,13 @@ def stage_prefill(b: Bench) -> None:
         for name, torch_only in (("fast_ms", False), ("torch_ms", True)):
             if torch_only and (n > 2048 or b.args.no_torch_path or b.weights != "bf16"):
                 continue  # 12-15 s per forward on the torch path (docs/BENCHMARKS.md)
-            torch_kernels(torch_only)
-            runner, rows = engine(model, device, 1, n + 64)
-            repeat = min(2, b.args.repeat)
-            row[name] = timed(lambda r=runner, x=rows[0], p=ids: prefill(r, x, p), repeat=repeat)
+            with on_path(torch_only):
+                runner, rows = engine(model, device, 1, n + 64)
+                repeat = min(2, b.args.repeat)
+                row[name] = timed(
+                    lambda r=runner, x=rows[0], p=ids: prefill(r, x, p), repeat=repeat
+                )
             del runner
-        torch_kernels(False)
         b.measured[b.key("prefill", 1, n)] = row["fast_ms"]
         run.record(**row)
 
@@ -432,16 +433,15 @@ def stage_greedy_tiny(b: Bench) -> None:
     _, model, _ = make_model("tiny", device)
     got = {}
     for name, torch_only in (("fast", False), ("torch", True)):
-        torch_kernels(torch_only)
-        runner, rows = engine(model, device, 2, 128)
-        batch = prompts(2, 37, model.config.vocab_size, seed=7)
-        out = runner.forward([StepInput(r, 0, ids) for r, ids in zip(rows, batch)])
-        tokens = [out.logits.argmax(-1).tolist()]
-        for step in range(16):
-            items = [StepInput(r, 37 + step, [t]) for r, t in zip(rows, tokens[-1])]
-            tokens.append(runner.forward(items).logits.argmax(-1).tolist())
+        with on_path(torch_only):
+            runner, rows = engine(model, device, 2, 128)
+            batch = prompts(2, 37, model.config.vocab_size, seed=7)
+            out = runner.forward([StepInput(r, 0, ids) for r, ids in zip(rows, batch)])
+            tokens = [out.logits.argmax(-1).tolist()]
+            for step in range(16):
+                items = [StepInput(r, 37 + step, [t]) for r, t in zip(rows, tokens[-1])]
+                tokens.append(runner.forward(items).logits.argmax(-1).tolist())
         got[name] = tokens
-    torch_kernels(False)
     b.run.record(stage="greedy_tiny_fp32", equal=got["fast"] == got["torch"], tokens=got["fast"])
 
 

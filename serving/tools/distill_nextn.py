@@ -300,9 +300,10 @@ def train(
     # and float32 greedy continuations part ways within a few tokens.
     served, _ = load_weights(model_path, config, resolve_dtype(dtype, model_path), device)
     page = max(16, config.index_kpool)
+    together = gen_batch(device)
     runner = StepRunner(
         served,
-        max_requests=gen_batch(device),
+        max_requests=together,
         max_context=prompt_len + gen_len + 16,
         page_size=page,
         device=device,
@@ -312,8 +313,8 @@ def train(
         prompts = corpus_prompts(model_path, corpus, count, prompt_len, seed)
     else:
         prompts = training_prompts(config.vocab_size, count, prompt_len, seed)
-    seqs = make_data(runner, prompts, gen_len, gen_batch(device))
-    hiddens, choices = target_hidden(runner, seqs, per_forward=gen_batch(device) // 4, top_k=top_k)
+    seqs = make_data(runner, prompts, gen_len, together)
+    hiddens, choices = target_hidden(runner, seqs, per_forward=together // 4, top_k=top_k)
     data_s = time.perf_counter() - t0
     del served, runner
     target, draft = load_weights(model_path, config, torch.float32, device, load_draft=True)
