@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call (about 6 minutes on a fresh H200; each step time-limited): issue 25's check of
+# One device call (under 10 minutes on a fresh H200; each step time-limited): issue 25's check of
 # the PD stack at the seed's settings. The sync check first (does a step launch wait for the
-# device?), then deploy/pd_bench.py with and without EAGLE at c=32 (twice) and c=1, 1,024-token
-# prompts, 256 output tokens, both workers profiled for 20 steps of the first c=32 run, then
-# the bench preset's decode steps at batch 1 and 32 for the ratios.
+# device?), then deploy/pd_bench.py with and without EAGLE at c=32 (three runs) and c=1,
+# 1,024-token prompts, 256 output tokens, each run also straight to the workers (--direct: what
+# the router adds), both workers profiled for 20 steps of the second c=32 run (the first is the
+# first loaded run after start-up, compared unprofiled with the third), then the bench preset's
+# decode steps at batch 1 and 32 for the ratios.
 #
 #   bash deploy/gpu_pd_check.sh     # in the repository root, on the GPU machine; carry .whl/
 #
@@ -23,15 +25,15 @@ step() {  # name, limit in seconds, command...
   timeout "$limit" "$@"
   echo "$name: exit $? at $((SECONDS - t0)) s"
 }
-step sync_check 120 python3 -m serving.tools.sync_check --out "$OUT/sync_check.json"
+step sync_check 100 python3 -m serving.tools.sync_check --out "$OUT/sync_check.json"
 WA="--max-running-requests 32 --cuda-graph-max-bs-decode 32 --cuda-graph-backend-decode full \
  --chunked-prefill-size 8192 --max-prefill-tokens 8192 --kv-cache-dtype bf16 \
  --skip-server-warmup --watchdog-timeout 600"
-step pd_bench 400 python3 deploy/pd_bench.py --wheels .whl --build-checkpoint /tmp/bench \
+step pd_bench 420 python3 deploy/pd_bench.py --wheels .whl --build-checkpoint /tmp/bench \
     --preset bench --worker-args="$WA" --variant side= \
     --variant eagle1="--speculative-algorithm EAGLE --speculative-num-steps 1 --speculative-num-draft-tokens 2" \
-    --bench 32:64 --bench 32:64 --bench 1:8 --input-len 1024 --output-len 256 \
-    --profile-steps 20 --profile-delay-s 2 --out /tmp/pd256 > /tmp/pd256.log 2>&1
+    --bench 32:64 --bench 32:64 --bench 32:64 --bench 1:8 --input-len 1024 --output-len 256 \
+    --direct --profile-steps 20 --profile-run 2 --profile-delay-s 2 --out /tmp/pd256 > /tmp/pd256.log 2>&1
 tail -25 /tmp/pd256.log
 cp /tmp/pd256.log /tmp/pd256/ 2>/dev/null
 for f in /tmp/pd256/*/*.log; do  # keep the batch lines' tail, not whole logs

@@ -120,8 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         metavar="N",
         help="profile N forward steps of prefill and decode (/start_profile, CPU + GPU, no "
-        "stacks) of the (first) highest-concurrency run, from --profile-delay-s after its start; "
-        "after it, each trace is "
+        "stacks) of one highest-concurrency run (--profile-run), from --profile-delay-s after "
+        "its start; after it, each trace is "
         "summarised (serving.tools.trace_summary) into OUT/VARIANT/profile_summary.json and "
         "the raw traces in OUT/VARIANT/profile are deleted",
     )
@@ -132,6 +132,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="S",
         help="with --profile-steps: start profiling S seconds into the run, once the load has "
         "reached the workers (0: from its first request; default 1.0)",
+    )
+    ap.add_argument(
+        "--profile-run",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --profile-steps: profile the K-th run at the highest concurrency (default 1; "
+        "2 leaves the first loaded run after start-up unprofiled, to compare with the third)",
     )
     ap.add_argument(
         "--keep-traces",
@@ -349,9 +357,10 @@ def _run_variant(
         report["startup_s"][name] = round(time.monotonic() - t0, 1)
         router, decode = procs[-1], procs[1]
         top = max(c for c, _ in args.benches)
-        profile = args.profile_steps > 0  # until the first run at `top` has been profiled
+        top_runs = 0
         for concurrency, requests in args.benches:
-            profiled = profile and concurrency == top
+            top_runs += concurrency == top
+            profiled = args.profile_steps > 0 and concurrency == top and top_runs == args.profile_run
             under_load = None
             if profiled:  # once the load is running: its steady state, not its first arrivals
                 under_load = lambda: start_profiles(procs, log_dir / "profile", args.profile_steps)  # noqa: E731
@@ -363,7 +372,6 @@ def _run_variant(
             if profiled:
                 stop_profiles(procs)
                 summarize_profiles(log_dir, args.keep_traces)
-                profile = False
             if args.direct:  # the same load without the router: what the router adds
                 prefill = procs[0]
                 port = prefill.cmd[prefill.cmd.index("--disaggregation-bootstrap-port") + 1]
