@@ -360,7 +360,7 @@ def _run_variant(
         top_runs = 0
         for concurrency, requests in args.benches:
             top_runs += concurrency == top
-            profiled = args.profile_steps > 0 and concurrency == top and top_runs == args.profile_run
+            profiled = concurrency == top and top_runs == args.profile_run and args.profile_steps
             under_load = None
             if profiled:  # once the load is running: its steady state, not its first arrivals
                 under_load = lambda: start_profiles(procs, log_dir / "profile", args.profile_steps)  # noqa: E731

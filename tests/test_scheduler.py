@@ -193,10 +193,11 @@ def test_abort_of_a_request_in_flight_drops_its_token(tiny_ckpt):
 
 class StepPathHazards(torch.overrides.TorchFunctionMode):
     """Records two ways a step launch waits for the device on CUDA, which a CPU run can see:
-    `t[index] = <Python number>` with a tensor (or list) in the index (torch copies the number
-    from the host with a blocking copy; the H200's prefill lost most of its time to these in
-    row resets), and `torch.tensor`/`torch.as_tensor` with a device (a blocking copy; step-path
-    code goes through forward_batch.to_device). Basic slicing (`t[:, 0] = 0`) fills on the
+    `t[index] = <Python number>` with a tensor (or list) in the index, or with integers down to
+    a single element (torch copies the number from the host with a blocking copy; the H200's
+    prefill lost most of its time to these in row resets, and the fused MoE's torch align had
+    one), and `torch.tensor`/`torch.as_tensor` with a device (a blocking copy; step-path code
+    goes through forward_batch.to_device). Slicing (`t[:, 0] = 0`, `t[i:] = 0`) fills on the
     device and is not recorded, nor are the kernels' torch references (kernels/, the oracle:
     on CUDA the fast path runs instead)."""
 
@@ -209,7 +210,9 @@ class StepPathHazards(torch.overrides.TorchFunctionMode):
         hazard = False
         if func is torch.Tensor.__setitem__ and isinstance(args[2], (int, float, bool)):
             key = args[1] if isinstance(args[1], tuple) else (args[1],)
-            hazard = any(isinstance(k, (torch.Tensor, list)) for k in key)
+            advanced = any(isinstance(k, (torch.Tensor, list)) for k in key)
+            element = len(key) == args[0].dim() and all(type(k) is int for k in key)
+            hazard = advanced or element
         elif func in (torch.tensor, torch.as_tensor):
             hazard = kwargs.get("device") is not None
         if hazard:

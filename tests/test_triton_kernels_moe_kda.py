@@ -102,7 +102,9 @@ def _check_moe(out, x, w13, w2, weights, ids, limit):
     ref = moe_ref.experts(x.float(), w13.float(), w2.float(), weights, ids, limit)
     scale = ref.abs().max().item()
     err = (out.float() - ref).abs().max().item()
-    if x.dtype == torch.float32:
+    if scale == 0:  # every pair on another rank (EP): this rank adds exactly nothing
+        assert not out.any(), out.abs().max()
+    elif x.dtype == torch.float32:
         assert err <= 1e-5 * scale, (err, scale)
     else:
         rel = ((out.float() - ref).norm() / ref.norm()).item()

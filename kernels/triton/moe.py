@@ -175,7 +175,7 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: 
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # `padded[E] = 0` would copy the 0 from the host: a sync
     seg_end = padded.cumsum(0)
     seg_start = seg_end - padded
     first_pair = counts.cumsum(0) - counts

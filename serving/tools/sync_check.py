@@ -53,11 +53,14 @@ SITES_WALKED = 64  # syncs per watched launch whose call site is looked up
 
 
 def _site() -> str:
-    """The innermost frames of ours and of fla's on the stack (this file excluded)."""
+    """The innermost frames of ours and of fla's on the stack, down to one outside this file
+    (a sync raised between the watched launch's frames, in a deallocation say, names the line
+    of this file it surfaced at)."""
     picked: list[str] = []
-    for frame in reversed(traceback.extract_stack()[:-1]):
+    for frame in reversed(traceback.extract_stack()[:-2]):  # not _site, not the warning hook
         path = Path(frame.filename)
         if path == Path(__file__).resolve():
+            picked.append(f"sync_check.py:{frame.lineno} ({frame.name})")
             continue
         if "/fla/" in frame.filename:
             if not picked:
