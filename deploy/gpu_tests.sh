@@ -16,7 +16,9 @@
 # The suite's time is mostly Triton and fla compiling and autotuning on a cold cache, one kernel
 # at a time per process, on a 16-core host: so the tests run in PDSERVE_GPU_TEST_WORKERS
 # (default 8) pytest-xdist processes sharing the GPU (the image has xdist), each with 2 CPU
-# threads, the heaviest (tests/test_gpu.py, collected first) handed out first.
+# threads, the heaviest (tests/test_gpu.py, collected first) handed out first. Tests marked
+# xdist_group("real_moe") (the real-shape MoE cases, 20-45 GB each) share one process, so at most
+# one of them holds its memory at a time: side by side, three of them ran the GPU out of memory.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -29,7 +31,7 @@ echo "GPU test files: ${FILES[*]}" | tee "$OUT/gpu_tests.log"
 t0=$SECONDS
 WORKERS=${PDSERVE_GPU_TEST_WORKERS:-8}
 XDIST=()
-[ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS" --dist load)
+[ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS" --dist loadgroup)
 OMP_NUM_THREADS=2 python3 -m pytest -m gpu -v -p no:cacheprovider -p instafail "${XDIST[@]}" \
     "${TIMEOUT[@]}" -rfE --durations=20 --junitxml="$OUT/junit.xml" "${FILES[@]}" "$@" 2>&1 |
     tee -a "$OUT/gpu_tests.log"

@@ -66,8 +66,8 @@ def test_heldout_perplexity_is_far_below_a_random_models(windows):
 
 def test_eagle_accepts_the_draft_on_heldout_prompts(tok):
     """Accept length = committed tokens per verify step (1 = nothing accepted). Measured on 8
-    held-out prompts x 24 tokens: 1.55 at 1 step, 1.98 at 3 steps. Greedy tokens equal plain
-    decoding."""
+    held-out prompts x 24 tokens: 1.52 at 1 step, 2.01 at 3 steps (the jointly trained draft
+    before session 10's distillation: 1.55 and 1.98). Greedy tokens equal plain decoding."""
     from serving.tools.bench_spec import measure
 
     prompts = token_windows(tok, heldout_texts(HELDOUT)[::-1], 48, 8)
@@ -77,7 +77,7 @@ def test_eagle_accepts_the_draft_on_heldout_prompts(tok):
     assert one["outputs"] == plain["outputs"]
     assert three["outputs"] == plain["outputs"]
     assert one["accept_length"] >= 1.45, one
-    assert three["accept_length"] >= 1.75, three
+    assert three["accept_length"] >= 1.85, three
 
 
 def test_teacher_forced_agreement_scores_another_paths_greedy_tokens(windows):

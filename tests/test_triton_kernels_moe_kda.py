@@ -61,6 +61,9 @@ def _dev() -> str:
 TINY = (64, 8, 32, 2)  # serving/tools/tiny_model.py's tiny preset
 BENCH = (2048, 64, 768, 4)  # bench preset
 REAL = (4096, 288, 2048, 8)  # GLM-5.3-Flash
+# a real-shape case holds 15 GB of bf16 experts and 29 GB more for the float reference: under
+# xdist (deploy/gpu_tests.sh, --dist loadgroup) these cases run in one process, one at a time
+REAL_HBM = pytest.mark.xdist_group("real_moe")
 
 
 _EXPERT_WEIGHTS: dict = {}
@@ -242,9 +245,9 @@ MOE_GPU_CASES = [
     (BENCH, 15, torch.bfloat16),
     (BENCH, 16, torch.bfloat16),
     (BENCH, 4001, torch.bfloat16),
-    (REAL, 1, torch.bfloat16),
-    (REAL, 53, torch.bfloat16),
-    (REAL, 4001, torch.bfloat16),
+    pytest.param(REAL, 1, torch.bfloat16, marks=REAL_HBM),
+    pytest.param(REAL, 53, torch.bfloat16, marks=REAL_HBM),
+    pytest.param(REAL, 4001, torch.bfloat16, marks=REAL_HBM),
 ]
 
 
@@ -271,6 +274,7 @@ def test_moe_gpu_skewed_and_clamped(tokens):
 
 
 @pytest.mark.gpu
+@REAL_HBM
 @pytest.mark.parametrize("tokens", [1, 32])
 @pytest.mark.parametrize("shape", [REAL], ids=["real"])
 @pytest.mark.parametrize("align", ["kernel", "torch"])
