@@ -25,11 +25,11 @@ step() {  # name, limit in seconds, command...
   timeout "$limit" "$@"
   echo "$name: exit $? at $((SECONDS - t0)) s"
 }
-step sync_check 100 python3 -m serving.tools.sync_check --out "$OUT/sync_check.json"
+step sync_check 150 python3 -m serving.tools.sync_check --out "$OUT/sync_check.json"
 WA="--max-running-requests 32 --cuda-graph-max-bs-decode 32 --cuda-graph-backend-decode full \
  --chunked-prefill-size 8192 --max-prefill-tokens 8192 --kv-cache-dtype bf16 \
  --skip-server-warmup --watchdog-timeout 600"
-step pd_bench 420 python3 deploy/pd_bench.py --wheels .whl --build-checkpoint /tmp/bench \
+step pd_bench 360 python3 deploy/pd_bench.py --wheels .whl --build-checkpoint /tmp/bench \
     --preset bench --worker-args="$WA" --variant side= \
     --variant eagle1="--speculative-algorithm EAGLE --speculative-num-steps 1 --speculative-num-draft-tokens 2" \
     --bench 32:64 --bench 32:64 --bench 32:64 --bench 1:8 --input-len 1024 --output-len 256 \
