@@ -215,7 +215,8 @@ class SequenceOutput:
     # apply; docs/PROTOCOL.md): queue_time, prefill_forward_time; PD decode also
     # decode_prealloc_time, prefill_arrival_wait_time, kv_transfer_time (with its parts
     # kv_ship_wait_time and kv_write_time), decode_queue_time, first_decode_step_time; PD
-    # prefill the same prefill parts and kv_transfer_time (its prompt done -> writes done)
+    # prefill the same prefill parts and kv_transfer_time (its prompt done -> writes done); and
+    # decode_time, not a TTFT part: from its first token to its finish, in this worker
     stage_times: dict[str, float] | None = None
 
     def __reduce__(self):

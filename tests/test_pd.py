@@ -196,6 +196,8 @@ def test_pd_stage_times_split_the_ttft(pair):
     # the KV transfer's two parts seen at prefill: behind other writes, and its own writes
     parts = meta["kv_ship_wait_time"] + meta["kv_write_time"]
     assert meta["kv_write_time"] > 0 and parts <= stages["kv_transfer_time"], meta
+    # not a TTFT part: the worker's own first token to finish, inside what the client waited
+    assert 0 < meta["decode_time"] < time.perf_counter() - sent, meta
     prefill_meta = res["p"].json()["meta_info"]
     assert all(prefill_meta[k] >= 0 for k in (*STAGES, "kv_transfer_time")), prefill_meta
     pair.idle()

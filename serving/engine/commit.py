@@ -160,6 +160,8 @@ class Commit:
             scored, req.input_logprobs_sent = req.input_logprobs, True
         if req.queue_time is not None and not req.queue_time_sent:
             queue_time, req.queue_time_sent = req.queue_time, True
+        if req.finish_reason is not None:
+            req.finishing()
         return SequenceOutput(
             input_logprobs=scored,
             queue_time=queue_time,

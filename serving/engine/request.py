@@ -102,6 +102,7 @@ class Req:
     queue_time_sent: bool = False
     # Stage times in seconds, by SequenceOutput.stage_times' names; sent with the last output.
     # A PD decode request (adopted) gets prefill's stages from prefill's Success message.
+    # decode_time is the one that is not a TTFT part: first token to finish (`finishing`).
     stages: dict[str, float] = field(default_factory=dict)
     started_at: float | None = None  # first admitted (PD decode: adopted)
     first_token_at: float | None = None  # its first token joined it (sampled or adopted)
@@ -125,6 +126,13 @@ class Req:
                 self.stages["prefill_forward_time"] = now - (self.started_at or now)
         elif self.adopted and "first_decode_step_time" not in self.stages:
             self.stages["first_decode_step_time"] = now - self.first_token_at
+
+    def finishing(self) -> None:
+        """It finishes: decode_time, from its first token to now, is this worker's part of its
+        time per output token; a client's TPOT above decode_time / (tokens - 1) is what the path
+        to the client (front, router, network) added."""
+        if self.first_token_at is not None:
+            self.stages["decode_time"] = time.monotonic() - self.first_token_at
 
     @property
     def output_ids(self) -> list[int]:

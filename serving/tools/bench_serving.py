@@ -11,7 +11,13 @@ inverse, averaged), and inter-token latency (ITL: the gaps between stream events
 new tokens; with speculative decoding one event can bring several tokens, so TPOT is the
 figure to compare across configurations). `ttft_parts_ms_mean` averages the stage times
 that the last chunk's meta_info carries (queue, prefill forward, KV transfer, decode queue,
-first decode step: docs/PROTOCOL.md), so a TTFT splits into its parts.
+first decode step: docs/PROTOCOL.md), so a TTFT splits into its parts. `worker_tpot_ms` is the
+same TPOT from the worker's own clock (its decode_time over tokens - 1), and
+`tpot_over_worker_ms` each request's TPOT less it, averaged: how much the path from the worker
+to this client (front, router, network) stretched the stream per token, whatever the load's
+shape made the worker's steps take (negative where the first token took longer to arrive than
+the last: stream set-up). Router minus --direct, on this figure, is the router's per-token cost
+without the load-shape difference that TPOT alone carries.
 
 `--direct PREFILL_URL BOOTSTRAP_PORT` (with --url the decode worker) plays the router's part
 itself: each request goes to the prefill worker and to the decode worker with the same
@@ -73,6 +79,7 @@ async def one_request(
         "itl": [b - a for a, b in zip(stamps, stamps[1:])],
         "tokens": seen,
         "stages": {k: v for k, v in meta.items() if k.endswith("_time") and v is not None},
+        "decode_time": meta.get("decode_time"),
     }
 
 
@@ -106,6 +113,11 @@ async def run(args: argparse.Namespace) -> dict:
     decoding = [(r["e2e"] - r["ttft"], r["tokens"] - 1) for r in results if r["tokens"] > 1]
     tpot = [1000 * t / n for t, n in decoding]
     decode_rate = [n / t for t, n in decoding if t > 0]
+    worker = [
+        1000 * r["decode_time"] / (r["tokens"] - 1)
+        for r in results
+        if r["tokens"] > 1 and r["decode_time"] is not None
+    ]
     return {
         "concurrency": args.concurrency,
         "requests": args.requests,
@@ -121,9 +133,13 @@ async def run(args: argparse.Namespace) -> dict:
         "itl_ms_mean": round(statistics.mean(itl), 3) if itl else None,
         "itl_ms_p50": round(pct(itl, 0.5), 2) if itl else None,
         "itl_ms_p99": round(pct(itl, 0.99), 2) if itl else None,
+        "worker_tpot_ms": round(statistics.mean(worker), 3) if worker else None,
+        "tpot_over_worker_ms": round(statistics.mean(a - b for a, b in zip(tpot, worker)), 3)
+        if worker and len(worker) == len(tpot)
+        else None,
         "ttft_parts_ms_mean": {
             name: round(1000 * statistics.mean(r["stages"].get(name, 0.0) for r in results), 1)
-            for name in sorted({n for r in results for n in r["stages"]})
+            for name in sorted({n for r in results for n in r["stages"]} - {"decode_time"})
         },
     }
 
