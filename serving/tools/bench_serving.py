@@ -110,14 +110,15 @@ async def run(args: argparse.Namespace) -> dict:
     ttft = [r["ttft"] * 1000 for r in results]
     itl = [x * 1000 for r in results for x in r["itl"]]
     # Decode phase of each request: after its first token, (tokens - 1) more.
-    decoding = [(r["e2e"] - r["ttft"], r["tokens"] - 1) for r in results if r["tokens"] > 1]
-    tpot = [1000 * t / n for t, n in decoding]
-    decode_rate = [n / t for t, n in decoding if t > 0]
-    worker = [
-        1000 * r["decode_time"] / (r["tokens"] - 1)
+    decoding = [
+        (r["e2e"] - r["ttft"], r["tokens"] - 1, r["decode_time"])
         for r in results
-        if r["tokens"] > 1 and r["decode_time"] is not None
+        if r["tokens"] > 1
     ]
+    tpot = [1000 * t / n for t, n, _ in decoding]
+    decode_rate = [n / t for t, n, _ in decoding if t > 0]
+    # per request: its TPOT and the worker's own over the same tokens
+    own = [(1000 * t / n, 1000 * w / n) for t, n, w in decoding if w is not None]
     return {
         "concurrency": args.concurrency,
         "requests": args.requests,
@@ -133,10 +134,8 @@ async def run(args: argparse.Namespace) -> dict:
         "itl_ms_mean": round(statistics.mean(itl), 3) if itl else None,
         "itl_ms_p50": round(pct(itl, 0.5), 2) if itl else None,
         "itl_ms_p99": round(pct(itl, 0.99), 2) if itl else None,
-        "worker_tpot_ms": round(statistics.mean(worker), 3) if worker else None,
-        "tpot_over_worker_ms": round(statistics.mean(a - b for a, b in zip(tpot, worker)), 3)
-        if worker and len(worker) == len(tpot)
-        else None,
+        "worker_tpot_ms": round(statistics.mean(w for _, w in own), 3) if own else None,
+        "tpot_over_worker_ms": round(statistics.mean(c - w for c, w in own), 3) if own else None,
         "ttft_parts_ms_mean": {
             name: round(1000 * statistics.mean(r["stages"].get(name, 0.0) for r in results), 1)
             for name in sorted({n for r in results for n in r["stages"]} - {"decode_time"})
