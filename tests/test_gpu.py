@@ -145,6 +145,26 @@ def test_step_launches_never_wait_for_the_device(tiny_ckpt):
         assert record["syncs"] == 0 and not record["blocked"], (path, record)
 
 
+def test_overlapped_eagle_launches_never_wait_for_the_device(tiny_ckpt):
+    """An overlapped EAGLE step (draft + verify, acceptance on the device, roll-back and
+    catch-up; y and n read on the device), with graphs and eager, greedy and sampled rows,
+    neither syncs with the host nor waits for the step in flight."""
+    from serving.tools.sync_check import check
+
+    args = ServerArgs.from_cli(
+        [
+            "--model-path", str(tiny_ckpt), "--device", "cuda",
+            "--cuda-graph-backend-decode", "full", "--cuda-graph-max-bs-decode", "8",
+            "--page-size", "16", "--skip-server-warmup", "--max-total-tokens", "8192",
+            "--disable-radix-cache", *eagle_flags(3),
+        ]
+    )  # fmt: skip
+    paths, _ = check(build_engine(args)[0], 64, 2, 8, sleep_ms=200)
+    assert set(paths) == {"decode_graphs", "decode_eager"}, paths
+    for path, record in paths.items():
+        assert record["syncs"] == 0 and not record["blocked"], (path, record)
+
+
 @pytest.fixture(scope="module")
 def plain_tokens(distilled_ckpt):
     """Plain decoding's tokens, with graphs: both EAGLE cases compare with them (one engine
@@ -154,11 +174,14 @@ def plain_tokens(distilled_ckpt):
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, plain_tokens, steps):
-    """Draft steps and verify captured per batch size give the tokens eager EAGLE gives, and
-    both give plain decoding's tokens (float32: no bf16 near-ties in the comparison)."""
+    """Draft steps and verify captured per batch size, overlapped (acceptance on the device),
+    give the tokens eager EAGLE gives without overlap (acceptance on the host), and both give
+    plain decoding's tokens (float32: no bf16 near-ties in the comparison)."""
     spec = tuple(eagle_flags(steps))
     plain = plain_tokens
-    eager, _ = _engine_tokens(distilled_ckpt, "disabled", "float32", spec)
+    eager, _ = _engine_tokens(
+        distilled_ckpt, "disabled", "float32", (*spec, "--disable-overlap-schedule")
+    )
     graphs, stats = _engine_tokens(distilled_ckpt, "full", "float32", spec)
     assert graphs == eager
     assert graphs == plain

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from serving.engine import scheduler as scheduler_mod
+from serving.engine.admission import Admission
+from serving.engine.decode_batch import DecodeManager
 from serving.engine.scheduler_process import build_engine
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
-from serving.speculative.eagle import Eagle
 from serving.tools.distill_nextn import training_prompts
 from tests.conftest import DISTILL_PROMPT_LEN as PROMPT_LEN
 from tests.server_proc import eagle_flags
@@ -83,17 +84,22 @@ def greedy(i: int, p: list[int], n: int = 40) -> GenerateRequest:
 
 
 # accept length on these new prompts: 1.78 / 2.26 / 2.73 (steps 1 / 2 / 3) with the fixture
+def record_verifies(monkeypatch) -> list[tuple[int, int]]:
+    """(position n of y, drafts accepted) of every verify committed, sync or overlapped."""
+    verified: list[tuple[int, int]] = []
+    real = DecodeManager._verified
+
+    def recording(self, req, tokens):
+        verified.append((req.cached, len(tokens) - 1))
+        real(self, req, tokens)
+
+    monkeypatch.setattr(DecodeManager, "_verified", recording)
+    return verified
+
+
 @pytest.mark.parametrize("steps, min_accept", [(1, 1.4), (2, 1.6), (3, 1.8)])
 def test_greedy_with_speculation_equals_without(distilled, steps, min_accept, monkeypatch):
-    verified: list[tuple[int, int]] = []  # (position n of y, drafts accepted) per verify
-    real_step = Eagle.step
-
-    def recording_step(self, proposals, states, want, offers=None):
-        committed, logprobs = real_step(self, proposals, states, want, offers)
-        verified.extend((p.position, len(c) - 1) for p, c in zip(proposals, committed))
-        return committed, logprobs
-
-    monkeypatch.setattr(Eagle, "step", recording_step)
+    verified = record_verifies(monkeypatch)
     ps = prompts()
     plain = run(engine(distilled), [greedy(i, p) for i, p in enumerate(ps)])
     sched = engine(distilled, steps)
@@ -118,6 +124,56 @@ def test_greedy_with_speculation_equals_without(distilled, steps, min_accept, mo
         len(rejected_after),
         len(rejected_closing),
     )
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_overlapped_speculation_gives_the_tokens_of_the_sync_order(distilled, steps, monkeypatch):
+    """EAGLE under the overlap scheduler (the default: the host learns a step's accepted count
+    one step later; the next step reads y and n on the device) equals
+    --disable-overlap-schedule's tokens, requests stopping while a step is in flight (a stop
+    token, possibly inside an accepted run; max_tokens) included; the overlapped path really ran,
+    deferred a release, and nothing leaks (run checks). With the prefix cache on, steps near a
+    snapshot grid position run sync: the cache's snapshots must be the same too."""
+    ps = prompts()
+    free = run(engine(distilled), [greedy(0, ps[0], 12)])["r0"]
+
+    def requests():
+        return [
+            GenerateRequest(
+                "stop", ps[0], SamplingParams(max_new_tokens=12, temperature=0,
+                                              stop_token_ids=[free[5]], ignore_eos=True)),
+            GenerateRequest("eos", ps[1], SamplingParams(max_new_tokens=30, temperature=0)),
+            greedy(2, ps[2], 3),
+            greedy(3, ps[6], 17),
+            greedy(4, ps[7], 40),
+            GenerateRequest(
+                "hot", ps[3], SamplingParams(max_new_tokens=20, temperature=0.7, top_k=8,
+                                            ignore_eos=True)),
+        ]  # fmt: skip
+
+    overlapped = {"launched": 0, "deferred": 0}
+    real_launch, real_settle = DecodeManager._launch_speculative, Admission.settle
+
+    def counting_launch(self, reqs):
+        overlapped["launched"] += 1
+        return real_launch(self, reqs)
+
+    def counting_settle(self):
+        overlapped["deferred"] += bool(self.deferred)
+        real_settle(self)
+
+    monkeypatch.setattr(DecodeManager, "_launch_speculative", counting_launch)
+    monkeypatch.setattr(Admission, "settle", counting_settle)
+    for cache in ((), ("--disable-radix-cache",)):
+        sync = run(engine(distilled, steps, "--disable-overlap-schedule", *cache), requests())
+        assert overlapped["launched"] == 0 and overlapped["deferred"] == 0
+        got = run(engine(distilled, steps, *cache), requests())
+        hot = got.pop("hot"), sync.pop("hot")  # sampled: only its length is comparable
+        assert len(hot[0]) == len(hot[1]) == 20
+        assert got == sync, cache
+        assert sync["stop"] == free[:6]
+        assert overlapped["launched"] and overlapped["deferred"]
+        overlapped.update(launched=0, deferred=0)
 
 
 def chi_square_homogeneity(a: list[int], b: list[int]) -> tuple[float, float]:

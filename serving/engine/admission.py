@@ -211,6 +211,10 @@ class Admission:
         slot = self.track_slot(req)
         return (j, slot) if slot is not None else None
 
+    def may_cross_grid(self, req: Req, end: int) -> bool:
+        """Whether req's state at a snapshot grid position in (req.cached, end] may be due."""
+        return self.cache is not None and end // self.grid > req.cached // self.grid
+
     def tracked(self, req: Req, before: int) -> None:
         """EAGLE, after a step whose offer was made: the snapshot was taken iff the accepted
         run crossed the grid position."""

@@ -51,7 +51,9 @@ class Launched:
     """A step whose forward is launched and whose tokens are not committed yet. `reqs`: every
     request in it (each counted in req.in_flight until processed); sync: processed right after
     its launch (nothing overlaps it). kind names the manager that processes it; event
-    (ModelRunner.mark_step) is reached when the device has finished the step."""
+    (ModelRunner.mark_step) is reached when the device has finished the step. spec: an
+    overlapped EAGLE step, whose `sampled.device` holds each request's committed tokens
+    (Eagle.launch)."""
 
     kind: str
     reqs: list[Req]
@@ -60,6 +62,7 @@ class Launched:
     event: object = None
     ends: list[int] = field(default_factory=list)  # prefill: each request's end of chunk
     started: list[Req] = field(default_factory=list)  # prefill: requests that start decoding
+    spec: bool = False
 
 
 class Commit:

@@ -7,6 +7,12 @@ them; snapshot the KDA state of each request that crossed a grid position (admis
 from EAGLE's verify history); draw the tokens. process() (under the overlap scheduler after the
 next step was launched): commit them; hand the prefix cache a snapshot every
 --mamba-track-interval tokens.
+
+An overlapped EAGLE step (Eagle.launch) accepts on the device, so the host learns how many
+tokens a request gained only when the step is processed: until then req.cached stays at the
+committed tokens and the step in flight may have written up to N+1 positions past it. Hazards:
+the next step grows a request for both steps' positions (2(N+1) past req.cached), and a step
+that might cross a snapshot grid position runs sync (spec_overlaps), where the offer is exact.
 """
 
 from __future__ import annotations
@@ -14,13 +20,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from serving.engine.admission import Admission
 from serving.engine.commit import Commit, Launched, Sampled
 from serving.engine.request import Req
 from serving.executor.model_runner import ModelRunner, StepInput
 from serving.forward_batch import FUTURE
 from serving.protocol import FinishReason, SchedulerStats
-from serving.speculative.eagle import Eagle, Proposal
+from serving.speculative.eagle import Eagle, Proposal, accepted_tokens
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +62,7 @@ class DecodeManager:
             if req not in self.running or self._ends_pending(req):
                 continue  # retracted for an earlier request of this loop / done when committed
             while req.finish_reason is None and not self.admission.grow(
-                req, req.cached + self.tokens_per_step
+                req, req.cached + self._ahead(req)
             ):
                 if not retract:
                     return None
@@ -67,6 +75,21 @@ class DecodeManager:
         reqs = [r for r in self.running if r.finish_reason is None and not self._ends_pending(r)]
         return DecodeBatch(reqs, retracted)
 
+    def _ahead(self, req: Req) -> int:
+        """Positions past req.cached the next step may write: with an overlapped EAGLE step in
+        flight (a pending token), its own N+1 as well."""
+        return self.tokens_per_step * (2 if self.spec is not None and req.pending else 1)
+
+    def spec_overlaps(self, reqs: list[Req]) -> bool:
+        """Whether an EAGLE step over reqs may run overlapped: one rank, every row overlap_safe
+        without logprobs (the scheduler checks that for any step), and no request's accepted run
+        able to reach a snapshot grid position (the offer needs its exact position)."""
+        return (
+            self.spec is not None
+            and self.spec.fanout is None
+            and not any(self.admission.may_cross_grid(r, r.cached + self._ahead(r)) for r in reqs)
+        )
+
     def _ends_pending(self, req: Req) -> bool:
         """Its pending tokens will end it by length: decoding past it would be wasted, and on a
         PD prefill worker (max_new_tokens 1) would change the row's state before it is shipped
@@ -75,8 +98,11 @@ class DecodeManager:
 
     def launch(self, batch: DecodeBatch, sync: bool) -> Launched:
         """One decode forward (a request whose last token is pending reads it on the device:
-        FUTURE) and its tokens drawn; EAGLE's step runs whole here (it is always sync)."""
+        FUTURE) and its tokens drawn; or EAGLE's step, overlapped (Eagle.launch) or, when
+        `sync`, run whole here (acceptance and commit on the host)."""
         reqs = batch.reqs
+        if self.spec is not None and not sync:
+            return self._launch_speculative(reqs)
         if self.spec is not None:
             committed = self.stats.generation_tokens_total
             self._run_speculative(reqs)
@@ -100,15 +126,50 @@ class DecodeManager:
                 r.pending += 1
         return Launched("decode", reqs, sampled, sync, self.runner.mark_step())
 
+    def _launch_speculative(self, reqs: list[Req]) -> Launched:
+        """An overlapped EAGLE step: a request whose previous step is in flight (pending) reads
+        its y and n on the device."""
+        host = torch.tensor(
+            [
+                [FUTURE if r.pending else r.fill_ids[-1] for r in reqs],
+                [FUTURE if r.pending else r.cached for r in reqs],
+                [r.row for r in reqs],
+            ],
+            dtype=torch.int64,
+        )
+        max_seq_len = max(r.cached + self._ahead(r) for r in reqs)
+        out = self.spec.launch(
+            host, [r.sampling for r in reqs], max_seq_len, self.runner.next_tokens
+        )
+        for r in reqs:
+            r.in_flight += 1
+            r.pending += 1  # at least one token
+        return Launched(
+            "decode", reqs, Sampled(reqs, device=out), False, self.runner.mark_step(), spec=True
+        )
+
     def process(self, launched: Launched) -> None:
         """After the step completed: commit its tokens, hand the cache due snapshots."""
         reqs = launched.reqs
         committed = self.stats.generation_tokens_total
         for r in reqs:
             r.in_flight -= 1
-        self.commit.commit_sampled(launched.sampled)
+        if launched.spec:
+            for req, tokens in zip(reqs, accepted_tokens(launched.sampled.device)):
+                req.pending -= 1
+                if req.finish_reason is None:  # else: the extra step of a finished request
+                    self._verified(req, tokens)
+                    self.commit.commit(req, tokens)
+        else:
+            self.commit.commit_sampled(launched.sampled)
         self._checkpoint(reqs)
         self.stats.decode_tokens_total += self.stats.generation_tokens_total - committed
+
+    def _verified(self, req: Req, tokens: list[int]) -> None:
+        """An EAGLE step's committed tokens (1..N+1) are in req's cache now."""
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_committed_tokens += len(tokens)
+        req.cached += len(tokens)
 
     def _run_speculative(self, reqs: list[Req]) -> None:
         proposals = [Proposal(r.row, r.cached, r.fill_ids[-1]) for r in reqs]
@@ -122,9 +183,7 @@ class DecodeManager:
             [(b, j, slot) for b, (j, slot) in offers.items()],
         )
         for b, (req, tokens) in enumerate(zip(reqs, committed)):
-            self.stats.spec_verify_steps += 1
-            self.stats.spec_committed_tokens += len(tokens)
-            req.cached += len(tokens)
+            self._verified(req, tokens)
             if b in offers:
                 self.admission.tracked(req, req.cached - len(tokens))
         for req, tokens, lps in zip(reqs, committed, logprobs):

@@ -27,9 +27,12 @@ in its input, ModelRunner.next_tokens). Hazards:
   left out of N+1 (decode_batch._ends_pending), so max_tokens costs no extra step;
 - retraction frees a running request's memory at once: it happens only with nothing in flight;
 - what cannot be sampled before the previous token reaches the host (logprobs, penalties,
-  min_new_tokens, grammars, seeded draws: sampler.overlap_safe) and EAGLE's steps (their
-  verify reads the host) run sync: the step in flight is processed first, the new one right
-  after its launch. So does every step with --disable-overlap-schedule: today's order.
+  min_new_tokens, grammars, seeded draws: sampler.overlap_safe) runs sync: the step in flight
+  is processed first, the new one right after its launch. So do EAGLE's prefill steps (the
+  draft's extend reads the first token on the host), its decode steps under TP or near a
+  snapshot grid position (DecodeManager.spec_overlaps), and every step with
+  --disable-overlap-schedule: today's order. An overlapped EAGLE step accepts on the device;
+  the host learns each request's token count when processing it (decode_batch.py).
 """
 
 from __future__ import annotations
@@ -258,7 +261,7 @@ class Scheduler:
         batch = self.prefill.schedule(len(self.running))
         if batch is not None:
             # a drain here commits nothing of the batch: its requests are new or mid-prompt
-            sync = self._sync([req for req, _ in batch.plan])
+            sync = self.spec is not None or self._sync([req for req, _ in batch.plan])
             if sync:
                 self._drain()
             launched = self.prefill.launch(batch, sync)
@@ -266,7 +269,9 @@ class Scheduler:
             return launched, batch
         if not self.running:
             return None, None
-        sync = self._sync(self.running)
+        sync = self._sync(self.running) or (
+            self.spec is not None and not self.decode.spec_overlaps(self.running)
+        )
         if sync:
             self._drain()
         step = self.decode.schedule(retract=self.inflight is None)
@@ -279,10 +284,8 @@ class Scheduler:
 
     def _sync(self, reqs: list[Req]) -> bool:
         """Whether the next step over reqs must not overlap the one in flight."""
-        return (
-            not self.cfg.overlap
-            or self.spec is not None
-            or any(r.return_logprob or not overlap_safe(r.sampling) for r in reqs)
+        return not self.cfg.overlap or any(
+            r.return_logprob or not overlap_safe(r.sampling) for r in reqs
         )
 
     def _drain(self) -> None:

@@ -129,12 +129,16 @@ class Sampler:
         """sample() without waiting for the device: the tokens stay there (for the next step's
         inputs) and their copy to the host is under way. Only for rows that are overlap_safe:
         nothing here may read a token still on its way."""
+        return SampledTokens(self.sample_on_device(logits, states))
+
+    def sample_on_device(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """sample_async's tokens, [B] on the device, no copy to the host started."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
         unsafe = [i for i, s in enumerate(states) if not overlap_safe(s)]
         if unsafe:
             raise ValueError(f"rows {unsafe} need their previous tokens on the host to sample")
-        return SampledTokens(self._tokens(logits, states)[1])
+        return self._tokens(logits, states)[1]
 
     def _tokens(
         self, logits: torch.Tensor, states: list[SamplingState]

@@ -22,7 +22,11 @@ One decode step over a batch:
 
 Steps 1-2 and 4-5 are tensor programs over uniform batches (every request N+1 tokens;
 ForwardBatch.uniform) with no host sync inside, so on CUDA each is captured once per batch size
-(serving/speculative/graphs.py); step 3 runs on the host between the two replays. The
+(serving/speculative/graphs.py). Step 3 runs on the host between the two replays (step()), or,
+for an overlapped step (launch(): the overlap scheduler, rows whose sampling is overlap_safe, one
+rank), on the device: every position sampled at once, the accepted run the length of the drafts'
+matching prefix; the committed tokens are copied to the host behind the step and the next step's
+y and n stay on the device (ModelRunner.next_tokens, next_positions: its inputs are FUTURE). The
 catch-up runs the draft over all N+1 verify positions and keeps the output at the last accepted
 one: draft latents, pooled keys and ring slots past it are rewritten before anything reads them,
 for the same reason as the target's. The draft has no KDA layer, so it has nothing to roll back.
@@ -35,9 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from serving.distributed import broadcast_tensor
-from serving.executor.sampler import Sampler, SamplingState
-from serving.forward_batch import ForwardBatch, to_device, upload
-from serving.memory.cache import ModelCache
+from serving.executor.sampler import SampledTokens, Sampler, SamplingState
+from serving.forward_batch import ForwardBatch, resolve_future, to_device, upload
+from serving.memory.cache import ModelCache, request_rows
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
@@ -55,12 +59,13 @@ class SpecConfig:
 
 @dataclass
 class PendingStep:
-    """A step between verify and commit: the verify outputs and what commit needs."""
+    """A step between verify and commit: the verify outputs and what commit needs (positions
+    and rows [B] on the device, resolved)."""
 
     verified: Verified
     graphs: SpecGraphs | None
-    rows: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
+    positions: torch.Tensor
+    rows: torch.Tensor
     seq_len: int = 0
 
 
@@ -129,6 +134,10 @@ class Eagle:
         self.target, self.draft, self.pool, self.sampler = target, draft, pool, sampler
         self.steps = config.num_steps
         self.graphs = None  # SpecGraphs, set by enable_graphs
+        # n of each row's next step, written by an overlapped step (its FUTURE positions)
+        self.next_positions = torch.zeros(
+            request_rows(pool.req_to_token), dtype=torch.int64, device=pool.device
+        )
         # TP rank 0: RankFanout (serving/engine/tp_worker.py). Every device program below runs
         # on every rank; only rank 0 samples, and it sends the host inputs of each program
         # (and the committed tokens) first. Followers have no sampler.
@@ -252,16 +261,26 @@ class Eagle:
             None if lp is None else lp[: len(c)] for lp, c in zip(logprobs, committed)
         ]
 
-    def verify(self, host: torch.Tensor) -> PendingStep:
-        """Steps 1-2 for host = [tokens y; positions n; rows] ([3, B] int64 on the host)."""
+    def verify(
+        self, host: torch.Tensor, max_seq_len: int | None = None, future: torch.Tensor | None = None
+    ) -> PendingStep:
+        """Steps 1-2 for host = [tokens y; positions n; rows] ([3, B] int64 on the host). With
+        `future` (ModelRunner.next_tokens), FUTURE entries of y and n are read on the device
+        from it and next_positions; max_seq_len then bounds the unknown positions."""
         num = host.shape[1]
         graphs = self.graphs if self.graphs is not None and self.graphs.fits(num) else None
+        known = None if future is None else (future, self.next_positions)
         if graphs is not None:
-            return PendingStep(graphs.draft_and_verify(host), graphs)
-        tokens, positions, rows = upload(host, self.pool.device).unbind(0)
-        seq_len = int(host[1].max()) + self.steps + 1
+            verified, positions, rows = graphs.draft_and_verify(host, known)
+            return PendingStep(verified, graphs, positions, rows)
+        inputs = upload(host, self.pool.device)
+        if known is not None:
+            for i, values in enumerate(known):
+                resolve_future(inputs[i], inputs[2], values)
+        tokens, positions, rows = inputs.unbind(0)
+        seq_len = max_seq_len or int(host[1].max()) + self.steps + 1
         verified = self.draft_and_verify(tokens, positions, rows, seq_len)
-        return PendingStep(verified, None, rows, positions, seq_len)
+        return PendingStep(verified, None, positions, rows, seq_len)
 
     def commit(
         self,
@@ -270,20 +289,49 @@ class Eagle:
         last: list[int],
         captures: list[tuple[int, int, int]],
     ) -> None:
-        """Steps 4-5 once the committed tokens are known, and the state snapshots the step's
-        accepted runs crossed (from the verify history, which both programs leave intact)."""
+        """Steps 4-5 once the committed tokens are known on the host, and the state snapshots
+        the step's accepted runs crossed (from the verify history, which both programs leave
+        intact)."""
+        device = self.pool.device
+        self._catch_up(
+            pending, to_device(padded, torch.int64, device), to_device(last, torch.int64, device)
+        )
+        save_kda_states_from_history(self.pool.target, pending.verified.kda_history, captures)
+
+    def _catch_up(self, pending: PendingStep, committed: torch.Tensor, last: torch.Tensor) -> None:
         if pending.graphs is not None:
-            pending.graphs.roll_back_and_catch_up(padded, last)
+            pending.graphs.roll_back_and_catch_up(committed, last)
         else:
             self.roll_back_and_catch_up(
-                pending.verified,
-                pending.rows,
-                pending.positions,
-                to_device(padded, torch.int64, self.pool.device),
-                to_device(last, torch.int64, self.pool.device),
-                pending.seq_len,
+                pending.verified, pending.rows, pending.positions, committed, last, pending.seq_len
             )
-        save_kda_states_from_history(self.pool.target, pending.verified.kda_history, captures)
+
+    # ---- one overlapped decode step (nothing waits for the device) ----
+    def launch(
+        self,
+        host: torch.Tensor,
+        states: list[SamplingState],
+        max_seq_len: int,
+        next_tokens: torch.Tensor,
+    ) -> SampledTokens:
+        """Steps 1-5 with step 3 on the device, for overlap_safe rows on one rank. host: as
+        verify's, FUTURE where the previous step's y or n is still on the device; max_seq_len:
+        above every position the step writes. Leaves each row's next y in next_tokens and its
+        next n in next_positions. Returns, per request, [committed tokens padded to N+1, index
+        of the bonus token], its copy to the host under way (accepted_tokens reads it)."""
+        assert self.fanout is None, "an overlapped step runs on one rank (its acceptance too)"
+        n, num = self.steps + 1, host.shape[1]
+        pending = self.verify(host, max_seq_len, next_tokens)
+        verified = pending.verified
+        every = [s for s in states for _ in range(n)]  # overlap_safe: no state reads outputs
+        sampled = self.sampler.sample_on_device(verified.logits[: num * n], every).view(num, n)
+        # drafts accepted while they equal the token sampled at their position (step 3)
+        matches = (sampled[:, : n - 1] == verified.chains[:num]).to(torch.int64)
+        last = matches.cumprod(dim=1).sum(dim=1)
+        self._catch_up(pending, sampled, last)
+        next_tokens[pending.rows] = sampled.gather(1, last[:, None]).squeeze(1)
+        self.next_positions[pending.rows] = pending.positions + last + 1
+        return SampledTokens(torch.cat([sampled, last[:, None]], dim=1))
 
     def _sample_positions(
         self,
@@ -307,3 +355,8 @@ class Eagle:
         return per_req, [
             logprobs[b * n : (b + 1) * n] if want[b] >= 0 else None for b in range(len(chains))
         ]
+
+
+def accepted_tokens(out: SampledTokens) -> list[list[int]]:
+    """An overlapped step's committed tokens per request (waits for its copy to the host)."""
+    return [row[: row[-1] + 1] for row in out.tolist()]

@@ -1,6 +1,7 @@
 """EAGLE's two device programs per step captured per batch size of the decode ladder: (draft steps
-+ verify) and (KDA roll-back + draft catch-up), with the host's acceptance in between. Padding
-entries use request row 0 and token slot 0, as in serving/executor/cuda_graph.py."""
++ verify) and (KDA roll-back + draft catch-up), with the acceptance in between (on the host, or
+on the device for an overlapped step). Padding entries use request row 0 and token slot 0, as in
+serving/executor/cuda_graph.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.executor.cuda_graph import batch_ladder, capture
-from serving.forward_batch import upload
+from serving.forward_batch import resolve_future, upload
 from serving.memory.pool import MemoryPool
 
 log = logging.getLogger(__name__)
@@ -76,22 +77,33 @@ class SpecGraphs:
     def _size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def draft_and_verify(self, host: torch.Tensor) -> Verified:
-        """host: [3, n] int64 (y, position, row); padding entries are zeros (row 0)."""
+    def draft_and_verify(
+        self, host: torch.Tensor, future: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[Verified, torch.Tensor, torch.Tensor]:
+        """host: [3, n] int64 (y, position, row); padding entries are zeros (row 0). FUTURE
+        entries of y and position are read from future = (tokens, positions) by request row.
+        Returns the outputs and the device's positions and rows [n] (views of the inputs: valid
+        until the next replay)."""
         n = host.shape[1]
         self.bs = self._size(n)
         padded = torch.zeros(3, self.bs, dtype=torch.int64)
         padded[:, :n] = host
-        self.inputs[:, : self.bs].copy_(upload(padded, self.inputs.device))
+        inputs = self.inputs[:, : self.bs]
+        inputs.copy_(upload(padded, self.inputs.device))
+        if future is not None:
+            for i, known in enumerate(future):
+                resolve_future(inputs[i], inputs[2], known)
         graph, verified, _ = self.graphs[self.bs]
         graph.replay()
-        return verified
+        return verified, inputs[1, :n], inputs[2, :n]
 
-    def roll_back_and_catch_up(self, committed: list[list[int]], last: list[int]) -> None:
-        host = torch.zeros(self.bs, len(committed[0]) + 1, dtype=torch.int64)
-        host[: len(last)] = torch.tensor([row + [a] for row, a in zip(committed, last)])
-        host = upload(host, self.last.device)
-        self.committed[: self.bs].copy_(host[:, :-1])
-        self.last[: self.bs].copy_(host[:, -1])
+    def roll_back_and_catch_up(self, committed: torch.Tensor, last: torch.Tensor) -> None:
+        """committed [n, N+1], last [n] on the device, for the n entries draft_and_verify just
+        replayed; the padding entries get zeros."""
+        n = last.shape[0]
+        self.committed[:n].copy_(committed)
+        self.last[:n].copy_(last)
+        self.committed[n : self.bs].zero_()
+        self.last[n : self.bs].zero_()
         _, _, graph = self.graphs[self.bs]
         graph.replay()

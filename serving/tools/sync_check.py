@@ -13,6 +13,8 @@ queued on the device):
 - decode_graphs, decode_eager (graphs off for that launch): --decode-batch running requests, half
   greedy and half sampled (temperature, top-k, top-p), each last token still pending on the device
   (read as FUTURE), so the step before is in flight, as under overlap.
+check() on a scheduler with EAGLE (tests/test_gpu.py) watches its overlapped decode steps (y and n
+FUTURE, acceptance on the device); its prefill steps run sync by design and are not watched.
 A watched launch is queued behind a --sleep-ms device sleep, and two things are recorded:
 - syncs: torch.cuda.set_sync_debug_mode("warn")'s warnings (.item(), .tolist(), blocking copies,
   a 0-dim device index, ...), each site as the innermost frames of this repository and of fla;
@@ -154,7 +156,8 @@ def _workload(sched: Scheduler, watch: Watch, prompt_len: int, prefills: int, ba
     watch.records is to be filled: `tag` is "check")."""
     watching = tag == "check"
     _add(sched, f"{tag}-prefill", prefills, prompt_len, 2, 0)
-    watch.path = "prefill" if watching else None
+    # EAGLE's prefill steps run sync by design (scheduler.py): only its decode steps are watched
+    watch.path = "prefill" if watching and sched.spec is None else None
     sched.step()  # launches the prefill batch: nothing else is queued
     _finish(sched)
     _add(sched, f"{tag}-decode", batch, DECODE_PROMPT, DECODE_TOKENS, batch // 2)
@@ -165,17 +168,17 @@ def _workload(sched: Scheduler, watch: Watch, prompt_len: int, prefills: int, ba
         sched.step()
     else:
         raise RuntimeError(f"{batch} requests never ran at once (--max-running-requests?)")
-    sched.step()  # one more plain decode step: the decode inputs at steady state
-    runner = sched.runner
-    if runner.graphs is not None:
+    sched.step()  # one more decode step: the decode inputs at steady state
+    holder = sched.runner if sched.spec is None else sched.spec  # whose .graphs decode replays
+    if holder.graphs is not None:
         watch.path = "decode_graphs" if watching else None
         sched.step()
-    graphs, runner.graphs = runner.graphs, None
+    graphs, holder.graphs = holder.graphs, None
     try:
         watch.path = "decode_eager" if watching else None
         sched.step()
     finally:
-        runner.graphs = graphs
+        holder.graphs = graphs
     _finish(sched)
 
 
