@@ -383,6 +383,87 @@ def test_conv_gpu(dtype):
 
 
 # ---------------------------------------------------------------------------------------------
+# KDA: a layer's decode core in one kernel, against the layer's unfused torch path
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol):
+    """The fused decode (KDAttention._decode_fused: kernels/triton/kda.py kda_decode_layer) on
+    `device` against KDAttention.forward on the CPU (the torch references, same dtype), from the
+    same weights, token and states: the layer's output, its conv and recurrent states, and rows
+    outside the batch untouched."""
+    from serving.config import ModelConfig
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+    from serving.models.kda import KDAttention
+    from serving.tools.tiny_model import build_config
+
+    raw = build_config("tiny", {"<|endoftext|>": 0, "<|user|>": 1, "<|observation|>": 2})
+    raw["text_config"].update(
+        linear_num_heads=heads, linear_head_dim=dim, linear_lower_bound=lower_bound
+    )
+    config = ModelConfig.from_dict(raw)
+    gen = torch.Generator().manual_seed(heads * dim + batch)
+    layer = KDAttention(config, dtype)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = {"A_log": 0.5, "dt_bias": 1.0, "o_norm": 0.2}.get(name, p.shape[-1] ** -0.5)
+            p.copy_(torch.randn(p.shape, generator=gen) * scale + (name == "o_norm"))
+    num_rows, width = 16, 3 * heads * dim
+    ksize = config.linear_conv_kernel_dim
+
+    def inputs(dev):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, config.hidden_size, generator=g).to(dev, dtype)
+        conv = torch.randn(num_rows, width, ksize - 1, generator=g).to(dev, dtype)
+        state = (torch.randn(num_rows, heads, dim, dim, generator=g) * 0.1).to(dev)
+        rows = _rows(batch, num_rows, dev)
+        req_to_token = torch.zeros(num_rows, 8, dtype=torch.int64, device=dev)
+        fb = ForwardBatch.build([0] * batch, rows.tolist(), [3] * batch, [1] * batch, req_to_token)
+        return x, KDALayerCache(conv, state), fb
+
+    x, cache_ref, fb_ref = inputs("cpu")
+    with torch.no_grad():
+        ref = layer.forward(x, fb_ref, cache_ref)
+        layer.to(device)
+        x, cache, fb = inputs(device)
+        conv0, state0 = cache.conv.clone(), cache.state.clone()
+        _poison(device)
+        q, k, v, f_a, g_a, b = layer.in_proj(x)
+        out = layer.o_proj(layer._decode_fused(q, k, v, f_a, g_a, b, fb, cache))
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    _check_close(out.cpu(), ref, tol, "layer out")
+    rows = fb.req_rows
+    untouched = torch.ones(num_rows, dtype=torch.bool, device=device)
+    untouched[rows] = False
+    assert torch.equal(cache.conv[untouched], conv0[untouched]), "conv rows outside the batch"
+    assert torch.equal(cache.state[untouched], state0[untouched]), "states outside the batch"
+    # the conv state holds inputs: shifted by one, this device's projections last (exactly)
+    assert torch.equal(cache.conv[rows, :, :-1], conv0[rows, :, 1:]), "conv state shift"
+    assert torch.equal(cache.conv[rows, :, -1], torch.cat([q, k, v], -1).to(cache.conv.dtype))
+    _check_close(cache.state.cpu()[rows.cpu()], cache_ref.state[rows.cpu()], tol, "state")
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_decode_layer_interpreter(dtype, lower_bound):
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _run_kda_decode_layer(2, 16, 5, dtype, "cpu", lower_bound, tol)
+    _run_kda_decode_layer(3, 24, 1, dtype, "cpu", lower_bound, tol)  # D not a power of 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_decode_layer_gpu(dtype):
+    # CUDA GEMMs against the CPU's in the projections: float32 gets TF32-free cuBLAS rounding
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for heads, batch in ((8, 1), (8, 8), (16, 32)):  # TP8's rank, the bench preset
+        _run_kda_decode_layer(heads, 128, batch, dtype, "cuda", -5.0, tol)
+    _run_kda_decode_layer(8, 128, 4, dtype, "cuda", None, tol)
+
+
+# ---------------------------------------------------------------------------------------------
 # KDA: recurrence (fla-core)
 # ---------------------------------------------------------------------------------------------
 

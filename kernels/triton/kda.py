@@ -503,3 +503,136 @@ def kda_decode(
         None,
     )
     return o[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# A KDA layer's decode core in one kernel
+# ---------------------------------------------------------------------------------------------
+
+
+class KDADecodeWeights(NamedTuple):
+    """A KDA layer's parameters the fused decode reads (serving/models/kda.py's, this rank's)."""
+
+    conv: torch.Tensor  # [3*H*D, K] float32: q | k | v depthwise kernels
+    dt_bias: torch.Tensor  # [H*D] float32
+    a_log: torch.Tensor  # [H] float32
+    o_norm: torch.Tensor  # [D] float32
+    lower_bound: float | None  # the bounded forget gate's, or None: -exp(A_log) * softplus
+    eps: float  # the output RMSNorm's
+
+
+@triton.jit
+def _conv_silu_step(
+    x_ptr, w_ptr, conv_ptr, stride_cc, ch, mask, K: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """One channel block's causal conv + SiLU for one new input, its conv state shifted by one
+    (slots oldest first). Returns the output rounded to x's dtype, as float32."""
+    x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+    j = tl.arange(0, BLOCK_K)
+    jm = mask[:, None] & (j < K - 1)[None, :]
+    slots = conv_ptr + ch[:, None] * stride_cc + j[None, :]
+    old = tl.load(slots, mask=jm, other=0.0).to(tl.float32)
+    w_old = tl.load(w_ptr + ch[:, None] * K + j[None, :], mask=jm, other=0.0)
+    acc = tl.sum(old * w_old, 1) + x * tl.load(w_ptr + ch * K + (K - 1), mask=mask, other=0.0)
+    later = tl.load(slots + 1, mask=jm & (j < K - 2)[None, :], other=0.0).to(tl.float32)
+    new = tl.where((j == K - 2)[None, :], x[:, None], later)
+    tl.debug_barrier()  # every old slot is read before any is overwritten
+    tl.store(slots, new.to(conv_ptr.dtype.element_ty), mask=jm)
+    out = acc * tl.sigmoid(acc)
+    return out.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _kda_decode_layer_kernel(
+    q_ptr, k_ptr, v_ptr, stride_x,  # [B, H*D] each (views of one projection), rows stride_x apart
+    f_ptr, gate_ptr, stride_fg,  # [B, H*D] each: the forget gate's and the output gate's logits
+    b_ptr, stride_b,  # [B, H] beta logits
+    w_ptr,  # [3*H*D, K] float32 conv weights, q | k | v
+    dt_bias_ptr, a_log_ptr, o_norm_ptr,  # [H*D], [H], [D] float32
+    conv_ptr, stride_cr, stride_cc,  # [R, 3*H*D, K-1]
+    state_ptr, stride_sr,  # [R, H, D, D] float32
+    rows_ptr, out_ptr,  # [B]; [B, H*D] contiguous
+    scale, lower_bound, eps,
+    H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BOUNDED: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    ch = h * D + d  # this head's channels in each third
+    x = i.to(tl.int64) * stride_x + ch
+    conv = conv_ptr + row * stride_cr
+    q = _conv_silu_step(q_ptr + x, w_ptr, conv, stride_cc, ch, dm, K, BLOCK_K)
+    k = _conv_silu_step(k_ptr + x, w_ptr, conv, stride_cc, H * D + ch, dm, K, BLOCK_K)
+    v = _conv_silu_step(v_ptr + x, w_ptr, conv, stride_cc, 2 * H * D + ch, dm, K, BLOCK_K)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    # the forget gate's per-channel log decay, and beta (sigmoid in the logits' dtype)
+    fg = i.to(tl.int64) * stride_fg + ch
+    f = tl.load(f_ptr + fg, mask=dm, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + ch, mask=dm)
+    rate = tl.exp(tl.load(a_log_ptr + h))
+    if BOUNDED:
+        g = lower_bound * tl.sigmoid(rate * f)
+    else:  # softplus with torch's threshold 20
+        g = -rate * tl.where(f > 20.0, f, tl.maximum(f, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(f))))
+    b_raw = tl.load(b_ptr + i.to(tl.int64) * stride_b + h)
+    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    # the gated delta rule, state [Dk, Dv]
+    dv = tl.arange(0, BLOCK_D)
+    sm = dm[:, None] & (dv < D)[None, :]
+    s_ptrs = state_ptr + row * stride_sr + h * D * D + d[:, None] * D + dv[None, :]
+    s = tl.load(s_ptrs, mask=sm, other=0.0) * tl.exp(g)[:, None]
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    tl.store(s_ptrs, s, mask=sm)
+    o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    # gated RMSNorm per head
+    o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(o_norm_ptr + dv, mask=dv < D)
+    gate = tl.load(gate_ptr + i.to(tl.int64) * stride_fg + h * D + dv, mask=dv < D, other=0.0)
+    o = o * tl.sigmoid(gate.to(tl.float32))
+    tl.store(out_ptr + i.to(tl.int64) * (H * D) + h * D + dv, o.to(out_ptr.dtype.element_ty),
+             mask=dv < D)  # fmt: skip
+
+
+def kda_decode_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    gate: torch.Tensor,
+    weights: KDADecodeWeights,
+    conv_state: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """One token per request through a KDA layer's core in one kernel: the causal conv + SiLU of
+    q, k, v (conv_state[rows] shifts by one), the forget gate's log decay from f (+ dt_bias,
+    A_log), beta = sigmoid(b), the l2-normed gated delta rule on state[rows] (in place), the
+    per-head RMSNorm of its output gated by sigmoid(gate). q, k, v, f, gate: [B, H*D] with a
+    contiguous last dim (q, k, v may be views of one projection's output); b: [B, H]. Returns
+    [B, H*D] in q's dtype. It rounds where the unfused path (kernels.kda's signatures through
+    serving/models/kda.py) rounds: the conv outputs and the recurrence's output to q's dtype,
+    beta's sigmoid in b's dtype. Graph-safe."""
+    _check_state(state)
+    batch, width = q.shape
+    heads, dim = state.shape[1], state.shape[2]
+    assert width == heads * dim and k.stride() == v.stride() == q.stride() and q.stride(1) == 1
+    assert f.stride() == gate.stride() and f.stride(1) == 1 and b.stride(1) == 1
+    assert conv_state.stride(2) == 1
+    out = torch.empty(batch, width, device=q.device, dtype=q.dtype)
+    if batch == 0:
+        return out
+    ksize = weights.conv.shape[1]
+    _kda_decode_layer_kernel[(batch, heads)](
+        q, k, v, q.stride(0), f, gate, f.stride(0), b, b.stride(0),
+        weights.conv, weights.dt_bias, weights.a_log, weights.o_norm,
+        conv_state, conv_state.stride(0), conv_state.stride(1), state, state.stride(0),
+        rows, out, dim**-0.5, weights.lower_bound or 0.0, weights.eps,
+        H=heads, D=dim, K=ksize, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_K=triton.next_power_of_2(ksize - 1), BOUNDED=weights.lower_bound is not None,
+        num_warps=8 if dim >= 128 else 4,
+    )  # fmt: skip
+    return out

@@ -17,6 +17,10 @@ from serving.layers.attention.kda import delta_rule, short_conv
 from serving.layers.linear import Linear, StackedProjections, param, shard, tp_param
 from serving.memory.cache import KDALayerCache
 
+# On CUDA a decode batch runs the layer's core in one kernel (KDAttention._decode_fused); False
+# runs it unfused, as on the CPU (an A/B in benchmarks).
+FUSED_DECODE = True
+
 
 class KDAttention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
@@ -70,6 +74,8 @@ class KDAttention(nn.Module):
     ) -> torch.Tensor:
         """history (multi-token batches): receives [conv inputs, per-position states]."""
         q, k, v, f_a, g_a, b = self.in_proj(x)
+        if batch.is_decode and x.is_cuda and FUSED_DECODE:
+            return self.o_proj(self._decode_fused(q, k, v, f_a, g_a, b, batch, cache))
         mixed = torch.cat([q, k, v], dim=-1)
         mixed = short_conv(mixed, self.conv_weight, batch, cache, history)
         q, k, v = (t.view(-1, self.heads, self.dim) for t in mixed.chunk(3, dim=-1))
@@ -82,3 +88,18 @@ class KDAttention(nn.Module):
         gate = self.g_b_proj(g_a).view(-1, self.heads, self.dim).float()
         o = (of * torch.sigmoid(gate)).to(x.dtype).flatten(1)
         return self.o_proj(o)
+
+    def _decode_fused(self, q, k, v, f_a, g_a, b, batch: ForwardBatch, cache: KDALayerCache):
+        """forward's core for one token per request in one CUDA kernel (a decode step at TP8
+        runs 34 KDA layers: about 15 small launches each, unfused). Same math, rounded where
+        forward rounds (kernels/triton/kda.py kda_decode_layer)."""
+        from kernels.triton.kda import KDADecodeWeights, kda_decode_layer
+
+        weights = KDADecodeWeights(
+            self.conv_weight, self.dt_bias, self.A_log, self.o_norm, self.lower_bound,
+            self.norm_eps,
+        )  # fmt: skip
+        return kda_decode_layer(
+            q, k, v, self.f_b_proj(f_a), b, self.g_b_proj(g_a), weights, cache.conv,
+            cache.state, batch.req_rows,
+        )  # fmt: skip
