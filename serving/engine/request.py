@@ -85,7 +85,9 @@ class Req:
     # results are not processed yet; its row and pages are freed only at 0 (admission.release
     # defers). pending: tokens sampled for it still on the device, each committed when its step
     # is processed (2 at most: step N+1 launched before step N's commit); the newest is at its
-    # row of ModelRunner.next_tokens, and the next step's input is FUTURE.
+    # row of ModelRunner.next_tokens, and the next step's input is FUTURE. An overlapped EAGLE
+    # step counts 1 (at least one token; the host learns how many when it is processed), and
+    # leaves its next position in Eagle.next_positions.
     in_flight: int = 0
     pending: int = 0
     last_logprob: TokenLogprob | None = None  # of the latest sampled token, when asked for
