@@ -19,6 +19,7 @@
 # threads, the heaviest (tests/test_gpu.py, collected first) handed out first. Tests marked
 # xdist_group("real_moe") (the real-shape MoE cases, 20-45 GB each) share one process, so at most
 # one of them holds its memory at a time: side by side, three of them ran the GPU out of memory.
+# The two launch checks (xdist_group("launch_checks")) share one too: the second compiles little.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

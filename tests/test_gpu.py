@@ -116,6 +116,12 @@ def test_decode_graphs_equal_eager(tiny_ckpt):
     assert graphs == eager
 
 
+# The two launch checks build the same tiny model and share most kernels: one xdist process
+# runs them in turn (deploy/gpu_tests.sh), the second on the first's warm kernel cache.
+LAUNCH_CHECKS = pytest.mark.xdist_group("launch_checks")
+
+
+@LAUNCH_CHECKS
 def test_step_launches_never_wait_for_the_device(tiny_ckpt):
     """The overlap scheduler's premise (serving/tools/sync_check.py): launching a prefill batch
     or a decode step (graphs and eager, greedy and sampled rows, tokens pending on the device)
@@ -145,6 +151,7 @@ def test_step_launches_never_wait_for_the_device(tiny_ckpt):
         assert record["syncs"] == 0 and not record["blocked"], (path, record)
 
 
+@LAUNCH_CHECKS
 def test_overlapped_eagle_launches_never_wait_for_the_device(tiny_ckpt):
     """An overlapped EAGLE step (draft + verify, acceptance on the device, roll-back and
     catch-up; y and n read on the device), with graphs and eager, greedy and sampled rows,
