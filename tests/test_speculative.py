@@ -176,6 +176,18 @@ def test_overlapped_speculation_gives_the_tokens_of_the_sync_order(distilled, st
         overlapped.update(launched=0, deferred=0)
 
 
+def test_overlapped_speculation_retracts_and_recomputes(distilled):
+    """Out of KV pages, an overlapped EAGLE engine retracts (only with no step in flight: the
+    growth it asks for covers the step in flight too) and recomputes: plain decoding's tokens,
+    nothing leaked (run checks)."""
+    ps = [p[:40] for p in prompts()[:6]]
+    small = ("--max-total-tokens", "160", "--max-running-requests", "4", "--disable-radix-cache")
+    plain = run(engine(distilled, 0, *small), [greedy(i, p) for i, p in enumerate(ps)])
+    sched = engine(distilled, 3, *small)
+    assert run(sched, [greedy(i, p) for i, p in enumerate(ps)]) == plain
+    assert sched.stats.retractions > 0
+
+
 def chi_square_homogeneity(a: list[int], b: list[int]) -> tuple[float, float]:
     """Statistic and its p = 1e-3 critical value; categories expected < 5 times are pooled."""
     cats: dict[int, list[int]] = {}
