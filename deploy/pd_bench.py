@@ -16,7 +16,8 @@ router, for one or more sets of worker flags (e.g. without and with EAGLE).
 workers' PYTHONPATH; Debian packages in WHEELS/deb provide the system libraries Mooncake's
 engine.so links, linked in only where the machine lacks them. Each variant: start the stack
 with --worker-args + the variant's flags on both workers, wait until all three are healthy, one
-bench_serving run per --bench CONCURRENCY:REQUESTS, read the decode worker's /metrics and its
+bench_serving run per --bench CONCURRENCY:REQUESTS (each with prompts of its own: no run finds
+another's in the prefill worker's prefix cache), read the decode worker's /metrics and its
 request rows (peak held at once), stop the
 stack (router, decode, prefill; process groups killed when they do not exit). Writes
 OUT/results.json (rewritten after every run), OUT/VARIANT/{prefill,decode,router}.log and, with
@@ -28,6 +29,7 @@ failed (the error and its log tail are in results.json and printed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -59,6 +61,7 @@ from deploy.launch_local import (  # noqa: E402
 
 # over the worker's life (its /metrics gauges of the same names cover the last seconds only)
 SPEC_METRICS = ("spec_accept_length", "spec_accept_rate")
+PROMPT_SEEDS = itertools.count(1)  # one per bench_serving run: no run reuses another's prompts
 
 
 SHARED_DEVICE_FRACTION = 0.4  # per role, unless the worker args give --mem-fraction-static
@@ -261,9 +264,13 @@ def run_bench(
     extra: tuple = (),
     under_load=None,
 ) -> dict:
-    """One bench_serving run; `under_load()` is called --profile-delay-s after it starts."""
+    """One bench_serving run; `under_load()` is called --profile-delay-s after it starts. Each
+    run's prompts are new (its own seed): a run after another on the same workers would
+    otherwise find its prompts in the prefill worker's prefix cache and skip most of the
+    prefill, and the first loaded run would be the only one that computes its prompts."""
     cmd = [sys.executable, "-m", "serving.tools.bench_serving", "--url", url, *extra]
     cmd += ["--concurrency", str(concurrency), "--requests", str(requests)]
+    cmd += ["--seed", str(next(PROMPT_SEEDS))]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

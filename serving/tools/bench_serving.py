@@ -89,7 +89,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
     prompts = [
         [rng.randrange(0, args.vocab) for _ in range(args.input_len)] for _ in range(args.requests)
     ]
@@ -151,6 +151,13 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="of the random prompts: runs against one server that should not share a prefix "
+        "cache's hits need different seeds",
+    )
     ap.add_argument(
         "--direct",
         nargs=2,
