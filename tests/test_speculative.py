@@ -188,6 +188,33 @@ def test_overlapped_speculation_retracts_and_recomputes(distilled):
     assert sched.stats.retractions > 0
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_requests_that_fill_the_context_finish_under_speculation(distilled, overlap):
+    """prompt + max_tokens == the context length: an EAGLE step near the end writes verify
+    positions past the context (and, overlapped, the step in flight's too). The request table
+    maps them (pool.table_width); before, such a request could not grow, was taken for one out
+    of pages, and got a 503 while the others were retracted in a loop that never ended."""
+    context = 128
+    lengths = range(96, 125, 4)
+    ps = [new_prompts((n,), seed=n)[0] for n in lengths]
+    flags = ("--context-length", str(context), "--disable-radix-cache")
+    flags += () if overlap else ("--disable-overlap-schedule",)
+    reqs = [greedy(i, p, context - len(p)) for i, p in enumerate(ps)]
+    plain = run(engine(distilled, 0, *flags), reqs)
+    sched = engine(distilled, 3, *flags)
+    for r in reqs:
+        sched.add(r)
+    out: dict[str, list[int]] = {}
+    for _ in range(1000):  # a livelock fails here instead of hanging
+        if not sched.has_work:
+            break
+        for o in sched.step():
+            out.setdefault(o.rid, []).extend(o.new_token_ids)
+            assert not o.finished or o.finish_reason.kind == "length", (o.rid, o.finish_reason)
+    assert not sched.has_work and sched.stats.retractions == 0
+    assert out == plain
+
+
 def chi_square_homogeneity(a: list[int], b: list[int]) -> tuple[float, float]:
     """Statistic and its p = 1e-3 critical value; categories expected < 5 times are pooled."""
     cats: dict[int, list[int]] = {}

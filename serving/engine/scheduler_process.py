@@ -186,7 +186,7 @@ def log_memory_plan(
         ep_size=ps.ep_size,
         rank=ps.rank,
         dtype=dtype,
-        context=plan.max_context,
+        context=args.context_window(config),
         running=args.running_limit,
         extra=args.decode_extra_slots,
         speculative_steps=args.speculative_steps,

@@ -82,7 +82,7 @@ class PoolPlan:
     rows: int  # usable request rows (running + extra slots)
     pages: int  # usable KV pages (page 0 excluded)
     page_size: int
-    max_context: int
+    max_context: int  # positions a request row maps (plan_pool: table_width of the context)
     with_draft: bool = False
     num_draft_tokens: int = 1
     state_slots: int = 0  # KDA state snapshots of the prefix cache (0: no prefix cache)
@@ -121,6 +121,15 @@ class SnapshotBudget:
 
     ratio: float
     slots: int | None = None
+
+
+def table_width(context: int, with_draft: bool, num_draft_tokens: int) -> int:
+    """Positions a request row maps: the context, and with a draft the positions past it that
+    an EAGLE step may write for a request near its end (its verify's num_draft_tokens, and
+    under the overlap scheduler the step in flight's as well: DecodeManager._ahead). Without
+    them such a request could not grow, and the step would take it for a shortage of pages:
+    retractions that free nothing, then a 503."""
+    return context + (2 * num_draft_tokens if with_draft else 0)
 
 
 def fit_kv_tokens(
@@ -162,6 +171,7 @@ def plan_pool(
     """Size the token pool: --max-total-tokens if given; on CUDA what fits in
     mem_fraction_static of device memory after weights, request state and the state snapshots
     (`snapshots`, None: no prefix cache); on CPU 131072 tokens."""
+    max_context = table_width(max_context, with_draft, num_draft_tokens)
     elem = torch.tensor([], dtype=dtype).element_size()
     config = rank_cache_config(config)  # TP: this rank's KDA heads
     per_token = token_bytes(config, elem, with_draft)

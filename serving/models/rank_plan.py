@@ -24,7 +24,13 @@ import torch
 from serving.config import ModelConfig
 from serving.distributed import ParallelState, check_sizes, rank_cache_config, set_state, state
 from serving.memory.cache import tail_slots_for
-from serving.memory.pool import fit_kv_tokens, kda_state_bytes, row_bytes, token_bytes
+from serving.memory.pool import (
+    fit_kv_tokens,
+    kda_state_bytes,
+    row_bytes,
+    table_width,
+    token_bytes,
+)
 from serving.models.fp8_weights import TensorInfo, fp8_weights, read_header
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.loader import fp8_modules, hold_fp8_modules
@@ -232,7 +238,7 @@ def predict_rank(
         weight_bytes=weight_bytes,
         running=running,
         extra=extra,
-        context=context,
+        context=table_width(context, draft, speculative_steps + 1),
         row_bytes=row_bytes(local, elem, tail_slots_for(config, speculative_steps + 1), draft),
         kda_row_bytes=kda_state_bytes(local, elem),
         token_bytes=token_bytes(config, elem, draft),
