@@ -234,7 +234,8 @@ def varlen(lens: list[int], device: torch.device) -> Varlen:
         return hit
     cu = [0, *accumulate(lens)]
     chunks = [v for b, n in enumerate(lens) for i in range(-(-n // FLA_CHUNK)) for v in (b, i)]
-    host = torch.tensor(cu + chunks, dtype=torch.int64, pin_memory=True)
+    pinned = torch.device(device).type == "cuda"  # the CPU (Triton's interpreter) has no pinning
+    host = torch.tensor(cu + chunks, dtype=torch.int64, pin_memory=pinned)
     packed = host.to(device, non_blocking=True)
     meta = Varlen(packed[: len(cu)], host[: len(cu)].clone(), packed[len(cu) :].view(-1, 2))
     _varlens[key] = meta
