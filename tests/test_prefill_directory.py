@@ -14,6 +14,7 @@ import json
 import queue
 import socket
 import threading
+import time
 
 import pytest
 
@@ -31,6 +32,7 @@ class Bootstrap(threading.Thread):
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
         self.cut = threading.Event()
+        self.slow_once = threading.Event()  # the next answer comes after the client's timeout
 
     def run(self) -> None:
         while True:
@@ -40,6 +42,9 @@ class Bootstrap(threading.Thread):
                 return
             with conn:
                 request = conn.recv(65536)
+                if self.slow_once.is_set():
+                    self.slow_once.clear()
+                    time.sleep(2.5)
                 if self.cut.is_set():
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
                     continue
@@ -85,3 +90,18 @@ def test_cut_answers_are_misses_and_the_directory_lives_on(bootstrap) -> None:
     kind, addr, found = next_event(directory)
     assert (kind, addr) == ("found", bootstrap.addr), found
     assert found["rank"] == "127.0.0.1:4242"
+
+
+def test_a_lookup_that_times_out_is_tried_again(bootstrap) -> None:
+    """A bootstrap server slower than the client's timeout once (a prefill busy with a burst)
+    is not reported unreachable: that verdict would fail every room waiting on it."""
+    timeouts = Timeouts(
+        bootstrap=1, waiting=1, heartbeat_interval=60, heartbeat_max_failures=2, abort_ack=1
+    )
+    directory = PrefillDirectory(timeouts, api_key=None)
+    directory.start()
+    bootstrap.slow_once.set()
+    directory.lookups.put(bootstrap.addr)
+    kind, addr, found = next_event(directory)
+    assert (kind, addr) == ("found", bootstrap.addr), found
+    assert not bootstrap.slow_once.is_set()  # the slow answer really came first

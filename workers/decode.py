@@ -126,14 +126,23 @@ class PrefillDirectory(threading.Thread):
                     self._heartbeat(addr)
 
     def _lookup(self, addr: str) -> tuple[str, str, object]:
+        """Hazard: "unreachable" fails every room waiting on this prefill at once, so a lookup
+        that only timed out is tried again (LOOKUP_ATTEMPTS in all): a prefill worker admitting
+        a burst on a loaded host can take longer than the client's timeout to answer (a CI run
+        lost all 96 rooms of a burst to one such answer)."""
         base = f"http://{addr}/route?"
-        try:
-            cluster = self._get_json(base + "&".join(f"{k}=-1" for k in _QUERY))
-            rank = self._get_json(base + "&".join(f"{k}=0" for k in _QUERY))
-            rank_addr = f"{rank['rank_ip']}:{rank['rank_port']}"
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            return "unreachable", addr, f"{type(exc).__name__}: {exc}"
-        return "found", addr, {**cluster, "rank": rank_addr}
+        for _ in range(LOOKUP_ATTEMPTS):
+            try:
+                cluster = self._get_json(base + "&".join(f"{k}=-1" for k in _QUERY))
+                rank = self._get_json(base + "&".join(f"{k}=0" for k in _QUERY))
+                rank_addr = f"{rank['rank_ip']}:{rank['rank_port']}"
+            except httpx.TimeoutException as exc:
+                why = f"{type(exc).__name__}: {exc} ({LOOKUP_ATTEMPTS} attempts)"
+                continue
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                return "unreachable", addr, f"{type(exc).__name__}: {exc}"
+            return "found", addr, {**cluster, "rank": rank_addr}
+        return "unreachable", addr, why
 
     def _get_json(self, url: str) -> dict:
         r = self.client.get(url)
@@ -153,6 +162,7 @@ class PrefillDirectory(threading.Thread):
 
 
 _QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+LOOKUP_ATTEMPTS = 3  # of a bootstrap lookup that times out (the client's timeout: 2 s each)
 
 
 class DecodeRole(Role):
