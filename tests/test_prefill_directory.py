@@ -70,13 +70,21 @@ def next_event(directory: PrefillDirectory) -> tuple[str, str, object]:
         pytest.fail(f"no event from the directory (thread alive: {directory.is_alive()})")
 
 
-def test_cut_answers_are_misses_and_the_directory_lives_on(bootstrap) -> None:
+def started_directory(heartbeat_interval: float) -> PrefillDirectory:
     timeouts = Timeouts(
-        bootstrap=1, waiting=1, heartbeat_interval=0.05, heartbeat_max_failures=2, abort_ack=1
+        bootstrap=1,
+        waiting=1,
+        heartbeat_interval=heartbeat_interval,
+        heartbeat_max_failures=2,
+        abort_ack=1,
     )
     directory = PrefillDirectory(timeouts, api_key=None)
     directory.start()
+    return directory
 
+
+def test_cut_answers_are_misses_and_the_directory_lives_on(bootstrap) -> None:
+    directory = started_directory(heartbeat_interval=0.05)
     bootstrap.cut.set()
     directory.watched.add(bootstrap.addr)
     assert next_event(directory) == ("dead", bootstrap.addr, None)
@@ -95,11 +103,7 @@ def test_cut_answers_are_misses_and_the_directory_lives_on(bootstrap) -> None:
 def test_a_lookup_that_times_out_is_tried_again(bootstrap) -> None:
     """A bootstrap server slower than the client's timeout once (a prefill busy with a burst)
     is not reported unreachable: that verdict would fail every room waiting on it."""
-    timeouts = Timeouts(
-        bootstrap=1, waiting=1, heartbeat_interval=60, heartbeat_max_failures=2, abort_ack=1
-    )
-    directory = PrefillDirectory(timeouts, api_key=None)
-    directory.start()
+    directory = started_directory(heartbeat_interval=60)
     bootstrap.slow_once.set()
     directory.lookups.put(bootstrap.addr)
     kind, addr, found = next_event(directory)
