@@ -387,11 +387,12 @@ def test_conv_gpu(dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol):
+def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol, step_len=1):
     """The fused decode (KDAttention._decode_fused: kernels/triton/kda.py kda_decode_layer) on
     `device` against KDAttention.forward on the CPU (the torch references, same dtype), from the
-    same weights, token and states: the layer's output, its conv and recurrent states, and rows
-    outside the batch untouched."""
+    same weights, tokens and states: the layer's output, its conv and recurrent states, and rows
+    outside the batch untouched. step_len > 1 is a verify step: every request adds step_len
+    tokens and both record the roll-back's history, compared too."""
     from serving.config import ModelConfig
     from serving.forward_batch import ForwardBatch
     from serving.memory.cache import KDALayerCache
@@ -411,26 +412,35 @@ def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol):
             p.copy_(torch.randn(p.shape, generator=gen) * scale + (name == "o_norm"))
     num_rows, width = 16, 3 * heads * dim
     ksize = config.linear_conv_kernel_dim
+    verify = step_len > 1
 
     def inputs(dev):
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(batch, config.hidden_size, generator=g).to(dev, dtype)
+        x = torch.randn(batch * step_len, config.hidden_size, generator=g).to(dev, dtype)
         conv = torch.randn(num_rows, width, ksize - 1, generator=g).to(dev, dtype)
         state = (torch.randn(num_rows, heads, dim, dim, generator=g) * 0.1).to(dev)
         rows = _rows(batch, num_rows, dev)
         req_to_token = torch.zeros(num_rows, 8, dtype=torch.int64, device=dev)
-        fb = ForwardBatch.build([0] * batch, rows.tolist(), [3] * batch, [1] * batch, req_to_token)
+        if verify:
+            starts = torch.full((batch,), 3, device=dev)
+            ids = torch.zeros(batch * step_len, dtype=torch.int64, device=dev)
+            fb = ForwardBatch.uniform(ids, rows, starts, step_len, req_to_token, 8)
+        else:
+            fb = ForwardBatch.build([0] * batch, rows.tolist(), [3] * batch, [1] * batch,
+                                    req_to_token)  # fmt: skip
         return x, KDALayerCache(conv, state), fb
 
     x, cache_ref, fb_ref = inputs("cpu")
+    hist_ref, hist = ([], []) if verify else (None, None)
     with torch.no_grad():
-        ref = layer.forward(x, fb_ref, cache_ref)
+        ref = layer.forward(x, fb_ref, cache_ref, hist_ref)
         layer.to(device)
         x, cache, fb = inputs(device)
         conv0, state0 = cache.conv.clone(), cache.state.clone()
         _poison(device)
         q, k, v, f_a, g_a, b = layer.in_proj(x)
-        out = layer.o_proj(layer._decode_fused(q, k, v, f_a, g_a, b, fb, cache))
+        core = layer._decode_fused(q, k, v, f_a, g_a, b, fb, cache, step_len, hist)
+        out = layer.o_proj(core)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     _check_close(out.cpu(), ref, tol, "layer out")
     rows = fb.req_rows
@@ -438,10 +448,17 @@ def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol):
     untouched[rows] = False
     assert torch.equal(cache.conv[untouched], conv0[untouched]), "conv rows outside the batch"
     assert torch.equal(cache.state[untouched], state0[untouched]), "states outside the batch"
-    # the conv state holds inputs: shifted by one, this device's projections last (exactly)
-    assert torch.equal(cache.conv[rows, :, :-1], conv0[rows, :, 1:]), "conv state shift"
-    assert torch.equal(cache.conv[rows, :, -1], torch.cat([q, k, v], -1).to(cache.conv.dtype))
+    # the conv state holds inputs: shifted by step_len, this device's projections last (exactly)
+    inputs_now = torch.cat([q, k, v], -1).to(cache.conv.dtype).view(batch, step_len, width)
+    window = torch.cat([conv0[rows], inputs_now.transpose(1, 2)], -1)
+    assert torch.equal(cache.conv[rows], window[:, :, -(ksize - 1) :]), "conv state"
     _check_close(cache.state.cpu()[rows.cpu()], cache_ref.state[rows.cpu()], tol, "state")
+    if verify:
+        (conv_hist, state_hist), (conv_hist_ref, state_hist_ref) = hist, hist_ref
+        assert conv_hist.shape == conv_hist_ref.shape and conv_hist.dtype == conv_hist_ref.dtype
+        assert torch.equal(conv_hist, window.to(conv_hist.dtype)), "conv history"
+        assert state_hist.shape == state_hist_ref.shape
+        _check_close(state_hist.cpu(), state_hist_ref, tol, "state history")
 
 
 @cpu_interp
@@ -451,6 +468,8 @@ def test_kda_decode_layer_interpreter(dtype, lower_bound):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     _run_kda_decode_layer(2, 16, 5, dtype, "cpu", lower_bound, tol)
     _run_kda_decode_layer(3, 24, 1, dtype, "cpu", lower_bound, tol)  # D not a power of 2
+    _run_kda_decode_layer(2, 16, 3, dtype, "cpu", lower_bound, tol, step_len=2)  # verify
+    _run_kda_decode_layer(3, 24, 2, dtype, "cpu", lower_bound, tol, step_len=4)
 
 
 @pytest.mark.gpu
@@ -461,6 +480,8 @@ def test_kda_decode_layer_gpu(dtype):
     for heads, batch in ((8, 1), (8, 8), (16, 32)):  # TP8's rank, the bench preset
         _run_kda_decode_layer(heads, 128, batch, dtype, "cuda", -5.0, tol)
     _run_kda_decode_layer(8, 128, 4, dtype, "cuda", None, tol)
+    for step_len, batch in ((2, 1), (2, 32), (4, 8)):  # EAGLE's verify at 1 and 3 steps
+        _run_kda_decode_layer(8, 128, batch, dtype, "cuda", -5.0, tol, step_len)
 
 
 # ---------------------------------------------------------------------------------------------

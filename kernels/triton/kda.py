@@ -523,78 +523,118 @@ class KDADecodeWeights(NamedTuple):
 
 
 @triton.jit
-def _conv_silu_step(
-    x_ptr, w_ptr, conv_ptr, stride_cc, ch, mask, K: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """One channel block's causal conv + SiLU for one new input, its conv state shifted by one
-    (slots oldest first). Returns the output rounded to x's dtype, as float32."""
-    x = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
+def _conv_silu_step(x, w_ptr, slots, ch, mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One channel block's causal conv + SiLU for one new input x (float32, in its dtype's
+    values) and the block's conv state `slots` [BLOCK_D, K-1] (oldest first), shifted by one.
+    Returns the output rounded to `out_dtype`'s values, as float32."""
     j = tl.arange(0, BLOCK_K)
     jm = mask[:, None] & (j < K - 1)[None, :]
-    slots = conv_ptr + ch[:, None] * stride_cc + j[None, :]
-    old = tl.load(slots, mask=jm, other=0.0).to(tl.float32)
+    ptrs = slots + j[None, :]
+    old = tl.load(ptrs, mask=jm, other=0.0).to(tl.float32)
     w_old = tl.load(w_ptr + ch[:, None] * K + j[None, :], mask=jm, other=0.0)
     acc = tl.sum(old * w_old, 1) + x * tl.load(w_ptr + ch * K + (K - 1), mask=mask, other=0.0)
-    later = tl.load(slots + 1, mask=jm & (j < K - 2)[None, :], other=0.0).to(tl.float32)
+    later = tl.load(ptrs + 1, mask=jm & (j < K - 2)[None, :], other=0.0).to(tl.float32)
     new = tl.where((j == K - 2)[None, :], x[:, None], later)
     tl.debug_barrier()  # every old slot is read before any is overwritten
-    tl.store(slots, new.to(conv_ptr.dtype.element_ty), mask=jm)
-    out = acc * tl.sigmoid(acc)
-    return out.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(ptrs, new.to(slots.dtype.element_ty), mask=jm)
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
+def _conv_slots_to_history(slots, hist, mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Copy a channel block's conv state [BLOCK_D, K-1] into its history's first K-1 columns."""
+    j = tl.arange(0, BLOCK_K)
+    jm = mask[:, None] & (j < K - 1)[None, :]
+    old = tl.load(slots + j[None, :], mask=jm, other=0.0)
+    tl.store(hist + j[None, :], old.to(hist.dtype.element_ty), mask=jm)
 
 
 @triton.jit
 def _kda_decode_layer_kernel(
-    q_ptr, k_ptr, v_ptr, stride_x,  # [B, H*D] each (views of one projection), rows stride_x apart
-    f_ptr, gate_ptr, stride_fg,  # [B, H*D] each: the forget gate's and the output gate's logits
-    b_ptr, stride_b,  # [B, H] beta logits
+    q_ptr, k_ptr, v_ptr, stride_x,  # [B*T, H*D] each (views of one projection), rows stride_x apart
+    f_ptr, gate_ptr, stride_fg,  # [B*T, H*D] each: the forget gate's and the output gate's logits
+    b_ptr, stride_b,  # [B*T, H] beta logits
     w_ptr,  # [3*H*D, K] float32 conv weights, q | k | v
     dt_bias_ptr, a_log_ptr, o_norm_ptr,  # [H*D], [H], [D] float32
     conv_ptr, stride_cr, stride_cc,  # [R, 3*H*D, K-1]
     state_ptr, stride_sr,  # [R, H, D, D] float32
-    rows_ptr, out_ptr,  # [B]; [B, H*D] contiguous
+    rows_ptr, out_ptr,  # [B]; [B*T, H*D] contiguous
+    conv_hist_ptr, state_hist_ptr,  # HISTORY: [B, 3*H*D, K-1+T] float32, [B, T, H, D, D] float32
     scale, lower_bound, eps,
+    T: tl.constexpr, HISTORY: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BOUNDED: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0)
+    i = tl.program_id(0)  # the request
     h = tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     ch = h * D + d  # this head's channels in each third
-    x = i.to(tl.int64) * stride_x + ch
     conv = conv_ptr + row * stride_cr
-    q = _conv_silu_step(q_ptr + x, w_ptr, conv, stride_cc, ch, dm, K, BLOCK_K)
-    k = _conv_silu_step(k_ptr + x, w_ptr, conv, stride_cc, H * D + ch, dm, K, BLOCK_K)
-    v = _conv_silu_step(v_ptr + x, w_ptr, conv, stride_cc, 2 * H * D + ch, dm, K, BLOCK_K)
-    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
-    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-    # the forget gate's per-channel log decay, and beta (sigmoid in the logits' dtype)
-    fg = i.to(tl.int64) * stride_fg + ch
-    f = tl.load(f_ptr + fg, mask=dm, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + ch, mask=dm)
+    q_slots = conv + ch[:, None] * stride_cc
+    k_slots = conv + (H * D + ch)[:, None] * stride_cc
+    v_slots = conv + (2 * H * D + ch)[:, None] * stride_cc
+    hist_w = K - 1 + T  # conv history columns: the old state, then the step's inputs
+    conv_hist = conv_hist_ptr + i.to(tl.int64) * (3 * H * D * hist_w)
+    if HISTORY:  # read before the first step's barrier, so before any slot is overwritten
+        _conv_slots_to_history(q_slots, conv_hist + ch[:, None] * hist_w, dm, K, BLOCK_K)
+        _conv_slots_to_history(k_slots, conv_hist + (H * D + ch)[:, None] * hist_w, dm, K, BLOCK_K)
+        _conv_slots_to_history(
+            v_slots, conv_hist + (2 * H * D + ch)[:, None] * hist_w, dm, K, BLOCK_K
+        )
     rate = tl.exp(tl.load(a_log_ptr + h))
-    if BOUNDED:
-        g = lower_bound * tl.sigmoid(rate * f)
-    else:  # softplus with torch's threshold 20
-        g = -rate * tl.where(f > 20.0, f, tl.maximum(f, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(f))))
-    b_raw = tl.load(b_ptr + i.to(tl.int64) * stride_b + h)
-    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
-    # the gated delta rule, state [Dk, Dv]
+    dt_bias = tl.load(dt_bias_ptr + ch, mask=dm)
     dv = tl.arange(0, BLOCK_D)
     sm = dm[:, None] & (dv < D)[None, :]
     s_ptrs = state_ptr + row * stride_sr + h * D * D + d[:, None] * D + dv[None, :]
-    s = tl.load(s_ptrs, mask=sm, other=0.0) * tl.exp(g)[:, None]
-    delta = (v - tl.sum(s * k[:, None], 0)) * beta
-    s = s + k[:, None] * delta[None, :]
+    s = tl.load(s_ptrs, mask=sm, other=0.0)  # the state [Dk, Dv], kept here across the steps
+    for t in tl.static_range(T):
+        tok = i.to(tl.int64) * T + t
+        x = tok * stride_x + ch
+        xq = tl.load(q_ptr + x, mask=dm, other=0.0)
+        xk = tl.load(k_ptr + x, mask=dm, other=0.0)
+        xv = tl.load(v_ptr + x, mask=dm, other=0.0)
+        if HISTORY:
+            col = K - 1 + t
+            tl.store(conv_hist + ch * hist_w + col, xq.to(tl.float32), mask=dm)
+            tl.store(conv_hist + (H * D + ch) * hist_w + col, xk.to(tl.float32), mask=dm)
+            tl.store(conv_hist + (2 * H * D + ch) * hist_w + col, xv.to(tl.float32), mask=dm)
+        if t > 0:
+            tl.debug_barrier()  # the previous step's shifted slots are written before re-reading
+        q = _conv_silu_step(xq.to(tl.float32), w_ptr, q_slots, ch, dm, K, BLOCK_K)
+        k = _conv_silu_step(xk.to(tl.float32), w_ptr, k_slots, H * D + ch, dm, K, BLOCK_K)
+        v = _conv_silu_step(xv.to(tl.float32), w_ptr, v_slots, 2 * H * D + ch, dm, K, BLOCK_K)
+        # the conv outputs round to the inputs' dtype, as the unfused path's conv returns them
+        q = q.to(xq.dtype).to(tl.float32)
+        k = k.to(xq.dtype).to(tl.float32)
+        v = v.to(xq.dtype).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        # the forget gate's per-channel log decay, and beta (sigmoid in the logits' dtype)
+        fg = tok * stride_fg + ch
+        f = tl.load(f_ptr + fg, mask=dm, other=0.0).to(tl.float32) + dt_bias
+        if BOUNDED:
+            g = lower_bound * tl.sigmoid(rate * f)
+        else:  # softplus with torch's threshold 20
+            g = -rate * tl.where(f > 20.0, f, tl.maximum(f, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(f))))
+        b_raw = tl.load(b_ptr + tok * stride_b + h)
+        beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+        # the gated delta rule
+        s = s * tl.exp(g)[:, None]
+        delta = (v - tl.sum(s * k[:, None], 0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        if HISTORY:
+            hist_s = state_hist_ptr + (tok * H + h) * D * D + d[:, None] * D + dv[None, :]
+            tl.store(hist_s, s, mask=sm)
+        o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
+        # gated RMSNorm per head
+        o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(o_norm_ptr + dv, mask=dv < D)
+        gate = tl.load(gate_ptr + tok * stride_fg + h * D + dv, mask=dv < D, other=0.0)
+        o = o * tl.sigmoid(gate.to(tl.float32))
+        tl.store(out_ptr + tok * (H * D) + h * D + dv, o.to(out_ptr.dtype.element_ty),
+                 mask=dv < D)  # fmt: skip
     tl.store(s_ptrs, s, mask=sm)
-    o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
-    # gated RMSNorm per head
-    o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(o_norm_ptr + dv, mask=dv < D)
-    gate = tl.load(gate_ptr + i.to(tl.int64) * stride_fg + h * D + dv, mask=dv < D, other=0.0)
-    o = o * tl.sigmoid(gate.to(tl.float32))
-    tl.store(out_ptr + i.to(tl.int64) * (H * D) + h * D + dv, o.to(out_ptr.dtype.element_ty),
-             mask=dv < D)  # fmt: skip
 
 
 def kda_decode_layer(
@@ -608,30 +648,45 @@ def kda_decode_layer(
     conv_state: torch.Tensor,
     state: torch.Tensor,
     rows: torch.Tensor,
+    step_len: int = 1,
+    history: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One token per request through a KDA layer's core in one kernel: the causal conv + SiLU of
-    q, k, v (conv_state[rows] shifts by one), the forget gate's log decay from f (+ dt_bias,
+    """A decode-phase step through a KDA layer's core in one kernel, step_len tokens per request
+    (1, or a speculative verify's draft tokens), in order: the causal conv + SiLU of q, k, v
+    (conv_state[rows] shifts by one per token), the forget gate's log decay from f (+ dt_bias,
     A_log), beta = sigmoid(b), the l2-normed gated delta rule on state[rows] (in place), the
-    per-head RMSNorm of its output gated by sigmoid(gate). q, k, v, f, gate: [B, H*D] with a
-    contiguous last dim (q, k, v may be views of one projection's output); b: [B, H]. Returns
-    [B, H*D] in q's dtype. It rounds where the unfused path (kernels.kda's signatures through
-    serving/models/kda.py) rounds: the conv outputs and the recurrence's output to q's dtype,
-    beta's sigmoid in b's dtype. Graph-safe."""
+    per-head RMSNorm of its output gated by sigmoid(gate). q, k, v, f, gate: [B*step_len, H*D]
+    with a contiguous last dim (q, k, v may be views of one projection's output); b:
+    [B*step_len, H]. Returns [B*step_len, H*D] in q's dtype. With history, appends what the
+    unfused path's (kda_uniform and causal_conv_uniform's) history holds, for a verify's
+    roll-back: the conv inputs [B, 3*H*D, K-1+step_len] (old state ++ the step's inputs) and the
+    state after each token [B, step_len, H, D, D], both float32. It rounds where the unfused
+    path (kernels.kda's signatures through serving/models/kda.py) rounds: the conv outputs and
+    the recurrence's output to q's dtype, beta's sigmoid in b's dtype. Graph-safe."""
     _check_state(state)
-    batch, width = q.shape
+    tokens, width = q.shape
     heads, dim = state.shape[1], state.shape[2]
     assert width == heads * dim and k.stride() == v.stride() == q.stride() and q.stride(1) == 1
     assert f.stride() == gate.stride() and f.stride(1) == 1 and b.stride(1) == 1
-    assert conv_state.stride(2) == 1
-    out = torch.empty(batch, width, device=q.device, dtype=q.dtype)
-    if batch == 0:
+    assert conv_state.stride(2) == 1 and tokens % step_len == 0
+    num_reqs, ksize = tokens // step_len, weights.conv.shape[1]
+    out = torch.empty(tokens, width, device=q.device, dtype=q.dtype)
+    conv_hist = state_hist = out  # unused without history
+    if history is not None:
+        conv_hist = torch.empty(
+            num_reqs, 3 * width, ksize - 1 + step_len, device=q.device, dtype=weights.conv.dtype
+        )
+        state_hist = torch.empty(num_reqs, step_len, heads, dim, dim, device=q.device,
+                                 dtype=torch.float32)  # fmt: skip
+        history += [conv_hist, state_hist]
+    if num_reqs == 0:
         return out
-    ksize = weights.conv.shape[1]
-    _kda_decode_layer_kernel[(batch, heads)](
+    _kda_decode_layer_kernel[(num_reqs, heads)](
         q, k, v, q.stride(0), f, gate, f.stride(0), b, b.stride(0),
         weights.conv, weights.dt_bias, weights.a_log, weights.o_norm,
         conv_state, conv_state.stride(0), conv_state.stride(1), state, state.stride(0),
-        rows, out, dim**-0.5, weights.lower_bound or 0.0, weights.eps,
+        rows, out, conv_hist, state_hist, dim**-0.5, weights.lower_bound or 0.0, weights.eps,
+        T=step_len, HISTORY=history is not None,
         H=heads, D=dim, K=ksize, BLOCK_D=triton.next_power_of_2(dim),
         BLOCK_K=triton.next_power_of_2(ksize - 1), BOUNDED=weights.lower_bound is not None,
         num_warps=8 if dim >= 128 else 4,

@@ -17,8 +17,9 @@ from serving.layers.attention.kda import delta_rule, short_conv
 from serving.layers.linear import Linear, StackedProjections, param, shard, tp_param
 from serving.memory.cache import KDALayerCache
 
-# On CUDA a decode batch runs the layer's core in one kernel (KDAttention._decode_fused); False
-# runs it unfused, as on the CPU (an A/B in benchmarks).
+# On CUDA a decode or verify batch (every request adds the same few tokens) runs the layer's
+# core in one kernel (KDAttention._decode_fused); False runs it unfused, as on the CPU (an A/B
+# in benchmarks).
 FUSED_DECODE = True
 
 
@@ -74,8 +75,10 @@ class KDAttention(nn.Module):
     ) -> torch.Tensor:
         """history (multi-token batches): receives [conv inputs, per-position states]."""
         q, k, v, f_a, g_a, b = self.in_proj(x)
-        if batch.is_decode and x.is_cuda and FUSED_DECODE:
-            return self.o_proj(self._decode_fused(q, k, v, f_a, g_a, b, batch, cache))
+        step_len = 1 if batch.is_decode else batch.step_len
+        if step_len is not None and x.is_cuda and FUSED_DECODE:
+            core = self._decode_fused(q, k, v, f_a, g_a, b, batch, cache, step_len, history)
+            return self.o_proj(core)
         mixed = torch.cat([q, k, v], dim=-1)
         mixed = short_conv(mixed, self.conv_weight, batch, cache, history)
         q, k, v = (t.view(-1, self.heads, self.dim) for t in mixed.chunk(3, dim=-1))
@@ -89,10 +92,13 @@ class KDAttention(nn.Module):
         o = (of * torch.sigmoid(gate)).to(x.dtype).flatten(1)
         return self.o_proj(o)
 
-    def _decode_fused(self, q, k, v, f_a, g_a, b, batch: ForwardBatch, cache: KDALayerCache):
-        """forward's core for one token per request in one CUDA kernel (a decode step at TP8
-        runs 34 KDA layers: about 15 small launches each, unfused). Same math, rounded where
-        forward rounds (kernels/triton/kda.py kda_decode_layer)."""
+    def _decode_fused(
+        self, q, k, v, f_a, g_a, b, batch: ForwardBatch, cache: KDALayerCache, step_len, history
+    ):
+        """forward's core for step_len tokens per request (a decode step, or a speculative
+        verify's, which records the history its roll-back reads) in one CUDA kernel: a decode
+        step at TP8 runs 34 KDA layers, about 15 small launches each unfused. Same math,
+        rounded where forward rounds (kernels/triton/kda.py kda_decode_layer)."""
         from kernels.triton.kda import KDADecodeWeights, kda_decode_layer
 
         weights = KDADecodeWeights(
@@ -101,5 +107,5 @@ class KDAttention(nn.Module):
         )  # fmt: skip
         return kda_decode_layer(
             q, k, v, self.f_b_proj(f_a), b, self.g_b_proj(g_a), weights, cache.conv,
-            cache.state, batch.req_rows,
+            cache.state, batch.req_rows, step_len, history,
         )  # fmt: skip
