@@ -320,7 +320,9 @@ def _conv_inputs(total, chans, kernel, num_rows, dtype, device, seed=0):
 def _rows(n, num_rows, device):
     # non-contiguous, unsorted, some beyond a small running count
     picks = [num_rows - 1, 2, num_rows - 4, 5, 1, num_rows - 2, 7, 9]
-    assert n <= len(picks)
+    if n > len(picks):  # a seeded shuffle of twice as many rows as the batch
+        assert num_rows >= 2 * n
+        picks = torch.randperm(num_rows, generator=torch.Generator().manual_seed(n)).tolist()
     return torch.tensor(picks[:n], device=device)
 
 
@@ -410,7 +412,7 @@ def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol, st
         for name, p in layer.named_parameters():
             scale = {"A_log": 0.5, "dt_bias": 1.0, "o_norm": 0.2}.get(name, p.shape[-1] ** -0.5)
             p.copy_(torch.randn(p.shape, generator=gen) * scale + (name == "o_norm"))
-    num_rows, width = 16, 3 * heads * dim
+    num_rows, width = max(16, 2 * batch), 3 * heads * dim
     ksize = config.linear_conv_kernel_dim
     verify = step_len > 1
 
@@ -470,6 +472,7 @@ def test_kda_decode_layer_interpreter(dtype, lower_bound):
     _run_kda_decode_layer(3, 24, 1, dtype, "cpu", lower_bound, tol)  # D not a power of 2
     _run_kda_decode_layer(2, 16, 3, dtype, "cpu", lower_bound, tol, step_len=2)  # verify
     _run_kda_decode_layer(3, 24, 2, dtype, "cpu", lower_bound, tol, step_len=4)
+    _run_kda_decode_layer(2, 16, 12, dtype, "cpu", lower_bound, tol, step_len=2)  # > 8 rows
 
 
 @pytest.mark.gpu
