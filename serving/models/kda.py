@@ -17,10 +17,13 @@ from serving.layers.attention.kda import delta_rule, short_conv
 from serving.layers.linear import Linear, StackedProjections, param, shard, tp_param
 from serving.memory.cache import KDALayerCache
 
-# On CUDA a decode or verify batch (every request adds the same few tokens) runs the layer's
-# core in one kernel (KDAttention._decode_fused); False runs it unfused, as on the CPU (an A/B
-# in benchmarks).
+# On CUDA a decode batch runs the layer's core in one kernel (KDAttention._decode_fused); False
+# runs it unfused, as on the CPU (an A/B in benchmarks). FUSED_VERIFY does the same for a
+# speculative verify (step_len tokens per request, recording the roll-back's history). The
+# kernel's verify path passed its own GPU test against the unfused one (session 12); it stays off
+# until tests/test_gpu.py's whole-model EAGLE token tests have passed with it on a GPU.
 FUSED_DECODE = True
+FUSED_VERIFY = False
 
 
 class KDAttention(nn.Module):
@@ -75,7 +78,7 @@ class KDAttention(nn.Module):
     ) -> torch.Tensor:
         """history (multi-token batches): receives [conv inputs, per-position states]."""
         q, k, v, f_a, g_a, b = self.in_proj(x)
-        step_len = 1 if batch.is_decode else batch.step_len
+        step_len = 1 if batch.is_decode else (batch.step_len if FUSED_VERIFY else None)
         if step_len is not None and x.is_cuda and FUSED_DECODE:
             core = self._decode_fused(q, k, v, f_a, g_a, b, batch, cache, step_len, history)
             return self.o_proj(core)
