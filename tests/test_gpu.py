@@ -195,6 +195,29 @@ def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, plain_tokens,
     assert stats.spec_committed_tokens > 1.2 * stats.spec_verify_steps, stats
 
 
+@pytest.mark.parametrize("steps", [1, 3])
+def test_fused_kda_verify_equals_plain_decode(distilled_ckpt, plain_tokens, steps, monkeypatch):
+    """The verify through the fused KDA kernel (serving/models/kda.py FUSED_VERIFY, off by
+    default until this passes on a GPU), in the whole model with graphs and overlap: plain
+    decoding's tokens, with drafts accepted (its roll-back reads the kernel's history)."""
+    import kernels.triton.kda as kernel
+    import serving.models.kda as kda
+
+    fused_steps = []
+    layer = kernel.kda_decode_layer
+
+    def counted(*args, **kwargs):
+        fused_steps.append(args[10] if len(args) > 10 else kwargs.get("step_len", 1))
+        return layer(*args, **kwargs)
+
+    monkeypatch.setattr(kda, "FUSED_VERIFY", True)
+    monkeypatch.setattr(kernel, "kda_decode_layer", counted)
+    graphs, stats = _engine_tokens(distilled_ckpt, "full", "float32", tuple(eagle_flags(steps)))
+    assert steps + 1 in fused_steps, "the verify did not run through the fused kernel"
+    assert graphs == plain_tokens
+    assert stats.spec_committed_tokens > 1.2 * stats.spec_verify_steps, stats
+
+
 def test_triton_mhc_mix_matches_reference():
     from kernels.mhc import mhc_mix_reference
     from kernels.triton.mhc import mhc_mix_triton

@@ -21,7 +21,7 @@ from serving.memory.cache import KDALayerCache
 # runs it unfused, as on the CPU (an A/B in benchmarks). FUSED_VERIFY does the same for a
 # speculative verify (step_len tokens per request, recording the roll-back's history). The
 # kernel's verify path passed its own GPU test against the unfused one (session 12); it stays off
-# until tests/test_gpu.py's whole-model EAGLE token tests have passed with it on a GPU.
+# until tests/test_gpu.py::test_fused_kda_verify_equals_plain_decode has passed on a GPU.
 FUSED_DECODE = True
 FUSED_VERIFY = False
 
