@@ -524,9 +524,10 @@ class KDADecodeWeights(NamedTuple):
 
 @triton.jit
 def _conv_silu_step(x, w_ptr, slots, ch, mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One channel block's causal conv + SiLU for one new input x (float32, in its dtype's
-    values) and the block's conv state `slots` [BLOCK_D, K-1] (oldest first), shifted by one.
-    Returns the output rounded to `out_dtype`'s values, as float32."""
+    """One channel block's causal conv + SiLU for one new input x (float32 holding the input
+    dtype's values) and the block's conv state `slots` [BLOCK_D, K-1] (oldest first), shifted by
+    one. Returns the output in float32, unrounded (the caller rounds it as the unfused conv's
+    output is rounded)."""
     j = tl.arange(0, BLOCK_K)
     jm = mask[:, None] & (j < K - 1)[None, :]
     ptrs = slots + j[None, :]
