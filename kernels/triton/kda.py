@@ -578,6 +578,7 @@ def _kda_decode_layer_kernel(
     v_slots = conv + (2 * H * D + ch)[:, None] * stride_cc
     hist_w = K - 1 + T  # conv history columns: the old state, then the step's inputs
     conv_hist = conv_hist_ptr + i.to(tl.int64) * (3 * H * D * hist_w)
+    hist_dtype = conv_hist_ptr.dtype.element_ty  # the conv weights' (float32)
     if HISTORY:  # read before the first step's barrier, so before any slot is overwritten
         _conv_slots_to_history(q_slots, conv_hist + ch[:, None] * hist_w, dm, K, BLOCK_K)
         _conv_slots_to_history(k_slots, conv_hist + (H * D + ch)[:, None] * hist_w, dm, K, BLOCK_K)
@@ -598,9 +599,9 @@ def _kda_decode_layer_kernel(
         xv = tl.load(v_ptr + x, mask=dm, other=0.0)
         if HISTORY:
             col = K - 1 + t
-            tl.store(conv_hist + ch * hist_w + col, xq.to(tl.float32), mask=dm)
-            tl.store(conv_hist + (H * D + ch) * hist_w + col, xk.to(tl.float32), mask=dm)
-            tl.store(conv_hist + (2 * H * D + ch) * hist_w + col, xv.to(tl.float32), mask=dm)
+            tl.store(conv_hist + ch * hist_w + col, xq.to(hist_dtype), mask=dm)
+            tl.store(conv_hist + (H * D + ch) * hist_w + col, xk.to(hist_dtype), mask=dm)
+            tl.store(conv_hist + (2 * H * D + ch) * hist_w + col, xv.to(hist_dtype), mask=dm)
         if t > 0:
             tl.debug_barrier()  # the previous step's shifted slots are written before re-reading
         q = _conv_silu_step(xq.to(tl.float32), w_ptr, q_slots, ch, dm, K, BLOCK_K)
