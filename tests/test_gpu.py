@@ -197,9 +197,10 @@ def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, plain_tokens,
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_fused_kda_verify_equals_plain_decode(distilled_ckpt, plain_tokens, steps, monkeypatch):
-    """The verify through the fused KDA kernel (serving/models/kda.py FUSED_VERIFY, off by
-    default until this passes on a GPU), in the whole model with graphs and overlap: plain
-    decoding's tokens, with drafts accepted (its roll-back reads the kernel's history)."""
+    """The verify through the fused KDA kernel (serving/models/kda.py FUSED_VERIFY, the
+    default; set here so the test holds if the default changes), in the whole model with graphs
+    and overlap: plain decoding's tokens, with drafts accepted (its roll-back reads the kernel's
+    history)."""
     import kernels.triton.kda as kernel
     import serving.models.kda as kda
 

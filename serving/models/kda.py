@@ -19,11 +19,11 @@ from serving.memory.cache import KDALayerCache
 
 # On CUDA a decode batch runs the layer's core in one kernel (KDAttention._decode_fused); False
 # runs it unfused, as on the CPU (an A/B in benchmarks). FUSED_VERIFY does the same for a
-# speculative verify (step_len tokens per request, recording the roll-back's history). The
-# kernel's verify path passed its own GPU test against the unfused one (session 12); it stays off
-# until tests/test_gpu.py::test_fused_kda_verify_equals_plain_decode has passed on a GPU.
+# speculative verify (step_len tokens per request, recording the roll-back's history); it applies
+# only while FUSED_DECODE is on. tests/test_gpu.py::test_fused_kda_verify_equals_plain_decode
+# holds its greedy tokens to plain decoding's (EAGLE 1 and 3 steps, graphs, overlap).
 FUSED_DECODE = True
-FUSED_VERIFY = False
+FUSED_VERIFY = True
 
 
 class KDAttention(nn.Module):

@@ -21,10 +21,11 @@ A watched launch is queued behind a --sleep-ms device sleep, and two things are 
 - blocked: whether the sleep had finished by the time the launch returned (an event behind it
   had been reached). A launch that waited for the device in any way (also one torch does not
   flag, e.g. a non-blocking copy from pageable memory that the driver staged) is blocked, and
-  its launch_ms includes the sleep.
+  its launch_ms includes the sleep. So is one whose host work outlasted the sleep: blocked means
+  something only where launch_ms is well under sleep_ms (the sleep as the device timed it).
 The JSON (printed, and written to --out: a file, or sync_check.json in a directory) has, per path,
-syncs, sites, blocked and launch_ms (the host's time to launch the step), and the seconds each
-phase took. check() is also what tests/test_gpu.py runs on the tiny model.
+syncs, sites, blocked, launch_ms (the host's time to launch the step) and sleep_ms, and the
+seconds each phase took. check() is also what tests/test_gpu.py runs on the tiny model.
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ class Watch:
         if self.path is None:
             return self.launch()
         path, self.path = self.path, None
+        ahead = torch.cuda.Event(enable_timing=True)
+        ahead.record()
         torch.cuda._sleep(self.sleep_cycles)  # stands for more of the step in flight
-        behind = torch.cuda.Event()
+        behind = torch.cuda.Event(enable_timing=True)
         behind.record()
         sites: Counter[str] = Counter()
         with warnings.catch_warnings():
@@ -122,12 +125,16 @@ class Watch:
                 launch_ms = 1000 * (time.perf_counter() - started)
                 torch.cuda.set_sync_debug_mode("default")
         blocked = behind.query()
+        behind.synchronize()
         self.records[path] = {
             "requests": 0 if batch is None else len(getattr(batch, "plan", None) or batch.reqs),
             "syncs": sum(sites.values()),
             "sites": dict(sites.most_common()),
             "blocked": blocked,
             "launch_ms": round(launch_ms, 2),
+            # the sleep as the device ran it (its cycles per ms are measured once, at a clock
+            # that may differ): a launch slower than this on the host is blocked either way
+            "sleep_ms": round(ahead.elapsed_time(behind), 2),
         }
         return launched, batch
 
