@@ -12,7 +12,8 @@
 #   bash deploy/gpu_pd_check.sh                      # repository root, GPU machine; carry .whl/
 #   OUTPUT_LEN=64 PROFILE=0 bash deploy/gpu_pd_check.sh
 #
-# Writes under $OUT (4 files): sync_check.json (per path: syncs, their sites, blocked),
+# Writes under $OUT (4 files): sync_check.json (per path: syncs, their sites, blocked, and where
+# a blocked launch waited),
 # pd$OUTPUT_LEN.tgz (results.json with TTFT's parts per run, each variant's profile_summary.json
 # and the last 3 MB of each process's log), steps.jsonl and eagle_steps.jsonl
 # (bench_fast_path's); and prints each step's exit status and time.
@@ -28,7 +29,8 @@ step() {  # name, limit in seconds, command...
   timeout "$limit" "$@"
   echo "$name: exit $? at $((SECONDS - t0)) s"
 }
-step sync_check 150 python3 -m serving.tools.sync_check --out "$OUT/sync_check.json"
+# a 2 s sleep: the CLI traces its watched launches, which slows them (sync_check's doc)
+step sync_check 150 python3 -m serving.tools.sync_check --sleep-ms 2000 --out "$OUT/sync_check.json"
 WA="--max-running-requests 32 --cuda-graph-max-bs-decode 32 --cuda-graph-backend-decode full \
  --chunked-prefill-size 8192 --max-prefill-tokens 8192 --kv-cache-dtype bf16 \
  --skip-server-warmup --watchdog-timeout 600"

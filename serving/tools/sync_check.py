@@ -21,17 +21,21 @@ A watched launch is queued behind a --sleep-ms device sleep, and two things are 
 - blocked: whether the sleep had finished by the time the launch returned (an event behind it
   had been reached). A launch that waited for the device in any way (also one torch does not
   flag, e.g. a non-blocking copy from pageable memory that the driver staged) is blocked, and
-  its launch_ms includes the sleep. So is one whose host work outlasted the sleep: blocked means
-  something only where launch_ms is well under sleep_ms (the sleep as the device timed it).
+  its launch_ms includes the sleep. So is one whose host work outlasted the sleep, and one that
+  launched more kernels than the device queues (about a thousand pending launches): the CLI
+  traces each watched launch (WaitTracer) and names, for a blocked one, the call that was
+  running when the sleep ended (waited_in), which tells these apart.
 The JSON (printed, and written to --out: a file, or sync_check.json in a directory) has, per path,
-syncs, sites, blocked, launch_ms (the host's time to launch the step) and sleep_ms, and the
-seconds each phase took. check() is also what tests/test_gpu.py runs on the tiny model.
+syncs, sites, blocked, launch_ms (the host's time to launch the step, traced), sleep_ms (the
+sleep as the device timed it) and waited_in, and the seconds each phase took. check() is also
+what tests/test_gpu.py runs on the tiny model (untraced).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import traceback
 import warnings
@@ -83,12 +87,63 @@ def _cycles_per_ms() -> float:
     return 20_000_000 / start.elapsed_time(end)
 
 
+class WaitTracer:
+    """sys.setprofile hook for one watched launch: the call (a Python function, or a builtin
+    such as a torch op or a kernel launch) that was running when `done()` turned True, found
+    as the first call to return after it did, with its enclosing calls of ours. Its ms tell a
+    wait (about the rest of the sleep) from host work that merely outlasted the sleep (its own
+    cost). A kernel launch there, not a copy or a sync, means the device's queue of pending
+    launches was full behind the sleep: a launch of more kernels than that queue holds (about a
+    thousand) waits for the device to drain it, sync or none."""
+
+    def __init__(self, done) -> None:
+        self.done = done
+        self.stack: list[tuple[str, float]] = []  # (call, its start) of the calls under way
+        self.found: dict | None = None
+
+    def __call__(self, frame, event: str, arg) -> None:
+        if self.found is not None:
+            return
+        if event in ("call", "c_call"):
+            self.stack.append((self._name(frame, event, arg), time.perf_counter()))
+        elif event in ("return", "c_return", "c_exception") and self.stack:
+            name, started = self.stack.pop()
+            if self.done():
+                self.found = {
+                    "call": name,
+                    "ms": round(1000 * (time.perf_counter() - started), 2),
+                    "within": [n for n, _ in reversed(self.stack) if _ours(n)][:4],
+                }
+
+    @staticmethod
+    def _name(frame, event: str, arg) -> str:
+        where = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+        if event == "c_call":
+            return f"{getattr(arg, '__qualname__', repr(arg))} (from {where})"
+        return f"{frame.f_code.co_qualname} ({where})"
+
+
+def _short(filename: str) -> str:
+    """A path relative to this repository or to its site-packages folder."""
+    path = Path(filename)
+    if path.is_relative_to(REPO) and "site-packages" not in filename:
+        return str(path.relative_to(REPO))
+    return filename.split("site-packages/", 1)[-1]
+
+
+def _ours(name: str) -> bool:
+    """Whether a WaitTracer name is a call made in this repository's code or fla's."""
+    return any(
+        f"({root}" in name or f"from {root}" in name for root in ("serving/", "kernels/", "fla/")
+    )
+
+
 class Watch:
     """Wraps a scheduler's _launch; while `path` is set, the next launch is watched and its
     record stored under that name."""
 
-    def __init__(self, sched: Scheduler, sleep_ms: float) -> None:
-        self.sched, self.launch = sched, sched._launch
+    def __init__(self, sched: Scheduler, sleep_ms: float, trace: bool = False) -> None:
+        self.sched, self.launch, self.trace = sched, sched._launch, trace
         self.sleep_cycles = int(sleep_ms * _cycles_per_ms())
         self.path: str | None = None
         self.records: dict[str, dict] = {}
@@ -118,10 +173,14 @@ class Watch:
 
             warnings.showwarning = show
             torch.cuda.set_sync_debug_mode("warn")
+            tracer = WaitTracer(behind.query)
             started = time.perf_counter()
+            if self.trace:  # costs host time: the launch takes longer than it would
+                sys.setprofile(tracer)
             try:
                 launched, batch = self.launch()
             finally:
+                sys.setprofile(None)
                 launch_ms = 1000 * (time.perf_counter() - started)
                 torch.cuda.set_sync_debug_mode("default")
         blocked = behind.query()
@@ -135,6 +194,7 @@ class Watch:
             # the sleep as the device ran it (its cycles per ms are measured once, at a clock
             # that may differ): a launch slower than this on the host is blocked either way
             "sleep_ms": round(ahead.elapsed_time(behind), 2),
+            "waited_in": tracer.found if blocked and self.trace else None,
         }
         return launched, batch
 
@@ -190,12 +250,18 @@ def _workload(sched: Scheduler, watch: Watch, prompt_len: int, prefills: int, ba
 
 
 def check(
-    sched: Scheduler, prompt_len: int, prefill_requests: int, decode_batch: int, sleep_ms: float
+    sched: Scheduler,
+    prompt_len: int,
+    prefill_requests: int,
+    decode_batch: int,
+    sleep_ms: float,
+    trace: bool = False,
 ) -> tuple[dict[str, dict], dict[str, float]]:
-    """(per path: syncs, sites, blocked, launch_ms; seconds per phase) for a CUDA scheduler
-    with the overlap scheduler on and decode graphs up to decode_batch (or none)."""
+    """(per path: syncs, sites, blocked, launch_ms, sleep_ms, waited_in; seconds per phase)
+    for a CUDA scheduler with the overlap scheduler on and decode graphs up to decode_batch
+    (or none). trace: find where a blocked launch waited (WaitTracer; slows the launches)."""
     assert sched.cfg.overlap, "the check is about the overlap scheduler's launches"
-    watch = Watch(sched, sleep_ms)
+    watch = Watch(sched, sleep_ms, trace)
     seconds = {}
     try:
         for tag in ("warmup", "check"):
@@ -249,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.synchronize()
     built = round(time.monotonic() - started, 1)
     paths, seconds = check(
-        sched, args.prompt_len, args.prefill_requests, args.decode_batch, args.sleep_ms
+        sched, args.prompt_len, args.prefill_requests, args.decode_batch, args.sleep_ms, True
     )
     report = {
         "tool": "sync_check",
