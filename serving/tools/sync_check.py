@@ -180,7 +180,8 @@ class Watch:
             try:
                 launched, batch = self.launch()
             finally:
-                sys.setprofile(None)
+                if self.trace:
+                    sys.setprofile(None)
                 launch_ms = 1000 * (time.perf_counter() - started)
                 torch.cuda.set_sync_debug_mode("default")
         blocked = behind.query()
