@@ -29,8 +29,9 @@ step() {  # name, limit in seconds, command...
   timeout "$limit" "$@"
   echo "$name: exit $? at $((SECONDS - t0)) s"
 }
-# a 2 s sleep: the CLI traces its watched launches, which slows them (sync_check's doc)
-step sync_check 150 python3 -m serving.tools.sync_check --sleep-ms 2000 --out "$OUT/sync_check.json"
+# a 2 s sleep: the CLI traces its watched launches, which slows them (sync_check's doc); cold,
+# the build and the warm-up take about 125 s
+step sync_check 170 python3 -m serving.tools.sync_check --sleep-ms 2000 --out "$OUT/sync_check.json"
 WA="--max-running-requests 32 --cuda-graph-max-bs-decode 32 --cuda-graph-backend-decode full \
  --chunked-prefill-size 8192 --max-prefill-tokens 8192 --kv-cache-dtype bf16 \
  --skip-server-warmup --watchdog-timeout 600"
