@@ -397,9 +397,12 @@ class DecodeRole(Role):
             row=NO_ROW if t.scores_only else req.row,
             prompt_len=len(req.input_ids),
         )
+        # stamped before the send: prefill's stages start when the destinations arrive, and a
+        # thread paused between the send and the stamp would end this span inside them (on a
+        # loaded host decode's kv_transfer_time came out shorter than prefill's parts of it)
+        t.dest_sent_at = time.monotonic()
         self.endpoint.send(t.rank, dest)
         t.state = advance(t.state, KVPoll.Transferring)
-        t.dest_sent_at = time.monotonic()
         t.deadline = t.dest_sent_at + self.timeouts.waiting
         # finding prefill and waiting for a row and pages (req.queued_at: its arrival here)
         req.stages["decode_prealloc_time"] = t.dest_sent_at - req.queued_at
