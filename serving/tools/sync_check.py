@@ -98,44 +98,45 @@ class WaitTracer:
 
     def __init__(self, done) -> None:
         self.done = done
-        self.stack: list[tuple[str, float]] = []  # (call, its start) of the calls under way
+        # the calls under way: (caller's or callee's code, its line then, builtin or None,
+        # start); named only once found, so each event costs a tuple
+        self.stack: list[tuple] = []
         self.found: dict | None = None
 
     def __call__(self, frame, event: str, arg) -> None:
         if self.found is not None:
             return
         if event in ("call", "c_call"):
-            self.stack.append((self._name(frame, event, arg), time.perf_counter()))
+            builtin = arg if event == "c_call" else None
+            self.stack.append((frame.f_code, frame.f_lineno, builtin, time.perf_counter()))
         elif event in ("return", "c_return", "c_exception") and self.stack:
-            name, started = self.stack.pop()
+            call = self.stack.pop()
             if self.done():
                 self.found = {
-                    "call": name,
-                    "ms": round(1000 * (time.perf_counter() - started), 2),
-                    "within": [n for n, _ in reversed(self.stack) if _ours(n)][:4],
+                    "call": _call_name(*call[:3]),
+                    "ms": round(1000 * (time.perf_counter() - call[3]), 2),
+                    "within": [_call_name(*c[:3]) for c in reversed(self.stack) if _ours(c[0])][:4],
                 }
 
-    @staticmethod
-    def _name(frame, event: str, arg) -> str:
-        where = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
-        if event == "c_call":
-            return f"{getattr(arg, '__qualname__', repr(arg))} (from {where})"
-        return f"{frame.f_code.co_qualname} ({where})"
+
+def _call_name(code, line: int, builtin) -> str:
+    """`qualname (file:line)` of a Python call, `builtin (from file:line)` of a builtin's."""
+    filename = code.co_filename
+    if Path(filename).is_relative_to(REPO) and "site-packages" not in filename:
+        filename = str(Path(filename).relative_to(REPO))
+    else:
+        filename = filename.split("site-packages/", 1)[-1]
+    if builtin is not None:
+        return f"{getattr(builtin, '__qualname__', repr(builtin))} (from {filename}:{line})"
+    return f"{code.co_qualname} ({filename}:{line})"
 
 
-def _short(filename: str) -> str:
-    """A path relative to this repository or to its site-packages folder."""
-    path = Path(filename)
-    if path.is_relative_to(REPO) and "site-packages" not in filename:
-        return str(path.relative_to(REPO))
-    return filename.split("site-packages/", 1)[-1]
-
-
-def _ours(name: str) -> bool:
-    """Whether a WaitTracer name is a call made in this repository's code or fla's."""
-    return any(
-        f"({root}" in name or f"from {root}" in name for root in ("serving/", "kernels/", "fla/")
-    )
+def _ours(code) -> bool:
+    """Whether code is this repository's (outside site-packages) or fla's."""
+    filename = code.co_filename
+    if "/fla/" in filename:
+        return True
+    return "site-packages" not in filename and Path(filename).is_relative_to(REPO)
 
 
 class Watch:
