@@ -3,7 +3,8 @@
 Why not httpx: on the 2-core development machine one httpx request costs ~640 us of CPU
 (httpcore ~500 us, aiohttp ~180 us) against ~36 us for a protocol on httptools, and every PD
 request makes two of them; with httpx the router could not stay under 1 ms of added latency
-or near sglang-router's throughput (docs/BENCHMARKS.md, "Router"). So this file is the
+or near sglang-router's throughput (docs/notebook/2026-11-29_2026-12-03.md, "Router"; today's
+figures: docs/BENCHMARKS.md, "Router overhead"). So this file is the
 smallest client the router needs: httptools (llhttp, the parser uvicorn uses) reads the
 responses, asyncio transports carry the bytes, and a Response is consumed as it arrives.
 

@@ -58,7 +58,7 @@ def test_bf16_on_cuda_tracks_transformers_and_fp32(tmp_path):
         ours_agree.append((got.argmax(-1) == exact.argmax(-1)).float().mean().item())
         oracle_agree.append((ref_bf16.argmax(-1) == exact.argmax(-1)).float().mean().item())
     report = dict(ours=ours_err, oracle=oracle_err, agree=ours_agree, oracle_agree=oracle_agree)
-    print(report)  # shown with -s: the figures docs/BENCHMARKS.md quotes
+    print(report)  # shown with -s: the figures docs/notebook/2026-11-29_2026-12-03.md quotes
     assert fmean(ours_err) <= 1.5 * fmean(oracle_err) + 1e-3, report
     assert fmean(ours_agree) >= fmean(oracle_agree) - 0.05, report
 

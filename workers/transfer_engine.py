@@ -32,7 +32,8 @@ def advertise_host(bind_host: str) -> str:
 # default), each staged through the host with its own blocking cudaMemcpy when the memory is a
 # GPU's. 1 MiB slices measured 1.6x faster for a bench-preset handoff in GPU memory on an H200
 # (7.6 -> 4.7 ms for 9.7 MB; 4 and 16 MiB: 5.2 and 5.7 ms) and no slower in host memory
-# (docs/BENCHMARKS.md, "The KV handoff's slices"). An operator's own setting wins.
+# (docs/notebook/2026-11-29_2026-12-03.md, "The KV handoff's slices"; docs/BENCHMARKS.md, "KV
+# handoff"). An operator's own setting wins.
 TCP_SLICE_BYTES = 1 << 20
 
 

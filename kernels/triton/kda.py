@@ -11,7 +11,8 @@ Conventions (checked against kernels.kda, the torch oracle):
   The chunked path normalizes with our own kernel (_l2norm, the same arithmetic) and passes
   use_qk_l2norm_in_kernel=False: fla's l2norm_fwd is autotuned (25 configs) per bucket of
   T*H / 65536, so every new prefill size class (and each snapshot pass's) tuned anew under
-  a user's request, about 10 s on an H200 (docs/BENCHMARKS.md, the prefix cache).
+  a user's request, about 10 s on an H200 (the prefix cache's first H200 run in
+  docs/notebook/2026-11-29_2026-12-03.md).
 - state: ours [rows, H, Dk, Dv] float32, decay along Dk, update state += k (x) delta: fla's
   default K-first layout [N, HV, K, V] (state_v_first=False), float32.
 

@@ -1,7 +1,8 @@
 """prepare_kernels: at start-up, run the prefill shapes a worker can meet, so that every Triton
 kernel variant they use is compiled, and fla-core's autotuned kernels tuned, before the first
 user's request. A variant first met under a request costs that request (and its whole batch)
-seconds: the prefix cache's first H200 run showed 10-12 s TTFTs (docs/BENCHMARKS.md).
+seconds: the prefix cache's first H200 run showed 10-12 s TTFTs
+(docs/notebook/2026-11-29_2026-12-03.md).
 
 What makes a variant: a kernel's constexprs (block sizes picked from the batch: the MoE tile
 bucket from tokens per expert, DSA's query block from a request's chunk length, sparse MLA's
@@ -53,7 +54,7 @@ def prepare_kernels(sched: Scheduler) -> int:
         # 2^i >= 16 kpool tokens it is always divisible by 16, so 2^i + max(16, kpool) (+ 1)
         # tokens give the other case (kpool a power of two), at both parities of the token
         # count. Hits on a long cached prefix meet it first (4,096 cached + 64 new: 260 pools;
-        # BENCHMARKS, prefix cache's turn 1).
+        # the notebook's third prefix-cache run, docs/notebook/2026-11-29_2026-12-03.md).
         more = size + max(16, kpool)
         odd_pools = (more, more + 1) if size >= 16 * kpool else ()
         for n in (size, size + 1, *odd_pools):

@@ -16,9 +16,10 @@ class IncrementalDetokenizer:
     """Turns a growing token sequence into text that only ever grows.
 
     tokenizers' DecodeStream does the work (2.1 -> 0.9 us per token against the window-decode
-    this replaced, docs/BENCHMARKS.md): it returns a token's text once the bytes so far form
-    whole characters, so a multi-byte character split across tokens is held back until a later
-    token completes it. `flush` releases what is still held (as U+FFFD) when the sequence ends.
+    this replaced, docs/notebook/2026-11-29_2026-12-03.md, "Incremental detokenization"): it
+    returns a token's text once the bytes so far form whole characters, so a multi-byte
+    character split across tokens is held back until a later token completes it. `flush`
+    releases what is still held (as U+FFFD) when the sequence ends.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:

@@ -15,9 +15,9 @@ Why both counts: FP8 pays an activation quantization per call; on the H200 it lo
 tokens (0.2-0.64x bf16) for the small projections (N <= 512 or K = 128), and at 32 tokens
 torch._scaled_mm's block-scaled GEMM loses for every N below 8,192 (0.4-0.9x; MLA o, 4096 x
 16384: 52 against 43 us), so only KDA q/k/v, MLA q_b and the dense gate/up at TP1 win both
-(docs/BENCHMARKS.md, "Session 6"). A shape that loses either goes dense: the dense path is also
-the more accurate one. The routed experts are not timed: the fused FP8 MoE measured 1.4-1.8x
-bf16 from 1 to 8,192 tokens, and they are most of the weight bytes.
+(docs/notebook/2026-11-29_2026-12-03.md, block FP8, "Session 6"). A shape that loses either goes
+dense: the dense path is also the more accurate one. The routed experts are not timed: the fused
+FP8 MoE measured 1.4-1.8x bf16 from 1 to 8,192 tokens, and they are most of the weight bytes.
 
 Rank 0 times and broadcasts its choice: every rank holds the same shapes and must hold the same
 dtypes (the plan, the weight bytes per GPU). --fp8-linears all skips the timing (every
