@@ -26,13 +26,7 @@ from serving.front.images import (
     preprocess,
     target_size,
 )
-from serving.models.vision import (
-    VisionConfig,
-    VisionTower,
-    image_token_mask,
-    num_tokens,
-    scatter_image_embeddings,
-)
+from serving.models.vision import VisionConfig, VisionTower, num_tokens, scatter_image_embeddings
 from tests.hf_oracle import text_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,9 +188,29 @@ def test_placeholders_expand_as_the_processor_does() -> None:
     assert expected.count(IMAGE_TOKEN) == sum(counts)
 
     ids = [5, 246, 250, 247, 6, 246, 250, 247, 7]
-    assert expand_image_token_ids(ids, [2, 3], 250) == [5, 246] + [250] * 2 + [247, 6, 246] + [
-        250
-    ] * 3 + [247, 7]
+    expanded, starts = expand_image_token_ids(ids, [2, 3], 250)
+    assert expanded == [5, 246, 250, 250, 247, 6, 246, 250, 250, 250, 247, 7]
+    assert starts == [2, 7]
+
+
+def test_token_ids_expand_as_the_text_does() -> None:
+    """Expanding after tokenizing gives the ids of tokenizing the expanded text: <|image|> is
+    one special token, so the text around it tokenizes alike (the small model's tokenizer with
+    <|image|> added, as GLM's has it)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(ROOT / "serving/assets/small_model/tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True)])
+    image_id = tokenizer.token_to_id(IMAGE_TOKEN)
+    one = f"<|begin_of_image|>{IMAGE_TOKEN}<|end_of_image|>"
+    text = f"<|user|>\nWhat colour{one}is the square in{one}? Say it.<|assistant|>"
+    counts = [5, 3]
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    expanded, starts = expand_image_token_ids(ids, counts, image_id)
+    wanted = tokenizer.encode(expand_image_placeholders(text, counts), add_special_tokens=False)
+    assert expanded == wanted.ids
+    runs = [i for s, n in zip(starts, counts) for i in range(s, s + n)]
+    assert runs == [i for i, t in enumerate(expanded) if t == image_id]
 
 
 # ---- errors ----
@@ -225,6 +239,8 @@ def test_bad_images_are_refused_naming_the_problem() -> None:
         expand_image_placeholders(f"{IMAGE_TOKEN} {IMAGE_TOKEN}", [4])
     with pytest.raises(ImageError, match="1 image placeholders for 2 images"):
         expand_image_token_ids([1, 250, 2], [4, 4], 250)
+    with pytest.raises(ImageError, match="1 image placeholders for 0 images"):
+        expand_image_token_ids([1, 250, 2], [], 250)  # typed in a message, no image sent
     assert issubclass(ImageError, ValueError)
 
 
@@ -307,12 +323,13 @@ def test_tower_equals_transformers(oracle, names) -> None:
 
 
 def test_scatter_equals_transformers(oracle) -> None:
-    """Glm5NextModel.forward's inputs_embeds for the text model, on a prompt with two images."""
+    """Glm5NextModel.forward's inputs_embeds for the text model, on a prompt with two images;
+    the expansion's runs are the tokens transformers' mask takes."""
     model, tower = oracle
     pixel_values, grids = pixels("png_odd_size", "jpeg_wide")
     counts = [num_tokens(g, 2) for g in grids]
     one = [IDS["image_start_token_id"], IDS["image_token_id"], IDS["image_end_token_id"]]
-    ids = expand_image_token_ids([10, 11] + one + [12] + one + [13, 14], counts, 250)
+    ids, starts = expand_image_token_ids([10, 11] + one + [12] + one + [13, 14], counts, 250)
     input_ids = torch.tensor([ids])
 
     captured = {}
@@ -321,7 +338,7 @@ def test_scatter_equals_transformers(oracle) -> None:
         pass
 
     def capture(_module, _args, kwargs):
-        captured["inputs_embeds"] = kwargs["inputs_embeds"]
+        captured["inputs_embeds"] = kwargs["inputs_embeds"][0]
         raise Captured  # the text model is not under test
 
     hook = model.model.language_model.register_forward_pre_hook(capture, with_kwargs=True)
@@ -334,27 +351,16 @@ def test_scatter_equals_transformers(oracle) -> None:
         hook.remove()
     expected = captured["inputs_embeds"]
 
-    embeds = model.model.language_model.embed_tokens(input_ids).detach()
-    mask = image_token_mask(input_ids, 250, 248, 249)
-    assert int(mask.sum()) == sum(counts)
+    embeds = model.model.language_model.embed_tokens(input_ids[0]).detach()
+    positions = torch.tensor([p for s, n in zip(starts, counts) for p in range(s, s + n)])
+    mask, _ = model.model.get_placeholder_mask(input_ids, inputs_embeds=embeds[None])
+    assert torch.equal(mask[0, :, 0].nonzero()[:, 0], positions)
     # the scatter itself is exact; through our tower, equal to the tower's tolerance
-    exact = scatter_image_embeddings(embeds, mask, hf_tower(model, pixel_values, grids))
+    exact = scatter_image_embeddings(embeds, positions, hf_tower(model, pixel_values, grids))
     assert torch.equal(exact, expected)
     with torch.no_grad():
-        ours = scatter_image_embeddings(embeds, mask, tower(pixel_values, grids))
+        ours = scatter_image_embeddings(embeds, positions, tower(pixel_values, grids))
     assert (ours - expected).abs().max() <= 1e-5 * max(1.0, expected.abs().max().item())
-
-
-def test_image_mask_skips_video_spans(oracle) -> None:
-    """glm5_next's one placeholder for images and videos: inside <|begin_of_video|> ..
-    <|end_of_video|> it is a video token (transformers' get_placeholder_mask)."""
-    model, _ = oracle
-    ids = torch.tensor(
-        [[1, 250, 250, 248, 250, 250, 249, 250, 2], [250, 248, 250, 3, 4, 5, 6, 7, 8]]
-    )
-    embeds = model.model.language_model.embed_tokens(ids).detach()
-    image_mask, _ = model.model.get_placeholder_mask(ids, inputs_embeds=embeds)
-    assert torch.equal(image_token_mask(ids, 250, 248, 249), image_mask[..., 0])
 
 
 # ---- the real size on a GPU ----

@@ -22,8 +22,10 @@ Preprocessing (preprocess), per image, with factor = patch 14 x merge 2 = 28:
 
 The prompt (expand_image_placeholders / expand_image_token_ids): the chat template renders an
 image as <|begin_of_image|><|image|><|end_of_image|>; the i-th <|image|> then becomes that many
-copies of itself as image i has tokens. The model scatters image i's embeddings, in order, into
-those positions.
+copies of itself as image i has tokens. The model puts image i's embeddings, in order, at
+those positions: transformers takes every <|image|> outside a video span; here the expansion
+says where each image's run starts, and a prompt with any other <|image|> (typed in a message's
+text, say) is refused, so the two agree.
 """
 
 from __future__ import annotations
@@ -267,12 +269,20 @@ def expand_image_placeholders(text: str, counts: list[int]) -> str:
     return "".join(out)
 
 
-def expand_image_token_ids(ids: list[int], counts: list[int], image_token_id: int) -> list[int]:
+def expand_image_token_ids(
+    ids: list[int], counts: list[int], image_token_id: int
+) -> tuple[list[int], list[int]]:
     """expand_image_placeholders on token ids (<|image|> is one special token, so the text
-    around it tokenizes the same either way)."""
+    around it tokenizes the same either way). Returns the ids and where each image's run of
+    counts[i] tokens starts."""
     _check_count(ids.count(image_token_id), counts)
     pending = iter(counts)
     out: list[int] = []
+    starts: list[int] = []
     for token in ids:
-        out += [token] * next(pending) if token == image_token_id else [token]
-    return out
+        if token == image_token_id:
+            starts.append(len(out))
+            out += [token] * next(pending)
+        else:
+            out.append(token)
+    return out, starts

@@ -25,9 +25,13 @@ first and third quarters of each head and by col * f_i in the second and fourth 
 pairs dim j with j + head_dim / 2), f_i = theta^(-4i / head_dim), i < head_dim / 4, in float32.
 
 The prompt (scatter_image_embeddings): embed(input_ids), then the rows of the image tokens
-(<|image|> outside any video span) replaced, in order, by the images' merged embeddings (one row
-per token). Nothing else changes for image tokens: the text model is NoPE and its positions run
-0, 1, 2, ... across them (no M-RoPE), under the same causal mask as any token.
+replaced, in order, by the images' merged embeddings (one row per token). transformers takes as
+image tokens every <|image|> outside a <|begin_of_video|> .. <|end_of_video|> span (one
+placeholder serves both); video is refused, and so is a prompt with an <|image|> that is not
+one of its images' (expand_image_token_ids), so the runs are those tokens (hazard: a
+<|begin_of_video|> typed in a message must be refused too, or transformers would read the
+images after it as video). Nothing else changes for them: the text model is NoPE and its
+positions run 0, 1, 2, ... across them (no M-RoPE), under the same causal mask as any token.
 
 NextN / MTP (EAGLE's draft): transformers builds no MTP layer for glm5_next (it drops the
 checkpoint's layer 45 on load: _keys_to_ignore_on_load_unexpected), so it has nothing to
@@ -285,21 +289,12 @@ def num_tokens(grid: Grid, merge_size: int) -> int:
     return t * h * w // merge_size**2
 
 
-def image_token_mask(
-    input_ids: torch.Tensor, image_token_id: int, video_start_id: int, video_end_id: int
-) -> torch.Tensor:
-    """Which tokens take an image embedding: <|image|> outside video spans (glm5_next uses one
-    placeholder for both and tells them apart by the spans), along the last dim. Hazard on a
-    packed batch of several requests: the spans are counted across request boundaries, so
-    batches must not carry video tokens (the front refuses video)."""
-    in_video = (input_ids == video_start_id).cumsum(-1) > (input_ids == video_end_id).cumsum(-1)
-    return (input_ids == image_token_id) & ~in_video
-
-
 def scatter_image_embeddings(
-    inputs_embeds: torch.Tensor, mask: torch.Tensor, image_embeds: torch.Tensor
+    inputs_embeds: torch.Tensor, positions: torch.Tensor, image_embeds: torch.Tensor
 ) -> torch.Tensor:
-    """inputs_embeds with the masked rows replaced, in order, by image_embeds' rows (cast to
-    inputs_embeds' dtype). The caller guarantees one row per masked token (it counts them on the
-    host; checking here would sync the device)."""
-    return inputs_embeds.masked_scatter(mask[..., None], image_embeds.to(inputs_embeds.dtype))
+    """inputs_embeds [T, H] with rows `positions` [K] (the image tokens, ascending) replaced by
+    image_embeds [K, H] cast to inputs_embeds' dtype: transformers' masked_scatter, whose mask
+    is these positions. Positions come from the host (the runs the front expanded), never from
+    a device mask: no sync, and a generated <|image|> re-prefilled after a retraction stays a
+    plain token embedding, as transformers' generate keeps it."""
+    return inputs_embeds.index_copy(0, positions, image_embeds.to(inputs_embeds.dtype))
