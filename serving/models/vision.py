@@ -1,0 +1,300 @@
+"""GLM-5.3-Flash's vision tower and merger (transformers 5.17 glm5_next: Glm5NextVisionModel),
+and where the image embeddings go in the prompt (Glm5NextModel.forward).
+
+Checkpoint names: the parameters here are named as transformers saves them under
+`model.visual.` (Glm5NextForConditionalGeneration.model.visual; glm5_next's conversion mapping
+renames no vision tensor), so a loader maps `model.visual.<name>` to `<name>` one to one. The
+tower stays bf16 in FP8 releases.
+
+Data flow for images with grids (t, h, w) in patches, N patches in all (serving/front/images.py
+makes pixel_values and the grids):
+  pixel_values [N, 3 * 2 * 14 * 14] -> patch_embed (a Conv3d whose stride is its kernel, run as
+  one matmul over the flattened patch) -> [N, D]
+  depth x block: x += attn(norm1(x)); x += mlp(norm2(x))
+    attn: biased qkv -> RMSNorm of each head's q and k -> 2-D axial RoPE -> softmax attention
+      among the patches of one frame only (transformers' cu_seqlens: a segment per frame, so
+      images in one batch never see each other) -> biased proj
+    mlp: down(silu(min(gate, L)) * clamp(up, -L, L)), L = swiglu_limit, all biased
+  post_layernorm (RMSNorm) -> downsample: Conv2d 2x2 stride 2 over each run of 4 consecutive
+  patches (the processor's block-major order makes them a 2x2 square) -> [N / 4, out_hidden]
+  merger: proj -> LayerNorm -> GELU (erf) -> clamped SwiGLU out -> projection_intermediate -> out,
+  no biases; out_hidden is the text model's hidden size.
+
+RoPE: a patch at (row, col) of its frame, both counted in patches, rotates by row * f_i in the
+first and third quarters of each head and by col * f_i in the second and fourth (rotate_half
+pairs dim j with j + head_dim / 2), f_i = theta^(-4i / head_dim), i < head_dim / 4, in float32.
+
+The prompt (scatter_image_embeddings): embed(input_ids), then the rows of the image tokens
+replaced, in order, by the images' merged embeddings (one row per token). transformers takes as
+image tokens every <|image|> outside a <|begin_of_video|> .. <|end_of_video|> span (one
+placeholder serves both); video is refused, and so is a prompt with an <|image|> that is not
+one of its images' (expand_image_token_ids), so the runs are those tokens (hazard: a
+<|begin_of_video|> typed in a message must be refused too, or transformers would read the
+images after it as video). Nothing else changes for them: the text model is NoPE and its
+positions run 0, 1, 2, ... across them (no M-RoPE), under the same causal mask as any token.
+
+NextN / MTP (EAGLE's draft): transformers builds no MTP layer for glm5_next (it drops the
+checkpoint's layer 45 on load: _keys_to_ignore_on_load_unexpected), so it has nothing to
+compare with there. The layer takes enorm(embedding of token i + 1) beside hnorm(h_i); at an
+image position SGLang's EAGLE draft extend gives it the target's scattered row, inputs_embeds[i
++ 1] (the image embedding), not embed(<|image|>) (it rotates the target's multimodal input
+embeddings by one). The draft only proposes, so greedy tokens do not depend on this choice;
+acceptance does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from serving.layers.linear import param
+from serving.layers.norm import RMSNorm
+
+Grid = tuple[int, int, int]  # (frames, rows, cols) of one image, in patches
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """transformers' Glm5NextVisionConfig (the `vision_config` of config.json), its defaults."""
+
+    depth: int = 24
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 4096
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    out_hidden_size: int = 1536
+    projection_intermediate_size: int = 10240
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = True
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> VisionConfig:
+        """From config.json's vision_config; what this module does not implement is refused,
+        naming the field."""
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"vision_config.hidden_act={raw['hidden_act']!r}: only silu")
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}")
+        fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        fields["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", cls.rope_theta))
+        for key in ("patch_size", "temporal_patch_size"):
+            if not isinstance(fields.get(key, 0), int):
+                raise ValueError(f"vision_config.{key}={fields[key]!r}: only one int")
+        config = cls(**fields)
+        if config.hidden_size % (4 * config.num_heads):  # 2-D RoPE: four quarters per head
+            raise ValueError(
+                f"vision_config: hidden_size {config.hidden_size} is not num_heads "
+                f"{config.num_heads} x a head width that is a multiple of 4"
+            )
+        if raw.get("head_dim") not in (None, config.head_dim):
+            raise ValueError(f"vision_config.head_dim={raw['head_dim']} is not hidden / heads")
+        return config
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class VisionLinear(nn.Module):
+    """x W^T (+ b): the tower's projections, whole on every rank for now."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = param(out_features, in_features, dtype=dtype)
+        self.bias = param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class StridedKernel(nn.Module):
+    """A convolution whose stride is its kernel, over inputs already cut into kernel-sized
+    pieces: each piece flattened in the kernel's (in channel, *window) order times the kernel
+    flattened alike, one matmul (summed in another order than a convolution: not bit-equal)."""
+
+    def __init__(self, out_channels: int, kernel: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = param(out_channels, *kernel, dtype=dtype)
+        self.bias = param(out_channels, dtype=dtype)
+
+    def forward(self, pieces: torch.Tensor) -> torch.Tensor:
+        return F.linear(pieces, self.weight.flatten(1), self.bias)
+
+
+class VisionPatchEmbed(nn.Module):
+    """The Conv3d over (temporal, patch, patch) patches: pixel_values rows are already patches
+    flattened as (channel, temporal, row, col)."""
+
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        c, t, p = config.in_channels, config.temporal_patch_size, config.patch_size
+        self.proj = StridedKernel(config.hidden_size, (c, t, p, p), dtype)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.proj(pixel_values.to(self.proj.weight.dtype))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, self.heads = config.hidden_size, config.num_heads
+        self.qkv = VisionLinear(d, 3 * d, config.attention_bias, dtype)
+        self.proj = VisionLinear(d, d, config.attention_bias, dtype)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+
+    def forward(
+        self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)  # each [N, heads, hd]
+        q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, hd]
+        out = [
+            F.scaled_dot_product_attention(qs[None], ks[None], vs[None])[0]
+            for qs, ks, vs in zip(q.split(segments, 1), k.split(segments, 1), v.split(segments, 1))
+        ]
+        return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, -1))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [N, heads, hd] with cos/sin [N, hd], in float32, back in x's dtype."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class VisionMLP(nn.Module):
+    """down(silu(min(gate, L)) * clamp(up, -L, L)): SwiGLU with clamped inputs."""
+
+    def __init__(self, dim: int, inner: int, bias: bool, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = VisionLinear(dim, inner, bias, dtype)
+        self.up_proj = VisionLinear(dim, inner, bias, dtype)
+        self.down_proj = VisionLinear(inner, dim, bias, dtype)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(-self.limit, self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.norm1 = RMSNorm(d, eps, dtype)
+        self.norm2 = RMSNorm(d, eps, dtype)
+        self.attn = VisionAttention(config, dtype)
+        self.mlp = VisionMLP(
+            d, config.intermediate_size, config.attention_bias, config.swiglu_limit, dtype
+        )
+
+    def forward(
+        self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = param(dim, dtype=dtype)
+        self.bias = param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class VisionMerger(VisionMLP):
+    """proj -> LayerNorm -> GELU (erf) -> the clamped SwiGLU, at the text width; no biases but
+    the LayerNorm's (nn.LayerNorm's default eps)."""
+
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        d = config.out_hidden_size
+        super().__init__(d, config.projection_intermediate_size, False, config.swiglu_limit, dtype)
+        self.proj = VisionLinear(d, d, False, dtype)
+        self.post_projection_norm = LayerNorm(d, 1e-5, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(F.gelu(self.post_projection_norm(self.proj(x))))
+
+
+class VisionTower(nn.Module):
+    """Patches of a batch of images -> one text-width embedding per image token."""
+
+    def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = VisionPatchEmbed(config, dtype)
+        self.blocks = nn.ModuleList(VisionBlock(config, dtype) for _ in range(config.depth))
+        self.post_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        m = config.spatial_merge_size
+        self.downsample = StridedKernel(config.out_hidden_size, (config.hidden_size, m, m), dtype)
+        self.merger = VisionMerger(config, dtype)
+
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        """pixel_values [N, C * T * P * P] of the images in order, grids their (t, h, w) on the
+        host -> [N / merge^2, out_hidden], image after image (num_tokens(grid) rows each)."""
+        x = self.patch_embed(pixel_values)
+        cos, sin = self.rope(grids, x.device)
+        segments = [h * w for t, h, w in grids for _ in range(t)]
+        for block in self.blocks:
+            x = block(x, segments, cos, sin)
+        x = self.post_layernorm(x)
+        # each run of m*m patches is one m x m square, the Conv2d's piece: (channel, row, col)
+        m, d = self.config.spatial_merge_size, x.shape[-1]
+        x = self.downsample(x.view(-1, m, m, d).permute(0, 3, 1, 2).reshape(-1, d * m * m))
+        return self.merger(x)
+
+    def rope(
+        self, grids: Sequence[Grid], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, head_dim] (float32) for the patches of these grids, in the
+        processor's block-major order."""
+        cfg = self.config
+        m, quarter = cfg.spatial_merge_size, cfg.head_dim // 4
+        inv_freq = 1.0 / cfg.rope_theta ** (
+            torch.arange(0, 2 * quarter, 2, dtype=torch.float32, device=device) / (2 * quarter)
+        )
+        positions = []
+        for t, h, w in grids:
+            rows = torch.arange(h, device=device)[:, None].expand(h, w)
+            cols = torch.arange(w, device=device)[None, :].expand(h, w)
+            blocks = (h // m, m, w // m, m)
+            rc = [p.reshape(blocks).transpose(1, 2).flatten() for p in (rows, cols)]
+            positions.append(torch.stack(rc, dim=-1).repeat(t, 1))
+        angles = torch.cat(positions)[..., None].float() * inv_freq  # [N, 2, quarter]
+        angles = angles.flatten(1).repeat(1, 2)  # rows, cols, rows, cols
+        return angles.cos(), angles.sin()
+
+
+def num_tokens(grid: Grid, merge_size: int) -> int:
+    t, h, w = grid
+    return t * h * w // merge_size**2
+
+
+def scatter_image_embeddings(
+    inputs_embeds: torch.Tensor, positions: torch.Tensor, image_embeds: torch.Tensor
+) -> torch.Tensor:
+    """inputs_embeds [T, H] with rows `positions` [K] (the image tokens, ascending) replaced by
+    image_embeds [K, H] cast to inputs_embeds' dtype: transformers' masked_scatter, whose mask
+    is these positions. Positions come from the host (the runs the front expanded), never from
+    a device mask: no sync, and a generated <|image|> re-prefilled after a retraction stays a
+    plain token embedding, as transformers' generate keeps it."""
+    return inputs_embeds.index_copy(0, positions, image_embeds.to(inputs_embeds.dtype))
