@@ -62,6 +62,11 @@ class Admission:
         self.pair_keys = pool.draft is not None
         self.deferred: list[Req] = []  # released while in flight; freed by settle()
 
+    def batched(self):
+        """A block whose admissions and growths issue their device work (row resets, page maps,
+        snapshot loads) as one batch when it ends (MemoryPool.batched)."""
+        return self.pool.batched()
+
     # ---- admit ----
     def admit(self, req: Req, max_tokens: int, reserve: int) -> int | None:
         """Give `req` its cached prefix (when the cache has one), a row and the

@@ -75,13 +75,21 @@ class PrefillManager:
     def schedule(self, running: int) -> PrefillBatch | None:
         """The next prefill batch, its memory allocated; None when nothing fits (`running`:
         requests decoding now)."""
+        with self.admission.batched():  # one batch of device work for every admission
+            plan = self._plan(running)
+            if not plan:
+                return None
+            return PrefillBatch(plan, [self.admission.plan_save(req, n) for req, n in plan])
+
+    def _plan(self, running: int) -> list[tuple[Req, int]]:
+        """The chunk-prefilling request's next chunk, then waiting requests FIFO, admitted."""
         plan: list[tuple[Req, int]] = []
         budget = self.cfg.max_prefill_tokens
         if self.prefilling is not None:
             req = self.prefilling
             n = min(req.uncached, self.cfg.chunked_prefill_size, budget)
             if not self.admission.grow(req, req.cached + n):
-                return None  # decode frees pages as requests finish
+                return []  # decode frees pages as requests finish
             plan.append((req, n))
             budget -= n
         while (
@@ -103,9 +111,7 @@ class PrefillManager:
             budget -= n
             if n < req.uncached:
                 self.prefilling = req
-        if not plan:
-            return None
-        return PrefillBatch(plan, [self.admission.plan_save(req, n) for req, n in plan])
+        return plan
 
     def launch(self, batch: PrefillBatch, sync: bool) -> Launched:
         """One forward over the batch, the first tokens drawn (on the device unless `sync`:
