@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
 
 import torch
@@ -125,6 +125,9 @@ class ForwardBatch:
     step_len: int | None = None
     # Prefill: KDA states to snapshot at positions inside the chunk (the prefix cache).
     kda_saves: KDASaves | None = None
+    # What layers derive from the batch once per forward and share (index tensors of a ragged
+    # extend), by the deriver's key. Hazard: valid for this batch only; never kept across steps.
+    derived: dict = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:

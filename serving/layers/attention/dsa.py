@@ -18,7 +18,7 @@ from kernels import fast_path
 from kernels import indexer as idx_kernels
 from kernels import sparse_mla as mla_kernels
 from serving.distributed import tp_all_reduce
-from serving.forward_batch import ForwardBatch
+from serving.forward_batch import ForwardBatch, to_device
 from serving.memory.cache import DSALayerCache
 
 
@@ -110,44 +110,130 @@ def _pool_slots(kpool: int, req_to_token: torch.Tensor, row, pools: torch.Tensor
     return req_to_token[row, pools * kpool] // kpool
 
 
+@dataclass
+class ExtendIndex:
+    """A ragged extend's index tensors for the indexer, derived once per forward from the batch
+    (host lists, one upload) and shared by every DSA layer of it.
+
+    Closing pools (pools whose last member is among the batch's new tokens), NP of them:
+      pool_rows [NP]            request row
+      pool_slots [NP]           pooled-key row each is written to
+      members_new [NP, kpool]   whether a member is a new token (else it is in the ring)
+      members_token [NP, kpool] the new token's index in the batch (clamped to 0 where not)
+      members_ring [NP, kpool]  the member's ring slot
+    Ring writes (each request's last `ring` new positions: the open pool among them), NW:
+      ring_rows, ring_slots, ring_tokens [NW]
+    query_rows [T]: each token's request row; max_pools: pools of the longest request."""
+
+    pool_rows: torch.Tensor
+    pool_slots: torch.Tensor
+    members_new: torch.Tensor
+    members_token: torch.Tensor
+    members_ring: torch.Tensor
+    ring_rows: torch.Tensor
+    ring_slots: torch.Tensor
+    ring_tokens: torch.Tensor
+    query_rows: torch.Tensor
+    num_pools: int
+    max_pools: int
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, kpool: int, ring: int) -> ExtendIndex:
+        key = ("dsa_extend", kpool, ring)
+        index = batch.derived.get(key)
+        if index is None:
+            index = batch.derived[key] = cls.build(batch, kpool, ring)
+        return index
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, kp: int, ring: int) -> ExtendIndex:
+        # per closing pool: its first position, its request's row, first new position and that
+        # token's index in the batch; per ring write: row, slot, token index
+        pool_starts, pool_rows, pool_first, pool_token0 = [], [], [], []
+        ring_rows, ring_slots, ring_tokens = [], [], []
+        offset = 0
+        for start, n, row in zip(batch.starts_cpu, batch.lens_cpu, batch.rows_cpu):
+            end = start + n
+            first, last = start // kp, end // kp
+            pool_starts += range(first * kp, last * kp, kp)
+            pool_rows += [row] * (last - first)
+            pool_first += [start] * (last - first)
+            pool_token0 += [offset] * (last - first)
+            keep = range(max(start, end - ring), end)
+            ring_rows += [row] * len(keep)
+            ring_slots += [p % ring for p in keep]
+            ring_tokens += range(offset + keep.start - start, offset + keep.stop - start)
+            offset += n
+        parts = [pool_starts, pool_rows, pool_first, pool_token0, ring_rows, ring_slots]
+        parts.append(ring_tokens)
+        device = batch.positions.device
+        ids = to_device([v for part in parts for v in part], torch.int64, device)
+        starts, rows, first_pos, token0, w_rows, w_slots, w_tokens = ids.split(
+            [len(p) for p in parts]
+        )
+        members = starts[:, None] + torch.arange(kp, device=device)  # [NP, kp] positions
+        return cls(
+            pool_rows=rows,
+            pool_slots=batch.req_to_token[rows, starts] // kp,
+            members_new=members >= first_pos[:, None],
+            members_token=(members - first_pos[:, None] + token0[:, None]).clamp_(min=0),
+            members_ring=members % ring,
+            ring_rows=w_rows,
+            ring_slots=w_slots,
+            ring_tokens=w_tokens,
+            query_rows=batch.req_rows[batch.token_req],
+            num_pools=len(pool_starts),
+            max_pools=max(1, max(s + n for s, n in zip(batch.starts_cpu, batch.lens_cpu)) // kp),
+        )
+
+
 def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALayerCache):
-    kp, ring = shape.kpool, cache.tail_slots
-    r2t = batch.req_to_token
+    """A ragged extend, every request at once (a fixed number of launches per layer, whatever
+    the batch's requests). Order (hazard): the ring is read for the closing pools' early members
+    before this step's keys overwrite it."""
+    kp = shape.kpool
+    index = ExtendIndex.of(batch, kp, cache.tail_slots)
     ops = _indexer_ops(k)
-    out = []
-    offset = 0
-    # `row` is the host's int: a 0-dim device tensor as an index would be read back (a sync)
-    for b, (start, n, row) in enumerate(zip(batch.starts_cpu, batch.lens_cpu, batch.rows_cpu)):
-        end = start + n
-        chunk = slice(offset, offset + n)
-        # 1. pools that close in this chunk; early members come from the ring
-        base = (start // kp) * kp
-        ring_pos = torch.arange(base, start, device=k.device) % ring
-        all_k = torch.cat([cache.tail_keys[row, ring_pos], k[chunk]])
-        all_g = torch.cat([cache.tail_gates[row, ring_pos], gates[chunk]])
-        first, last = start // kp, end // kp
-        if last > first:
-            count = last - first
-            pooled = ops.kpool_compress(
-                all_k[: count * kp].view(count, kp, -1),
-                all_g[: count * kp].view(count, kp, -1),
-                ape,
-            )
-            dst = _pool_slots(kp, r2t, row, torch.arange(first, last, device=k.device))
-            cache.index_keys[dst] = pooled.to(cache.index_keys.dtype)
-        # 2. the ring keeps the last `ring` positions (the open pool among them)
-        keep = torch.arange(max(start, end - ring), end, device=k.device)
-        cache.tail_keys[row, keep % ring] = k[offset + keep - start].to(cache.tail_keys.dtype)
-        cache.tail_gates[row, keep % ring] = gates[offset + keep - start].to(cache.tail_gates.dtype)
-        # 3. score every complete pool of the request, select per query
-        positions = batch.positions[chunk]
-        scores = _score(
-            shape, q[chunk], head_w[chunk], r2t, batch.req_rows[b : b + 1], positions,
-            max(last, 1), cache,
+    # 1. pools that close in this batch; members before a request's start come from its ring
+    if index.num_pools:
+        ring_at = (index.pool_rows[:, None], index.members_ring)
+        new = index.members_new[..., None]
+        member_k = torch.where(new, k[index.members_token], cache.tail_keys[ring_at].to(k.dtype))
+        member_g = torch.where(
+            new, gates[index.members_token], cache.tail_gates[ring_at].to(gates.dtype)
+        )
+        pooled = ops.kpool_compress(member_k, member_g, ape)
+        cache.index_keys[index.pool_slots] = pooled.to(cache.index_keys.dtype)
+    # 2. the ring keeps each request's last `ring` positions (the open pool among them)
+    ring_at = (index.ring_rows, index.ring_slots)
+    cache.tail_keys[ring_at] = k[index.ring_tokens].to(cache.tail_keys.dtype)
+    cache.tail_gates[ring_at] = gates[index.ring_tokens].to(cache.tail_gates.dtype)
+    # 3. score every complete pool of each query's request, select per query
+    scores = tp_all_reduce(_score_ragged(shape, q, head_w, batch, index, cache))
+    return ops.select_tokens(scores, batch.positions, kp, shape.select_pools, shape.select_tail)
+
+
+def _score_ragged(shape, q, head_w, batch: ForwardBatch, index: ExtendIndex, cache: DSALayerCache):
+    """Pool scores [T, max_pools] of a ragged batch's queries (this rank's heads). Columns past a
+    request's own pools are never visible to its queries (select_tokens masks them)."""
+    r2t, max_pools = batch.req_to_token, index.max_pools
+    if fast_path(q):
+        from kernels.triton.indexer import score_pools_paged
+
+        return score_pools_paged(
+            q, head_w, cache.index_keys, r2t, index.query_rows, batch.positions, shape.kpool,
+            max_pools, shape.head_dim**-0.5,
         )  # fmt: skip
-        out.append(ops.select_tokens(scores, positions, kp, shape.select_pools, shape.select_tail))
+    # the reference: per request, one gather of pooled keys shared by its queries
+    pieces, offset = [], 0
+    for b, n in enumerate(batch.lens_cpu):
+        chunk = slice(offset, offset + n)
+        rows, positions = batch.req_rows[b : b + 1], batch.positions[chunk]
+        pieces.append(
+            _score_heads(shape, q[chunk], head_w[chunk], r2t, rows, positions, max_pools, cache)
+        )
         offset += n
-    return torch.cat(out)
+    return torch.cat(pieces)
 
 
 def _write_tokens(shape, k, gates, ape, batch: ForwardBatch, cache: DSALayerCache) -> None:
