@@ -32,6 +32,7 @@ for writers outside the stream: a PD transfer into pages or a row handed out aga
 from __future__ import annotations
 
 import math
+import time
 
 from serving.engine.request import Req
 from serving.memory.pool import MemoryPool
@@ -61,6 +62,7 @@ class Admission:
         self.track_interval, self.vocab = track_interval, vocab
         self.pair_keys = pool.draft is not None
         self.deferred: list[Req] = []  # released while in flight; freed by settle()
+        self.match_s = 0.0  # time spent matching prefixes, ever (the step phases read it)
 
     def batched(self):
         """A block whose admissions and growths issue their device work (row resets, page maps,
@@ -76,7 +78,9 @@ class Admission:
         pool, cache = self.pool, self.cache
         node, hit = None, 0
         if cache is not None:
+            started = time.perf_counter()
             match = cache.match(self.keys(req.fill_ids), self._match_limit(req))
+            self.match_s += time.perf_counter() - started
             node, hit = match.node, match.length
             req.branch = match.kv_length // self.grid * self.grid
         n = min(len(req.fill_ids) - hit, max_tokens)

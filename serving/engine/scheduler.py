@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from serving.engine.admission import Admission, snapshot_grid
 from serving.engine.batch_log import BatchLog
@@ -295,7 +296,9 @@ class Scheduler:
 
     def _process(self, launched: Launched) -> None:
         if launched.event is not None:
+            started = time.perf_counter()
             launched.event.synchronize()  # the device finished the step
+            launched.waited = time.perf_counter() - started
         manager = self.prefill if launched.kind == "prefill" else self.decode
         manager.process(launched)
         self.admission.settle()
