@@ -165,12 +165,21 @@ def save_kda_states(cache: ModelCache, rows: list[int], slots: list[int]) -> Non
     _copy_indexed(pairs, *(to_device(ids, torch.int64, device) for ids in (rows, slots)))
 
 
-def load_kda_states(cache: ModelCache, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """Start request rows from snapshots (prefix-cache hits); slots and rows: index tensors on
-    the device, one gather and one index_copy per buffer for all of them."""
+def load_kda_states(
+    cache: ModelCache, slots: list[int] | torch.Tensor, rows: list[int] | torch.Tensor
+) -> None:
+    """Start request rows from snapshots (prefix-cache hits): one gather and one index_copy per
+    buffer for all of them. slots, rows: ids, or index tensors on the device (MemoryPool's
+    batch uploads them with the rest of its indices)."""
     pairs = _kda_pairs(cache, to_slots=False)
-    if pairs and rows.numel():
-        _copy_indexed(pairs, slots, rows)
+    if not pairs or not len(rows):
+        return
+    device = pairs[0][0].device
+    _copy_indexed(pairs, *(_ids_on(ids, device) for ids in (slots, rows)))
+
+
+def _ids_on(ids: list[int] | torch.Tensor, device) -> torch.Tensor:
+    return ids if isinstance(ids, torch.Tensor) else to_device(ids, torch.int64, device)
 
 
 def _kda_pairs(cache: ModelCache, to_slots: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
