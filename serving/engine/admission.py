@@ -189,7 +189,7 @@ class Admission:
         keys = self.keys(req.fill_ids)
         saves = []
         for p in points:
-            if len(keys) >= p and self.cache.has_state(keys[:p]):
+            if self.cache.has_state(keys, p):
                 continue  # cached already (a re-prefill, or a twin request)
             slot = self._alloc_slot()
             if slot is not None:
