@@ -79,7 +79,7 @@ class Admission:
         node, hit = None, 0
         if cache is not None:
             started = time.perf_counter()
-            match = cache.match(self.keys(req.fill_ids), self._match_limit(req))
+            match = cache.match(self.keys(req.fill_ids, req), self._match_limit(req))
             self.match_s += time.perf_counter() - started
             node, hit = match.node, match.length
             req.branch = match.kv_length // self.grid * self.grid
@@ -171,12 +171,25 @@ class Admission:
         return [p for p in req.pages if p not in req.shared_pages]
 
     # ---- snapshots ----
-    def keys(self, tokens: list[int]) -> list[int]:
-        """The cache's key per position (with a draft: the position's token and the next)."""
+    def keys(self, tokens: list[int], req: Req) -> list[int]:
+        """The cache's key per position of `tokens`, req's (its fill_ids, perhaps plus a token
+        sampled for it). With a draft a key is the position's token and the next; req keeps the
+        keys it built (pair_keys, from pair_tokens) and only the new tail is built in Python.
+        The tokens kept are compared with `tokens` whole (a C loop, unlike building keys): where
+        they differ, the keys are rebuilt from there, whatever path changed them."""
         if not self.pair_keys:
             return tokens
         v = self.vocab
-        return [a * v + b for a, b in zip(tokens, tokens[1:])]
+        keys, seen = req.pair_keys, req.pair_tokens
+        n = min(len(seen), len(tokens))
+        if seen[:n] != tokens[:n]:
+            n = next(i for i, (a, b) in enumerate(zip(seen, tokens)) if a != b)
+        del seen[n:]
+        del keys[max(n - 1, 0) :]  # a key needs both its tokens among the common ones
+        m = len(keys)
+        keys += [a * v + b for a, b in zip(tokens[m:], tokens[m + 1 :])]
+        seen += tokens[n:]
+        return list(keys)
 
     def plan_save(self, req: Req, n: int) -> list[tuple[int, int]]:
         """Where in the chunk req.cached.. +n to snapshot the KDA state for the cache: (tokens
@@ -186,7 +199,7 @@ class Admission:
             return []
         start, end = req.cached, req.cached + n
         points = sorted({p for p in (req.branch, end // self.grid * self.grid) if start < p <= end})
-        keys = self.keys(req.fill_ids)
+        keys = self.keys(req.fill_ids, req)
         saves = []
         for p in points:
             if self.cache.has_state(keys, p):
@@ -264,7 +277,7 @@ class Admission:
         `end`). The request then locks the new, longer prefix; pages the tree already held
         stay the request's own (freed at its release: a transfer may still read them)."""
         cache = self.cache
-        keys = self.keys(tokens)
+        keys = self.keys(tokens, req)
         if len(keys) < end or len(req.pages) * self.pool.plan.page_size < end:
             self.pool.state_slots.free([slot])  # its tokens were cut (a stop inside EAGLE's run)
             return
