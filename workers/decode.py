@@ -358,15 +358,16 @@ class DecodeRole(Role):
                 self._send_destination(t)
         scheduler = self.scheduler
         ready: list[Transfer] = []
-        for t in waiting:
-            if t.scores_only:
-                continue
-            req = t.req
-            # the whole prompt at once (prefill writes it); one page per running request kept
-            reserve = len(scheduler.running)
-            if scheduler.admission.admit(req, len(req.input_ids), reserve) is None:
-                break  # FIFO: later requests wait behind this one
-            ready.append(t)
+        with scheduler.admission.batched():  # their row resets and page maps: one batch
+            for t in waiting:
+                if t.scores_only:
+                    continue
+                req = t.req
+                # the whole prompt at once (prefill writes it); one page per running request kept
+                reserve = len(scheduler.running)
+                if scheduler.admission.admit(req, len(req.input_ids), reserve) is None:
+                    break  # FIFO: later requests wait behind this one
+                ready.append(t)
         if ready and self.fanout is not None:
             # Hazard: a follower resets a fresh row when it replays rank 0's journal; had it
             # not done so before prefill's writes land, the reset would wipe the request state.
