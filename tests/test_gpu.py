@@ -117,16 +117,16 @@ def test_decode_graphs_equal_eager(tiny_ckpt):
 
 
 # The two launch checks build the same tiny model and share most kernels: one xdist process
-# runs them in turn (deploy/gpu_tests.sh), the second on the first's warm kernel cache.
+# runs them in turn (bench/gpu_tests.sh), the second on the first's warm kernel cache.
 LAUNCH_CHECKS = pytest.mark.xdist_group("launch_checks")
 
 
 @LAUNCH_CHECKS
 def test_step_launches_never_wait_for_the_device(tiny_ckpt):
-    """The overlap scheduler's premise (serving/tools/sync_check.py): launching a prefill batch
+    """The overlap scheduler's premise (bench/sync_check.py): launching a prefill batch
     or a decode step (graphs and eager, greedy and sampled rows, tokens pending on the device)
     neither syncs with the host nor waits for the device work queued before it."""
-    from serving.tools.sync_check import check
+    from bench.sync_check import check
 
     args = ServerArgs.from_cli(
         [
@@ -156,7 +156,7 @@ def test_overlapped_eagle_launches_never_wait_for_the_device(tiny_ckpt):
     """An overlapped EAGLE step (draft + verify, acceptance on the device, roll-back and
     catch-up; y and n read on the device), with graphs and eager, greedy and sampled rows,
     neither syncs with the host nor waits for the step in flight."""
-    from serving.tools.sync_check import check
+    from bench.sync_check import check
 
     args = ServerArgs.from_cli(
         [
@@ -253,7 +253,7 @@ def test_small_model_fp8_tracks_bf16():
 
     from tokenizers import Tokenizer
 
-    from serving.tools.eval_small import fp8_vs_bf16, heldout_texts, token_windows
+    from training.eval_small import fp8_vs_bf16, heldout_texts, token_windows
 
     small = Path(__file__).resolve().parents[1] / "serving" / "assets" / "small_model"
     tok = Tokenizer.from_file(str(small / "tokenizer.json"))

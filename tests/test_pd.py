@@ -443,7 +443,7 @@ def test_pd_with_eagle_uses_rows_up_to_the_extra_slots(distilled_ckpt, tmp_path)
     """The seed's configuration: EAGLE 1/1/2 on both sides, decode at 32 running + 64 extra
     slots. Enough concurrent requests that rows near 96 are held while requests decode; every
     request completes with the single worker's greedy tokens (speculation off)."""
-    from serving.tools.distill_nextn import training_prompts
+    from training.distill_nextn import training_prompts
 
     spec = (
         "--speculative-algorithm",

@@ -1,5 +1,5 @@
 """The router's mechanics over real HTTP: our router (in-process, on uvicorn) in front of stub
-workers (router/stub_worker.py: real local HTTP servers whose behaviour each test sets).
+workers (tests/stub_worker.py: real local HTTP servers whose behaviour each test sets).
 
 What the workers receive, the round-robin order, retries with fresh rooms, streams relayed
 before prefill answers, failures on either side, health, queue limits, timeouts, bad input and
@@ -18,8 +18,8 @@ import uvicorn
 
 from router.app import RouterApp
 from router.config import RouterConfig
-from router.stub_worker import StubWorker
 from tests.server_proc import free_port
+from tests.stub_worker import StubWorker
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 

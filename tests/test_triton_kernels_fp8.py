@@ -45,9 +45,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from bench.kernels_moe_kda import REAL_FP8_LINEARS as REAL_LINEARS  # noqa: E402
 from kernels import fp8 as fp8_ref  # noqa: E402
 from kernels import moe as moe_ref  # noqa: E402
-from serving.tools.bench_kernels_moe_kda import REAL_FP8_LINEARS as REAL_LINEARS  # noqa: E402
 from tests.triton_interp import patch_triton_interpreter  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -57,7 +57,7 @@ if INTERPRET:
 
 # (hidden, experts, moe_intermediate, top_k)
 REAL_MOE = (4096, 288, 2048, 8)
-# the real experts' dequantized float reference is 29 GB: under xdist (deploy/gpu_tests.sh,
+# the real experts' dequantized float reference is 29 GB: under xdist (bench/gpu_tests.sh,
 # --dist loadgroup) these cases run in one process, one at a time
 REAL_HBM = pytest.mark.xdist_group("real_moe")
 BENCH_MOE = (2048, 64, 768, 4)

@@ -62,7 +62,7 @@ TINY = (64, 8, 32, 2)  # serving/tools/tiny_model.py's tiny preset
 BENCH = (2048, 64, 768, 4)  # bench preset
 REAL = (4096, 288, 2048, 8)  # GLM-5.3-Flash
 # a real-shape case holds 15 GB of bf16 experts and 29 GB more for the float reference: under
-# xdist (deploy/gpu_tests.sh, --dist loadgroup) these cases run in one process, one at a time
+# xdist (bench/gpu_tests.sh, --dist loadgroup) these cases run in one process, one at a time
 REAL_HBM = pytest.mark.xdist_group("real_moe")
 
 

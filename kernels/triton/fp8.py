@@ -47,7 +47,7 @@ TARGET_PROGRAMS = 264
 SMEM_TILE_BUDGET = 160 * 1024
 # block_fp8_linear uses torch._scaled_mm (where the shape passed its probe) from this many tokens
 # up; fewer go to the Triton GEMM with the quantization fused (one launch). 1: cuBLASLt for all;
-# bench_kernels_moe_kda --only fp8 times both backends per shape and token count.
+# bench.kernels_moe_kda --only fp8 times both backends per shape and token count.
 SCALED_MM_MIN_TOKENS = 1
 SCALED_MM_ROWS = 4  # cuBLASLt's 1x128 activation scales take token counts in multiples of this
 AMAX_FLOOR_C = tl.constexpr(AMAX_FLOOR)
