@@ -53,6 +53,7 @@ import argparse
 import contextlib
 import copy
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ import torch
 import kernels
 from bench.step_costs import (
     allreduce_ms,
+    graph_steps,
     hbm_floor,
     layer_kinds,
     profiler_activities,
@@ -355,7 +357,8 @@ def stage_decode_mapped(b: Bench) -> None:
         for bs in b.args.batch_sizes:
             if b.run.time_left() < 20:
                 return
-            ms = timed(_decode_steps(runner, rows[:bs], context), repeat=b.args.repeat)
+            step = _decode_steps(runner, rows[:bs], context)
+            ms = timed(step, repeat=b.args.repeat)
             b.measured[b.key("decode", bs, context)] = ms
             b.run.record(
                 stage="decode_graphs",
@@ -365,8 +368,42 @@ def stage_decode_mapped(b: Bench) -> None:
                 ms=ms,
                 weights=b.weights,
             )
+            if b.cuda and b.args.trace_steps and context == b.args.contexts[0]:
+                _trace_graph_steps(b, step, bs, context)
     del runner
     _empty_cache()
+
+
+def _trace_graph_steps(b: Bench, step, bs: int, context: int) -> None:
+    """Kernels per replayed decode step, their busy time and the graph's gaps (graph_steps),
+    the median over --trace-steps profiled steps."""
+    from torch.profiler import profile, record_function
+
+    from serving.tools.trace_summary import load
+
+    with profile(activities=profiler_activities(True)) as prof:
+        for _ in range(b.args.trace_steps):
+            with record_function("step"):
+                step()
+            _sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        rows = graph_steps(load(path), "step")
+    if not rows:
+        b.run.record(stage="decode_graph_trace", batch=bs, context=context, error="no kernels")
+        return
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    b.run.record(
+        stage="decode_graph_trace",
+        batch=bs,
+        context=context,
+        steps=len(rows),
+        kernels=med["kernels"],
+        busy_ms=round(med["busy_us"] / 1000, 4),
+        span_ms=round(med["span_us"] / 1000, 4),
+        gap_ms=round(med["gap_us"] / 1000, 4),
+    )
 
 
 def _decode_steps(runner: ModelRunner, rows: list[int], start: int):
@@ -499,8 +536,18 @@ def stage_layers(b: Bench) -> None:
                 with record_function("step"):
                     fn()
                 _sync()
-        ms = {k: round(v / repeat, 3) for k, v in split_by_kind(prof, "step", b.cuda).items()}
-        b.run.record(stage="layer_kinds", step=name, batch=bs, context=context, eager=True, ms=ms)
+        ms, launches = split_by_kind(prof, "step", b.cuda)
+        ms = {k: round(v / repeat, 3) for k, v in ms.items()}
+        launches = {k: v / repeat for k, v in launches.items()}
+        b.run.record(
+            stage="layer_kinds",
+            step=name,
+            batch=bs,
+            context=context,
+            eager=True,
+            ms=ms,
+            kernels=launches,
+        )
 
 
 def stage_collectives(b: Bench) -> None:
@@ -621,6 +668,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--spec-steps", type=int, default=1, help="EAGLE draft steps")
     ap.add_argument("--repeat", type=int, default=20, help="timed decode/EAGLE steps (median)")
+    ap.add_argument(
+        "--trace-steps",
+        type=int,
+        default=0,
+        help="mapped decode: profile this many replayed steps per batch at the first context "
+        "(kernels per step, busy time, the graph's gaps)",
+    )
     ap.add_argument(
         "--bus-gbps",
         type=float,

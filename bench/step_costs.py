@@ -82,13 +82,14 @@ def profiler_activities(cuda: bool) -> list:
     return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
 
 
-def split_by_kind(prof, step_label: str, cuda: bool) -> dict[str, float]:
-    """ms per kind in `prof` (a finished torch.profiler.profile over profiler_activities(cuda)
-    whose steps ran under record_function(step_label) inside layer_kinds), plus "rest" and
-    "step" (the total). On CUDA from the Chrome trace (kernel_time_by_range: each kernel charged
-    through its launch's correlation id); on the CPU from the labels' CPU time. Raises when the
-    step label is missing or holds no time: a profile without the CPU activity, or a replayed
-    CUDA graph."""
+def split_by_kind(prof, step_label: str, cuda: bool) -> tuple[dict[str, float], dict[str, int]]:
+    """(ms per kind, kernels per kind) in `prof` (a finished torch.profiler.profile over
+    profiler_activities(cuda) whose steps ran under record_function(step_label) inside
+    layer_kinds), each with "rest" and "step" (the total), summed over the profiled steps. On
+    CUDA from the Chrome trace (kernel_time_by_range: each kernel charged through its launch's
+    correlation id); on the CPU from the labels' CPU time, and no kernel counts (empty). Raises
+    when the step label is missing or holds no time: a profile without the CPU activity, or a
+    replayed CUDA graph."""
     if cuda:
         import tempfile
         from pathlib import Path
@@ -98,8 +99,9 @@ def split_by_kind(prof, step_label: str, cuda: bool) -> dict[str, float]:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "trace.json"
             prof.export_chrome_trace(str(path))
-            totals, seen = kernel_time_by_range(load(path), KINDS, step_label)
+            totals, kernels, seen = kernel_time_by_range(load(path), KINDS, step_label)
     else:
+        kernels = {}
         from torch.autograd import DeviceType
 
         totals, seen = dict.fromkeys((*KINDS, step_label), 0.0), 0
@@ -115,15 +117,21 @@ def split_by_kind(prof, step_label: str, cuda: bool) -> dict[str, float]:
     out = {kind: totals[kind] / 1000 for kind in KINDS}
     out["rest"] = totals[step_label] / 1000 - sum(out.values())
     out["step"] = totals[step_label] / 1000
-    return out
+    launches = {}
+    if kernels:
+        launches = {kind: kernels[kind] for kind in KINDS}
+        launches["rest"] = kernels[step_label] - sum(launches.values())
+        launches["step"] = kernels[step_label]
+    return out, launches
 
 
 def kernel_time_by_range(
     trace: dict, labels: tuple[str, ...], step_label: str
-) -> tuple[dict[str, float], int]:
+) -> tuple[dict[str, float], dict[str, int], int]:
     """Device time (us) of the kernels, copies and memsets launched inside each `labels` range
-    (charged to the innermost one around the launch) and inside `step_label` ranges, from a
-    Chrome trace; and the number of step ranges. A device event is matched to the runtime or
+    (charged to the innermost one around the launch) and inside `step_label` ranges, the number
+    of kernels (copies and memsets not counted) charged the same way, from a Chrome trace; and
+    the number of step ranges. A device event is matched to the runtime or
     driver call that launched it by its correlation id, then that call's enclosing ranges on
     its thread. Session 8's split read the profiler's per-op device totals instead, and its
     kinds summed to half the step with mHC (all Triton, launched through the driver API's
@@ -140,6 +148,7 @@ def kernel_time_by_range(
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
     totals = dict.fromkeys((*labels, step_label), 0.0)
+    kernels = dict.fromkeys((*labels, step_label), 0)
     for e in events:
         if e.get("cat") not in GPU_CATS:
             continue
@@ -150,13 +159,51 @@ def kernel_time_by_range(
             if kind is None and name in labels:
                 kind = name
             if name == step_label:
+                is_kernel = e.get("cat") == "kernel"
                 totals[step_label] += float(e["dur"])
+                kernels[step_label] += is_kernel
                 if kind is not None:
                     totals[kind] += float(e["dur"])
+                    kernels[kind] += is_kernel
                 break
             i = parent[i]
     steps = sum(e.get("name") == step_label and e.get("cat") in HOST_CATS for e in events)
-    return totals, steps
+    return totals, kernels, steps
+
+
+def graph_steps(trace: dict, step_label: str) -> list[dict[str, float]]:
+    """Per `step_label` range of a trace of replayed CUDA graphs: the kernels its launches ran
+    (a graph's kernels carry its cudaGraphLaunch's correlation id), their busy time (the union of
+    their intervals), their span (first start to last end) and the gap (span less busy: the
+    device idle between a step's dependent kernels, launch latency that a graph does not hide),
+    in us. Copies and memsets are left out of the count but kept in busy and span."""
+    from serving.tools.trace_summary import GPU_CATS, HOST_CATS, covered, nest, union
+
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    host = [e for e in events if e.get("cat") in HOST_CATS]
+    parent, _ = nest(host)
+    launch_at = {
+        e["args"]["correlation"]: i
+        for i, e in enumerate(host)
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    per_step: dict[int, list[dict]] = {}
+    for e in events:
+        if e.get("cat") not in GPU_CATS:
+            continue
+        i = launch_at.get(e.get("args", {}).get("correlation"))
+        while i is not None and host[i].get("name") != step_label:
+            i = parent[i]
+        if i is not None:
+            per_step.setdefault(i, []).append(e)
+    rows = []
+    for i in sorted(per_step, key=lambda i: host[i]["ts"]):
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in per_step[i]]
+        busy = covered(union(spans))
+        span = max(end for _, end in spans) - min(start for start, _ in spans)
+        kernels = sum(e.get("cat") == "kernel" for e in per_step[i])
+        rows.append({"kernels": kernels, "busy_us": busy, "span_us": span, "gap_us": span - busy})
+    return rows
 
 
 def _routed(name: str) -> bool:

@@ -432,7 +432,8 @@ def test_layer_kinds_split_needs_the_cpu_ranges():
             with record_function("mHC"):
                 a = a + 1
             a = a * 2  # rest
-    ms = split_by_kind(prof, "step", cuda=False)
+    ms, launches = split_by_kind(prof, "step", cuda=False)
+    assert launches == {}  # kernel counts come from a CUDA trace only
     assert ms["MoE"] > ms["mHC"] > 0 and ms["KDA"] == 0 and ms["rest"] > 0, ms
     with pytest.raises(ValueError, match="no device time under 'step' \\(1 ranges\\)"):
         split_by_kind(prof, "step", cuda=True)  # the trace path: a step, but no kernels
@@ -477,10 +478,41 @@ def test_kernel_time_goes_to_the_range_around_its_launch():
         {"ph": "X", "cat": "gpu_user_annotation", "name": "KDA", "ts": 1000, "dur": 80,
          "pid": 0, "tid": 7, "args": {}},  # the profiler's device copy of a range: not a kernel
     ]  # fmt: skip
-    totals, steps = kernel_time_by_range({"traceEvents": events}, KINDS, "step")
+    totals, kernels, steps = kernel_time_by_range({"traceEvents": events}, KINDS, "step")
     assert steps == 1
     assert totals == {**dict.fromkeys(KINDS, 0.0), "KDA": 12.0, "mHC": 3.0, "MoE": 2.0,
                       "step": 21.0}, totals  # fmt: skip
+    # the memcpy (corr 4) is time, not a kernel launch
+    assert kernels == {**dict.fromkeys(KINDS, 0), "KDA": 2, "mHC": 1, "step": 4}, kernels
+
+
+def test_graph_steps_count_a_replay_s_kernels_and_its_gaps():
+    """A replayed graph's kernels share their cudaGraphLaunch's correlation id: each step range
+    gets its kernels' count, busy time (overlaps counted once), span and the idle gap between."""
+    from bench.step_costs import graph_steps
+
+    def host(name, cat, ts, dur, corr=None):
+        args = {} if corr is None else {"correlation": corr}
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1,
+                "args": args}  # fmt: skip
+
+    def dev(corr, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": "k", "ts": ts, "dur": dur, "pid": 0, "tid": 7,
+                "args": {"correlation": corr}}  # fmt: skip
+
+    events = [
+        host("step", "user_annotation", 0, 50),
+        host("cudaGraphLaunch", "cuda_runtime", 5, 2, corr=1),
+        host("step", "user_annotation", 100, 50),
+        host("cudaGraphLaunch", "cuda_runtime", 105, 2, corr=2),
+        dev(1, 1000, 10), dev(1, 1012, 10), dev(1, 1015, 3), dev(1, 1030, 5, "gpu_memset"),
+        dev(2, 2000, 20), dev(2, 2030, 10),
+    ]  # fmt: skip
+    rows = graph_steps({"traceEvents": events}, "step")
+    assert rows == [
+        {"kernels": 3, "busy_us": 25.0, "span_us": 35.0, "gap_us": 10.0},
+        {"kernels": 2, "busy_us": 30.0, "span_us": 40.0, "gap_us": 10.0},
+    ], rows
 
 
 @pytest.fixture(scope="module")
