@@ -19,13 +19,14 @@ summed over the two counts (us / tokens at 32 plus us / tokens at 8,192), i.e. a
 decoded as many tokens as it prefilled. A decode call carries at most 32 tokens and a prefill
 call 8,192, so a microsecond lost at decode weighs 256 times one lost at prefill; a prompt 16
 times longer than its output still leaves decode 16 times the weight. Why not "faster at both
-counts" (the rule before the skinny GEMM): the prefill GEMMs of the small projections still
-lose to bf16 at 8,192 tokens (0.2-0.7x on the H200: cuBLASLt refuses or garbles K <= 256, and
-the separate activation quantization costs more than the GEMM saves for N <= 512), so that rule
-kept exactly the shapes a decode step reads most often in bf16, for a prefill cost of a few
-microseconds per 8,192-token chunk (KDA's f_b/g_b: about 30 us per call, 1.4 ms of a 310 ms
-chunk at TP8). Prefill FP8 GEMMs at those shapes are issue 44's. A tie stays dense (the dense
-path is the more accurate one).
+counts" (the rule before the skinny GEMM): the prefill GEMMs of the small projections that
+do not stack still lose to bf16 at 8,192 tokens (0.2-0.7x on the H200, session 6: cuBLASLt
+refuses or garbles K <= 256, and the separate activation quantization costs more than the GEMM
+saves for N <= 512: KDA's f_b/g_b, the shared expert's gate/up and down, the indexer's wq_b at
+TP8), so that rule would keep them bf16 at decode too, where FP8 halves their reads, to save
+tens of microseconds per prefill call (KDA's f_b/g_b: about 26 us, 1.8 ms of a 310 ms
+8,192-token chunk at TP8). Prefill FP8 GEMMs at those shapes are issue 44's. A tie stays dense
+(the dense path is the more accurate one).
 
 The routed experts are not timed: the fused FP8 MoE measured 1.4-1.8x bf16 from 1 to 8,192
 tokens, and they are most of the weight bytes.
