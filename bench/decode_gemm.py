@@ -11,7 +11,8 @@ a split-K GEMM and its reduction).
 - dtype fp8: us_old the FP8 path before the skinny GEMM (block_fp8_linear's old backends:
   torch._scaled_mm with its activation quantization where the shape's probe passes, else the
   Triton GEMM with the quantization fused), us_new the skinny GEMM (the quantization inside),
-  us_bf16_old cuBLAS on the bf16 twin (what the start-up timing kept these shapes on);
+  us_bf16_old the bf16 row's cuBLAS (what the start-up timing kept these shapes on; the DSA
+  layer in FP8 runs "dsa in_proj" and "dsa in_proj rest" against the bf16 layer's one GEMM);
 - floor_us: the weight's bytes (FP8: with its scales) at 4.23 TB/s, the H200's measured copy
   bandwidth; new_over_floor = us_new / floor_us.
 Shapes: the projections as a rank-0 layer runs them (RANK0_LINEARS): stacked input projections
@@ -96,12 +97,8 @@ def _copies(weight_bytes: int) -> int:
     return max(2, min(MAX_COPIES, -(-5 * l2 // (2 * weight_bytes))))
 
 
-def _weights(n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from kernels.fp8 import quantize_weight
-
-    w = torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5
-    w8, scale = quantize_weight(w)
-    return w.bfloat16(), w8, scale
+def _weight(n: int, k: int, gen) -> torch.Tensor:
+    return torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5
 
 
 def _inputs(m: int, k: int, copies: int, gen) -> list[torch.Tensor]:
@@ -111,20 +108,19 @@ def _inputs(m: int, k: int, copies: int, gen) -> list[torch.Tensor]:
 
 
 def rows_for(name: str, gen) -> list[dict]:
+    from kernels.fp8 import quantize_weight
     from kernels.triton import fp8 as tfp8
     from kernels.triton.skinny_gemm import skinny_linear
 
     n16, n8, k = RANK0_LINEARS[name]
     out = []
-    w16, _, _ = _weights(n16, k, gen)
+    w16 = _weight(n16, k, gen).bfloat16()
     dense = [w16.clone() for _ in range(_copies(w16.numel() * 2))]
     del w16
-    fp8 = []
     if n8 is not None:
-        _, w8, scale = _weights(n8, k, gen)
+        w8, scale = quantize_weight(_weight(n8, k, gen))
         fp8_bytes = w8.numel() + scale.numel() * 4
         fp8 = [(w8.clone(), scale.clone()) for _ in range(_copies(fp8_bytes))]
-        twin = [w.bfloat16() for w in _dequantized(w8, scale, len(dense))]
         del w8, scale
         scaled_mm = tfp8.scaled_mm_usable(n8, k, torch.bfloat16, DEVICE)
         old_fp8 = tfp8.block_fp8_linear_scaled_mm if scaled_mm else tfp8.block_fp8_linear_triton
@@ -140,22 +136,14 @@ def rows_for(name: str, gen) -> list[dict]:
         ops = [(x, *op) for x, op in zip(xs, fp8)]
         old = graph_us(old_fp8, ops)
         new = graph_us(skinny_linear, ops)
-        bf16_twin = graph_us(F.linear, list(zip(_inputs(m, k, len(twin), gen), twin)))
         floor = fp8_bytes / HBM_BYTES_PER_US
         launches_old = (3 if m % tfp8.SCALED_MM_ROWS else 2) if scaled_mm else 1
         row = _row(name, m, "fp8", (n8, k), old, new, floor, launches_old, 1)
         row["old_gemm"] = "scaled_mm" if scaled_mm else "triton"
-        row["us_bf16_old"] = round(bf16_twin, 2)
-        row["new_vs_bf16_old"] = round(bf16_twin / new, 2)
+        row["us_bf16_old"] = round(cublas, 2)
+        row["new_vs_bf16_old"] = round(cublas / new, 2)
         out.append(row)
     return out
-
-
-def _dequantized(w8: torch.Tensor, scale: torch.Tensor, copies: int) -> list[torch.Tensor]:
-    from kernels.fp8 import dequantize
-
-    w = dequantize(w8, scale).bfloat16()
-    return [w.clone() for _ in range(copies)]
 
 
 def _row(name, m, dtype, shape, old, new, floor, launches_old, launches_new) -> dict:
@@ -178,6 +166,7 @@ def sweep_for(name: str, gen) -> list[dict]:
     """The skinny GEMM at each SWEEP tiling (skinny_config's target_programs and partial_bytes),
     per count and dtype: the fastest and every distinct tiling's time (N tile, splits x steps),
     for tuning skinny_config."""
+    from kernels.fp8 import quantize_weight
     from kernels.triton.skinny_gemm import skinny_config, skinny_linear
 
     n16, n8, k = RANK0_LINEARS[name]
@@ -185,11 +174,11 @@ def sweep_for(name: str, gen) -> list[dict]:
     for dtype, n in (("bf16", n16), ("fp8", n8)):
         if n is None:
             continue
-        w16, w8, scale = _weights(n, k, gen)
+        w = _weight(n, k, gen)
         w_bytes = 2 if dtype == "bf16" else 1
-        op = (w16,) if dtype == "bf16" else (w8, scale)
+        op = (w.bfloat16(),) if dtype == "bf16" else quantize_weight(w)
         ops = [tuple(t.clone() for t in op) for _ in range(_copies(n * k * w_bytes))]
-        del w16, w8, scale
+        del w, op
         for m in TOKENS:
             xs = _inputs(m, k, len(ops), gen)
             times = {}
