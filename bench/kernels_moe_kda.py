@@ -16,8 +16,9 @@ Block FP8 (--only fp8): the W8A8 linear (kernels/triton/fp8.py) at every quantiz
 real shape (TP1) for 8,192 tokens, TFLOP/s beside bf16 F.linear (cuBLAS) in the same run, with
 both GEMM backends side by side (triton_ms: the Triton GEMM with the quantization fused;
 scaled_mm_ms: quantize_act + torch._scaled_mm, cuBLASLt block scales; `backend` is the one
-block_fp8_linear picks) and each GEMM alone on pre-quantized activations; the same at 1 / 32 /
-128 tokens as GB/s of weights read, timed as device time under CUDA graphs (the decode path).
+block_fp8_linear picks: the skinny GEMM up to 64 tokens) and each GEMM alone on pre-quantized
+activations; the same at 1 / 32 / 128 tokens as GB/s of weights read, timed as device time
+under CUDA graphs (the decode path; bench/decode_gemm.py has the rank-0 shapes).
 The FP8 fused MoE (experts_fp8) at the real and bench shapes for 1 / 32 / 128 / 8,192 tokens:
 GB/s of FP8 expert weights read (distinct experts x (3 I Hd bytes + scales)) against the
 4.23 TB/s copy ceiling, TFLOP/s, beside the bf16 fused MoE on the same routing.
@@ -306,9 +307,7 @@ def bench_fp8_linear(prefill: int, decode_tokens) -> list[dict]:
                 bf16_ms = tfp8.graph_time_us(lambda op, x=x: F.linear(x, op), bf16_ops) / 1e3
             ms = times["chosen"]
             extra = {
-                "backend": "scaled_mm"
-                if use_mm and tokens >= tfp8.SCALED_MM_MIN_TOKENS
-                else "triton",
+                "backend": tfp8.linear_gemm(tokens, n, k, torch.bfloat16, dev),
                 "timing": "eager" if tokens == prefill else "graph",
                 "triton_ms": round(times["triton"], 4),
                 "scaled_mm_ms": round(times["scaled_mm"], 4) if "scaled_mm" in times else None,

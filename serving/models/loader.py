@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from kernels.fp8 import dequantize
 from serving.config import ModelConfig
 from serving.distributed import ParallelState, split, state
-from serving.layers.linear import stack_projections
+from serving.layers.linear import StackedProjections, stack_projections
 from serving.models.fp8_choice import LinearChoice, choose_linears, linear_shape
 from serving.models.fp8_weights import (
     SCALE_SUFFIX,
@@ -375,24 +375,27 @@ def load_weights(
     draft = modules.get("draft")
     if draft is not None:
         draft = draft.to(device).eval()
+    stack_projections(target_model, draft)  # after .to(device): it would replace the views
     if fp8 and fp8_execution and torch.device(device).type == "cuda":
         log_fp8_linear_backends([target_model, draft], dtype, device)
-    stack_projections(target_model, draft)  # after .to(device): it would replace the views
     return target_model, draft
 
 
 def log_fp8_linear_backends(roots, dtype: torch.dtype, device) -> None:
     """Decide now (kernels/triton/fp8.py probes each weight shape once) and log which GEMM the
-    FP8 linears use: torch._scaled_mm (cuBLASLt block scales) or the Triton GEMM."""
+    FP8 linears use above the skinny GEMM's token rows: torch._scaled_mm (cuBLASLt block
+    scales) or the Triton GEMM; the parts' shapes and their stacks' (after stack_projections)."""
     from kernels.triton.fp8 import linear_backends
 
+    modules = [m for root in roots if root is not None for m in root.modules()]
     shapes = [
         tuple(m.weight.shape)
-        for root in roots
-        if root is not None
-        for m in root.modules()
+        for m in modules
         if getattr(m, "weight_scale_inv", None) is not None and m.weight.dim() == 2
     ]
+    for stack in (v for m in modules for v in vars(m).values()):
+        if isinstance(stack, StackedProjections):
+            shapes += [tuple(g.weight.shape) for g in stack.gemms if g.scale is not None]
     chosen = linear_backends(shapes, dtype, device)
     by_backend: dict[str, list[str]] = {}
     for (n, k), backend in chosen.items():
@@ -427,9 +430,16 @@ def hold_fp8_modules(
 ) -> None:
     """hold_fp8() on every module fp8_modules() selected but the projections whose weight shape
     is in dense_shapes (fp8_choice: FP8 not faster there)."""
+    fp8 = _selected(selected)
     for _, _, module in selected:
-        if linear_shape(module) not in dense_shapes:
+        if linear_shape(module, fp8) not in dense_shapes:
             module.hold_fp8()
+
+
+def _selected(selected: list[tuple[str, str, torch.nn.Module]]):
+    """fp8_choice.linear_shape's predicate: the parts of a stack that fp8_modules selected."""
+    ids = {id(module) for _, _, module in selected}
+    return lambda part: id(part) in ids
 
 
 def fp8_modules(
@@ -478,14 +488,13 @@ def choose_and_hold(
     """fp8_choice's decision for these modules (fp8_modules' list), then hold_fp8() on each
     but the projections it sends to the dense path."""
     shapes: dict[tuple[int, int], list[str]] = {}
+    fp8 = _selected(held)
     for role, path, module in held:
-        shape = linear_shape(module)
+        shape = linear_shape(module, fp8)
         if shape is not None:
             shapes.setdefault(shape, []).append(f"{role}.{path}" if role == "draft" else path)
     choice = choose_linears(shapes, dtype, device, policy)
-    for _, _, module in held:
-        if linear_shape(module) not in choice.dense_shapes:
-            module.hold_fp8()
+    hold_fp8_modules(held, choice.dense_shapes)
     return choice
 
 
