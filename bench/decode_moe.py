@@ -1,7 +1,8 @@
 """One MoE layer of rank 0 of GLM-5.3-Flash at TP8/EP8 (issue 43) at decode batches 1, 4 and 8:
 the align path against the small path, bf16 and block FP8.
 
-    python -m bench.decode_moe        # one JSON line per row, < 60 s on an H200
+    python -m bench.decode_moe            # one JSON line per row, < 60 s on an H200
+    python -m bench.decode_moe --sweep    # the small path's program targets, for its constants
 
 A row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_old",
 "launches_new", "new_over_floor", "rel_err"}, microseconds per layer call.
@@ -24,6 +25,10 @@ Shapes: hidden 4096, 288 experts of which rank 0 holds 36 (ids 0..35), top-8, ex
 intermediate 2048, shared expert 2048 / 8 = 256, random weights and inputs. The all-reduce is
 left out of both paths (one rank alone).
 
+--sweep times the small path alone for each (GATE_UP_PROGRAMS[_FP8], DOWN_PROGRAMS) of
+SWEEP_GATE_UP x SWEEP_DOWN (kernels/triton/moe_small.py's grid sizes: they decide the K splits),
+one row each with those two fields: the fastest pair per dtype is what the constants should say.
+
 Timing: each path is captured in one CUDA graph over LAYERS layer copies (distinct weights and
 inputs; 1.8 GB of bf16 experts each, so no layer's weights survive in L2 until its next call),
 replayed REPLAYS times; the median replay over LAYERS is the time per layer.
@@ -31,6 +36,7 @@ replayed REPLAYS times; the median replay over LAYERS is the time per layer.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 
@@ -42,6 +48,8 @@ BATCHES = (1, 4, 8)
 LAYERS = 4
 REPLAYS = 20
 TP = EP = 8
+SWEEP_GATE_UP = (264, 396, 528, 660)
+SWEEP_DOWN = (264, 528, 792)
 
 
 def _config():
@@ -205,9 +213,43 @@ def _rows(dtype: str, layers, gen: torch.Generator):
         print(json.dumps(row), flush=True)
 
 
+def _sweep_rows(dtype: str, layers, gen: torch.Generator):
+    from kernels.triton import moe_small
+    from serving.layers import mlp
+
+    hidden = layers[0].config.hidden_size
+    mlp.SMALL_MOE_MAX_TOKENS = 16
+    knob = "GATE_UP_PROGRAMS" if dtype == "bf16" else "GATE_UP_PROGRAMS_FP8"
+    saved = getattr(moe_small, knob), moe_small.DOWN_PROGRAMS
+    try:
+        for batch in BATCHES:
+            xs = [
+                torch.randn(batch, hidden, device=DEVICE, generator=gen).to(torch.bfloat16)
+                for _ in layers
+            ]
+            calls = [lambda moe=moe, x=x: moe(x) for moe, x in zip(layers, xs)]
+            floor = statistics.mean(_floor_us(moe, [x]) for moe, x in zip(layers, xs))
+            for gate_up in SWEEP_GATE_UP:
+                for down in SWEEP_DOWN:
+                    setattr(moe_small, knob, gate_up)
+                    moe_small.DOWN_PROGRAMS = down
+                    us = _graph_us(calls)
+                    row = {"name": "moe_layer_small", "batch": batch, "dtype": dtype}
+                    row.update(gate_up_programs=gate_up, down_programs=down, us_new=round(us, 2))
+                    row.update(floor_us=round(floor, 2), new_over_floor=round(us / floor, 2))
+                    print(json.dumps(row), flush=True)
+    finally:
+        setattr(moe_small, knob, saved[0])
+        moe_small.DOWN_PROGRAMS = saved[1]
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="the small path's program targets")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.decode_moe needs a CUDA device")
+    rows = _sweep_rows if args.sweep else _rows
     from serving.distributed import ParallelState, set_state
     from serving.layers import mlp
 
@@ -219,13 +261,13 @@ def main() -> None:
             config = _config()
             gen = torch.Generator(device=DEVICE).manual_seed(0)
             layers = [_layer(config, False, gen) for _ in range(LAYERS)]
-            _rows("bf16", layers, gen)
+            rows("bf16", layers, gen)
             layers = None  # free the bf16 copies first
             layers = [_layer(config, True, gen) for _ in range(LAYERS)]
-            _rows("fp8", layers, gen)
+            rows("fp8", layers, gen)
             for moe in layers:
                 _shared_to_fp8(moe)
-            _rows("fp8_all", layers, gen)
+            rows("fp8_all", layers, gen)
     finally:
         mlp.SMALL_MOE_MAX_TOKENS, mlp.all_reduce = saved
         set_state(ParallelState())

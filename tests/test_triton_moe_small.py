@@ -6,7 +6,7 @@ serving/layers/mlp.MoE.
 CPU cases run only under TRITON_INTERPRET=1 (tests/triton_interp; tiny shapes, Triton's
 interpreter runs programs one after another, so every last-program reduction is exercised);
 GPU cases (`@pytest.mark.gpu`) run the bench preset (hidden 2048, 64 experts, I 768, top-4,
-shared 768) and rank 0 of TP8/EP8 at the real size (hidden 4096, 36 local experts of 288,
+shared 768) and a rank of TP8/EP8 at the real size (hidden 4096, 36 local experts of 288,
 I 2048, top-8, shared 256). Inputs are random, outputs come from memory filled with NaN just
 before (_poison), and the counters must be back at zero after every call.
 
@@ -14,7 +14,9 @@ Tolerances (relative to the reference's largest magnitude, on the same inputs):
 - route_slots: equal slots; weights within 1e-5 (float32 sums in another order; sigmoid on the
   GPU is approximate to about 1e-7). Rows with a near-tie among their top k + 1 choices (float64
   gap < 1e-5) could pick differently in another summation order: seeds are chosen without them.
-- experts/moe_small, float32: 1e-5 (IEEE dots; FP8 too: the same e4m3 operands, fp32 sums).
+- experts/moe_small, float32: 1e-5 (IEEE dots; FP8 too under the interpreter: the same e4m3
+  operands, fp32 sums); FP8 on the GPU 1e-3 (Hopper's e4m3 MMA accumulates in reduced
+  precision inside a K step; 2e-4 measured for the FP8 linear).
 - bf16 (and FP8 with bf16 activations): 2e-2 max, 1e-2 relative Frobenius, as the fused MoE's
   tests (tests/test_triton_kernels_moe_kda.py, test_triton_kernels_fp8.py): the kernel and the
   reference round the SwiGLU output to bf16 at the same point, but their fp32 gate/up sums
@@ -74,10 +76,10 @@ def _rel_fro(out, ref_):
     return ((out.float() - ref_.float()).norm() / ref_.float().norm()).item()
 
 
-def _check_close(out, ref_, dtype):
+def _check_close(out, ref_, dtype, fp32_tol=1e-5):
     assert not out.isnan().any()
     if dtype == torch.float32:
-        assert _rel_max(out, ref_) <= 1e-5, _rel_max(out, ref_)
+        assert _rel_max(out, ref_) <= fp32_tol, _rel_max(out, ref_)
     else:
         assert _rel_max(out, ref_) <= 2e-2 and _rel_fro(out, ref_) <= 1e-2, (
             _rel_max(out, ref_),
@@ -281,7 +283,11 @@ def _check_experts(tokens, shape, mode, dtype, device, slots=None, shared=True):
     out = tms.experts_slots(x, *slots, experts, shared_w, 10.0, counters)
     assert out.dtype == dtype and out.shape == x.shape
     assert not counters.any()
-    _check_close(out, ref.experts_slots(x, *slots, experts, shared_w, 10.0), dtype)
+    # Hopper's e4m3 MMA accumulates in reduced precision inside a K step (the kernel promotes
+    # to float32 between steps): 2e-4 measured for the FP8 linear (test_triton_kernels_fp8.py)
+    fp8_mma = torch.device(device).type == "cuda" and mode != "dense"
+    want = ref.experts_slots(x, *slots, experts, shared_w, 10.0)
+    _check_close(out, want, dtype, 1e-3 if fp8_mma else 1e-5)
     return out
 
 

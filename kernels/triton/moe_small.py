@@ -65,9 +65,17 @@ MAX_TOKENS = 16  # one tl.dot M tile of tokens
 BLOCK_T = 16
 BLOCK_E = 16  # router: experts per program
 BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns (divides GROUP)
-# Programs the split counts aim at: about four per SM of the H200 (132 SMs), enough weight bytes
-# in flight for one picked expert (33.5 MB of gate/up in bf16) to stream near bandwidth.
-TARGET_PROGRAMS = 528
+# The most programs each grid may hold (the K split counts are chosen up to them), for the H200's
+# 132 SMs: a grid within one resident wave, with several programs per SM keeping enough weight
+# bytes in flight (one picked expert is 33.5 MB of gate/up in bf16). Registers a thread, from
+# Triton 3.6's sm_90 compile (4 warps): gate/up 96 in bf16 (5 programs fit an SM) and 150 in FP8
+# (its K loop quantizes x: 3 fit); down 64-72 (7 fit); the router's select 78-142 up to 8 tokens
+# and 200 at 16 (8 warps: 1 fits), so the router gets one program per SM. The H200 A/B sets
+# these (python -m bench.decode_moe --sweep).
+ROUTE_PROGRAMS = 132
+GATE_UP_PROGRAMS = 528
+GATE_UP_PROGRAMS_FP8 = 396
+DOWN_PROGRAMS = 528
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
@@ -80,12 +88,13 @@ class _Split:
     block_k: int
 
 
-def _split(k: int, column_blocks: int) -> _Split:
-    """Split K so that column_blocks * splits reaches TARGET_PROGRAMS (host ints only). block_k
-    divides GROUP, so in FP8 a K step never straddles a scale group, and is >= 32 (e4m3 dots)."""
+def _split(k: int, column_blocks: int, programs: int) -> _Split:
+    """Split K into as many ranges as column_blocks * splits <= programs allows (at least one;
+    host ints only). block_k divides GROUP, so in FP8 a K step never straddles a scale group,
+    and is >= 32 (e4m3 dots)."""
     block_k = max(32, min(GROUP, triton.next_power_of_2(k)))
     steps = triton.cdiv(k, block_k)
-    splits = max(1, min(steps, triton.cdiv(TARGET_PROGRAMS, column_blocks)))
+    splits = max(1, min(steps, programs // column_blocks))
     k_split = triton.cdiv(steps, splits) * block_k
     return _Split(triton.cdiv(k, k_split), k_split, block_k)
 
@@ -295,7 +304,7 @@ def route_slots(
     assert top_k <= experts and gate_weight.dtype == x.dtype, (top_k, gate_weight.dtype)
     neb = triton.cdiv(experts, BLOCK_E)
     assert counters.dtype == torch.int32 and counters.numel() >= route_counters(experts)
-    split = _split(hidden, neb)
+    split = _split(hidden, neb, ROUTE_PROGRAMS)
     part = torch.empty(neb, split.splits, tokens, BLOCK_E, device=dev, dtype=torch.float32)
     logits = torch.empty(tokens, experts, device=dev, dtype=torch.float32)
     tp = max(2, triton.next_power_of_2(tokens))
@@ -327,7 +336,7 @@ def route_slots(
         TP=tp,
         EP=triton.next_power_of_2(experts),
         SP=triton.next_power_of_2(num_local),
-        num_warps=8 if tp >= 8 else 4,  # the select's [TP, EP] int64 keys
+        num_warps=8 if tp >= 16 else 4,  # the select's [TP, EP] int64 keys
     )
     return slot_expert, slot_weight
 
@@ -814,7 +823,10 @@ def experts_slots(
     dummy = x
 
     n_blocks, n_blocks_sh = triton.cdiv(inter, BLOCK_N), triton.cdiv(inter_sh, BLOCK_N)
-    gu = _split(hidden, n_blocks + n_blocks_sh)
+    fp8_gate_up = w_fp8 or sh_fp8
+    gu = _split(
+        hidden, n_blocks + n_blocks_sh, GATE_UP_PROGRAMS_FP8 if fp8_gate_up else GATE_UP_PROGRAMS
+    )
     assert 2 * max(inter, inter_sh) * hidden < 2**31, "int32 offsets inside one expert"
     assert slots * gu.splits * tokens * 2 * inter < 2**31, "int32 offsets of the partials"
     part = torch.empty(slots, gu.splits, tokens, 2 * inter, device=dev, dtype=torch.float32)
@@ -874,7 +886,7 @@ def experts_slots(
     )
 
     d_blocks = triton.cdiv(hidden, BLOCK_N)
-    dn = _split(inter, d_blocks)
+    dn = _split(inter, d_blocks, DOWN_PROGRAMS)
     # the shared expert's K (its own intermediate size) in as many splits
     block_k_sh = max(32, min(GROUP, triton.next_power_of_2(max(inter_sh, 1))))
     k_split_sh = max(1, triton.cdiv(triton.cdiv(inter_sh, dn.splits), block_k_sh)) * block_k_sh
