@@ -1,8 +1,9 @@
 """One MoE layer of rank 0 of GLM-5.3-Flash at TP8/EP8 (issue 43) at decode batches 1, 4 and 8:
 the align path against the small path, bf16 and block FP8.
 
-    python -m bench.decode_moe            # one JSON line per row, < 60 s on an H200
-    python -m bench.decode_moe --sweep    # the small path's program targets, for its constants
+    python -m bench.decode_moe                # one JSON line per row, < 60 s on an H200
+    python -m bench.decode_moe --shared-fp8   # + the fp8_all rows (more kernels to compile)
+    python -m bench.decode_moe --sweep        # the small path's program targets, for its constants
 
 A row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_old",
 "launches_new", "new_over_floor", "rel_err"}, microseconds per layer call.
@@ -19,7 +20,8 @@ A row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_old"
 - launches_*: kernels of one eager call (torch.profiler); rel_err: max |new - old| over max |old|
   of one eager call (a wrong kernel makes fast numbers meaningless).
 dtype: bf16; fp8: the routed experts block FP8, the shared expert bf16 (what the timed FP8 load
-keeps at TP8: serving/models/fp8_choice.py); fp8_all: the shared expert's Linears FP8 too.
+keeps at TP8: serving/models/fp8_choice.py); fp8_all (--shared-fp8): the shared expert's Linears
+FP8 too.
 
 Shapes: hidden 4096, 288 experts of which rank 0 holds 36 (ids 0..35), top-8, expert
 intermediate 2048, shared expert 2048 / 8 = 256, random weights and inputs. The all-reduce is
@@ -246,6 +248,7 @@ def _sweep_rows(dtype: str, layers, gen: torch.Generator):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweep", action="store_true", help="the small path's program targets")
+    ap.add_argument("--shared-fp8", action="store_true", help="also the shared expert in FP8")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.decode_moe needs a CUDA device")
@@ -265,9 +268,10 @@ def main() -> None:
             layers = None  # free the bf16 copies first
             layers = [_layer(config, True, gen) for _ in range(LAYERS)]
             rows("fp8", layers, gen)
-            for moe in layers:
-                _shared_to_fp8(moe)
-            rows("fp8_all", layers, gen)
+            if args.shared_fp8:
+                for moe in layers:
+                    _shared_to_fp8(moe)
+                rows("fp8_all", layers, gen)
     finally:
         mlp.SMALL_MOE_MAX_TOKENS, mlp.all_reduce = saved
         set_state(ParallelState())
