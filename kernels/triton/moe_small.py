@@ -33,7 +33,8 @@ dense where FP8 is not faster); the routed experts are one or the other as a who
 
 Tile sizes and split counts are host functions of the shapes (never of T or of device values),
 so nothing is autotuned and every launch is capturable in a CUDA graph; T is a run-time argument
-(one compiled kernel per shape and dtype; the router's select compiles per next_pow2(T)).
+(one compiled kernel per shape and dtype, plus the JIT's own T = 1 specialisation; the router's
+select compiles per next_pow2(T)).
 
 Invariants and hazards:
 - Last-program reductions: a program writes its partials, then tl.debug_barrier() (Triton
