@@ -26,7 +26,7 @@ signatures and results as kernels/moe_small.py (route_slots, experts_slots, moe_
    sums the splits in order and stores the output in x's dtype. No float atomics: deterministic.
 
 Block FP8 (W8A8 as kernels.moe.experts_fp8): x is quantized per token group of 128 in the gate/up
-K loop (each K step is one group; the same code as kernels/triton/fp8._quant_rows, bit-equal to
+K loop (each K step is one group; the same code as kernels/triton/e4m3.quant_rows, bit-equal to
 kernels.fp8.quantize_act), e4m3 dots add dot * a_scale * w_scale per K step. The shared expert's
 gate/up and down may each be FP8 or in x's dtype (serving/models/fp8_choice.py keeps a shape
 dense where FP8 is not faster); the routed experts are one or the other as a whole.
@@ -60,7 +60,7 @@ import triton.language as tl
 from kernels.fp8 import BLOCK as GROUP
 from kernels.fp8 import FP8, blocks
 from kernels.moe_small import Experts, SharedExpert, num_slots
-from kernels.triton.fp8 import _quant_rows
+from kernels.triton.e4m3 import quant_rows
 
 MAX_TOKENS = 16  # one tl.dot M tile of tokens
 BLOCK_T = 16
@@ -391,7 +391,7 @@ def _gate_up_acc(
             wg = tl.load(wg_ptr + k0 + w_offs, mask=w_mask, other=0.0)
             wu = tl.load(wu_ptr + k0 + w_offs, mask=w_mask, other=0.0)
         if FP8:  # the K step is one whole group: quantize x's tile here (rows past T: zeros)
-            qa, a_s = _quant_rows(a.to(tl.float32))
+            qa, a_s = quant_rows(a.to(tl.float32))
             a8 = qa.to(wg_ptr.dtype.element_ty)  # exact: qa is on the e4m3 grid
             g_s = tl.load(sg_ptr + (n0 // GROUP) * KB + k0 // GROUP)
             u_s = tl.load(su_ptr + (n0 // GROUP) * KB + k0 // GROUP)
@@ -458,7 +458,7 @@ def _finish_group(
     h = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
     out = h_ptr + t[:, None] * INTER + col[None, :]
     if QUANT:  # the whole group is here (columns past INTER: zeros, as quantize_act pads)
-        q, scale = _quant_rows(h.to(tl.float32))
+        q, scale = quant_rows(h.to(tl.float32))
         tl.store(out, q.to(h_ptr.dtype.element_ty), mask=mask)
         tl.store(hs_ptr + t * NB + g, scale, mask=t < T)
     else:
