@@ -146,7 +146,6 @@ def check_sizes(config: ModelConfig, tp_size: int, ep_size: int) -> None:
     checks = [
         ("tp", tp_size, "linear_num_heads (KDA heads)", config.linear_num_heads),
         ("tp", tp_size, "num_attention_heads (MLA heads)", config.num_attention_heads),
-        ("tp", tp_size, "index_n_heads (indexer heads)", config.index_n_heads),
         ("tp", tp_size, "intermediate_size (dense MLP)", config.intermediate_size),
         (
             "tp",
