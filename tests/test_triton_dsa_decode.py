@@ -58,12 +58,13 @@ class Case:
     def __init__(self, shape, lengths, step_len, dtype, device, seed=0, integer=False):
         heads, nope, v, rank, ql, hi, d, kp, sel = shape
         self.shape, self.step_len, self.dtype = shape, step_len, dtype
-        gen = torch.Generator().manual_seed(seed)
         b = len(lengths)
         page = 4 * kp
         max_ctx = -(-max(lengths) // page) * page
-        num_rows = 2 * b + 5
-        self.table, num_slots = _paged_table(num_rows, max_ctx, page, gen, device)
+        num_rows = b + 4
+        cpu_gen = torch.Generator().manual_seed(seed)
+        self.table, num_slots = _paged_table(num_rows, max_ctx, page, cpu_gen, device)
+        gen = torch.Generator(device=device).manual_seed(seed)  # big tensors: made on the device
         self.rows = torch.arange(num_rows - b, num_rows, device=device)
         pos = [n - step_len + i for n in lengths for i in range(step_len)]
         self.positions = torch.tensor(pos, dtype=torch.int64, device=device)
@@ -79,10 +80,10 @@ class Case:
         )
 
         def rnd(*size, scale=1.0, as_dtype=dtype):
-            return (torch.randn(*size, generator=gen) * scale).to(device, as_dtype)
+            return (torch.randn(*size, generator=gen, device=device) * scale).to(as_dtype)
 
         def ints(*size, lo=-2, hi_=2):
-            return torch.randint(lo, hi_ + 1, size, generator=gen).to(device, dtype)
+            return torch.randint(lo, hi_ + 1, size, generator=gen, device=device).to(dtype)
 
         ring = kp - 1 + step_len
         self.latent = rnd(num_slots, rank)
@@ -164,7 +165,11 @@ def _check_write(case: Case, tol: float) -> None:
     want = case.write(ref, want_c)
     got = case.write(tri, got_c)
     assert _rel(got, want) <= tol
-    for name in ("latent", "tail_keys", "tail_gates"):
+    slots = case.layout.token_slots
+    assert _rel(got_c["latent"][slots], want_c["latent"][slots]) <= tol
+    got_c["latent"][slots] = want_c["latent"][slots] = 0
+    assert torch.equal(got_c["latent"], want_c["latent"]), "a latent outside the step's slots"
+    for name in ("tail_keys", "tail_gates"):
         assert _rel(got_c[name], want_c[name]) <= tol, name
     # pooled row 0 is the padding page's: the reference parks non-closing tokens' writes there
     assert _rel(got_c["index_keys"][1:], want_c["index_keys"][1:]) <= tol
@@ -305,10 +310,11 @@ def test_attention_interp(step_len):
 @interp_only
 def test_layer_step_interp(monkeypatch):
     """The tiny model's DSA layers (one with an indexer, one shared) over a prefill, then a
-    decode step and a verify of 2 tokens per request: the fused path (forced on the CPU) gives
-    the torch path's outputs, caches and selections (float32; integer-exact selections are
-    not needed: random scores have no near-ties at these sizes)."""
-    _layer_step(monkeypatch, "cpu", torch.float32, preset="tiny", lengths=[37, 20, 9], tol=1e-5)
+    decode step and a verify of 2 tokens per request (pools closing at the decode token, at a
+    verify's first and at its second token): the fused path (forced on the CPU) gives the
+    torch path's outputs, caches and selections (float32; random scores have no near-ties at
+    these sizes)."""
+    _layer_step(monkeypatch, "cpu", torch.float32, preset="tiny", lengths=[39, 22, 9], tol=1e-5)
 
 
 # ---------------------------------------------------------------- the whole layer
@@ -506,6 +512,7 @@ def test_step_cuda_graph():
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_layer_step_gpu(monkeypatch, dtype, tol):
     """The real rank-0 DSA layer (TP8 shapes, random weights) over a prefill of 3 requests
-    past index_topk, then a decode step and a verify step: fused vs torch path."""
-    _layer_step(monkeypatch, "cuda", dtype, preset="real", lengths=[2600, 2100, 700], tol=tol,
+    past index_topk, then a decode step and a verify step (pools closing at the decode token
+    and at a verify's first token): fused vs torch path."""
+    _layer_step(monkeypatch, "cuda", dtype, preset="real", lengths=[2607, 2094, 700], tol=tol,
                 tp_size=8)  # fmt: skip

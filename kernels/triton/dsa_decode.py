@@ -24,7 +24,7 @@ launches between its projections; semantics and signatures of kernels/dsa_decode
         combine + up-projection (token block, head, V block): the splits merged in float32,
         rounded like the reference's latent output, times kv_b_v[h] on the tensor cores.
 
-Selection (exact; the reference's set). Scores become order-preserving int64 keys (-0.0 folded
+Selection (exact; the reference's set). Scores become order-preserving uint32 keys (-0.0 folded
 into +0.0, as the float comparison does). With n visible pools and k = select_pools < n, a
 radix search over the key bits (RADIX_BITS per pass, the 2^RADIX_BITS - 1 candidate digits of
 a pass counted together) finds tau, the k-th largest key. Every pool above tau is selected, and
@@ -319,12 +319,14 @@ def _absorb(
 
 @triton.jit
 def _pool_keys(scores_ptr, offs, valid):
-    """Order-preserving int64 keys in [0, 2^32) of float32 scores; -1 where not valid."""
+    """Order-preserving uint32 keys of float32 scores (0 where not valid; a valid score's key
+    is >= 1 unless the score is a negative NaN)."""
     s = tl.load(scores_ptr + offs, mask=valid, other=0.0)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0: equal floats get equal keys
     bits = s.to(tl.int32, bitcast=True)
-    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return tl.where(valid, bits.to(tl.int64) + 2147483648, -1)
+    flip = (bits >> 31) | -2147483648  # negative: every bit; positive: the sign bit
+    u = (bits ^ flip).to(tl.uint32, bitcast=True)
+    return tl.where(valid, u, 0)
 
 
 @triton.jit
@@ -351,23 +353,23 @@ def _select(
     """Token t's selection from its n_vis scores (the module docstring's rule) -> slots."""
     digits: tl.constexpr = 1 << RADIX_BITS
     k_eff = tl.minimum(n_vis, K)
-    tau = tl.full([], -1, tl.int64)  # every visible pool (keys >= 0) is above it
+    tau = tl.full([], 0, tl.uint32)  # with n_vis <= K every valid key is above it
     if n_vis > K:
-        offs_c = tl.arange(0, digits).to(tl.int64)
-        prefix = tl.full([], 0, tl.int64)
+        offs_c = tl.arange(0, digits).to(tl.uint32)
+        prefix = tl.full([], 0, tl.uint32)
         for p in tl.static_range(32 // RADIX_BITS):
             shift: tl.constexpr = 32 - (p + 1) * RADIX_BITS
-            cand = prefix + (offs_c << shift)
+            cand = prefix + (offs_c << shift)  # no carry: prefix is 0 from bit `shift` down
             counts = tl.zeros([digits], dtype=tl.int32)
             for c0 in range(0, n_vis, CHUNK):
                 offs = c0 + tl.arange(0, CHUNK)
                 u = _pool_keys(scores_ptr, offs, offs < n_vis)
                 counts += tl.sum((u[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-            # counts fall with the digit and counts[0] >= K: the digit is the last c >= 1
-            # whose count still reaches K
-            digit = tl.sum(((offs_c >= 1) & (counts >= K)).to(tl.int64), axis=0)
-            prefix += digit << shift
-        tau = prefix
+            # counts fall as the digit grows and count(>= prefix) >= K: the digit is the last
+            # c >= 1 whose count still reaches K (0 if none)
+            digit = tl.sum(((offs_c >= 1) & (counts >= K)).to(tl.int32), axis=0)
+            prefix += digit.to(tl.uint32) << shift
+        tau = prefix  # the K-th largest key
     above = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n_vis, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
@@ -377,8 +379,9 @@ def _select(
     taken = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n_vis, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        u = _pool_keys(scores_ptr, offs, offs < n_vis)
-        eq = (u == tau).to(tl.int32)
+        valid = offs < n_vis
+        u = _pool_keys(scores_ptr, offs, valid)
+        eq = ((u == tau) & valid).to(tl.int32)
         tie_rank = ties_before + tl.cumsum(eq, axis=0) - eq
         sel = ((u > tau) | ((eq == 1) & (tie_rank < ties))).to(tl.int32)
         at = taken + tl.cumsum(sel, axis=0) - sel
@@ -627,13 +630,14 @@ def _queries_kernel(
 class QueryPlan(NamedTuple):
     block_p: int  # pools per score program
     chunk: int  # pools per step of the selection's scans
-    radix_bits: int  # key bits resolved per pass of the threshold search
+    radix_bits: int  # key bits resolved per pass of the threshold search (divides 32)
     block_ra: int  # R columns per absorb program
     num_warps: int
 
 
 def query_plan(
     tokens: int,
+    max_pools: int,
     block_p: int | None = None,
     chunk: int | None = None,
     radix_bits: int | None = None,
@@ -642,11 +646,18 @@ def query_plan(
 ) -> QueryPlan:
     """None = default. The pool block grows with the tokens (more programs per token only help
     while the tokens alone do not fill the GPU; each program also reads the token's query).
-    Nothing depends on the context length, so eager decode compiles no new variant as contexts
-    grow."""
-    if block_p is None:
-        block_p = 32 if tokens < 8 else 64
-    return QueryPlan(block_p, chunk or 512, radix_bits or 4, block_ra or 32, num_warps or 4)
+    The selection scans up to 512 pools per step (4 warps, 4-bit passes: 8 passes, 16
+    candidates x 4 keys per thread), past 512 pools 4,096 (8 warps, 2-bit passes: 16 passes,
+    4 candidates x 16 keys per thread): a 64k context's 4,096 pools take one step per pass.
+    Two variants only, so an eager decode compiles little as its contexts grow."""
+    wide = max_pools > 512
+    return QueryPlan(
+        block_p or (32 if tokens < 8 else 64),
+        chunk or (4096 if wide else 512),
+        radix_bits or (2 if wide else 4),
+        block_ra or 32,
+        num_warps or (8 if wide else 4),
+    )
 
 
 def step_queries(
@@ -666,7 +677,8 @@ def step_queries(
     rank = kv_b_nope.shape[2]
     q_abs = torch.empty(t, heads, rank, device=q.device, dtype=q.dtype)
     assert q.stride(2) == 1 and kv_b_nope.stride(2) == 1
-    pl = plan or query_plan(t)
+    pl = plan or query_plan(t, step.max_pools)
+    assert 32 % pl.radix_bits == 0
     block_t = 16
     n_absorb = triton.cdiv(t, block_t) * heads * triton.cdiv(rank, pl.block_ra)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
