@@ -268,6 +268,16 @@ def test_queries_interp_exact_ties(step_len):
 
 
 @interp_only
+def test_queries_interp_long_row_plan():
+    """A long-row plan (scan chunk past SHORT_CHUNK): a token past SHORT_CHUNK pools takes the
+    long scan, a short one the short scan, both exact."""
+    case = Case(TINY, [2100, 40], 1, torch.float32, "cpu", seed=12, integer=True)
+    plan = tri.QueryPlan(block_p=64, chunk=1024, radix_bits=2, block_ra=32, num_warps=8)
+    assert plan.chunk > tri.SHORT_CHUNK and 2100 // TINY[7] > tri.SHORT_CHUNK
+    _check_queries(case, 1e-5, [plan])
+
+
+@interp_only
 def test_queries_interp_all_tied():
     """Zero head weights: every score 0 (+0 and -0 alike): the lowest pools win."""
     case = Case(TINY, [70, 45], 1, torch.float32, "cpu", seed=4)

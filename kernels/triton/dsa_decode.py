@@ -52,6 +52,9 @@ from kernels.triton.sparse_mla import _num_sms  # interpreter: 4, so tests meet 
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_LEN = 64  # latent rows per attention split at least
+# the selection's scan for rows of up to 512 pools: 8 passes of 4 bits (16 candidates x 4 keys
+# per thread at 4 warps)
+SHORT_CHUNK, SHORT_BITS = 512, 4
 
 
 # ------------------------------------------------------------------------------- write_step
@@ -330,35 +333,19 @@ def _pool_keys(scores_ptr, offs, valid):
 
 
 @triton.jit
-def _select(
-    t,
-    row,
-    pos,
-    n_vis,
-    scores_ptr,
-    pools_ptr,
-    r2t_ptr,
-    out_ptr,
-    stride_r2t,
-    stride_out,
-    KP: tl.constexpr,
-    K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_KP: tl.constexpr,
-    TAIL: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
-    CHUNK: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
+def _pick_pools(
+    n_vis, scores_ptr, pools_ptr, K: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr
 ):
-    """Token t's selection from its n_vis scores (the module docstring's rule) -> slots."""
-    digits: tl.constexpr = 1 << RADIX_BITS
+    """The ids of the min(n_vis, K) selected pools (the module docstring's rule), ascending,
+    into pools_ptr[0..]."""
+    digits: tl.constexpr = 1 << BITS
     k_eff = tl.minimum(n_vis, K)
     tau = tl.full([], 0, tl.uint32)  # with n_vis <= K every valid key is above it
     if n_vis > K:
         offs_c = tl.arange(0, digits).to(tl.uint32)
         prefix = tl.full([], 0, tl.uint32)
-        for p in tl.static_range(32 // RADIX_BITS):
-            shift: tl.constexpr = 32 - (p + 1) * RADIX_BITS
+        for p in tl.static_range(32 // BITS):
+            shift = 32 - (p + 1) * BITS
             cand = prefix + (offs_c << shift)  # no carry: prefix is 0 from bit `shift` down
             counts = tl.zeros([digits], dtype=tl.int32)
             for c0 in range(0, n_vis, CHUNK):
@@ -388,7 +375,43 @@ def _select(
         tl.store(pools_ptr + at, offs.to(tl.int32), mask=sel == 1)
         ties_before += tl.sum(eq, axis=0)
         taken += tl.sum(sel, axis=0)
-    tl.debug_barrier()  # the pool ids above, written by other threads of this program
+
+
+@triton.jit
+def _select(
+    t,
+    row,
+    pos,
+    n_vis,
+    scores_ptr,
+    pools_ptr,
+    r2t_ptr,
+    out_ptr,
+    stride_r2t,
+    stride_out,
+    KP: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KP: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    CHUNK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+    SHORT_CHUNK: tl.constexpr,
+    SHORT_BITS: tl.constexpr,
+):
+    """Token t's selection from its n_vis scores -> its slots. A plan for long rows (CHUNK
+    past SHORT_CHUNK) still takes the short rows' scan when the token sees few pools (graphs
+    are captured at the longest context, most tokens are shorter)."""
+    if CHUNK > SHORT_CHUNK:
+        if n_vis <= SHORT_CHUNK:
+            _pick_pools(n_vis, scores_ptr, pools_ptr, K, SHORT_CHUNK, SHORT_BITS)
+        else:
+            _pick_pools(n_vis, scores_ptr, pools_ptr, K, CHUNK, RADIX_BITS)
+    else:
+        _pick_pools(n_vis, scores_ptr, pools_ptr, K, CHUNK, RADIX_BITS)
+    tl.debug_barrier()  # the pool ids, written by other threads of this program
+    k_eff = tl.minimum(n_vis, K)
     offs_i = tl.arange(0, BLOCK_K)
     offs_j = tl.arange(0, BLOCK_KP)
     have = offs_i < k_eff
@@ -447,6 +470,8 @@ def _score_select(
     BLOCK_P: tl.constexpr,
     CHUNK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
+    SHORT_CHUNK: tl.constexpr,
+    SHORT_BITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """Score program s = (token, block of pools); the token's last one selects."""
@@ -501,6 +526,8 @@ def _score_select(
             BLOCK_TAIL,
             CHUNK,
             RADIX_BITS,
+            SHORT_CHUNK,
+            SHORT_BITS,
         )
         tl.atomic_xchg(counters_ptr + t, 0, sem="relaxed")
 
@@ -558,6 +585,8 @@ def _queries_kernel(
     BLOCK_P: tl.constexpr,
     CHUNK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
+    SHORT_CHUNK: tl.constexpr,
+    SHORT_BITS: tl.constexpr,
     HAS_INDEX: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -602,6 +631,8 @@ def _queries_kernel(
                 BLOCK_P,
                 CHUNK,
                 RADIX_BITS,
+                SHORT_CHUNK,
+                SHORT_BITS,
                 DOT_PREC,
             )
     if pid >= n_score:
@@ -646,15 +677,15 @@ def query_plan(
 ) -> QueryPlan:
     """None = default. The pool block grows with the tokens (more programs per token only help
     while the tokens alone do not fill the GPU; each program also reads the token's query).
-    The selection scans up to 512 pools per step (4 warps, 4-bit passes: 8 passes, 16
-    candidates x 4 keys per thread), past 512 pools 4,096 (8 warps, 2-bit passes: 16 passes,
-    4 candidates x 16 keys per thread): a 64k context's 4,096 pools take one step per pass.
-    Two variants only, so an eager decode compiles little as its contexts grow."""
-    wide = max_pools > 512
+    Past SHORT_CHUNK pools the selection scans 4,096 pools per step (8 warps, 2-bit passes: 16
+    passes, 4 candidates x 16 keys per thread), so a 64k context's 4,096 pools take one step
+    per pass; a token that sees fewer pools still takes the short scan. Two variants only, so
+    an eager decode compiles little as its contexts grow."""
+    wide = max_pools > SHORT_CHUNK
     return QueryPlan(
         block_p or (32 if tokens < 8 else 64),
-        chunk or (4096 if wide else 512),
-        radix_bits or (2 if wide else 4),
+        chunk or (4096 if wide else SHORT_CHUNK),
+        radix_bits or (2 if wide else SHORT_BITS),
         block_ra or 32,
         num_warps or (8 if wide else 4),
     )
@@ -762,6 +793,8 @@ def step_queries(
         BLOCK_P=pl.block_p,
         CHUNK=pl.chunk,
         RADIX_BITS=pl.radix_bits,
+        SHORT_CHUNK=SHORT_CHUNK,
+        SHORT_BITS=SHORT_BITS,
         HAS_INDEX=index is not None,
         DOT_PREC=prec,
         num_warps=pl.num_warps,
@@ -939,7 +972,7 @@ def attention_plan(
         num_splits,
         split_len,
         block_w,
-        block_v or 32,
+        block_v or (16 if wide else 32),  # float32: 32 spills the combine's registers
         num_warps or 4,
         num_stages or (1 if wide else 2),
     )
