@@ -318,6 +318,20 @@ def test_attention_interp(step_len):
 
 
 @interp_only
+def test_attention_interp_token_blocks():
+    """18 tokens: the combine's 16-token blocks (a partial second one) instead of one token per
+    program."""
+    lengths = [5 + 7 * i for i in range(9)]
+    case = Case(TINY, lengths, 2, torch.float32, "cpu", seed=30)
+    _, slots = ref.step_queries(case.q, case.kv_b_nope(), case.query(case.index_keys), case.layout)
+    plans = [
+        tri.attention_plan(slots.shape[0], slots.shape[1], torch.float32, torch.device("cpu"), n)
+        for n in (1, 2)
+    ]
+    _check_attention(case, slots, 1e-5, plans)
+
+
+@interp_only
 def test_layer_step_interp(monkeypatch):
     """The tiny model's DSA layers (one with an indexer, one shared) over a prefill, then a
     decode step and a verify of 2 tokens per request (pools closing at the decode token, at a

@@ -21,8 +21,8 @@ launches between its projections; semantics and signatures of kernels/dsa_decode
         Two launches. Split attention (token, split of W): the split's latent rows gathered
         once for all heads (H padded to 16 for the tensor cores; the padding costs FLOPs, not
         bytes), online softmax in float32, a normalised partial and its log-sum-exp. Then
-        combine + up-projection (token block, head, V block): the splits merged in float32,
-        rounded like the reference's latent output, times kv_b_v[h] on the tensor cores.
+        combine + up-projection (token or block of 16 tokens, head, V block): the splits
+        merged in float32, rounded like the reference's latent output, times kv_b_v[h].
 
 Selection (exact; the reference's set). Scores become order-preserving uint32 keys (-0.0 folded
 into +0.0, as the float comparison does). With n visible pools and k = select_pools < n, a
@@ -895,46 +895,81 @@ def _combine_up_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """Program (token block, head, V block): the splits merged (float32, by their log-sum-exp),
-    rounded to the output's dtype as the reference's latent output is, times kv_b_v[h]."""
+    rounded to the output's dtype as the reference's latent output is, times kv_b_v[h].
+
+    BLOCK_T 1 (few tokens, many splits): the splits' partial rows load BLOCK_S at a time, all
+    in flight together, and the up-projection is a GEMV; each token reads the V block's
+    weights (from L2 after the first). BLOCK_T 16 (few splits): one split's [16, R] tile at a
+    time, and the up-projection is a dot, the weights read once per 16 tokens."""
     tb = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < T
-    offs_s = tl.arange(0, BLOCK_S)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    base = offs_t.to(tl.int64) * SPLITS  # [BLOCK_T]
-    lse = tl.load(
-        part_lse_ptr + (base[:, None] + offs_s[None, :]) * H + h,
-        mask=t_mask[:, None] & (offs_s < SPLITS)[None, :],
-        other=float("-inf"),
-    )
-    m = tl.max(lse, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # padding tokens only: every token has a slot
-    wts = tl.exp2(lse - m[:, None])
-    total = tl.sum(wts, axis=1)
-    wts = wts / tl.where(total > 0.0, total, 1.0)[:, None]
-    acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-    for s in range(SPLITS):
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, wts, 0.0), axis=1)
-        part = tl.load(
-            part_o_ptr + ((base + s) * H + h)[:, None] * R + offs_r[None, :],
-            mask=t_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )
-        acc += w_s[:, None] * part
-    o_lat = acc.to(out_ptr.dtype.element_ty)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     v_mask = offs_v < V
-    wv = tl.load(
-        wv_ptr + h * stride_wh + offs_v[:, None] * stride_wv + offs_r[None, :],
-        mask=v_mask[:, None] & r_mask[None, :],
-        other=0.0,
-    )
-    o = tl.dot(o_lat, tl.trans(wv.to(o_lat.dtype)), input_precision=DOT_PREC)  # [T, V]
-    dst = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + h * V + offs_v[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
+    wv_at = wv_ptr + h * stride_wh + offs_v[:, None] * stride_wv + offs_r[None, :]
+    wv_mask = v_mask[:, None] & r_mask[None, :]
+    offs_s = tl.arange(0, BLOCK_S)
+    if BLOCK_T == 1:
+        wv = tl.load(wv_at, mask=wv_mask, other=0.0)  # in flight with the partials' loads
+        t = tb.to(tl.int64)
+        # lse over every split first (few scalars), then the weighted partial rows by chunks
+        m = tl.full([], float("-inf"), dtype=tl.float32)
+        for s0 in tl.static_range(0, SPLITS, BLOCK_S):
+            s_mask = s0 + offs_s < SPLITS
+            lse = tl.load(
+                part_lse_ptr + (t * SPLITS + s0 + offs_s) * H + h, mask=s_mask, other=float("-inf")
+            )
+            m = tl.maximum(m, tl.max(lse, axis=0))
+        m = tl.where(m == float("-inf"), 0.0, m)  # no split has a slot: never for a real token
+        total = tl.zeros([], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for s0 in tl.static_range(0, SPLITS, BLOCK_S):
+            s_mask = s0 + offs_s < SPLITS
+            rows = (t * SPLITS + s0 + offs_s) * H + h
+            lse = tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf"))
+            w = tl.exp2(lse - m)
+            part = tl.load(
+                part_o_ptr + rows[:, None] * R + offs_r[None, :],
+                mask=s_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            total += tl.sum(w, axis=0)
+            acc += tl.sum(w[:, None] * part, axis=0)
+        o_lat = (acc / tl.where(total > 0.0, total, 1.0)).to(out_ptr.dtype.element_ty)
+        o = tl.sum(wv.to(tl.float32) * o_lat.to(tl.float32)[None, :], axis=1)  # [BLOCK_V]
+        tl.store(
+            out_ptr + t * stride_ot + h * V + offs_v, o.to(out_ptr.dtype.element_ty), mask=v_mask
+        )
+    else:
+        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < T
+        base = offs_t.to(tl.int64) * SPLITS  # [BLOCK_T]
+        lse = tl.load(
+            part_lse_ptr + (base[:, None] + offs_s[None, :]) * H + h,
+            mask=t_mask[:, None] & (offs_s < SPLITS)[None, :],
+            other=float("-inf"),
+        )
+        m = tl.max(lse, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # padding tokens only
+        wts = tl.exp2(lse - m[:, None])
+        total = tl.sum(wts, axis=1)
+        wts = wts / tl.where(total > 0.0, total, 1.0)[:, None]
+        acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+        for s in range(SPLITS):  # unrolled, the tiles in flight spill the registers
+            w_s = tl.sum(tl.where(offs_s[None, :] == s, wts, 0.0), axis=1)
+            part = tl.load(
+                part_o_ptr + ((base + s) * H + h)[:, None] * R + offs_r[None, :],
+                mask=t_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            acc += w_s[:, None] * part
+        o_lat = acc.to(out_ptr.dtype.element_ty)
+        wv = tl.load(wv_at, mask=wv_mask, other=0.0)
+        o = tl.dot(o_lat, tl.trans(wv.to(o_lat.dtype)), input_precision=DOT_PREC)  # [T, V]
+        dst = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + h * V + offs_v[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
 
 
 class AttentionPlan(NamedTuple):
@@ -1026,7 +1061,12 @@ def step_attention(
         num_warps=pl.num_warps,
         **stages,
     )
-    block_t = 16
+    # per token while tokens are few (then splits are many); blocks of 16 tokens sharing the
+    # weight tile past that (then splits are few: about one program per SM over both)
+    block_t = 1 if t < 16 else 16
+    block_s = (
+        min(16, triton.next_power_of_2(splits)) if block_t == 1 else triton.next_power_of_2(splits)
+    )
     _combine_up_kernel[(triton.cdiv(t, block_t), heads, triton.cdiv(v_dim, pl.block_v))](
         part_o,
         part_lse,
@@ -1043,7 +1083,7 @@ def step_attention(
         BLOCK_V=pl.block_v,
         BLOCK_T=block_t,
         SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_S=block_s,
         DOT_PREC=prec,
         num_warps=4,
     )
