@@ -35,10 +35,13 @@ def test_every_stack_equals_its_parts_and_trains_through_them(tiny_ckpt):
     target, draft = load_weights(str(tiny_ckpt), config, torch.float32, "cpu", load_draft=True)
     stacks = _stacks(target) + _stacks(draft)
     kinds = {s.names[0] for s in stacks}
-    assert {"q_proj", "q_a_proj", "gate_proj"} <= kinds, kinds  # KDA, MLA + indexer, MLPs
-    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    # KDA, MLA + indexer from x and from q_lora, MLPs
+    assert {"q_proj", "q_a_proj", "q_b_proj", "gate_proj"} <= kinds, kinds
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, config.hidden_size, generator=gen)
     for stack in stacks:
         assert [g.parts for g in stack.gemms] == [list(range(len(stack.names)))], stack.names
+        x = torch.randn(5, stack.gemms[0].weight.shape[1], generator=gen)
         with torch.no_grad():
             got = stack(x)
         want = _one_by_one(stack, x)
@@ -48,6 +51,7 @@ def test_every_stack_equals_its_parts_and_trains_through_them(tiny_ckpt):
 
     # training: gradients reach every part's own parameter
     stack = stacks[0]
+    x = torch.randn(5, config.hidden_size, generator=gen)
     params = [stack._part(n) for n in stack.names]
     params = [p.weight if isinstance(p, Linear) else p for p in params]
     for p in params:
