@@ -1,6 +1,7 @@
 """serving/layers/linear.py StackedProjections: a layer's projections of one input run as one
-GEMM over their stacked weights, with the same outputs as the parts run one by one; the
-fallbacks (storage replaced after stacking, training, FP8 parts) run the parts one by one."""
+GEMM over their stacked weights (one per way the parts are held: dense, block FP8), with the
+same outputs as the parts run one by one; the fallbacks (storage replaced after stacking,
+training, a part that needs a collective) run the parts one by one."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_every_stack_equals_its_parts_and_trains_through_them(tiny_ckpt):
     assert {"q_proj", "q_a_proj", "gate_proj"} <= kinds, kinds  # KDA, MLA + indexer, MLPs
     x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(0))
     for stack in stacks:
-        assert stack.stacked is not None, stack.names
+        assert [len(s.index) for s in stack.stacks] == [len(stack.names)], stack.names
         with torch.no_grad():
             got = stack(x)
         want = _one_by_one(stack, x)
@@ -63,14 +64,59 @@ def test_every_stack_equals_its_parts_and_trains_through_them(tiny_ckpt):
         torch.testing.assert_close(g, w)
 
 
-def test_fp8_or_row_split_parts_do_not_stack():
+def _fp8_linear(rows: int, gen: torch.Generator) -> Linear:
+    from kernels.fp8 import quantize_weight
+
+    linear = Linear(256, rows, torch.float32)
+    w8, scale = quantize_weight(torch.randn(rows, 256, generator=gen) / 16)
+    linear.hold_fp8()
+    with torch.no_grad():
+        linear.weight.copy_(w8)
+        linear.weight_scale_inv.copy_(scale)
+    return linear
+
+
+def test_fp8_parts_stack_with_their_scales_and_apart_from_dense_ones():
+    """KDA's in_proj as the timed FP8 choice holds it: q/k/v in block FP8 (multiples of 128
+    rows), the small ones dense; as --fp8-linears all does, every part FP8 with a partial last
+    block. Each kind stacks alone; the outputs equal the parts one by one (W8A8 references)."""
+    gen = torch.Generator().manual_seed(0)
+    owner = nn.Module()
+    x = torch.randn(3, 256, generator=gen)
+    names = ("q", "k", "v", "f_a", "g_a", "b")
+    for all_fp8 in (False, True):
+        for name, rows in zip(names, (256, 128, 256, 128, 128, 8)):
+            small = name in ("f_a", "g_a", "b")
+            if small and not all_fp8:
+                part = Linear(256, rows, torch.float32)
+                part.weight.data = torch.randn(rows, 256, generator=gen) / 16
+            else:
+                part = _fp8_linear(rows, gen)
+            setattr(owner, name, part)
+        with torch.no_grad():
+            want = [getattr(owner, n)(x) for n in names]
+            stack = StackedProjections(owner, names)
+            assert stack.stack() is True
+            assert [s.index for s in stack.stacks] == (
+                [list(range(6))] if all_fp8 else [[0, 1, 2], [3, 4, 5]]
+            )
+            assert owner.k.weight.data_ptr() != stack.stacks[0].weight.data_ptr()  # a view
+            assert owner.k.weight_scale_inv.shape == (1, 2)
+            got = stack(x)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_row_split_or_straddling_parts_do_not_stack():
+    gen = torch.Generator().manual_seed(0)
     owner = nn.Module()
     owner.a = Linear(256, 128, torch.bfloat16)
     owner.b = Linear(256, 128, torch.bfloat16)
-    owner.a.hold_fp8()
-    assert StackedProjections(owner, ("a", "b")).stack() is False
     owner.c = Linear(256, 128, torch.bfloat16)
     owner.c.split = "row"  # a partial sum needs its all-reduce after the GEMM
     assert StackedProjections(owner, ("b", "c")).stack() is False
-    stack = StackedProjections(owner, ("b",))
-    assert stack.stack() is True and owner.b.weight.data_ptr() == stack.stacked.data_ptr()
+    stack = StackedProjections(owner, ("a", "b"))
+    assert stack.stack() is True and owner.a.weight.data_ptr() == stack.stacks[0].weight.data_ptr()
+    # FP8 parts whose scale blocks would span two parts (64 rows, then more) run alone
+    owner.d, owner.e = _fp8_linear(64, gen), _fp8_linear(128, gen)
+    assert StackedProjections(owner, ("d", "e")).stack() is False

@@ -12,7 +12,8 @@ lacks.
 
 Stacked projections: several projections of one input (KDA's q/k/v/gates, MLA's and the
 indexer's down-projections, gate/up of a dense MLP) run as one GEMM over their weights stacked
-(StackedProjections), one launch instead of up to six: at TP8 a decode step is launch-bound.
+(StackedProjections; one per way the parts are held, dense or block FP8), one launch instead
+of up to six: at TP8 a decode step is launch-bound.
 
 Block FP8: a module with a `kind` (FP8_KINDS) can hold its weights as float8_e4m3fn beside
 float32 block scales `<param>_scale_inv` (hold_fp8, called by the loader before it fills them)
@@ -21,6 +22,8 @@ scales cover this rank's share: the loader refuses a share that starts inside a 
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -134,24 +137,41 @@ def fp8_linear(x: torch.Tensor):
     return fp8_kernels.block_fp8_linear
 
 
+class _Stack(NamedTuple):
+    """Parts held alike, stacked: their positions among the outputs, the stacked weight (and
+    block scales, FP8), each part's rows, and the first part's own parameter (a stale stack's
+    part no longer shares the stacked storage)."""
+
+    index: list[int]
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    sizes: list[int]
+    first: torch.Tensor
+
+
 class StackedProjections:
     """Projections of one input x, named by their owner's attributes (Linear modules, or plain
-    weight parameters applied as x W^T), run as one GEMM once `stack()` has put their weights
-    side by side in one tensor. The parts' parameters become views of that tensor, so the
-    checkpoint names, the loader and the exporters see the parts unchanged.
+    weight parameters applied as x W^T), run as few GEMMs as the way their weights are held
+    allows once `stack()` has put them side by side: the parts in the model's dtype in one
+    tensor, the block-FP8 parts in another with their block scales (one W8A8 GEMM: the
+    activation's quantization is per token and 128-channel group of x, the same for every part;
+    every FP8 part but the last has a multiple of 128 rows, so no scale block spans two parts).
+    So KDA's six are one GEMM in bf16 or with every projection FP8 (--fp8-linears all), two
+    when the timed choice (serving/models/fp8_choice.py) keeps the small ones dense. The parts'
+    parameters become views of the stacked tensors, so the checkpoint names, the loader and the
+    exporters see the parts unchanged.
 
     Hazards: a part's storage replaced after stacking (module.to(), a new Parameter) leaves the
-    stack stale: `__call__` then runs the parts one by one (the first part's data pointer is
-    compared). Training (a part requiring grad under autograd) runs them one by one too: the
-    stacked tensor is no leaf. Only bf16/float32 parts that need no collective after their GEMM
-    stack (no FP8, no row split, no gather); otherwise nothing stacks.
+    stack stale: `__call__` then runs the parts one by one (each stack's first part's data
+    pointer is compared). Training (a part requiring grad under autograd) runs them one by one
+    too: the stacked tensor is no leaf. Only parts that need no collective after their GEMM
+    stack (no row split, no gather); otherwise nothing stacks.
 
     Not an nn.Module: it owns no parameters (the owner registers them) and is no submodule."""
 
     def __init__(self, owner: nn.Module, names: tuple[str, ...]) -> None:
         self.owner, self.names = owner, names
-        self.stacked: torch.Tensor | None = None
-        self.sizes: list[int] = []
+        self.stacks: list[_Stack] = []
 
     def _part(self, name: str):
         try:
@@ -160,37 +180,63 @@ class StackedProjections:
             return self.owner.get_parameter(name)
 
     def stack(self) -> bool:
-        """Stack the parts' weights (after the weights are final); False if they cannot."""
-        parts = [self._part(n) for n in self.names]
-        weights = []
-        for part in parts:
+        """Stack the parts' weights, by how they are held (after the weights are final); False
+        if nothing stacks (a part needs a collective, or no two parts are held alike)."""
+        held = []  # (weight, FP8 block scales or None) per part
+        for part in (self._part(n) for n in self.names):
             if isinstance(part, Linear):
-                if part.weight_scale_inv is not None or part.split == "row" or part.gather:
+                if part.split == "row" or part.gather:
                     return False
-                weights.append(part.weight)
+                held.append((part.weight, part.weight_scale_inv))
             else:
-                weights.append(part)
-        first = weights[0]
-        if any(w.dtype != first.dtype or w.device != first.device for w in weights):
+                held.append((part, None))
+        groups: dict[tuple, list[int]] = {}
+        for i, (w, scale) in enumerate(held):
+            groups.setdefault((scale is not None, w.dtype, w.device), []).append(i)
+        stacks = []
+        for (fp8, *_), index in groups.items():
+            weights = [held[i][0] for i in index]
+            straddles = fp8 and any(w.shape[0] % fp8_kernels.BLOCK for w in weights[:-1])
+            if len(index) < 2 or straddles:
+                continue  # its parts run alone
+            scale = _stack([held[i][1] for i in index]) if fp8 else None
+            sizes = [w.shape[0] for w in weights]
+            stacks.append(_Stack(index, _stack(weights), scale, sizes, weights[0]))
+        if not stacks:
             return False
-        stacked = torch.cat([w.data for w in weights])
-        offset = 0
-        for w in weights:
-            w.data = stacked[offset : offset + w.shape[0]]
-            offset += w.shape[0]
-        self.stacked, self.sizes, self._first = stacked, [w.shape[0] for w in weights], first
+        self.stacks = stacks
         return True
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        s = self.stacked
-        if s is not None and self._first.data_ptr() == s.data_ptr():
-            if not (torch.is_grad_enabled() and self._first.requires_grad):
-                return F.linear(x, s).split(self.sizes, dim=-1)
-        out = []
-        for name in self.names:
-            part = self._part(name)
-            out.append(part(x) if isinstance(part, Linear) else F.linear(x, part))
-        return tuple(out)
+        stacks = self.stacks
+        current = stacks and all(s.first.data_ptr() == s.weight.data_ptr() for s in stacks)
+        if current and not (torch.is_grad_enabled() and any(s.first.requires_grad for s in stacks)):
+            out: list[torch.Tensor | None] = [None] * len(self.names)
+            for s in stacks:
+                if s.scale is None:
+                    y = F.linear(x, s.weight)
+                else:
+                    y = fp8_linear(x)(x, s.weight, s.scale)
+                for i, piece in zip(s.index, y.split(s.sizes, dim=-1)):
+                    out[i] = piece
+            for i in [i for i, o in enumerate(out) if o is None]:  # the parts that run alone
+                out[i] = self._run(self.names[i], x)
+            return tuple(out)  # type: ignore[arg-type]
+        return tuple(self._run(name, x) for name in self.names)
+
+    def _run(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        part = self._part(name)
+        return part(x) if isinstance(part, Linear) else F.linear(x, part)
+
+
+def _stack(params: list[torch.Tensor]) -> torch.Tensor:
+    """The parameters' data concatenated along dim 0; each parameter becomes a view of it."""
+    stacked = torch.cat([p.data for p in params])
+    offset = 0
+    for p in params:
+        p.data = stacked[offset : offset + p.shape[0]]
+        offset += p.shape[0]
+    return stacked
 
 
 def stack_projections(*models: nn.Module | None) -> None:
