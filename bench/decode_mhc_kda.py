@@ -5,9 +5,10 @@
 - mhc_boundary (bf16; the mixing is float32 whatever the weights): the old boundary, mhc_post
   then mhc_pre (three launches), against mhc_boundary (one), hc 4 x Hd 4096, fn [24, 16384].
 - kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
-  --fp8-linears all holds them): the old decode step (in_proj, f_b_proj, g_b_proj, the fused
-  core as it was before f_b/g_b moved in, o_proj) against KDAttention.forward (in_proj, the
-  fused core with f_b/g_b inside, o_proj), 8 local heads x 128, without o_proj's all-reduce.
+  --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
+  GEMMs in FP8; f_b_proj, g_b_proj, the fused core as it was before f_b/g_b moved in, o_proj)
+  against KDAttention.forward (in_proj: one GEMM, FP8 too; the fused core with f_b/g_b inside,
+  o_proj), 8 local heads x 128, without o_proj's all-reduce.
 
 Each path is captured in one CUDA graph that calls it once per copy of its weights and inputs,
 the copies adding up to twice the L2 cache (each call reads its weights from HBM, as successive
@@ -275,9 +276,12 @@ def bench_kda(batch: int, fp8: bool) -> None:
         cache = KDALayerCache(conv.to(torch.bfloat16), state)
         copies.append((layer, x, fb, cache))
 
-    def old(c):
+    def old(c):  # before: FP8 projections never stacked (one W8A8 GEMM each)
         layer, x, fb, cache = c
-        q, k, v, f_a, g_a, b = layer.in_proj(x)
+        if fp8:
+            q, k, v, f_a, g_a, b = (getattr(layer, n)(x) for n in layer.in_proj.names)
+        else:
+            q, k, v, f_a, g_a, b = layer.in_proj(x)
         f, gate = layer.f_b_proj(f_a), layer.g_b_proj(g_a)
         w = layer.core_weights()
         core = _old_core(q, k, v, f, b, gate, w, cache.conv, cache.state, fb.req_rows)
