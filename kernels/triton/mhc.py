@@ -547,7 +547,7 @@ def mhc_boundary(
     norm_eps: float,
     weight: torch.Tensor,
     rms_eps: float,
-    counter: torch.Tensor | None,
+    counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.mhc.mhc_boundary_reference: the expansion of `out` onto the streams, then the
     next collapse with its RMSNorm. Up to BOUNDARY_MAX_TOKENS tokens in one launch: programs of
@@ -572,7 +572,7 @@ def mhc_boundary(
         return new, post2, comb2, x
     block_t = boundary_block_t(tokens)
     token_blocks = triton.cdiv(tokens, block_t)
-    assert counter is not None and counter.dtype == torch.int32
+    assert counter is not None and counter.dtype == torch.int32, "the fused boundary's counters"
     assert counter.numel() >= token_blocks, (counter.numel(), token_blocks)
     p = triton.next_power_of_2(hc)
     mp = triton.next_power_of_2(mix)
