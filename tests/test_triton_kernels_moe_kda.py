@@ -518,7 +518,7 @@ def test_kda_decode_layer_interpreter_fp8_gates(dtype):
 def test_kda_decode_layer_gpu(dtype, fp8):
     # CUDA GEMMs against the CPU's in the projections: float32 gets TF32-free cuBLAS rounding
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for heads, batch in ((8, 1), (8, 8), (8, 32), (16, 32)):  # TP8's rank, the bench preset
+    for heads, batch in ((8, 1), (8, 8), (8, 32), (16, 1), (16, 32)):  # TP8 rank 0; bench preset
         _run_kda_decode_layer(heads, 128, batch, dtype, "cuda", -5.0, tol, fp8=fp8)
     _run_kda_decode_layer(8, 128, 4, dtype, "cuda", None, tol, fp8=fp8)
     for step_len, batch in ((2, 1), (2, 32), (4, 8)):  # EAGLE's verify at 1 and 3 steps
