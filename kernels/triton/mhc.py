@@ -412,7 +412,10 @@ def boundary_block_t(tokens: int) -> int:
     return min(8, triton.next_power_of_2(triton.cdiv(tokens, 8)))
 
 
-@triton.jit
+# T not specialized (== 1, divisible by 16): the compiled variants are BLOCK_T's four, which the
+# decode graphs' capture (1 to 8 tokens) and the start-up warm-up's prefills of 16, 17 and 33+
+# tokens all meet (serving/engine/kernel_warmup.py)
+@triton.jit(do_not_specialize=["T"])
 def _mhc_boundary_kernel(
     out_ptr,  # [T, HD] the sublayer's output
     res_ptr,  # [T, HC, HD] the streams its input was collapsed from
