@@ -42,9 +42,9 @@ def _labelled(label: str, fn):
 
 @contextlib.contextmanager
 def layer_kinds(*modules: nn.Module) -> Iterator[None]:
-    """Label every KDA/DSA attention, MoE, dense MLP, mHC collapse/expand and the lm_head call
-    of `modules` for the profiler while the block runs (eager forwards only: a CUDA graph
-    replays its kernels without the labels)."""
+    """Label every KDA/DSA attention, MoE, dense MLP, mHC collapse/boundary/expand and the
+    lm_head call of `modules` for the profiler while the block runs (eager forwards only: a
+    CUDA graph replays its kernels without the labels)."""
     kinds = ((KDAttention, "KDA"), (DSAttention, "DSA"), (MoE, "MoE"), (DenseMLP, "dense MLP"))
     patched: list[tuple[object, str]] = []
     for module in modules:
@@ -60,8 +60,9 @@ def layer_kinds(*modules: nn.Module) -> Iterator[None]:
                 m.forward = _labelled(label, m.forward)
                 patched.append((m, "forward"))
             elif isinstance(m, HyperConnection):
-                m.collapse = _labelled("mHC", m.collapse)
-                patched.append((m, "collapse"))
+                for attr in ("collapse", "boundary"):
+                    setattr(m, attr, _labelled("mHC", getattr(m, attr)))
+                    patched.append((m, attr))
     expand = HyperConnection.__dict__["expand"]
     HyperConnection.expand = staticmethod(_labelled("mHC", expand.__func__))
     try:

@@ -197,12 +197,10 @@ def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, plain_tokens,
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_fused_kda_verify_equals_plain_decode(distilled_ckpt, plain_tokens, steps, monkeypatch):
-    """The verify through the fused KDA kernel (serving/models/kda.py FUSED_VERIFY, the
-    default; set here so the test holds if the default changes), in the whole model with graphs
-    and overlap: plain decoding's tokens, with drafts accepted (its roll-back reads the kernel's
-    history)."""
+    """The verify through the fused KDA kernel (serving/layers/attention/kda.py decode_core on
+    the fast path), in the whole model with graphs and overlap: plain decoding's tokens, with
+    drafts accepted (its roll-back reads the kernel's history)."""
     import kernels.triton.kda as kernel
-    import serving.models.kda as kda
 
     fused_steps = []
     layer = kernel.kda_decode_layer
@@ -211,7 +209,6 @@ def test_fused_kda_verify_equals_plain_decode(distilled_ckpt, plain_tokens, step
         fused_steps.append(args[10] if len(args) > 10 else kwargs.get("step_len", 1))
         return layer(*args, **kwargs)
 
-    monkeypatch.setattr(kda, "FUSED_VERIFY", True)
     monkeypatch.setattr(kernel, "kda_decode_layer", counted)
     graphs, stats = _engine_tokens(distilled_ckpt, "full", "float32", tuple(eagle_flags(steps)))
     assert steps + 1 in fused_steps, "the verify did not run through the fused kernel"

@@ -284,19 +284,32 @@ def read_gimp_help(root: Path):
 
 SOURCES: tuple[Source, ...] = (
     Source("python-docs", ("python3.11-doc",), "PSF-2.0", read_python_docs),
-    Source("python-docstrings", ("libpython3.11-minimal", "libpython3.11-stdlib"), "PSF-2.0",
-           read_stdlib_docstrings),  # fmt: skip
+    Source(
+        "python-docstrings",
+        ("libpython3.11-minimal", "libpython3.11-stdlib"),
+        "PSF-2.0",
+        read_stdlib_docstrings,
+    ),  # fmt: skip
     Source("git-doc", ("git-doc",), "GPL-2", read_git_doc),
     Source("perl-doc", ("perl-doc",), "GPL-1+ or Artistic", read_perl_doc),
     Source("debian-reference", ("debian-reference-en",), "GPL-2+", read_debian_reference),
     Source("fortunes", ("fortunes", "fortunes-min"), "BSD-3-Clause", read_fortunes),
-    Source("linux-doc", ("linux-doc-6.1",), "GPL-2 (files may say GPL-2+ or CC-BY-4.0 too)",
-           read_linux_doc),  # fmt: skip
-    Source("debian-handbook", ("debian-handbook",), "GPL-2+ or CC-BY-SA-3.0",
-           read_debian_handbook),  # fmt: skip
-    Source("debian-docs", ("debian-policy", "developers-reference", "maint-guide", "debian-faq"),
-           "GPL-2+ (policy: GPL-2+; developers-reference: GPL-2; maint-guide: GPL-2+ or MIT; "
-           "FAQ: verbatim-copying notice of SPI)", read_debian_docs),  # fmt: skip
+    Source(
+        "linux-doc",
+        ("linux-doc-6.1",),
+        "GPL-2 (files may say GPL-2+ or CC-BY-4.0 too)",
+        read_linux_doc,
+    ),  # fmt: skip
+    Source(
+        "debian-handbook", ("debian-handbook",), "GPL-2+ or CC-BY-SA-3.0", read_debian_handbook
+    ),  # fmt: skip
+    Source(
+        "debian-docs",
+        ("debian-policy", "developers-reference", "maint-guide", "debian-faq"),
+        "GPL-2+ (policy: GPL-2+; developers-reference: GPL-2; maint-guide: GPL-2+ or MIT; "
+        "FAQ: verbatim-copying notice of SPI)",
+        read_debian_docs,
+    ),  # fmt: skip
     Source("postgresql-doc", ("postgresql-doc-15",), "PostgreSQL", read_postgresql_doc),
     Source("django-doc", ("python-django-doc",), "BSD-3-Clause", read_django_doc),
     Source("apache-doc", ("apache2-doc",), "Apache-2.0", read_apache_doc),
@@ -304,21 +317,40 @@ SOURCES: tuple[Source, ...] = (
     Source("cmake-doc", ("cmake-doc",), "BSD-3-Clause", read_cmake_doc),
     Source("erlang-doc", ("erlang-doc",), "Apache-2.0", read_erlang_doc),
     Source("vim-help", ("vim-runtime",), "Vim (GPL-compatible charityware)", read_vim_help),
-    Source("man-pages", ("manpages", "manpages-dev"),
-           "the Linux man-pages project's per-page free licences (verbatim, BSD, GPL-2+)",
-           read_man_pages),  # fmt: skip
-    Source("gnu-manuals", ("bash-doc", "coreutils", "grep", "sed", "gnu-standards"),
-           "GFDL-1.3, no invariant sections (bash, coreutils, grep, sed); GNU standards: "
-           "verbatim-and-modified-copying notice", read_gnu_manuals),  # fmt: skip
-    Source("python-package-docstrings", PYTHON_PACKAGES,
-           "BSD-3-Clause (numpy, scipy, sympy, pandas, scikit-learn, networkx, statsmodels), "
-           "MIT (twisted, sqlalchemy), public domain and BSD-2-Clause (docutils), Matplotlib "
-           "licence (PSF-based)", read_python_package_docstrings),  # fmt: skip
-    Source("dictionaries", ("dict-foldoc", "dict-jargon", "dict-devil", "dict-gcide"),
-           "FOLDOC: GFDL-1.1+; Jargon File: public domain; The Devil's Dictionary: public "
-           "domain; GCIDE: GPL-3+", read_dictionaries),  # fmt: skip
-    Source("gimp-help", ("gimp-help-en", "gimp-help-common"), "GFDL-1.2+, no invariant sections",
-           read_gimp_help),  # fmt: skip
+    Source(
+        "man-pages",
+        ("manpages", "manpages-dev"),
+        "the Linux man-pages project's per-page free licences (verbatim, BSD, GPL-2+)",
+        read_man_pages,
+    ),  # fmt: skip
+    Source(
+        "gnu-manuals",
+        ("bash-doc", "coreutils", "grep", "sed", "gnu-standards"),
+        "GFDL-1.3, no invariant sections (bash, coreutils, grep, sed); GNU standards: "
+        "verbatim-and-modified-copying notice",
+        read_gnu_manuals,
+    ),  # fmt: skip
+    Source(
+        "python-package-docstrings",
+        PYTHON_PACKAGES,
+        "BSD-3-Clause (numpy, scipy, sympy, pandas, scikit-learn, networkx, statsmodels), "
+        "MIT (twisted, sqlalchemy), public domain and BSD-2-Clause (docutils), Matplotlib "
+        "licence (PSF-based)",
+        read_python_package_docstrings,
+    ),  # fmt: skip
+    Source(
+        "dictionaries",
+        ("dict-foldoc", "dict-jargon", "dict-devil", "dict-gcide"),
+        "FOLDOC: GFDL-1.1+; Jargon File: public domain; The Devil's Dictionary: public "
+        "domain; GCIDE: GPL-3+",
+        read_dictionaries,
+    ),  # fmt: skip
+    Source(
+        "gimp-help",
+        ("gimp-help-en", "gimp-help-common"),
+        "GFDL-1.2+, no invariant sections",
+        read_gimp_help,
+    ),  # fmt: skip
 )
 
 
@@ -392,8 +424,10 @@ def build(out: Path, cache: Path, sources: tuple[Source, ...] = SOURCES) -> dict
         for i, doc in enumerate(docs):
             if i in dropped:
                 continue
-            if not heldout[i] and guard and any(
-                " ".join(x.split()) in guard for x in doc.text.splitlines() if len(x) >= 60
+            if (
+                not heldout[i]
+                and guard
+                and any(" ".join(x.split()) in guard for x in doc.text.splitlines() if len(x) >= 60)
             ):
                 removed["held_out_passage_guard"] += 1
                 continue
@@ -415,9 +449,14 @@ def build(out: Path, cache: Path, sources: tuple[Source, ...] = SOURCES) -> dict
             f.write(json.dumps(fact.__dict__) + "\n")
     versions = package_versions(debs)
     manifest = {
-        "sources": {s.name: {"licence": s.licence,
-                             "packages": {p: versions[p] for p in s.packages},
-                             "read_s": seconds[s.name]} for s in sources},  # fmt: skip
+        "sources": {
+            s.name: {
+                "licence": s.licence,
+                "packages": {p: versions[p] for p in s.packages},
+                "read_s": seconds[s.name],
+            }
+            for s in sources
+        },  # fmt: skip
         "documents": counts,
         "removed": removed,
         "facts": len(kept),

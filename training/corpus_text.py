@@ -222,7 +222,9 @@ def man_to_text(roff: bytes) -> str:
         return ""
     out = subprocess.run(
         ["groff", "-t", "-man", "-Tutf8", "-P-cbou", "-rLL=78n"],
-        input=roff, capture_output=True, check=False,
+        input=roff,
+        capture_output=True,
+        check=False,
     ).stdout.decode("utf-8", "replace")
     lines = [x for x in out.splitlines()]
     while lines and not lines[0].strip():

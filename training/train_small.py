@@ -371,12 +371,18 @@ def train(args: argparse.Namespace) -> None:
         plan = Plan(**state["plan"])
         if args.extend:
             if state["step"] < plan.steps:
-                raise TrainError(f"--extend: {run}/state.pt is at step {state['step']} of "
-                                 f"{plan.steps}; finish its plan first (--resume)")
-            plan = dataclasses.replace(plan, steps=plan.steps + args.extend,
-                                       extend_from=state["step"])
-            log.info("extending the plan by %d steps to %d (a second cosine segment)",
-                     args.extend, plan.steps)
+                raise TrainError(
+                    f"--extend: {run}/state.pt is at step {state['step']} of "
+                    f"{plan.steps}; finish its plan first (--resume)"
+                )
+            plan = dataclasses.replace(
+                plan, steps=plan.steps + args.extend, extend_from=state["step"]
+            )
+            log.info(
+                "extending the plan by %d steps to %d (a second cosine segment)",
+                args.extend,
+                plan.steps,
+            )
     began = time.monotonic()  # --minutes counts from here: loading the tokens and the first
     # steps' compiling and autotuning (minutes on a fresh GPU machine) are inside the budget
     trainer = Trainer(run, plan, args.device, tokens)
@@ -448,8 +454,9 @@ def _select_experts_impl(trainer: Trainer) -> None:
 SHARD_BYTES = 15 << 20  # shards stay under 16 MiB (the most one file may weigh in transfers)
 
 
-def export(run: Path, out: Path, dtype: torch.dtype = torch.bfloat16,
-           tokens: Path | None = None) -> None:
+def export(
+    run: Path, out: Path, dtype: torch.dtype = torch.bfloat16, tokens: Path | None = None
+) -> None:
     """state.pt -> a glm5_next checkpoint in `out`: transformers' save_pretrained of the target,
     the NextN layer at layers.{num_hidden_layers}, sharded safetensors, tokenizer, template."""
     from safetensors.torch import load_file, save_file
@@ -571,10 +578,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--run", required=True, help="the run folder (tokenizer, tokens, state)")
     ap.add_argument("--corpus", default="data/corpus", help="training.corpus's output")
-    ap.add_argument("--tokens", default=None,
-                    help="token shards to train on (default RUN/tokens, made from --corpus)")
-    ap.add_argument("--prepare-only", action="store_true",
-                    help="write the tokenizer, config.json and RUN/tokens, then stop")
+    ap.add_argument(
+        "--tokens",
+        default=None,
+        help="token shards to train on (default RUN/tokens, made from --corpus)",
+    )
+    ap.add_argument(
+        "--prepare-only",
+        action="store_true",
+        help="write the tokenizer, config.json and RUN/tokens, then stop",
+    )
     ap.add_argument("--preset", default="small", choices=sorted(set(PRESETS) - {"real"}))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--minutes", type=float, default=8.0, help="this run's training time")
@@ -586,9 +599,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--resume", action="store_true", help="continue the run folder's state.pt")
-    ap.add_argument("--extend", type=int, default=0, metavar="STEPS",
-                    help="with --resume on a finished plan: STEPS more, on a second cosine "
-                    "segment (peak half the first's learning rate)")
+    ap.add_argument(
+        "--extend",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --resume on a finished plan: STEPS more, on a second cosine "
+        "segment (peak half the first's learning rate)",
+    )
     ap.add_argument("--save-every-minutes", type=float, default=2.0, help="state.pt cadence")
     ap.add_argument("--run-steps", type=int, default=None, help="stop this run after N steps")
     ap.add_argument("--export", metavar="DIR", help="write the checkpoint of state.pt to DIR")
