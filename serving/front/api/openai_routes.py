@@ -37,9 +37,7 @@ from serving.front.api.sampling import (
     check_n,
     check_prompt_ids,
     check_top_logprobs,
-    fit_to_context,
-    make_sampling,
-    token_bias,
+    request_sampling,
 )
 from serving.front.api.sequences import Seq, Update, collect, make_seqs, start_seqs
 from serving.front.api.structured_output import (
@@ -104,13 +102,15 @@ def openai_router(ctx: FrontContext) -> APIRouter:
             raise APIError(400, "best_of: only best_of == n is supported", "best_of")
         prompts = await _completion_prompts(ctx, body.prompt, ready)
         samplings = [
-            _sampling(
-                ctx,
+            request_sampling(
+                ctx.sampling_defaults,
                 body,
                 ready,
-                body.max_tokens,
                 len(ids),
-                COMPLETION_DEFAULT_MAX_TOKENS,
+                max_tokens=body.max_tokens,
+                default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS,
+                seed=body.seed,
+                min_new_tokens=body.min_tokens,
                 scoring_prompt=prompt_logprobs,
             )
             for ids in prompts
@@ -191,7 +191,17 @@ async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRu
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
-    sampling = _sampling(ctx, body, ready, max_tokens, len(ids), None, prompt_param="messages")
+    sampling = request_sampling(
+        ctx.sampling_defaults,
+        body,
+        ready,
+        len(ids),
+        max_tokens=max_tokens,
+        default_max_tokens=None,  # the room left
+        seed=body.seed,
+        min_new_tokens=body.min_tokens,
+        prompt_param="messages",
+    )
     reasoning = ctx.args.reasoning_parser is not None and body.separate_reasoning
     opens = prompt_opens_reasoning(prompt)
     parsed_tools = tools if ctx.args.tool_call_parser else None
@@ -361,48 +371,6 @@ def _constrain(
     for sampling in samplings:
         setattr(sampling, constraint.field, constraint.text)
     ctx.check_constraint(samplings[0])
-
-
-def _sampling(
-    ctx: FrontContext,
-    body: SamplingRequest,
-    ready: SchedulerReady,
-    max_tokens: int | None,
-    prompt_len: int,
-    default_max_tokens: int | None,
-    scoring_prompt: bool = False,
-    prompt_param: str = "prompt",
-) -> SamplingParams:
-    sampling = make_sampling(
-        ctx.sampling_defaults,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        seed=body.seed,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-        repetition_penalty=body.repetition_penalty,
-        stop=body.stop,
-        stop_token_ids=body.stop_token_ids,
-        stop_regex=body.stop_regex,
-        ignore_eos=body.ignore_eos,
-        min_new_tokens=body.min_tokens,
-        skip_special_tokens=body.skip_special_tokens,
-        no_stop_trim=body.no_stop_trim,
-        logit_bias=token_bias(body.logit_bias),
-    )
-    fit_to_context(
-        sampling,
-        max_tokens,
-        prompt_len,
-        ready.context_length,
-        ready.vocab_size,
-        default_max_tokens,
-        scoring_prompt,
-        prompt_param,
-    )
-    return sampling
 
 
 def _bootstrap(body: SamplingRequest) -> dict[str, Any]:
