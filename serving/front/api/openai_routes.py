@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +22,12 @@ from serving.front.api.openai_protocol import (
     NamedToolChoice,
     SamplingRequest,
 )
+from serving.front.api.openai_stream import ChunkStream, usage_mode
 from serving.front.api.reasoning import prompt_opens_reasoning
 from serving.front.api.responses import (
-    SSE_DONE,
     event_stream,
     finish_reason,
     matched_stop,
-    sse,
-    stream_error,
     usage,
 )
 from serving.front.api.sampling import (
@@ -61,17 +58,10 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         if body.stream:
             parsers = [ChatOutputParser(reasoning, run.opens, run.tools) for _ in seqs]
             updates = await start_seqs(request, ctx.client, seqs)
-            stream = _chat_stream(
-                ctx,
-                rid,
-                seqs,
-                updates,
-                parsers,
-                body.stream_reasoning,
-                _usage_mode(body),
-                reasoning,
+            stream = _ChatStream(
+                ctx, rid, seqs, usage_mode(body), parsers, body.stream_reasoning, reasoning
             )
-            return event_stream(stream)
+            return event_stream(stream.run(updates))
         await collect(request, ctx.client, seqs)
         choices, reasoning_tokens = [], 0
         for seq in seqs:
@@ -134,8 +124,8 @@ def openai_router(ctx: FrontContext) -> APIRouter:
         echoes = [_echo(ctx, body, seq) for seq in seqs]
         if body.stream:
             updates = await start_seqs(request, ctx.client, seqs)
-            stream = _completion_stream(ctx, rid, seqs, updates, echoes, body.n, _usage_mode(body))
-            return event_stream(stream)
+            stream = _CompletionStream(ctx, rid, seqs, usage_mode(body), echoes, body.n)
+            return event_stream(stream.run(updates))
         await collect(request, ctx.client, seqs)
         choices = [_completion_choice(ctx, seq, echo) for seq, echo in zip(seqs, echoes)]
         return JSONResponse(
@@ -283,24 +273,6 @@ def _check_common(ctx: FrontContext, body: SamplingRequest) -> None:
         raise APIError(400, "stream_options: only allowed when stream is true", "stream_options")
 
 
-def _usage_mode(body: SamplingRequest) -> tuple[bool, bool]:
-    """(a usage chunk at the end, usage so far on every chunk: vLLM's continuous_usage_stats,
-    which like vLLM's needs include_usage)."""
-    options = body.stream_options
-    if options is None or not options.include_usage:
-        return False, False
-    return True, options.continuous_usage_stats
-
-
-def _seq_usage(seq: Seq) -> dict[str, int]:
-    completion = len(seq.output_ids)
-    return {
-        "prompt_tokens": seq.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": seq.prompt_tokens + completion,
-    }
-
-
 def _tool_choice(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
     """(the tools the template shows and the parser knows, and what a call is forced to:
     None = not forced, "" = any tool, else that function's name). As SGLang: tool_choice
@@ -412,74 +384,60 @@ def _echo(ctx: FrontContext, body: CompletionRequest, seq: Seq) -> str:
     return ctx.tokenizer.decode(seq.request.input_ids, skip_special_tokens=False)
 
 
-async def _chat_stream(
-    ctx: FrontContext,
-    rid: str,
-    seqs: list[Seq],
-    updates: AsyncIterator[Update],
-    parsers: list[ChatOutputParser],
-    stream_reasoning: bool,
-    usage_mode: tuple[bool, bool],
-    reasoning: bool,
-) -> AsyncIterator[str]:
-    include_usage, continuous = usage_mode
-    head = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": ctx.model_name,
-    }
+class _ChatStream(ChunkStream):
+    object_name = "chat.completion.chunk"
+    part = "delta"
 
-    def chunk(index: int, delta: dict[str, Any], **choice: Any) -> str:
-        fields = {"logprobs": None, "finish_reason": None, **choice}
-        out = {**head, "choices": [{"index": index, "delta": delta, **fields}]}
-        if continuous:
-            out["usage"] = _seq_usage(seqs[index])
-        return sse(out)
+    def __init__(
+        self,
+        ctx: FrontContext,
+        rid: str,
+        seqs: list[Seq],
+        usage_mode: tuple[bool, bool],
+        parsers: list[ChatOutputParser],
+        stream_reasoning: bool,
+        reasoning: bool,
+    ) -> None:
+        super().__init__(ctx, rid, seqs, usage_mode)
+        self.parsers = parsers
+        self.stream_reasoning = stream_reasoning
+        self.reasoning = reasoning
+        self.held_reasoning = ["" for _ in seqs]  # stream_reasoning=False: sent whole, when it ends
+        self.reasoning_tokens = 0
 
-    held_reasoning = ["" for _ in seqs]  # stream_reasoning=False: sent whole, when it ends
-    reasoning_tokens = 0
-    for seq in seqs:
-        yield chunk(seq.index, {"role": "assistant", "content": ""})
-    try:
-        async with aclosing(updates):
-            async for update in updates:
-                seq = update.seq
-                if (error := seq.error()) is not None:
-                    yield stream_error(error)
-                    yield SSE_DONE
-                    return
-                parsed = parsers[seq.index].feed(update.text, final=seq.finished)
-                if not stream_reasoning:
-                    held_reasoning[seq.index] += parsed.reasoning
-                    parsed.reasoning = ""
-                    if parsed.content or parsed.tool_calls or seq.finished:
-                        parsed.reasoning, held_reasoning[seq.index] = held_reasoning[seq.index], ""
-                delta = _chat_delta(parsed)
-                logprobs = (
-                    chat_logprobs(ctx.tokenizer, update.logprobs)
-                    if seq.request.return_logprob and update.logprobs
-                    else None
-                )
-                if delta or logprobs:
-                    yield chunk(seq.index, delta or {"content": ""}, logprobs=logprobs)
-                if seq.finished:
-                    calls = parsers[seq.index].tool_call_count > 0
-                    reasoning_tokens += reasoning_token_count(ctx, seq, parsers[seq.index].reasoned)
-                    yield chunk(
-                        seq.index,
-                        {},
-                        finish_reason=finish_reason(seq, calls),
-                        matched_stop=matched_stop(seq),
-                    )
-    except Exception as e:
-        yield stream_error(e)
-        yield SSE_DONE
-        return
-    if include_usage:
-        counts = usage(seqs, len(seqs), reasoning_tokens if reasoning else None)
-        yield sse({**head, "choices": [], "usage": counts})
-    yield SSE_DONE
+    def opening(self) -> Iterator[str]:
+        for seq in self.seqs:
+            yield self.chunk(seq.index, {"role": "assistant", "content": ""})
+
+    def events(self, update: Update) -> Iterator[str]:
+        seq = update.seq
+        parser = self.parsers[seq.index]
+        parsed = parser.feed(update.text, final=seq.finished)
+        if not self.stream_reasoning:
+            held = self.held_reasoning
+            held[seq.index] += parsed.reasoning
+            parsed.reasoning = ""
+            if parsed.content or parsed.tool_calls or seq.finished:
+                parsed.reasoning, held[seq.index] = held[seq.index], ""
+        delta = _chat_delta(parsed)
+        logprobs = (
+            chat_logprobs(self.ctx.tokenizer, update.logprobs)
+            if seq.request.return_logprob and update.logprobs
+            else None
+        )
+        if delta or logprobs:
+            yield self.chunk(seq.index, delta or {"content": ""}, logprobs=logprobs)
+        if seq.finished:
+            self.reasoning_tokens += reasoning_token_count(self.ctx, seq, parser.reasoned)
+            yield self.chunk(
+                seq.index,
+                {},
+                finish_reason=finish_reason(seq, parser.tool_call_count > 0),
+                matched_stop=matched_stop(seq),
+            )
+
+    def final_usage(self) -> dict[str, Any]:
+        return usage(self.seqs, len(self.seqs), self.reasoning_tokens if self.reasoning else None)
 
 
 def _chat_delta(parsed: ChatDelta) -> dict[str, Any]:
@@ -493,66 +451,54 @@ def _chat_delta(parsed: ChatDelta) -> dict[str, Any]:
     return delta
 
 
-async def _completion_stream(
-    ctx: FrontContext,
-    rid: str,
-    seqs: list[Seq],
-    updates: AsyncIterator[Update],
-    echoes: list[str],
-    n: int,
-    usage_mode: tuple[bool, bool],
-) -> AsyncIterator[str]:
-    include_usage, continuous = usage_mode
-    head = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": ctx.model_name,
-    }
+class _CompletionStream(ChunkStream):
+    """Echo with logprobs: the echo waits for the prompt's logprobs, which come with the first
+    output, and both go out in that chunk."""
 
-    def chunk(index: int, text: str, **choice: Any) -> str:
-        fields = {"logprobs": None, "finish_reason": None, **choice}
-        out = {**head, "choices": [{"index": index, "text": text, **fields}]}
-        if continuous:
-            out["usage"] = _seq_usage(seqs[index])
-        return sse(out)
+    object_name = "text_completion"
+    part = "text"
 
-    # Echo with logprobs: the echo waits for the prompt's logprobs, which come with the first
-    # output, and both go out in that chunk.
-    scored = [seq.request.logprob_start_len == 0 for seq in seqs]
-    held = [echo if s else "" for echo, s in zip(echoes, scored)]
-    text_offsets = [0 if s else len(echo) for echo, s in zip(echoes, scored)]
-    for seq, echo, s in zip(seqs, echoes, scored):
-        if echo and not s:
-            yield chunk(seq.index, echo)
-    try:
-        async with aclosing(updates):
-            async for update in updates:
-                seq = update.seq
-                if (error := seq.error()) is not None:
-                    yield stream_error(error)
-                    yield SSE_DONE
-                    return
-                text, held[seq.index] = held[seq.index] + update.text, ""
-                entries = update.input_logprobs + update.logprobs
-                logprobs = None
-                if seq.request.return_logprob and entries:
-                    logprobs = completion_logprobs(ctx.tokenizer, entries, text_offsets[seq.index])
-                    text_offsets[seq.index] += sum(len(t) for t in logprobs["tokens"])
-                if seq.finished:  # the last text and logprobs come with the finish reason
-                    yield chunk(
-                        seq.index,
-                        text,
-                        logprobs=logprobs,
-                        finish_reason=finish_reason(seq),
-                        matched_stop=matched_stop(seq),
-                    )
-                elif text or logprobs:
-                    yield chunk(seq.index, text, logprobs=logprobs)
-    except Exception as e:
-        yield stream_error(e)
-        yield SSE_DONE
-        return
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(seqs, n)})
-    yield SSE_DONE
+    def __init__(
+        self,
+        ctx: FrontContext,
+        rid: str,
+        seqs: list[Seq],
+        usage_mode: tuple[bool, bool],
+        echoes: list[str],
+        n: int,
+    ) -> None:
+        super().__init__(ctx, rid, seqs, usage_mode)
+        self.echoes = echoes
+        self.n = n
+        self.scored = [seq.request.logprob_start_len == 0 for seq in seqs]
+        self.held = [echo if s else "" for echo, s in zip(echoes, self.scored)]
+        self.text_offsets = [0 if s else len(echo) for echo, s in zip(echoes, self.scored)]
+
+    def opening(self) -> Iterator[str]:
+        for seq, echo, scored in zip(self.seqs, self.echoes, self.scored):
+            if echo and not scored:
+                yield self.chunk(seq.index, echo)
+
+    def events(self, update: Update) -> Iterator[str]:
+        seq = update.seq
+        text, self.held[seq.index] = self.held[seq.index] + update.text, ""
+        entries = update.input_logprobs + update.logprobs
+        logprobs = None
+        if seq.request.return_logprob and entries:
+            logprobs = completion_logprobs(
+                self.ctx.tokenizer, entries, self.text_offsets[seq.index]
+            )
+            self.text_offsets[seq.index] += sum(len(t) for t in logprobs["tokens"])
+        if seq.finished:  # the last text and logprobs come with the finish reason
+            yield self.chunk(
+                seq.index,
+                text,
+                logprobs=logprobs,
+                finish_reason=finish_reason(seq),
+                matched_stop=matched_stop(seq),
+            )
+        elif text or logprobs:
+            yield self.chunk(seq.index, text, logprobs=logprobs)
+
+    def final_usage(self) -> dict[str, Any]:
+        return usage(self.seqs, self.n)
