@@ -10,18 +10,8 @@ from contextlib import aclosing
 from typing import Any
 
 from serving.front.api.context import FrontContext
-from serving.front.api.openai_protocol import SamplingRequest
 from serving.front.api.responses import SSE_DONE, sse, stream_error
 from serving.front.api.sequences import Seq, Update
-
-
-def usage_mode(body: SamplingRequest) -> tuple[bool, bool]:
-    """(a usage chunk at the end, usage so far on every chunk: vLLM's continuous_usage_stats,
-    which like vLLM's needs include_usage)."""
-    options = body.stream_options
-    if options is None or not options.include_usage:
-        return False, False
-    return True, options.continuous_usage_stats
 
 
 class ChunkStream(ABC):
