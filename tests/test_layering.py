@@ -4,10 +4,11 @@ every module is named on docs/ARCHITECTURE.md.
 
 Layers, low to high (a module may import its own layer and the ones below):
 kernels < shared definitions (serving.config, serving.protocol, serving.forward_batch,
-serving.server_args, serving.distributed) < memory < layers < models < executor < speculative <
-engine < workers < front < launch_server < tools. Imports under `if TYPE_CHECKING:` are types
-only: they do not count for the layers, but they do for circles (a circle of types is still two
-modules that cannot be understood, or split, apart).
+serving.server_args with server_args_checks and cli_flags, serving.distributed) < memory <
+layers < models < executor < speculative < engine < workers < front < launch_server < tools.
+Imports under `if TYPE_CHECKING:` are types only: they do not count for the layers, but they do
+for circles (a circle of types is still two modules that cannot be understood, or split,
+apart).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ LAYERS = [
         "serving.protocol",
         "serving.forward_batch",
         "serving.server_args",
+        "serving.server_args_checks",
+        "serving.cli_flags",
         "serving.distributed",
     ),
     ("serving.memory",),
