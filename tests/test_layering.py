@@ -7,10 +7,11 @@ kernels < shared definitions (serving.config, serving.protocol, serving.forward_
 serving.server_args with server_args_checks and cli_flags, serving.distributed) < memory <
 layers < models < executor < speculative < engine < workers < front < launch_server < tools <
 training and bench. training and bench are one layer: the evaluation measures EAGLE with
-bench.spec, and bench.spec draws its prompts from training.distill_nextn. bench may import the router too; the router imports only itself, so
-nothing that ships (serving, workers, kernels, router) imports training or bench. Imports under
-`if TYPE_CHECKING:` are types only: they do not count for the layers, but they do for circles (a
-circle of types is still two modules that cannot be understood, or split, apart).
+bench.spec, and bench.spec draws its prompts from training.distill_nextn. bench may import the
+router too; the router imports only itself, so nothing that ships (serving, workers, kernels,
+router) imports training or bench. Imports under `if TYPE_CHECKING:` are types only: they do not
+count for the layers, but they do for circles (a circle of types is still two modules that
+cannot be understood, or split, apart).
 """
 
 from __future__ import annotations

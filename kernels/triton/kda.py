@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kernels.fp8 import BLOCK as FP8_BLOCK
 from kernels.kda import KDAWeights
-from kernels.triton.fp8 import _quant_rows
+from kernels.triton.e4m3 import quant_rows
 
 # Every ragged extend runs the conv with this many tokens per program, whatever its lengths: a
 # block size picked from the batch (a short last segment of a snapshot pass, a short prompt)
@@ -554,7 +554,7 @@ def _head_projection(a, w_ptr, s_ptr, stride_s, n, n_mask, r, r_mask, dt, R: tl.
     w = tl.load(w_ptr + n[:, None] * R + r[None, :], mask=n_mask[:, None] & r_mask[None, :],
                 other=0.0).to(tl.float32)  # fmt: skip
     if FP8:
-        q, scale = _quant_rows(a[None, :])
+        q, scale = quant_rows(a[None, :])
         a = tl.sum(q * scale[:, None], axis=0)  # the one group's dequantized values
         w = w * tl.load(s_ptr + (n // 128) * stride_s, mask=n_mask, other=0.0)[:, None]
     return tl.sum(w * a[None, :], axis=1).to(dt).to(tl.float32)
