@@ -114,7 +114,7 @@ def _aux_fields_read(path: str, cls: str, method: str) -> set[str]:
 
 def test_aux_host_part_is_host_memory_and_all_the_handoff_host_code_touches():
     """The aux columns the host reads and writes live in host memory whatever the pool's
-    device (on CUDA pinned), so decode's admission of an arrived request (DecodeRole._commit)
+    device (on CUDA pinned), so decode's admission of an arrived request (DecodeRole._adopt_landed)
     and prefill's aux write (PrefillRole._write_aux) never wait for the device. With the device
     part on 'meta', any of their aux fields that is not host memory shows up here."""
     aux = AuxRows.allocate(5, 8, torch.bfloat16, "meta")
@@ -124,7 +124,7 @@ def test_aux_host_part_is_host_memory_and_all_the_handoff_host_code_touches():
     assert all(t.shape[0] == 5 for _, t in aux.tensors())
     root = Path(__file__).resolve().parent.parent
     for path, cls, method in (
-        (root / "workers/decode.py", "DecodeRole", "_commit"),
+        (root / "workers/decode.py", "DecodeRole", "_adopt_landed"),
         (root / "workers/prefill.py", "PrefillRole", "_write_aux"),
     ):
         used = _aux_fields_read(str(path), cls, method)

@@ -1,5 +1,6 @@
 """The decode worker's role: preallocate a request row, KV pages and the aux row for each request,
-send those destinations to its prefill worker, wait for the KV, commit the first token and decode.
+send those destinations to its prefill worker, wait for the KV, adopt the request with its first
+token and decode.
 
     submit -> Bootstrapping (find the prefill rank) -> WaitingForInput (wait for a row + pages)
            -> Transferring (destinations sent) -> Success (aux checked) -> running
@@ -31,7 +32,6 @@ from serving.engine.role import Role
 from serving.executor.streams import landed_writes
 from serving.protocol import (
     FAKE_BOOTSTRAP_HOST,
-    FinishReason,
     GenerateRequest,
     SchedulerStats,
     TokenLogprob,
@@ -135,13 +135,9 @@ class DecodeRole(Role):
             return fail(request, message, 400)
         if room in self.transfers:
             return fail(request, f"bootstrap_room {room} is already in use", 400)
-        problem = self.scheduler.admission_problem(request)
-        if problem is not None:
-            return fail(request, problem, 400)
-        full = self.scheduler.queue_full()
-        if full is not None:
-            return fail(request, full, 503)
-        req = self.scheduler.make_req(request)
+        req = self.scheduler.intake(request)
+        if req is None:
+            return  # refused and answered
         port = request.bootstrap_port or self.args.disaggregation_bootstrap_port
         addr = f"{request.bootstrap_host}:{port}"
         t = Transfer(
@@ -173,7 +169,7 @@ class DecodeRole(Role):
                 case _:
                     log.warning("unexpected control message at decode: %s", msg)
         self._preallocate()
-        self._commit()
+        self._adopt_landed()
         now = time.monotonic()
         self._keep_waiting_rooms(now)
         for t in list(self.transfers.values()):
@@ -187,7 +183,7 @@ class DecodeRole(Role):
         for room, q in list(self.quarantine.items()):
             if now > q.deadline:
                 log.warning("room %d: no abort ack from prefill; reusing its memory", room)
-                self._free(self.quarantine.pop(room).holder)
+                self.scheduler.free(self.quarantine.pop(room).holder)
 
     def _directory_events(self) -> None:
         while True:
@@ -227,7 +223,7 @@ class DecodeRole(Role):
                     )
                 for room, q in list(self.quarantine.items()):
                     if q.rank == rank:  # a dead prefill writes nothing more
-                        self._free(self.quarantine.pop(room).holder)
+                        self.scheduler.free(self.quarantine.pop(room).holder)
 
     def _wait_for_memory(self, t: Transfer) -> None:
         """Waiting for a row and pages is queueing, not a transfer: no deadline runs (the
@@ -283,15 +279,11 @@ class DecodeRole(Role):
         for t in waiting:
             if t.scores_only:  # needs no memory: its destination goes out at once
                 self._send_destination(t)
-        scheduler = self.scheduler
         ready: list[Transfer] = []
         for t in waiting:
             if t.scores_only:
                 continue
-            req = t.req
-            # the whole prompt at once (prefill writes it); one page per running request kept
-            reserve = len(scheduler.running)
-            if scheduler.admission.admit(req, len(req.input_ids), reserve) is None:
+            if not self.scheduler.preallocate(t.req):
                 break  # FIFO: later requests wait behind this one
             ready.append(t)
         if ready and self.fanout is not None:
@@ -369,10 +361,11 @@ class DecodeRole(Role):
     def _on_abort_ack(self, msg: AbortAck) -> None:
         q = self.quarantine.pop(msg.room, None)
         if q is not None:
-            self._free(q.holder)
+            self.scheduler.free(q.holder)
 
-    def _commit(self) -> None:
-        """Successful transfers enter the running batch, oldest first, as slots free up."""
+    def _adopt_landed(self) -> None:
+        """Transfers that landed (Success) enter the running batch, oldest first, as slots free
+        up."""
         aux, landed = self.scheduler.pool.aux, False
         for t in list(self.transfers.values()):
             if t.state != KVPoll.Success:
@@ -398,23 +391,16 @@ class DecodeRole(Role):
             aux.ints[req.row] = 0  # a later handoff into this row must write its own room
             del self.transfers[t.room]
             del self.by_rid[req.rid]
-            req.cached = len(req.input_ids)
-            req.cached_tokens = cached  # prefill's prefix-cache hit, for meta_info and usage
-            if req.return_logprob:  # prefill scored the prompt; a re-prefill scores nothing
-                req.input_logprobs = t.input_logprobs or []
-                req.input_scored = len(req.input_ids)
             if not landed:  # the steps that read its pages and row come after Mooncake's copies
                 landed_writes(self.scheduler.pool.device)
                 landed = True
-            self.scheduler.adopt(req, first, logprobs)
+            self.scheduler.adopt(req, first, logprobs, cached, t.input_logprobs)
 
     def _finish_scored(self, t: Transfer) -> None:
         """A scoring-only request is answered with prefill's scores and no output token."""
         del self.transfers[t.room]
         del self.by_rid[t.req.rid]
-        t.req.input_logprobs = t.input_logprobs or []
-        t.req.input_scored = len(t.req.input_ids)
-        self.scheduler.commit.finish(t.req, FinishReason.length())
+        self.scheduler.finish_scored(t.req, t.input_logprobs)
 
     # ---- failure ----
     def _fail(
@@ -449,11 +435,8 @@ class DecodeRole(Role):
                 )
                 req.row, req.pages = None, []
             else:
-                self._free(req)
+                self.scheduler.free(req)
         self.scheduler.fail_request(req, message, status)
-
-    def _free(self, holder: Req) -> None:
-        self.scheduler.admission.release(holder)
 
     # ---- scheduler hooks ----
     def owned(self) -> list[Req]:

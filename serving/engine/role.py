@@ -2,8 +2,13 @@
 
 The plain worker uses Role as is; workers/prefill.py and workers/decode.py override intake
 (submit, abort), the per-iteration poll, and the hooks of RoleHooks (serving/engine/request.py)
-that the engine calls. A role reaches the engine only through the Scheduler's public verbs
-(add, fail_request, admission.admit/release, adopt, release_held, abort, queue_full).
+that the engine calls. A role reaches the engine only through these Scheduler verbs:
+- every role: add, fail_request, abort; the plain one: queue_full;
+- PD prefill: release_held (a request it held for its transfer), inflight (a step in flight);
+- PD decode: intake, preallocate, then adopt (or finish_scored) once the KV landed, or free;
+  free_running_slots.
+The PD roles also read the pool (scheduler.pool: its buffers are what moves) and the rank
+fanout (scheduler.runner.fanout).
 """
 
 from __future__ import annotations
