@@ -28,7 +28,8 @@ from serving.engine.request import Req
 from serving.executor.model_runner import ModelRunner, StepInput
 from serving.forward_batch import FUTURE
 from serving.protocol import FinishReason, SchedulerStats
-from serving.speculative.eagle import Eagle, Proposal, accepted_tokens
+from serving.speculative.accept import accepted_tokens
+from serving.speculative.eagle import Eagle, Proposal
 
 log = logging.getLogger(__name__)
 

@@ -503,7 +503,7 @@ def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
         elif msg.kind == "spec_verify":
             pending = spec.verify(msg.payload)
         elif msg.kind == "spec_commit":
-            spec.commit(pending, *msg.payload)
+            spec.roll_back(pending, *msg.payload)
             pending = None
         elif msg.kind == "role":
             gather_object(role.handle(msg.payload))
