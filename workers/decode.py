@@ -15,7 +15,7 @@ Under TP/EP this role runs on rank 0 and decides everything; every rank has regi
 pool with its own Mooncake engine (workers/rank_transfer.FollowerKV), and the registration sent
 to prefill lists each rank's session and addresses. Prefill says Success only when every one of
 its ranks has written, so decode needs nothing from its followers but their addresses, and that
-their row resets are applied before the destinations go out (RankFanout.ask). A simulated rank
+their row resets are applied before the destinations go out (RankFanout.ask_role). A simulated rank
 (--simulate-rank) registers its one rank and pairs only with a prefill simulating the same rank.
 """
 
@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from serving.distributed import state
 from serving.engine.request import Req
 from serving.engine.role import Role
+from serving.executor.fanout import Fanout
 from serving.executor.streams import landed_writes
+from serving.memory.pool import MemoryPool
 from serving.protocol import (
     FAKE_BOOTSTRAP_HOST,
     GenerateRequest,
@@ -106,17 +108,17 @@ class DecodeRole(Role):
         self.bootstrap_failed = 0
         self.transfer_failed = 0
 
-    def attach(self, scheduler) -> None:
-        super().attach(scheduler)
+    def attach(self, scheduler, pool: MemoryPool, fanout: Fanout) -> None:
+        super().attach(scheduler, pool, fanout)
+        self.pool, self.fanout = pool, fanout
         self.endpoint = KVEndpoint(
-            scheduler.pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
+            pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
         )
         ps = state()
         self.tp_size = ps.tp_size
         self.simulated_rank = ps.rank if ps.simulated else None
-        self.fanout = scheduler.runner.fanout  # None on one rank
-        followers = self.fanout.ask(DESCRIBE) if self.fanout is not None else []
-        self.memory = [self.endpoint.memory, *followers]  # entry r: decode rank r's
+        # entry r: decode rank r's memory
+        self.memory = [self.endpoint.memory, *fanout.ask_role(DESCRIBE)]
         self.directory = PrefillDirectory(self.timeouts, self.args.api_key)
         self.directory.start()
 
@@ -265,7 +267,7 @@ class DecodeRole(Role):
         simulated = simulation_mismatch(info.get("simulated_rank"), self.simulated_rank)
         if simulated is not None:
             return simulated
-        if info.get("model") != model_fingerprint(self.scheduler.pool.config):
+        if info.get("model") != model_fingerprint(self.pool.config):
             return (
                 f"model config differs: prefill serves {info.get('model_path')}, decode "
                 f"{self.args.model_path}"
@@ -286,10 +288,10 @@ class DecodeRole(Role):
             if not self.scheduler.preallocate(t.req):
                 break  # FIFO: later requests wait behind this one
             ready.append(t)
-        if ready and self.fanout is not None:
+        if ready:
             # Hazard: a follower resets a fresh row when it replays rank 0's journal; had it
             # not done so before prefill's writes land, the reset would wipe the request state.
-            self.fanout.ask([])
+            self.fanout.ask_role([])
         for t in ready:
             self._send_destination(t)
 
@@ -366,7 +368,7 @@ class DecodeRole(Role):
     def _adopt_landed(self) -> None:
         """Transfers that landed (Success) enter the running batch, oldest first, as slots free
         up."""
-        aux, landed = self.scheduler.pool.aux, False
+        aux, landed = self.pool.aux, False
         for t in list(self.transfers.values()):
             if t.state != KVPoll.Success:
                 continue
@@ -392,7 +394,7 @@ class DecodeRole(Role):
             del self.transfers[t.room]
             del self.by_rid[req.rid]
             if not landed:  # the steps that read its pages and row come after Mooncake's copies
-                landed_writes(self.scheduler.pool.device)
+                landed_writes(self.pool.device)
                 landed = True
             self.scheduler.adopt(req, first, logprobs, cached, t.input_logprobs)
 

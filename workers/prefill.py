@@ -29,6 +29,8 @@ import torch
 from serving.distributed import state
 from serving.engine.request import Req
 from serving.engine.role import Role
+from serving.executor.fanout import Fanout
+from serving.memory.pool import MemoryPool
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams, SchedulerStats
 from serving.server_args import ServerArgs
 from workers.kv_endpoint import KVEndpoint
@@ -115,15 +117,15 @@ class PrefillRole(Role):
         self.transfer_failed = 0
         self.last_transfer = (0.0, 0.0, 0.0)  # latency ms, speed GB/s, total MB
 
-    def attach(self, scheduler) -> None:
-        super().attach(scheduler)
+    def attach(self, scheduler, pool: MemoryPool, fanout: Fanout) -> None:
+        super().attach(scheduler, pool, fanout)
+        self.pool, self.fanout = pool, fanout
         host = advertise_host(self.args.host)
-        self.endpoint = KVEndpoint(scheduler.pool, host, self.args.disaggregation_ib_device)
+        self.endpoint = KVEndpoint(pool, host, self.args.disaggregation_ib_device)
         ps = state()
         # the rank processes that write (one when simulated: rank R's share only)
         self.world, self.tp_size = ps.processes, ps.tp_size
         self.simulated_rank = ps.rank if ps.simulated else None
-        self.fanout = scheduler.runner.fanout  # None on one rank
         self.sender = RankSender(
             self.endpoint.engine,
             self.endpoint.page_buffers,
@@ -149,7 +151,7 @@ class PrefillRole(Role):
             "pp_size": 1,
             "page_size": self.args.page_size,
             "kv_cache_dtype": self.args.kv_cache_dtype,
-            "model": model_fingerprint(self.scheduler.pool.config),
+            "model": model_fingerprint(self.pool.config),
             "model_path": self.args.model_path,
             "layout": self.endpoint.layout,
             "prefill_http_port": self.args.port,
@@ -365,7 +367,7 @@ class PrefillRole(Role):
             if room is None or room.failure is not None:
                 continue
             req = room.req
-            end = len(req.pages) if final else room.computed // self.scheduler.pool.plan.page_size
+            end = len(req.pages) if final else room.computed // self.pool.plan.page_size
             if end <= room.sent_pages and not final:
                 continue
             src, dst = req.pages[room.sent_pages : end], room.dest.pages[room.sent_pages : end]
@@ -395,7 +397,7 @@ class PrefillRole(Role):
         """Host writes into the host part of the aux row: complete when this returns, so before
         the transfer that carries them is posted. EAGLE's proposal and hidden are already
         current on the device (Eagle.extend_draft)."""
-        aux = self.scheduler.pool.aux
+        aux = self.pool.aux
         lp = req.last_logprob
         top = lp.top if lp is not None else []
         aux.ints[req.row] = torch.tensor(
@@ -435,13 +437,12 @@ class PrefillRole(Role):
         # (EAGLE's draft extend) may still be queued: the sender records an event.
         self.sender.apply(orders, written=self.scheduler.inflight is not None)
         done: list[tuple[int, JobDone]] = [(0, d) for d in self.sender.done()]
-        if self.fanout is not None:
-            now = time.monotonic()
-            owed = any(job.left - {0} for job in self.jobs.values())
-            if orders or (owed and now - self.last_ask >= RANK_POLL_S):
-                self.last_ask = now
-                for rank, finished in enumerate(self.fanout.ask(orders), 1):
-                    done += [(rank, d) for d in finished]
+        now = time.monotonic()
+        owed = any(job.left - {0} for job in self.jobs.values())
+        if orders or (owed and now - self.last_ask >= RANK_POLL_S):
+            self.last_ask = now
+            for rank, finished in enumerate(self.fanout.ask_role(orders), 1):
+                done += [(rank, d) for d in finished]
         for rank, d in done:
             job = self.jobs.get(d.job)
             if job is None:

@@ -87,7 +87,7 @@ class DecodeManager:
         able to reach a snapshot grid position (the offer needs its exact position)."""
         return (
             self.spec is not None
-            and self.spec.fanout is None
+            and self.spec.accepts_on_device
             and not any(self.admission.may_cross_grid(r, r.cached + self._ahead(r)) for r in reqs)
         )
 

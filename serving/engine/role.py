@@ -7,21 +7,24 @@ that the engine calls. A role reaches the engine only through these Scheduler ve
 - PD prefill: release_held (a request it held for its transfer), inflight (a step in flight);
 - PD decode: intake, preallocate, then adopt (or finish_scored) once the KV landed, or free;
   free_running_slots.
-The PD roles also read the pool (scheduler.pool: its buffers are what moves) and the rank
-fanout (scheduler.runner.fanout).
+The PD roles are also given the pool and the rank fanout (attach).
 """
 
 from __future__ import annotations
 
 from serving.engine.request import RoleHooks
 from serving.engine.scheduler import Scheduler
+from serving.executor.fanout import Fanout
+from serving.memory.pool import MemoryPool
 from serving.protocol import GenerateRequest
 
 
 class Role(RoleHooks):
     scheduler: Scheduler
 
-    def attach(self, scheduler: Scheduler) -> None:
+    def attach(self, scheduler: Scheduler, pool: MemoryPool, fanout: Fanout) -> None:
+        """Plugged into `scheduler` (build_engine); a PD role also takes the pool (its buffers
+        are what a handoff moves) and this rank's fanout (its followers' transfers)."""
         self.scheduler = scheduler
 
     def submit(self, request: GenerateRequest) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 
+from serving.executor.fanout import ONE_RANK
 from serving.protocol import (
     SHUTDOWN,
     AbortRequest,
@@ -46,7 +47,6 @@ def build_model(args: ServerArgs):
 
     from serving.config import ModelConfig, parse_fp8_kinds
     from serving.distributed import min_over_ranks, state
-    from serving.executor.model_runner import ModelRunner
     from serving.executor.streams import use_compute_stream
     from serving.memory.pool import MemoryPool, SnapshotBudget, plan_pool
     from serving.models.loader import load_weights, resolve_dtype
@@ -138,8 +138,15 @@ def build_model(args: ServerArgs):
         time.monotonic() - started,
     )
     log_memory_plan(args, config, dtype, weight_bytes, plan, device, model.fp8_choice)
-    runner = ModelRunner(model, pool)
-    if args.use_decode_graphs() and steps == 0:  # with EAGLE, decode is Eagle.step
+    return config, dtype, model, draft, pool, plan, context
+
+
+def build_runner(args: ServerArgs, model, pool, fanout=ONE_RANK):
+    """The forward's runner, its decode graphs captured (none with EAGLE: decode is Eagle's)."""
+    from serving.executor.model_runner import ModelRunner
+
+    runner = ModelRunner(model, pool, fanout)
+    if args.use_decode_graphs() and args.speculative_steps == 0:
         started = time.monotonic()
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)
         log.info(
@@ -147,7 +154,26 @@ def build_model(args: ServerArgs):
             args.cuda_graph_max_bs_decode,
             time.monotonic() - started,
         )
-    return config, dtype, model, draft, pool, plan, runner, context
+    return runner
+
+
+def build_eagle(args: ServerArgs, model, draft, pool, sampler, fanout=ONE_RANK):
+    """EAGLE over the model and its draft, its graphs captured; None without speculation.
+    sampler: None on a follower (only rank 0 samples)."""
+    if args.speculative_steps == 0:
+        return None
+    from serving.speculative.eagle import Eagle, SpecConfig
+
+    spec = Eagle(model, draft, pool, sampler, SpecConfig(args.speculative_steps), fanout)
+    if args.use_decode_graphs():
+        started = time.monotonic()
+        spec.enable_graphs(args.cuda_graph_max_bs_decode)
+        log.info(
+            "start-up: EAGLE graphs up to batch %d captured in %.1f s",
+            args.cuda_graph_max_bs_decode,
+            time.monotonic() - started,
+        )
+    return spec
 
 
 def _sync(device: str) -> None:
@@ -229,7 +255,7 @@ def build_engine(args: ServerArgs, role=None):
     """Model + pool + runner + sampler + scheduler for `args` (also used in-process by tests).
 
     `role` plugs a worker role (workers/prefill.py, workers/decode.py) into the scheduler.
-    Under TP/EP this is rank 0; its runner fans every forward out to the other ranks."""
+    Under TP/EP this is rank 0; its fanout sends every forward to the other ranks."""
     from tokenizers import Tokenizer
 
     from serving.config import parse_fp8_kinds
@@ -243,26 +269,13 @@ def build_engine(args: ServerArgs, role=None):
 
     device = args.resolved_device()
     role = role if role is not None else Role()
-    config, dtype, model, draft, pool, plan, runner, context = build_model(args)
-    steps = args.speculative_steps
-    fanout = RankFanout(pool) if state().processes > 1 else None
-    runner.fanout = fanout
+    config, dtype, model, draft, pool, plan, context = build_model(args)
+    ps = state()
+    fanout = RankFanout(pool, ps.processes - 1) if ps.processes > 1 else ONE_RANK
+    runner = build_runner(args, model, pool, fanout)
     tokenizer_file = os.path.join(args.tokenizer_path or args.model_path, "tokenizer.json")
     sampler = Sampler(config.vocab_size, device, args.random_seed, tokenizer_file=tokenizer_file)
-    spec = None
-    if steps > 0:
-        from serving.speculative.eagle import Eagle, SpecConfig
-
-        spec = Eagle(model, draft, pool, sampler, SpecConfig(steps))
-        spec.fanout = fanout
-        if args.use_decode_graphs():
-            started = time.monotonic()
-            spec.enable_graphs(args.cuda_graph_max_bs_decode)
-            log.info(
-                "start-up: EAGLE graphs up to batch %d captured in %.1f s",
-                args.cuda_graph_max_bs_decode,
-                time.monotonic() - started,
-            )
+    spec = build_eagle(args, model, draft, pool, sampler, fanout)
     tokenizer = Tokenizer.from_file(tokenizer_file)
     scheduler = Scheduler(
         runner,
@@ -286,7 +299,7 @@ def build_engine(args: ServerArgs, role=None):
         hooks=role,
         spec=spec,
     )
-    role.attach(scheduler)
+    role.attach(scheduler, pool, fanout)
     roles = {"target": model} if draft is None else {"target": model, "draft": draft}
     fp8 = summary(roles, model.fp8_choice, parse_fp8_kinds(args.fp8_keep_bf16))
     ready = SchedulerReady(
@@ -418,8 +431,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
             events.pop(recv, None)
             msg = recv.recv_pyobj()
             if msg == SHUTDOWN:
-                if fanout is not None:
-                    fanout.stop()
+                fanout.stop()
                 return
             if isinstance(msg, GenerateRequest):
                 role.submit(msg)
@@ -437,8 +449,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
         else:
             outputs = []
             scheduler.refresh_stats()
-            if fanout is not None:
-                fanout.keepalive()
+            fanout.keepalive()
         if outputs or scheduler.stats != last_stats:
             last_stats = dataclasses.replace(scheduler.stats)
             send.send_pyobj(BatchOutput(outputs, last_stats))
@@ -446,21 +457,11 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str, make_role=No
 
 def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
     """Process main of TP/EP rank `rank` > 0: the same model shard and pool as rank 0, running
-    whatever forward rank 0 broadcasts, until rank 0 says stop. Any failure exits non-zero
-    (the launcher names the rank); the group's timeout bounds every wait. `make_role(args,
+    whatever rank 0 broadcasts (tp_worker.Follower), until rank 0 says stop. Any failure exits
+    non-zero (the launcher names the rank); the group's timeout bounds every wait. `make_role(args,
     pool)` builds the follower's end of a PD role (workers/rank_transfer.py), which answers
-    rank 0's "role" messages; None: a plain worker."""
-    import torch
-
-    from serving.distributed import (
-        broadcast_object,
-        broadcast_tensor,
-        destroy_parallel,
-        gather_object,
-    )
-    from serving.engine.profiler import RankProfiler, rank_name
-    from serving.engine.tp_worker import KEEPALIVE, STOP, join_group
-    from serving.executor.streams import landed_writes
+    rank 0's role orders; None: a plain worker."""
+    from serving.engine.tp_worker import Follower, join_group
 
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -468,45 +469,15 @@ def run_follower(args: ServerArgs, rank: int, make_role=None) -> None:
     )
     Watchdog(args.watchdog_timeout)  # exits with the launcher
     join_group(args, rank)
-    log.info("rank %d of %d: pid %d", rank, args.world_size, os.getpid())
-    config, dtype, model, draft, pool, _, runner, _ = build_model(args)
-    spec = None
-    if args.speculative_steps > 0:
-        from serving.speculative.eagle import Eagle, SpecConfig
+    from serving.distributed import destroy_parallel
+    from serving.engine.profiler import RankProfiler, rank_name
 
-        spec = Eagle(model, draft, pool, None, SpecConfig(args.speculative_steps))
-        if args.use_decode_graphs():
-            spec.enable_graphs(args.cuda_graph_max_bs_decode)
+    log.info("rank %d of %d: pid %d", rank, args.world_size, os.getpid())
+    config, dtype, model, draft, pool, _, _ = build_model(args)
+    runner = build_runner(args, model, pool)
+    spec = build_eagle(args, model, draft, pool, None)
     role = make_role(args, pool) if make_role is not None else None
     profiler = RankProfiler(rank_name(rank, args.ep_size), args.profile_dir)
-    pending = None
-    while True:
-        msg = broadcast_object()
-        if msg == STOP:
-            break
-        if msg == KEEPALIVE:
-            continue
-        pool.replay(msg.journal)
-        if msg.kind == "forward":
-            if args.disaggregation_mode == "decode":
-                landed_writes(pool.device)  # this rank's pool may hold a handoff just adopted
-            runner.forward(*msg.payload)
-        elif msg.kind == "publish":
-            tokens = torch.empty(len(msg.payload), dtype=torch.int64, device=pool.device)
-            runner.publish(msg.payload, broadcast_tensor(tokens))
-        elif msg.kind == "extend_draft":
-            rows, starts, tokens = msg.payload
-            hidden = torch.empty(
-                sum(len(t) for t in tokens), config.hidden_size, dtype=dtype, device=pool.device
-            )
-            spec.extend_draft(rows, starts, tokens, broadcast_tensor(hidden))
-        elif msg.kind == "spec_verify":
-            pending = spec.verify(msg.payload)
-        elif msg.kind == "spec_commit":
-            spec.roll_back(pending, *msg.payload)
-            pending = None
-        elif msg.kind == "role":
-            gather_object(role.handle(msg.payload))
-        elif msg.kind == "profile":
-            gather_object(profiler.handle(msg.payload))
+    decode = args.disaggregation_mode == "decode"
+    Follower(runner, spec, role, profiler, config.hidden_size, dtype, decode).follow()
     destroy_parallel()

@@ -31,6 +31,9 @@ device (ModelRunner.next_tokens, next_positions: its inputs are FUTURE). The cat
 draft over all N+1 verify positions and keeps the output at the last accepted one: draft
 latents, pooled keys and ring slots past it are rewritten before anything reads them, for the
 same reason as the target's. The draft has no KDA layer, so it has nothing to roll back.
+
+Under TP/EP every rank runs the device programs; rank 0 alone samples, and its fanout
+(serving/executor/fanout.py) sends each program's host inputs first. Followers have no sampler.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.distributed import broadcast_tensor
+from serving.executor.fanout import ONE_RANK, Fanout
 from serving.executor.sampler import SampledTokens, Sampler, SamplingState
 from serving.forward_batch import ForwardBatch, resolve_future, to_device, upload
 from serving.memory.cache import request_rows
@@ -88,21 +91,25 @@ class Eagle:
         target: Glm5NextForCausalLM,
         draft: NextNDraft,
         pool: MemoryPool,
-        sampler: Sampler,
+        sampler: Sampler | None,
         config: SpecConfig,
+        fanout: Fanout = ONE_RANK,
     ) -> None:
+        """sampler: None on a follower rank; fanout: rank 0's under TP/EP."""
         assert pool.draft is not None, "the pool needs draft caches"
         self.target, self.draft, self.pool, self.sampler = target, draft, pool, sampler
-        self.steps = config.num_steps
+        self.steps, self.fanout = config.num_steps, fanout
         self.graphs = None  # SpecGraphs, set by enable_graphs
         # n of each row's next step, written by an overlapped step (its FUTURE positions)
         self.next_positions = torch.zeros(
             request_rows(pool.req_to_token), dtype=torch.int64, device=pool.device
         )
-        # TP rank 0: RankFanout (serving/engine/tp_worker.py). Every device program below runs
-        # on every rank; only rank 0 samples, and it sends the host inputs of each program
-        # (and the committed tokens) first. Followers have no sampler.
-        self.fanout = None
+
+    @property
+    def accepts_on_device(self) -> bool:
+        """Whether a step may accept on the device (launch()): only with no follower ranks,
+        which would have to sample alike or get rank 0's accepted runs before the roll-back."""
+        return self.fanout.followers == 0
 
     def enable_graphs(self, max_bs: int) -> None:
         self.graphs = SpecGraphs(
@@ -121,9 +128,7 @@ class Eagle:
 
         target_hidden: [sum(len), H], requests back to back. Stores each request's proposal for
         the position after its last one, and the draft's hidden there, in its aux row."""
-        if self.fanout is not None:
-            self.fanout.send("extend_draft", (rows, starts, next_tokens))
-            broadcast_tensor(target_hidden)  # followers hold the same hiddens; one copy is simpler
+        self.fanout.extend_draft(rows, starts, next_tokens, target_hidden)
         ids = [t for toks in next_tokens for t in toks]
         batch = ForwardBatch.build(
             ids, rows, starts, [len(t) for t in next_tokens], self.pool.req_to_token
@@ -201,8 +206,7 @@ class Eagle:
             + [[p.row for p in proposals]],
             dtype=torch.int64,
         )
-        if self.fanout is not None:
-            self.fanout.send("spec_verify", host)
+        self.fanout.verify(host)
         pending = self.verify(host)
         verified = pending.verified
         chains = verified.chains[:num].tolist()
@@ -210,8 +214,7 @@ class Eagle:
         committed, last, logprobs = accept_on_host(self.sampler, logits, chains, states, want)
         padded = [c + [0] * (n_steps + 1 - len(c)) for c in committed]
         captures = [(b, j, slot) for b, j, slot in offers or [] if j <= last[b]]
-        if self.fanout is not None:
-            self.fanout.send("spec_commit", (padded, last, captures))
+        self.fanout.roll_back(padded, last, captures)
         self.roll_back(pending, padded, last, captures)
         return committed, logprobs
 
@@ -275,7 +278,7 @@ class Eagle:
         every position the step writes. Leaves each row's next y in next_tokens and its next n
         in next_positions. Returns, per request, [committed tokens padded to N+1, index of the
         bonus token], its copy to the host under way (accept.accepted_tokens reads it)."""
-        assert self.fanout is None, "an overlapped step runs on one rank (its acceptance too)"
+        assert self.accepts_on_device, "an overlapped step runs on one rank (its acceptance too)"
         n, num = self.steps + 1, host.shape[1]
         pending = self.verify(host, max_seq_len, next_tokens)
         verified = pending.verified
