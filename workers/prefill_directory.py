@@ -15,9 +15,9 @@ import time
 
 import httpx
 
+from workers.bootstrap_server import QUERY
 from workers.timeouts import Timeouts
 
-_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 LOOKUP_ATTEMPTS = 3  # of a bootstrap lookup that times out (the client's timeout: 2 s each)
 
 
@@ -60,8 +60,8 @@ class PrefillDirectory(threading.Thread):
         base = f"http://{addr}/route?"
         for _ in range(LOOKUP_ATTEMPTS):
             try:
-                cluster = self._get_json(base + "&".join(f"{k}=-1" for k in _QUERY))
-                rank = self._get_json(base + "&".join(f"{k}=0" for k in _QUERY))
+                cluster = self._get_json(base + "&".join(f"{k}=-1" for k in QUERY))
+                rank = self._get_json(base + "&".join(f"{k}=0" for k in QUERY))
                 rank_addr = f"{rank['rank_ip']}:{rank['rank_port']}"
             except httpx.TimeoutException as exc:
                 why = f"{type(exc).__name__}: {exc} ({LOOKUP_ATTEMPTS} attempts)"
