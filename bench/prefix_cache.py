@@ -19,7 +19,7 @@ collections and the Triton kernels built under it (host stalls that device time 
 Each variant runs in a child process (so each gets the whole GPU, with default memory
 settings) with a Triton cache directory of its own (--shared-triton-cache: the default one),
 so neither variant runs on kernels the other compiled or tuned: build the engine, prepare its
-kernels as a worker does at start-up (scheduler_process.prepare; prepare_s), random workloads,
+kernels as a worker does at start-up (engine/build.prepare; prepare_s), random workloads,
 flush, multi-turn. The first request of each workload (first batch at concurrency > 1) is
 reported apart from the rest (`first`, `rest`): a kernel compiled under a request shows there.
 The JSON is rewritten after every variant; a summary line per workload goes to stdout.
@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
+from serving.engine.build import build_engine, prepare
 from serving.engine.scheduler import Scheduler
-from serving.engine.scheduler_process import build_engine, prepare
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
 

@@ -13,7 +13,7 @@ threads and the load average, every thread's CPU time over the timed requests (n
 too, from /proc), the CPU the scheduler thread is on, and a fixed pure-Python loop's time after
 the build, the warm-up and the timed requests: a process-wide slowdown shows there), then two
 under cProfile and two under the torch profiler (CPU and CUDA). --prepare runs the worker's
-start-up kernel warm-up first (scheduler_process.prepare), as bench.prefix_cache and a server
+start-up kernel warm-up first (engine/build.prepare), as bench.prefix_cache and a server
 do. Writes
 profile_<variant>.txt: the JSON summary line, cProfile's top functions by own time, the torch
 profiler's tables by own CPU time and by device time.
@@ -50,8 +50,8 @@ from bench.prefix_cache import (
     stalls_since,
     watch_compiles,
 )
+from serving.engine.build import build_engine, prepare
 from serving.engine.scheduler import Scheduler
-from serving.engine.scheduler_process import build_engine, prepare
 from serving.server_args import ServerArgs
 
 

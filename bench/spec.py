@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from serving.engine.scheduler_process import build_engine
+from serving.engine.build import build_engine
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
 from training.distill_nextn import training_prompts

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serving.config import ModelConfig
-from serving.engine.scheduler_process import build_engine
+from serving.engine.build import build_engine
 from serving.models.loader import load_weights
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs

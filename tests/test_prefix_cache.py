@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from serving.engine import scheduler as scheduler_mod
+from serving.engine.build import build_engine
 from serving.engine.request import Req
 from serving.engine.role import Role
 from serving.engine.scheduler import Scheduler
-from serving.engine.scheduler_process import build_engine
 from serving.memory.cache import DSALayerCache, KDALayerCache
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs

@@ -15,8 +15,8 @@ import torch
 
 from serving.engine import scheduler as scheduler_mod
 from serving.engine.admission import Admission
+from serving.engine.build import build_engine
 from serving.engine.decode_batch import DecodeManager
-from serving.engine.scheduler_process import build_engine
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
 from tests.conftest import DISTILL_PROMPT_LEN as PROMPT_LEN

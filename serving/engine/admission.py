@@ -63,11 +63,11 @@ class Admission:
         self.deferred: list[Req] = []  # released while in flight; freed by settle()
 
     # ---- admit ----
-    def admit(self, req: Req, max_tokens: int, reserve: int) -> int | None:
+    def admit(self, req: Req, max_tokens: int, running: int) -> int | None:
         """Give `req` its cached prefix (when the cache has one), a row and the
-        pages for its next chunk of at most `max_tokens` tokens, keeping `reserve` pages free
-        (or evictable) for the running requests' next decode tokens. Returns the chunk's
-        length, or None with nothing taken."""
+        pages for its next chunk of at most `max_tokens` tokens. The reserve policy: one page
+        stays free (or evictable) per request that decodes beside it (`running`), for that
+        request's next decode tokens. Returns the chunk's length, or None with nothing taken."""
         pool, cache = self.pool, self.cache
         node, hit = None, 0
         if cache is not None:
@@ -79,7 +79,7 @@ class Admission:
             cache.lock(node)  # before any eviction below: the prefix must survive it
             cache.lock_state(node)
         row = None
-        if self._make_free(pool.pages.pages_for(n + 1) + reserve):
+        if self._make_free(pool.pages.pages_for(n + 1) + running):
             row = pool.alloc_row()
         if row is None:
             if node is not None:
