@@ -438,7 +438,7 @@ def test_layer_takes_the_small_path_interpreter(parallel, dtype, fp8, monkeypatc
     monkeypatch.setattr(tms, "moe_small", lambda *a: calls.append(1) or real(*a))
     try:
         moe = _tiny_moe(dtype, ParallelState(**PARALLEL[parallel]), fp8)
-        tokens = mlp.SMALL_MOE_MAX_TOKENS
+        tokens = mlp.SMALL_MOE_MAX_TOKENS if fp8 is None else mlp.SMALL_MOE_MAX_TOKENS_FP8
         router = moe.gate.weight, moe.gate.e_score_correction_bias
         x = _tie_free(tokens, *router, 2, seed=2)
         with torch.no_grad():
@@ -531,7 +531,7 @@ def test_moe_small_cuda_graph(mode):
 @pytest.mark.parametrize("fp8", [None, "routed", "all"])
 def test_layer_small_path_matches_align_path_gpu(tokens, fp8, monkeypatch):
     """The bench preset's MoE layer (world 1) on CUDA: the small path against the fused align
-    path + DenseMLP (SMALL_MOE_MAX_TOKENS 0) on the same weights and inputs."""
+    path + DenseMLP (both SMALL_MOE_MAX_TOKENS limits 0) on the same weights and inputs."""
     from serving.config import ModelConfig
     from serving.distributed import ParallelState, set_state
     from serving.layers import mlp
@@ -565,8 +565,10 @@ def test_layer_small_path_matches_align_path_gpu(tokens, fp8, monkeypatch):
     moe.gate.weight.data.copy_(gate)
     moe.gate.e_score_correction_bias.data.copy_(bias)
     monkeypatch.setattr(mlp, "SMALL_MOE_MAX_TOKENS", 16)
+    monkeypatch.setattr(mlp, "SMALL_MOE_MAX_TOKENS_FP8", 16)
     _poison("cuda")
     out = moe(x)
     assert not moe.small_counters.any()
     monkeypatch.setattr(mlp, "SMALL_MOE_MAX_TOKENS", 0)
+    monkeypatch.setattr(mlp, "SMALL_MOE_MAX_TOKENS_FP8", 0)
     _check_close(out, moe(x), torch.bfloat16)

@@ -24,9 +24,8 @@ capturable in CUDA graphs. M, N and K are run-time arguments of the Triton GEMM:
 kernel per tile configuration, not per shape.
 
 time_linear measures one weight shape, FP8 (block_fp8_linear as above) against the dense
-linear a bf16 weight runs (skinny_gemm.linear: the skinny GEMM up to SKINNY_MAX_TOKENS rows,
-cuBLAS above), as device time under a CUDA graph: what serving/models/fp8_choice.py decides
-from at load.
+linear a bf16 weight runs (cuBLAS), as device time under a CUDA graph: what
+serving/models/fp8_choice.py decides from at load.
 """
 
 from __future__ import annotations
@@ -39,11 +38,14 @@ import triton.language as tl
 
 from kernels.fp8 import BLOCK, FP8, blocks, quantize_weight
 from kernels.triton.e4m3 import quant_rows
-from kernels.triton.skinny_gemm import MAX_TOKENS as SKINNY_MAX_TOKENS
-from kernels.triton.skinny_gemm import linear as dense_linear
 from kernels.triton.skinny_gemm import skinny_linear
 
 log = logging.getLogger(__name__)
+
+# token rows up to which block_fp8_linear runs the skinny GEMM: on the H200 (bench.decode_gemm,
+# rank 0 of TP8) it beat quantize + torch._scaled_mm at 1 row for 4 of 6 shapes, lost at 8 rows
+# for most and at 32 for all (0.2-0.5x), so decode at batch 1 and its 2-token verify take it
+SKINNY_MAX_TOKENS = 4
 
 # Programs the small-M GEMM heuristic aims at: about two per SM on an H200 (132 SMs).
 TARGET_PROGRAMS = 264
@@ -366,12 +368,12 @@ TIMING_WARMUP, TIMING_REPLAYS = 2, 7
 def time_linear(n: int, k: int, tokens: int, dtype: torch.dtype, device) -> tuple[float, float]:
     """Device microseconds per call of y = x W^T, x [tokens, k] in `dtype`, for a random weight
     [n, k]: (block_fp8_linear: activation quantization plus the GEMM it picks for this shape and
-    token count; skinny_gemm.linear on the weight in `dtype`, what a dense projection of the
-    fast path runs). Each is captured in one CUDA graph (no launch overhead,
-    as the decode graphs run) that rotates through weight copies (and outputs) adding up to
-    twice the L2 cache, so each call reads its operands from HBM as successive layers do; the
-    median of the graph's replays, per call. Allocates about 2 x L2 of copies; runs eagerly
-    first (Triton compiles, the torch._scaled_mm probe), never under an outer capture."""
+    token count; cuBLAS on the weight in `dtype`, what a dense projection runs). Each is
+    captured in one CUDA graph (no launch overhead, as the decode graphs run) that rotates
+    through weight copies (and outputs) adding up to twice the L2 cache, so each call reads its
+    operands from HBM as successive layers do; the median of the graph's replays, per call.
+    Allocates about 2 x L2 of copies; runs eagerly first (Triton compiles, the torch._scaled_mm
+    probe), never under an outer capture."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, generator=gen) * k**-0.5
@@ -388,7 +390,7 @@ def time_linear(n: int, k: int, tokens: int, dtype: torch.dtype, device) -> tupl
     fp8_ops = [(w8.clone(), scale.clone()) for _ in range(copies(w8.numel() + scale.numel() * 4))]
     dense_ops = [dense.clone() for _ in range(copies(dense.numel() * dense.element_size()))]
     fp8_us = graph_time_us(lambda op: block_fp8_linear(x, *op), fp8_ops)
-    dense_us = graph_time_us(lambda op: dense_linear(x, op), dense_ops)
+    dense_us = graph_time_us(lambda op: torch.nn.functional.linear(x, op), dense_ops)
     return fp8_us, dense_us
 
 

@@ -400,7 +400,9 @@ def mhc_post(
 # larger ones run mhc_post + mhc_pre (three launches, but each tile of fn serves a block of
 # tokens there, through tf32x3 tensor-core dots): the fused kernel reads fn once per block of at
 # most 8 tokens and multiplies on the CUDA cores, which at prefill sizes is T/8 reads of 1.5 MB.
-BOUNDARY_MAX_TOKENS = 128
+# Measured on the H200 (bench.decode_mhc_kda, rank 0 of TP8): 10.3 against post + pre's 16.6 us
+# at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more.
+BOUNDARY_MAX_TOKENS = 16
 BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token block
 BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
 

@@ -31,15 +31,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.fp8 import BLOCK, FP8
 from kernels.triton.e4m3 import quant_rows
 
-# token rows up to which the fast path's linears run here (decode up to the seed's largest graph
-# batch, 32, and its EAGLE verify); more rows go to cuBLAS or kernels/triton/fp8.py's FP8 GEMMs
+# the most token rows the kernel takes (its tilings are sized for up to this many); which calls
+# run it is kernels/triton/fp8.py's SKINNY_MAX_TOKENS (block FP8 only: cuBLAS beat it in bf16)
 MAX_TOKENS = 64
 # programs skinny_config aims at: two per SM of an H200 (132 SMs), each with its loads in flight
 TARGET_PROGRAMS = 264
@@ -242,20 +241,3 @@ def skinny_linear(
         num_stages=cfg.num_stages,
     )
     return y
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """torch.nn.functional.linear(x, w) (no bias) on CUDA: skinny_linear for at most MAX_TOKENS
-    rows of a bf16/fp16 weight, else F.linear (cuBLAS): larger M, float32 (the oracle's dtype),
-    and autograd (the kernel has no backward)."""
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if (
-        rows > MAX_TOKENS
-        or rows == 0
-        or w.dtype not in DENSE_DTYPES
-        or x.dtype != w.dtype
-        or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-    ):
-        return F.linear(x, w)
-    return skinny_linear(x.reshape(rows, k), w).view(*x.shape[:-1], w.shape[0])

@@ -15,10 +15,11 @@ indexer's down-projections, gate/up of a dense MLP) run as one GEMM over their w
 (StackedProjections), one launch instead of up to six: at TP8 a decode step is launch-bound.
 Block-FP8 parts stack too, their scales with them (stack_runs says which).
 
-Kernels: on the fast path (kernels.fast_path) a linear of at most kernels/triton/skinny_gemm.py's
-MAX_TOKENS rows (decode, verify) runs the skinny GEMM, bf16 and block FP8 alike (for FP8 through
-kernels/triton/fp8.block_fp8_linear); more rows run cuBLAS (F.linear) or the FP8 GEMMs of
-kernels/triton/fp8.py. The CPU and PDSERVE_TORCH_KERNELS=1 run F.linear and kernels/fp8.py.
+Kernels: a dense weight runs cuBLAS (F.linear) at every token count: the skinny GEMM
+(kernels/triton/skinny_gemm.py) measured slower than cuBLAS for bf16 at every rank-0 shape of
+TP8 (1.1-2.8x at 1-32 tokens, docs/BENCHMARKS.md). A block-FP8 weight on the fast path
+(kernels.fast_path) runs kernels/triton/fp8.block_fp8_linear (the skinny GEMM up to a few rows,
+then torch._scaled_mm or Triton); the CPU and PDSERVE_TORCH_KERNELS=1 run kernels/fp8.py.
 
 Block FP8: a module with a `kind` (FP8_KINDS) can hold its weights as float8_e4m3fn beside
 float32 block scales `<param>_scale_inv` (hold_fp8, called by the loader before it fills them)
@@ -129,7 +130,7 @@ class Linear(nn.Module):
         if self.weight_scale_inv is not None:
             y = fp8_linear(x)(x, self.weight, self.weight_scale_inv)
         else:
-            y = dense_linear(x)(x, self.weight)
+            y = F.linear(x, self.weight)
         if self.split == "row" and self.reduce:
             return tp_all_reduce(y)
         if self.split == "column" and self.gather:
@@ -143,15 +144,6 @@ def fp8_linear(x: torch.Tensor):
 
         return block_fp8_linear
     return fp8_kernels.block_fp8_linear
-
-
-def dense_linear(x: torch.Tensor):
-    """x W^T for a weight in x's dtype: the skinny GEMM for few rows on the fast path."""
-    if fast_path(x):
-        from kernels.triton.skinny_gemm import linear
-
-        return linear
-    return F.linear
 
 
 # rows of a stacked block-FP8 weight are a multiple of this (zero rows after the parts): the N
@@ -281,7 +273,7 @@ class StackedProjections:
             if torch.is_grad_enabled() and g.first.requires_grad:
                 continue
             if g.scale is None:
-                y = dense_linear(x)(x, g.weight)
+                y = F.linear(x, g.weight)
             else:
                 y = fp8_linear(x)(x, g.weight, g.scale)
             pieces = y.split([*g.sizes, g.weight.shape[0] - sum(g.sizes)], dim=-1)
@@ -290,7 +282,7 @@ class StackedProjections:
         for i, name in enumerate(self.names):
             if out[i] is None:
                 part = self._part(name)
-                out[i] = part(x) if isinstance(part, Linear) else dense_linear(x)(x, part)
+                out[i] = part(x) if isinstance(part, Linear) else F.linear(x, part)
         return tuple(out)
 
 

@@ -96,7 +96,8 @@ class MoE(nn.Module):
         ps = state()
         # EP: ids become local; other ranks' experts id E, which the expert kernels skip
         local = (self.experts.start, self.w13.shape[0]) if ps.ep_size > 1 else None
-        if fast_path(x) and c.n_group == 1 and 0 < x.shape[0] <= SMALL_MOE_MAX_TOKENS:
+        small = SMALL_MOE_MAX_TOKENS if self.w13_scale_inv is None else SMALL_MOE_MAX_TOKENS_FP8
+        if fast_path(x) and c.n_group == 1 and 0 < x.shape[0] <= small:
             return self._forward_small(x, local)
         weights, ids = _route(x, c.n_group)(
             x,
@@ -170,9 +171,12 @@ class MoE(nn.Module):
 # On the fast path, batches of at most this many tokens take MoE._forward_small (three launches
 # per layer, no align or sort; kernels/triton/moe_small.py, correct up to its MAX_TOKENS = 16),
 # larger ones the fused align path. Issue 43's rule, tokens x top_k below the rank's local expert
-# count, gives 4 at EP8 (top-8 of 288, 36 local experts): the first guess. The H200 A/B of both
-# paths at batch 1/4/8 (python -m bench.decode_moe) decides it.
+# count, gives 4 at EP8 (top-8 of 288, 36 local experts). The H200 A/B of both paths at rank 0
+# of EP8 (python -m bench.decode_moe, session 14): bf16 29.8 against 51.3 us at 1 token, 108
+# against 122 at 4, 172 against 146 at 8; block FP8 59.7 against 75.2 us at 1 token but 136
+# against 99 at 4. So bf16 up to 4 tokens, FP8 at 1.
 SMALL_MOE_MAX_TOKENS = 4
+SMALL_MOE_MAX_TOKENS_FP8 = 1
 
 # With the torch kernels on CUDA (PDSERVE_TORCH_KERNELS=1), batches this small use the sync-free
 # dense expert path, eager or captured alike, so CUDA graphs on and off compute the same thing;
