@@ -571,4 +571,9 @@ def test_layer_small_path_matches_align_path_gpu(tokens, fp8, monkeypatch):
     assert not moe.small_counters.any()
     monkeypatch.setattr(mlp, "SMALL_MOE_MAX_TOKENS", 0)
     monkeypatch.setattr(mlp, "SMALL_MOE_MAX_TOKENS_FP8", 0)
-    _check_close(out, moe(x), torch.bfloat16)
+    ref = moe(x)
+    if fp8 == "all":  # the shared expert's activations quantized at other points than DenseMLP's
+        # W8A8 (its h inside the kernel): the H200 measured 1.08% (Frobenius) at 4 tokens
+        assert _rel_max(out, ref) <= 2e-2 and _rel_fro(out, ref) <= 1.5e-2
+    else:
+        _check_close(out, ref, torch.bfloat16)

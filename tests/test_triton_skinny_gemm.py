@@ -97,7 +97,8 @@ def _check_fp8(m, n, k, dtype, device, interpreter=False):
         assert _rel_fro(out, ref) <= 1e-2
     assert _rel_fro(out, x.float() @ fp8_ref.dequantize(w8, scale).T) <= 6e-2
     assert torch.equal(skinny_linear(x, w8, scale), out)  # deterministic
-    assert torch.equal(tfp8.block_fp8_linear(x, w8, scale), out)  # what the fast path runs
+    if m <= tfp8.SKINNY_MAX_TOKENS:  # what the fast path runs
+        assert torch.equal(tfp8.block_fp8_linear(x, w8, scale), out)
     assert _counters_zero()
     return out
 
