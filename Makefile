@@ -15,7 +15,7 @@ install: $(PY)
 	@dpkg -s libibverbs1 docker-compose >/dev/null 2>&1 || { apt-get update -qq && \
 		apt-get install -y -qq libibverbs1 docker-compose; }
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,cpu]"
+	$(PY) -m pip install -q -e ".[test,cpu,training]"
 
 run: install
 	$(PY) deploy/launch_local.py $(ARGS)

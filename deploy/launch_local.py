@@ -32,7 +32,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "models" / "tiny"
-SMALL = REPO / "serving" / "assets" / "small_model"  # trained: serving/tools/train_small.py
+SMALL = REPO / "serving" / "assets" / "small_model"  # trained: training/train_small.py
 # The seed's flags for the shipped model: EAGLE with the checkpoint's NextN layer (one draft
 # step), GLM's reasoning and tool-call parsers.
 SMALL_FLAGS = ("--speculative-algorithm EAGLE --speculative-num-steps 1 "

@@ -1,4 +1,5 @@
-"""Kimi Delta Attention (KDA): short causal conv and the gated delta-rule recurrence.
+"""Kimi Delta Attention (KDA): short causal conv and the gated delta-rule recurrence, the gates
+(forget_gate, gated_norm), and a decode or verify step's whole core (kda_decode_layer).
 
 State per request: conv state [C, K-1] (the last K-1 pre-conv inputs) and recurrent state
 [H, Dk, Dv] in float32. Both live in engine-owned tensors indexed by request row; these
@@ -7,8 +8,12 @@ functions read and update them in place at `rows`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from kernels.fp8 import block_fp8_linear
 
 
 def causal_conv_extend(
@@ -191,3 +196,94 @@ def kda_decode(
     )
     state[rows] = s.to(state.dtype)
     return o.to(q.dtype)
+
+
+def forget_gate(
+    f: torch.Tensor,
+    dt_bias: torch.Tensor,
+    a_log: torch.Tensor,
+    lower_bound: float | None,
+    heads: int,
+) -> torch.Tensor:
+    """Per-channel log decay g [T, H, Dk] (float32) from the forget gate's logits f [T, H*Dk]
+    (f_b_proj's output): lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), or without a lower
+    bound -exp(A_log) * softplus(f + dt_bias)."""
+    g = (f.float() + dt_bias).view(f.shape[0], heads, -1)
+    rate = a_log.exp().view(1, heads, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * g)
+    return -rate * F.softplus(g, threshold=20.0)
+
+
+def gated_norm(
+    o: torch.Tensor, gate: torch.Tensor, o_norm: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The output's RMSNorm per head (o [T, H, Dv]), in float32, scaled by o_norm and gated by
+    sigmoid(gate) (g_b_proj's output [T, H*Dv]); [T, H*Dv] in o's dtype."""
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * o_norm
+    return (of * torch.sigmoid(gate.view(o.shape).float())).to(o.dtype).flatten(1)
+
+
+class KDAWeights(NamedTuple):
+    """A KDA layer's parameters its core reads, past the input projections (serving/models/
+    kda.py's, this rank's)."""
+
+    conv: torch.Tensor  # [3*H*D, K] float32: q | k | v depthwise kernels
+    dt_bias: torch.Tensor  # [H*D] float32
+    a_log: torch.Tensor  # [H] float32
+    o_norm: torch.Tensor  # [D] float32
+    lower_bound: float | None  # the bounded forget gate's, or None: -exp(A_log) * softplus
+    eps: float  # the output RMSNorm's
+    f_b: torch.Tensor  # [H*D, R] f_b_proj's weight: the model's dtype, or block FP8 (e4m3)
+    f_b_scale: torch.Tensor | None  # its block scales [ceil(H*D/128), ceil(R/128)] if FP8
+    g_b: torch.Tensor  # [H*D, R] g_b_proj's, likewise
+    g_b_scale: torch.Tensor | None
+
+
+def head_projection(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None):
+    """x W^T as the layer's Linear computes it: in x's dtype, or W8A8 for a block-FP8 W."""
+    if scale is None:
+        return F.linear(x, weight)
+    return block_fp8_linear(x, weight, scale)
+
+
+def kda_decode_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f_a: torch.Tensor,
+    b: torch.Tensor,
+    g_a: torch.Tensor,
+    weights: KDAWeights,
+    conv_state: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    step_len: int = 1,
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A decode-phase step through a KDA layer's core, step_len tokens per request (1, or a
+    speculative verify's draft tokens): the causal conv + SiLU of q, k, v, the forget gate from
+    f_b_proj(f_a), beta = sigmoid(b), the gated delta rule on state[rows] (in place), the
+    per-head RMSNorm gated by g_b_proj(g_a). q, k, v [B*step_len, H*D]; f_a, g_a
+    [B*step_len, R]; b [B*step_len, H]. Returns [B*step_len, H*D] in q's dtype. With history
+    (a verify) the conv and the recurrence take their uniform forms and append their histories
+    (conv inputs [B, 3*H*D, K-1+step_len], states [B, step_len, H, D, D]); a decode step
+    without it takes the decode forms. Graph-safe."""
+    heads, dim = state.shape[1], state.shape[2]
+    mixed = torch.cat([q, k, v], dim=-1)
+    decode = step_len == 1 and history is None
+    if decode:
+        mixed = causal_conv_decode(mixed, weights.conv, conv_state, rows)
+    else:
+        mixed = causal_conv_uniform(mixed, weights.conv, conv_state, rows, step_len, history)
+    q, k, v = (t.view(-1, heads, dim) for t in mixed.chunk(3, dim=-1))
+    f = head_projection(f_a, weights.f_b, weights.f_b_scale)
+    g = forget_gate(f, weights.dt_bias, weights.a_log, weights.lower_bound, heads)
+    beta = torch.sigmoid(b).float()
+    if decode:
+        o = kda_decode(q, k, v, g, beta, state, rows)
+    else:
+        o = kda_uniform(q, k, v, g, beta, state, rows, step_len, history)
+    gate = head_projection(g_a, weights.g_b, weights.g_b_scale)
+    return gated_norm(o, gate, weights.o_norm, weights.eps)

@@ -2,9 +2,11 @@
 logits), the collapse of the residual streams into a sublayer's (RMS-normed) input, and the
 expansion of the sublayer's output back onto the streams.
 
-These are the references. On CUDA, kernels/triton/mhc.py does a collapse in two launches and an
-expansion in one (here about 20 and 6 ops, twice per layer: decode at TP8 is launch-bound); the
-Sinkhorn loop alone is ~40 tiny elementwise ops, one Triton program per token in mhc_mix.
+These are the references. On CUDA, kernels/triton/mhc.py does a collapse in two launches, an
+expansion in one, and the boundary between two sublayers (one's expansion, the next one's
+collapse: mhc_boundary_reference) in one for a decode-sized batch (here about 20 and 6 ops, twice
+per layer: decode at TP8 is launch-bound); the Sinkhorn loop alone is ~40 tiny elementwise ops,
+one Triton program per token in mhc_mix.
 """
 
 from __future__ import annotations
@@ -75,3 +77,26 @@ def mhc_post_reference(
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
         comb.to(dtype).transpose(-1, -2), residual
     )
+
+
+def mhc_boundary_reference(
+    out: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    weight: torch.Tensor,
+    rms_eps: float,
+    counter: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The boundary between two sublayers: the expansion of `out` [T, Hd] onto `residual`
+    [T, hc, Hd] with the previous collapse's post and comb (mhc_post_reference), then the next
+    collapse of the new streams with its fn/base/scale and RMSNorm weight (mhc_pre_reference).
+    Returns (new streams, post, comb, normed x). counter: the fused kernel's (unused here)."""
+    new = mhc_post_reference(out, residual, post, comb)
+    return new, *mhc_pre_reference(new, fn, base, scale, iters, eps, norm_eps, weight, rms_eps)

@@ -9,8 +9,10 @@ Invariants:
 - every rank runs the same forward on the same batch, so every collective is entered by every
   rank in the same order; a rank that skips one hangs the others until the group's timeout
   (set at init, so nothing hangs forever);
-- tensors that must stay identical across ranks (hidden streams, indexer scores, logits) only
-  ever come out of an all-reduce or all-gather, never from rank-local arithmetic on partials.
+- tensors that must stay identical across ranks (hidden streams, logits) only ever come out of
+  an all-reduce or all-gather, never from rank-local arithmetic on partials; the rest that
+  must agree (MLA latents, the indexer's pool scores and selection) come from replicated
+  weights applied to replicated inputs by the same deterministic kernels.
 
 Rank 0 talks to the front; control messages (the batch description) go over a gloo group even
 on CUDA, so they never touch the GPU stream.
@@ -146,7 +148,6 @@ def check_sizes(config: ModelConfig, tp_size: int, ep_size: int) -> None:
     checks = [
         ("tp", tp_size, "linear_num_heads (KDA heads)", config.linear_num_heads),
         ("tp", tp_size, "num_attention_heads (MLA heads)", config.num_attention_heads),
-        ("tp", tp_size, "index_n_heads (indexer heads)", config.index_n_heads),
         ("tp", tp_size, "intermediate_size (dense MLP)", config.intermediate_size),
         (
             "tp",

@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.node_rank > 0:
             sys.exit(run_followers_only(args))
-        from serving.engine.scheduler_process import run_scheduler
         from serving.front.engine_client import EngineClient, EngineUnavailable
         from serving.front.http_server import create_app, serve
+        from workers.scheduler_process import run_scheduler
 
         ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
         to_scheduler, to_front = f"ipc://{ipc_dir}/scheduler", f"ipc://{ipc_dir}/front"
@@ -62,13 +62,13 @@ def main(argv: list[str] | None = None) -> None:
             metrics = WorkerMetrics(args.model_name, args.disaggregation_mode)
         client = EngineClient(send_addr=to_scheduler, recv_addr=to_front, metrics=metrics)
         app = create_app(args, client)
-        make_role, bootstrap = pick_role(args)
+        bootstrap = start_bootstrap(args)
     except (ArgsError, ConfigError) as exc:
         sys.exit(f"error: {exc}")
     ctx = mp.get_context("spawn")
     rank0 = ctx.Process(
         target=run_scheduler,
-        args=(args, to_scheduler, to_front, make_role),
+        args=(args, to_scheduler, to_front),
         daemon=True,
         name="pdserve-scheduler",
     )
@@ -143,15 +143,14 @@ def _free_port() -> int:
 
 def _spawn_followers(args: ServerArgs, ctx) -> dict[int, mp.Process]:
     """Start this node's ranks other than 0 (each joins the group, then waits for rank 0)."""
-    from serving.engine.scheduler_process import run_follower
+    from workers.scheduler_process import run_follower
 
     first = args.node_rank * args.ranks_per_node
-    make_role = follower_role(args)
     procs = {}
     for rank in range(max(first, 1), first + args.ranks_per_node):
         procs[rank] = ctx.Process(
             target=run_follower,
-            args=(args, rank, make_role),
+            args=(args, rank),
             daemon=True,
             name=f"pdserve-rank{rank}",
         )
@@ -171,34 +170,22 @@ def run_followers_only(args: ServerArgs) -> int:
     return 0
 
 
-def pick_role(args: ServerArgs):
-    """(role class for the scheduler process, bootstrap server) for --disaggregation-mode."""
-    if args.disaggregation_mode == "prefill":
-        from workers.bootstrap_server import BootstrapServer
-        from workers.prefill import PrefillRole
-
-        try:
-            bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, args.api_key)
-        except OSError as exc:
-            raise ArgsError(
-                f"--disaggregation-bootstrap-port {args.disaggregation_bootstrap_port}: {exc}"
-            ) from exc
-        bootstrap.start()
-        return PrefillRole, bootstrap
-    if args.disaggregation_mode == "decode":
-        from workers.decode import DecodeRole
-
-        return DecodeRole, None
-    return None, None
-
-
-def follower_role(args: ServerArgs):
-    """The PD role's end on ranks > 0 (their own Mooncake engine and transfers), or None."""
-    if args.disaggregation_mode == "null":
+def start_bootstrap(args: ServerArgs):
+    """A PD prefill worker's bootstrap server (in this process, so it answers while the
+    scheduler is busy), started; None for other roles. The scheduler process picks the role
+    itself (workers/scheduler_process.py)."""
+    if args.disaggregation_mode != "prefill":
         return None
-    from workers.rank_transfer import FollowerKV
+    from workers.bootstrap_server import BootstrapServer
 
-    return FollowerKV
+    try:
+        bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, args.api_key)
+    except OSError as exc:
+        raise ArgsError(
+            f"--disaggregation-bootstrap-port {args.disaggregation_bootstrap_port}: {exc}"
+        ) from exc
+    bootstrap.start()
+    return bootstrap
 
 
 if __name__ == "__main__":

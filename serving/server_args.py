@@ -2,33 +2,32 @@
 
 Every flag of the seed's prefill and decode commands parses. A flag that cannot take effect on
 this machine or in this build fails at start-up with one line naming it (`ArgsError`), never a
-traceback.
+traceback. The checks are server_args_checks.py's (ArgsChecks, which ServerArgs extends), the
+parser builder cli_flags.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from serving.cli_flags import dataclass_parser
+from serving.server_args_checks import ArgsChecks, ArgsError
 
 if TYPE_CHECKING:
     from serving.config import ModelConfig
 
+# ArgsError is what ServerArgs.validate() and validate_for_model() raise: callers take it from here.
+__all__ = ["API_KEY_ENV", "ArgsError", "ServerArgs"]
 
 API_KEY_ENV = "SGLANG_API_KEY"
 
 
-class ArgsError(ValueError):
-    """A flag that cannot take effect; the message starts with the flag."""
-
-
 @dataclass(frozen=True)
-class ServerArgs:
+class ServerArgs(ArgsChecks):
     model_path: str = field(metadata={"help": "checkpoint directory (config.json + safetensors)"})
     served_model_name: str | None = field(
         default=None, metadata={"help": "model id in the API (default: the model path)"}
@@ -292,160 +291,6 @@ class ServerArgs:
     def context_window(self, config: ModelConfig) -> int:
         return self.context_length or config.max_position_embeddings
 
-    def validate_for_model(self, config: ModelConfig) -> None:
-        """Checks that need the checkpoint's config.json (no weights)."""
-        kp = config.index_kpool
-        if self.chunked_prefill_size % kp:
-            raise ArgsError(
-                f"--chunked-prefill-size {self.chunked_prefill_size}: must be a multiple of "
-                f"index_kpool ({kp})"
-            )
-        if self.page_size % kp:
-            raise ArgsError(
-                f"--page-size {self.page_size}: must be a multiple of index_kpool ({kp})"
-            )
-        if self.speculative_algorithm and config.num_nextn_predict_layers < 1:
-            raise ArgsError(
-                f"--speculative-algorithm {self.speculative_algorithm}: the checkpoint has no "
-                "NextN layer (num_nextn_predict_layers is 0)"
-            )
-        grid = math.lcm(self.page_size, kp, 64)  # serving/engine/admission.snapshot_grid
-        if self.radix_cache and self.mamba_track_interval % grid:
-            raise ArgsError(
-                f"--mamba-track-interval {self.mamba_track_interval}: must be a multiple of the "
-                f"snapshot grid lcm(page size, index_kpool, 64) = {grid}"
-            )
-        from serving.distributed import check_sizes
-
-        try:
-            check_sizes(config, self.tp_size, self.ep_size)
-        except ValueError as exc:
-            raise ArgsError(str(exc)) from None
-        if self.context_length and self.context_length > config.max_position_embeddings:
-            raise ArgsError(
-                f"--context-length {self.context_length}: the model supports at most "
-                f"{config.max_position_embeddings}"
-            )
-
-    # ---- checks that need no model ----
-    def validate(self) -> None:
-        """Raise ArgsError for the first flag that cannot take effect here."""
-        import torch
-
-        device = self.resolved_device()
-        num_devices = torch.cuda.device_count() if device == "cuda" else 1
-        if device == "cuda" and num_devices == 0:
-            raise ArgsError("--device cuda: no CUDA device is visible")
-        if not Path(self.model_path).is_dir():
-            raise ArgsError(f"--model-path {self.model_path}: not a directory")
-        self._validate_parallel(device, num_devices)
-        for flag in ("pp_size", "dp_size", "dcp_size"):
-            if getattr(self, flag) != 1:
-                raise ArgsError(f"--{_dash(flag)} {getattr(self, flag)}: only 1 is supported")
-        if self.kv_cache_dtype.startswith("fp8"):
-            raise ArgsError(f"--kv-cache-dtype {self.kv_cache_dtype}: fp8 KV caches are not built")
-        from serving.config import ConfigError, parse_fp8_kinds
-
-        try:
-            parse_fp8_kinds(self.fp8_keep_bf16)
-        except ConfigError as exc:
-            raise ArgsError(str(exc)) from None
-        for flag in ("dsa_prefill_backend", "dsa_decode_backend"):
-            _require_backend(flag, getattr(self, flag), device)
-        for flag in ("moe_runner_backend", "speculative_moe_runner_backend"):
-            _require_backend(flag, getattr(self, flag), device)
-        if self.cuda_graph_backend_decode == "full" and device != "cuda":
-            raise ArgsError(
-                f"--cuda-graph-backend-decode full: needs a CUDA device (this is {device})"
-            )
-        if self.cuda_graph_backend_prefill != "disabled":
-            raise ArgsError("--cuda-graph-backend-prefill full: prefill graphs are not built")
-        if self.cuda_graph_max_bs_decode < 1:
-            raise ArgsError("--cuda-graph-max-bs-decode: must be >= 1")
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ArgsError(f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1)")
-        if self.running_limit < 1:
-            raise ArgsError("--max-running-requests: must be >= 1")
-        if self.decode_log_interval < 1:
-            raise ArgsError("--decode-log-interval: must be >= 1")
-        if self.page_size < 1 or self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
-            raise ArgsError("--page-size/--chunked-prefill-size/--max-prefill-tokens: must be >= 1")
-        if self.max_payload_size < 1 or self.body_read_timeout_secs <= 0:
-            raise ArgsError("--max-payload-size/--body-read-timeout-secs: must be > 0")
-        if self.max_queued_requests is not None and self.max_queued_requests < 0:
-            raise ArgsError("--max-queued-requests: must be >= 0")
-        if self.mamba_full_memory_ratio <= 0 or self.mamba_track_interval < 1:
-            raise ArgsError("--mamba-full-memory-ratio/--mamba-track-interval: must be > 0")
-        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 1:
-            raise ArgsError("--max-mamba-cache-size: must be >= 1")
-        if self.speculative_algorithm is not None:
-            self._validate_speculative()
-        if self.disaggregation_mode != "null":
-            if importlib.util.find_spec("mooncake") is None:
-                raise ArgsError(
-                    f"--disaggregation-mode {self.disaggregation_mode}: the Mooncake transfer "
-                    "engine is not installed (pip install -e '.[cpu]' or '.[cuda13]')"
-                )
-            if self.disaggregation_decode_extra_slots is not None and (
-                self.disaggregation_decode_extra_slots < 0
-            ):
-                raise ArgsError("--disaggregation-decode-extra-slots: must be >= 0")
-
-    def _validate_parallel(self, device: str, num_devices: int) -> None:
-        world = self.world_size
-        for flag in ("tp_size", "ep_size"):
-            n = getattr(self, flag)
-            if n < 1 or n not in (1, world):
-                raise ArgsError(
-                    f"--{_dash(flag)} {n}: --tp-size and --ep-size must each be 1 or the number "
-                    f"of ranks ({world})"
-                )
-        if self.nnodes < 1 or world % self.nnodes or not 0 <= self.node_rank < self.nnodes:
-            raise ArgsError(
-                f"--nnodes {self.nnodes} --node-rank {self.node_rank}: the {world} ranks must "
-                "split evenly over the nodes, and node-rank be below nnodes"
-            )
-        if self.simulate_rank is not None:
-            self._validate_simulated(world)
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ArgsError("--nnodes > 1: needs --dist-init-addr HOST:PORT (node 0's)")
-        if device == "cuda" and self.base_gpu_id + self.ranks_per_node > num_devices:
-            raise ArgsError(
-                f"--tp-size {self.tp_size} --ep-size {self.ep_size}: needs "
-                f"{self.ranks_per_node} devices from --base-gpu-id {self.base_gpu_id}, this "
-                f"machine has {num_devices} (cuda)"
-            )
-
-    def _validate_simulated(self, world: int) -> None:
-        r = self.simulate_rank
-        if world < 2:
-            raise ArgsError(
-                f"--simulate-rank {r}: needs the world it is a rank of (--tp-size and/or "
-                "--ep-size N >= 2); with one rank there is nothing to simulate"
-            )
-        if not 0 <= r < world:
-            raise ArgsError(f"--simulate-rank {r}: must be in [0, {world}) (the world's ranks)")
-        if self.nnodes != 1 or self.node_rank != 0 or self.dist_init_addr:
-            raise ArgsError(
-                f"--simulate-rank {r}: runs one process on one node; drop --nnodes, "
-                "--node-rank and --dist-init-addr"
-            )
-
-    def _validate_speculative(self) -> None:
-        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
-        drafts = self.speculative_num_draft_tokens
-        if steps is None or not 1 <= steps <= 8:
-            raise ArgsError(f"--speculative-num-steps {steps}: EAGLE needs 1..8 draft steps")
-        if topk not in (None, 1):
-            raise ArgsError(
-                f"--speculative-eagle-topk {topk}: only chain drafts (topk 1) are supported"
-            )
-        if drafts is not None and drafts != steps + 1:
-            raise ArgsError(
-                f"--speculative-num-draft-tokens {drafts}: with topk 1 it must be "
-                f"--speculative-num-steps + 1 = {steps + 1}"
-            )
-
     @property
     def speculative_steps(self) -> int:
         """Draft steps per decode step (0: no speculation)."""
@@ -458,27 +303,11 @@ class ServerArgs:
     # ---- argparse ----
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
-        ap = argparse.ArgumentParser(
+        return dataclass_parser(
+            cls,
             prog="python -m serving.launch_server",
             description="Serve a GLM-5.3-Flash-style checkpoint (OpenAI-compatible HTTP API).",
         )
-        for f in dataclasses.fields(cls):
-            flag = "--" + _dash(f.name)
-            meta = dict(f.metadata)
-            kwargs: dict[str, Any] = {"help": meta.get("help")}
-            if "choices" in meta:
-                kwargs["choices"] = meta["choices"]
-            default = None if f.default is dataclasses.MISSING else f.default
-            if f.type in ("bool", bool):
-                ap.add_argument(flag, action="store_true", help=kwargs["help"])
-                continue
-            kwargs["type"] = _parse_type(f.type)
-            if default is dataclasses.MISSING or f.default is dataclasses.MISSING:
-                kwargs["required"] = True
-            else:
-                kwargs["default"] = default
-            ap.add_argument(flag, **kwargs)
-        return ap
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
@@ -492,29 +321,3 @@ class ServerArgs:
         out = dataclasses.asdict(self)
         out["api_key"] = "<set>" if self.api_key else None
         return out
-
-
-def _dash(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _parse_type(annotation: Any):
-    text = str(annotation)
-    if "int" in text and "str" not in text:
-        return int
-    if "float" in text:
-        return float
-    if "None" in text:  # optional strings: "none"/"null" on the command line mean unset
-        return lambda s: None if s.lower() in ("none", "null") else s
-    return str
-
-
-def _require_backend(flag: str, backend: str, device: str) -> None:
-    """Kernel families we have: the torch references (auto picks them)."""
-    if backend in ("torch", "auto"):
-        return
-    package = backend.split("_")[0]
-    why = "" if importlib.util.find_spec(package) else f"; the {package} package is not installed"
-    raise ArgsError(
-        f"--{_dash(flag)} {backend}: not available in this build (available: torch){why}"
-    )

@@ -8,9 +8,9 @@ DISTILL_PROMPT_LEN = 16
 @pytest.fixture(scope="session")
 def distilled_ckpt(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with its lm_head refitted to a synthetic Markov language
-    (serving/tools/fit_target_head.py) and its NextN draft distilled on that target's greedy choices
+    (training/fit_target_head.py) and its NextN draft distilled on that target's greedy choices
     after random prompts: drafts are accepted on prompts the draft never saw."""
-    from serving.tools.distill_nextn import train
+    from training.distill_nextn import train
 
     out = tmp_path_factory.mktemp("distilled")
     summary = train(

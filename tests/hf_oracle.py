@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from serving.tools.train_small import VISION as TINY_VISION  # the smallest vision tower
+from training.train_small import VISION as TINY_VISION  # the smallest vision tower
 
 
 def text_config(**overrides: Any) -> dict[str, Any]:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
-from tests.server_proc import free_port
+from tests.server_proc import free_port, stop_process, wait_answering
 
 
 class RouterProc:
@@ -27,43 +25,24 @@ class RouterProc:
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
-        self._wait("/liveness", 60.0)
+        wait_answering(self.proc, self.url + "/liveness", self.log_path, 60.0, 0.05)
         self.cpu_to_serve = self._cpu_seconds()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Until every role has a healthy worker."""
-        self._wait("/readiness", timeout)
+        wait_answering(self.proc, self.url + "/readiness", self.log_path, timeout, 0.05)
 
     def state(self) -> dict:
         info = httpx.get(self.url + "/server_info", headers=self.headers, timeout=5)
         return info.json()["router"]
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        returncode = stop_process(self.proc, 15)
         self.log.close()
-        return self.proc.returncode
+        return returncode
 
     def _cpu_seconds(self) -> float:
         """CPU time the router process has used (user + system): unlike wall-clock time, it
         does not grow when a loaded machine leaves the process waiting for a core."""
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def _wait(self, path: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"router {path} not 200:\n{self.log_path.read_text()}")

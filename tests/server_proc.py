@@ -7,10 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
+
+from tests.waiting import wait_until
 
 
 def eagle_flags(steps: int) -> list[str]:
@@ -61,17 +62,7 @@ class Server:
         self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not healthy:\n{self.log_path.read_text()}")
+        wait_answering(self.proc, self.url + "/health", self.log_path, timeout, 0.2)
 
     def children(self) -> list[int]:
         return self.children_of(self.proc.pid)
@@ -87,23 +78,45 @@ class Server:
 
     def idle_pool(self, timeout: float = 10.0) -> dict:
         """Wait until no request is live; returns the scheduler stats."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.stats()
-            idle = stats["running"] == 0 and stats["queued"] == 0
-            if idle and stats["used_rows"] == 0 and stats["used_pages"] == 0:
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError(f"pool not idle: {stats}")
-            time.sleep(0.1)
+        last: dict = {}
+
+        def idle() -> dict | None:
+            last.update(self.stats())
+            busy = ("running", "queued", "used_rows", "used_pages")
+            return None if any(last[k] for k in busy) else dict(last)
+
+        return wait_until(idle, timeout, 0.1, lambda: f"pool not idle: {last}")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        returncode = stop_process(self.proc, 30)
         self.log.close()
-        return self.proc.returncode
+        return returncode
+
+
+def wait_answering(
+    proc: subprocess.Popen, url: str, log_path: Path, timeout: float, interval: float
+) -> None:
+    """Until GET `url` answers 200. Fails at once, with the log, if the process exits first;
+    after `timeout` s, with the log."""
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited (its log, {log_path.name}):\n{log_path.read_text()}")
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(answers, timeout, interval, lambda: f"{url} not 200:\n{log_path.read_text()}")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, then SIGKILL if it is still running after `timeout` s; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

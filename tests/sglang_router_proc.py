@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from tests.pd_pair import PDPair
-from tests.server_proc import free_port
+from tests.server_proc import free_port, stop_process
+from tests.waiting import wait_until
 
 
 class SglangRouter:
@@ -29,23 +29,22 @@ class SglangRouter:
 
     def wait_serving(self, timeout: float = 60.0) -> None:
         """Until a one-token chat completion goes through (workers register in the background)."""
-        deadline = time.monotonic() + timeout
         body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-        while time.monotonic() < deadline:
+
+        def serves() -> bool:
             try:
                 r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=5)
-                if r.status_code == 200:
-                    return
             except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("sglang-router never served:\n" + self.log_path.read_text())
+                return False
+            return r.status_code == 200
+
+        wait_until(
+            serves,
+            timeout,
+            0.5,
+            lambda: "sglang-router never served:\n" + self.log_path.read_text(),
+        )
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 15)
         self.log.close()

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 
 from serving.server_args import ServerArgs
 from tests.server_proc import Server
+from tests.waiting import wait_until
 
 SEED_COMMANDS = Path(__file__).parent / "data" / "seed_launch_commands.sh"
 
@@ -114,12 +114,13 @@ def test_sigterm_drains_and_leaves_no_orphan(tiny_ckpt, tmp_path):
     assert lines and lines[-1] == "data: [DONE]", got  # finished or ended cleanly
     # multiprocessing's resource tracker (a child too) exits on its own once it sees the pipe
     # close, a moment after the front; an orphan would still be there after the grace period
-    deadline = time.monotonic() + 10
     alive = list(children)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if Path(f"/proc/{p}").exists() and not _is_zombie(p)]
-        time.sleep(0.1)
-    assert not alive, f"orphans: {alive}"
+
+    def all_gone() -> bool:
+        alive[:] = [p for p in alive if Path(f"/proc/{p}").exists() and not _is_zombie(p)]
+        return not alive
+
+    wait_until(all_gone, 10, 0.1, lambda: f"orphans: {alive}")
 
 
 def _is_zombie(pid: int) -> bool:
@@ -133,8 +134,10 @@ def test_scheduler_death_is_reported(tiny_ckpt, tmp_path):
     srv = Server(tiny_ckpt, log_dir=tmp_path)
     for pid in srv.children():
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while srv.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert srv.proc.poll() is not None, "front must not keep serving without a scheduler"
+    wait_until(
+        lambda: srv.proc.poll() is not None,
+        20,
+        0.2,
+        "front must not keep serving without a scheduler",
+    )
     srv.stop()

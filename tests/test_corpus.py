@@ -1,12 +1,12 @@
-"""serving/tools/corpus.py's pieces that need no download: near-duplicate removal keeps a
+"""training/corpus.py's pieces that need no download: near-duplicate removal keeps a
 held-out copy over its training twins, HTML loses its navigation, dictd entries are cut by their
 index, and the held-out split of the first corpus's ids is unchanged."""
 
 from __future__ import annotations
 
-from serving.tools.corpus import is_heldout
-from serving.tools.corpus_dedup import near_duplicates
-from serving.tools.corpus_text import dict_entries, html_to_text
+from training.corpus import is_heldout
+from training.corpus_dedup import near_duplicates
+from training.corpus_text import dict_entries, html_to_text
 
 PROSE = " ".join(f"word{i} means something different from word{i + 1} in this text" for i in
                  range(60))  # fmt: skip

@@ -1,4 +1,4 @@
-"""serving/tools/distill_nextn.py --depth K: draft steps 2..K trained unrolled through the server's
+"""training/distill_nextn.py --depth K: draft steps 2..K trained unrolled through the server's
 own draft forward, mirroring the EAGLE worker (serving/speculative/eagle.py); the target's
 tensors stay byte-identical in the written checkpoint."""
 
@@ -13,7 +13,8 @@ from serving.config import ModelConfig
 from serving.memory.pool import PoolPlan
 from serving.models.loader import load_weights
 from serving.speculative.eagle import Eagle, SpecConfig
-from serving.tools.distill_nextn import (
+from serving.tools.generate import StepRunner
+from training.distill_nextn import (
     fresh_pool,
     make_data,
     target_hidden,
@@ -22,7 +23,6 @@ from serving.tools.distill_nextn import (
     unrolled_losses,
     unrolled_steps,
 )
-from serving.tools.generate import StepRunner
 
 PROMPT, GEN, DEPTH = 8, 8, 3
 

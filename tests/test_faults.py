@@ -23,6 +23,7 @@ from tests import server_proc
 from tests.pd_pair import FAST_TIMEOUTS
 from tests.router_proc import RouterProc
 from tests.server_proc import Server, free_port
+from tests.waiting import wait_until
 
 PROMPT = list(range(5, 37))
 MARK_DOWN_S = 2.0  # issue 17: a dead worker leaves rotation within this
@@ -131,14 +132,6 @@ def completed(text: str) -> bool:
     return '"error"' not in compact and '"finish_reason":"length"' in compact
 
 
-def wait_for(predicate, timeout: float, step: float = 0.02) -> float:
-    t0 = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - t0 < timeout, f"not within {timeout} s"
-        time.sleep(step)
-    return time.monotonic() - t0
-
-
 def test_a_refusal_before_the_first_token_is_retried_on_another_decode(stack):
     """D1 refuses every request before its first token; as a stream's head is held until
     then, the refusal is an HTTP 503 and the router retries the request on D0."""
@@ -180,7 +173,7 @@ def test_waiting_for_a_decode_row_is_not_a_handoff_timeout(stack):
         assert blocking.acquire(timeout=CLIENT_TIMEOUT_S)
     streams = Streams(stack.router.url, 8, 24)
     t0 = time.monotonic()
-    time.sleep(2 * bootstrap_timeout)
+    time.sleep(2 * bootstrap_timeout)  # the timeout under test, outlasted twice over
     release.set()
     for t in blockers:
         t.join(CLIENT_TIMEOUT_S)
@@ -199,7 +192,8 @@ def test_kill_decode_mid_stream_marks_it_down_then_it_rejoins(stack, monkeypatch
     streams.wait_started(2)  # 2 run, 2 wait on D0 for a running slot
     os.kill(stack.d0.proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    down_after = wait_for(lambda: not stack.healthy(stack.d0.url), 10)
+    wait_until(lambda: not stack.healthy(stack.d0.url), 10, 0.02)
+    down_after = time.monotonic() - killed_at
     results = streams.join()
     ended_after = time.monotonic() - killed_at
     # with D0 out, the only decode left refuses: a clean 503 at once
@@ -216,7 +210,7 @@ def test_kill_decode_mid_stream_marks_it_down_then_it_rejoins(stack, monkeypatch
     assert ended_after < 30, ended_after
     assert r.status_code == 503 and r.headers.get("retry-after"), r.text
     assert refused_in < 10, refused_in
-    wait_for(lambda: stack.healthy(stack.d0.url), 30, 0.2)  # active probes bring it back
+    wait_until(lambda: stack.healthy(stack.d0.url), 30, 0.2)  # active probes bring it back
     results = Streams(stack.router.url, 4, 8).join()
     assert all(s == 200 and completed(t) for s, t in results), results
     stack.prefill.idle_pool(30)
@@ -235,7 +229,7 @@ def test_kill_prefill_spares_requests_whose_kv_arrived(stack, monkeypatch):
     shipped = handed_over()
     streams = Streams(stack.router.url, 6, 60)
     # every KV handed over: 2 requests run on D0, 4 wait there for a running slot
-    wait_for(lambda: handed_over() >= shipped + 6, 60)
+    wait_until(lambda: handed_over() >= shipped + 6, 60)
     streams.wait_started(2)
     os.kill(stack.prefill.proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -245,7 +239,7 @@ def test_kill_prefill_spares_requests_whose_kv_arrived(stack, monkeypatch):
     def not_ready() -> bool:
         return httpx.get(stack.router.url + "/readiness", timeout=5).status_code == 503
 
-    wait_for(not_ready, 10)
+    wait_until(not_ready, 10)
     not_ready_after = time.monotonic() - killed_at
     results = streams.join()
     stack.prefill.proc.wait()
@@ -253,7 +247,7 @@ def test_kill_prefill_spares_requests_whose_kv_arrived(stack, monkeypatch):
     print(f"prefill killed: /readiness 503 after {not_ready_after:.2f} s")
     assert not_ready_after < MARK_DOWN_S + 1, not_ready_after
     assert len(results) == 6 and all(s == 200 and completed(t) for s, t in results), results
-    wait_for(lambda: not not_ready(), 30, 0.2)
+    wait_until(lambda: not not_ready(), 30, 0.2)
     results = Streams(stack.router.url, 4, 8).join()
     assert all(s == 200 and completed(t) for s, t in results), results
     stack.prefill.idle_pool(30)
@@ -274,8 +268,8 @@ def test_disconnect_storm_leaves_the_pools_idle(stack):
         s.sendall(request)
         socks.append(s)
         if i % 2:
-            time.sleep(0.02)
-    time.sleep(1.0)
+            time.sleep(0.02)  # the workload: connections arrive over a moment, not at once
+    time.sleep(1.0)  # the workload: by now some streams have their first token, some not
     for s in socks:
         s.close()
     stack.prefill.idle_pool(60)
@@ -310,6 +304,13 @@ def soak(stack, seconds: float, clients: int = 6) -> dict:
     def snapshot() -> dict:
         return {n: (sum(_rss_mib(p) for p in ps), sum(_fds(p) for p in ps))
                 for n, ps in pids.items()}  # fmt: skip
+
+    fd_counts: list[dict] = []
+
+    def fds_steady() -> bool:
+        """The same descriptor counts over the last three looks (half a second)."""
+        fd_counts.append({n: sum(_fds(p) for p in ps) for n, ps in pids.items()})
+        return len(fd_counts) >= 3 and fd_counts[-1] == fd_counts[-2] == fd_counts[-3]
 
     before = snapshot()
     end = time.monotonic() + seconds
@@ -346,7 +347,8 @@ def soak(stack, seconds: float, clients: int = 6) -> dict:
         t.join(seconds + 120)
     stack.prefill.idle_pool(60)
     stack.d0.idle_pool(60)
-    time.sleep(1.0)  # keep-alive connections settle
+    # the clients' closed keep-alive connections leave the descriptor tables a moment later
+    wait_until(fds_steady, 30, 0.25, lambda: f"descriptor counts still moving: {fd_counts[-3:]}")
     return {"counts": counts, "before": before, "after": snapshot()}
 
 

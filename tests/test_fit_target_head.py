@@ -1,4 +1,4 @@
-"""serving/tools/fit_target_head.py: the refitted lm_head gives the random tiny target a learnable
+"""training/fit_target_head.py: the refitted lm_head gives the random tiny target a learnable
 first-order language (CPU, tiny checkpoint)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from serving.config import ModelConfig
 from serving.models.loader import load_weights
-from serving.tools.fit_target_head import CHAIN_TOKENS, fit_head, markov_chain
 from serving.tools.generate import StepRunner
+from training.fit_target_head import CHAIN_TOKENS, fit_head, markov_chain
 
 TOKENS = 32768  # corpus tokens for the fit (about 2 s on 2 cores)
 

@@ -357,14 +357,18 @@ def test_plan_reads_fp8_checkpoints(tiny_ckpt, tmp_path, capsys):
     assert "does not fit" in out, out
 
 
-def test_fp8_wins_only_where_faster_at_every_count():
+def test_fp8_wins_where_it_spends_less_time_per_token():
+    """At (32, 8,192) tokens a decode microsecond weighs 256 prefill ones."""
     from serving.models.fp8_choice import LinearChoice, ShapeTiming, fp8_wins
 
     assert fp8_wins((10.0, 535.0), (14.0, 821.0))  # KDA q/k/v's 8,192-token figures, 1.53x
     assert not fp8_wins((20.0, 75.0), (14.0, 48.0))  # MLA kv_a's: 0.64x
-    assert not fp8_wins((10.0, 900.0), (14.0, 821.0))  # wins decode, loses prefill
-    assert not fp8_wins((15.0, 500.0), (14.0, 821.0))  # wins prefill, loses decode
+    # KDA f_b/g_b's prefill (0.2x: +30 us per 8,192 tokens) against 1 us saved at decode
+    assert fp8_wins((2.5, 38.0), (3.5, 8.9))
+    assert not fp8_wins((3.4, 38.0), (3.5, 8.9))  # 0.1 us saved at decode: prefill outweighs
+    assert fp8_wins((15.0, 500.0), (14.0, 821.0))  # loses 1 us at decode, wins 321 at prefill
     assert not fp8_wins((14.0, 821.0), (14.0, 821.0))  # a tie stays dense
+    assert fp8_wins((3.0,), (4.0,), tokens=(1,))
     with pytest.raises(ValueError):
         fp8_wins((1.0,), (1.0, 2.0))
     choice = LinearChoice(

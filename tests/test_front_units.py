@@ -437,6 +437,54 @@ def test_bad_sampling_values(http: TestClient, fields: dict[str, Any], param: st
     assert error["param"] == param and error["message"].startswith(param)
 
 
+def test_both_apis_map_their_sampling_fields_alike() -> None:
+    """One mapper serves both APIs: the fields they name alike, over the model's defaults;
+    what they name differently (max/min tokens, seed) is passed apart."""
+    from serving.front.api.native_protocol import NativeSamplingParams
+    from serving.front.api.openai_protocol import SamplingRequest
+    from serving.front.api.sampling import request_sampling
+
+    alike = {
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "min_p": 0.1,
+        "frequency_penalty": 0.2,
+        "presence_penalty": -0.3,
+        "stop": "x",
+        "stop_token_ids": [7],
+        "stop_regex": "a+",
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "logit_bias": {"3": 2.0},
+    }
+    defaults = {"top_k": 20, "repetition_penalty": 1.1, "temperature": 1.0}
+    openai = request_sampling(
+        defaults,
+        SamplingRequest(**alike, seed=9, min_tokens=2),
+        READY,
+        4,
+        max_tokens=None,
+        default_max_tokens=16,
+        seed=9,
+        min_new_tokens=2,
+    )
+    native = request_sampling(
+        defaults,
+        NativeSamplingParams(**alike, sampling_seed=9, min_new_tokens=2, max_new_tokens=16),
+        READY,
+        4,
+        max_tokens=16,
+        default_max_tokens=128,
+        seed=9,
+        min_new_tokens=2,
+    )
+    assert openai == native
+    assert (openai.temperature, openai.top_k, openai.repetition_penalty) == (0.5, 20, 1.1)
+    assert (openai.stop, openai.stop_regex, openai.logit_bias) == (["x"], ["a+"], {3: 2.0})
+    assert (openai.max_new_tokens, openai.min_new_tokens, openai.seed) == (16, 2, 9)
+
+
 def test_native_request_checks(http: TestClient) -> None:
     both = {"text": "hi", "input_ids": [1, 2]}
     assert _error(http.post("/generate", json=both), 400)["param"] == "text"

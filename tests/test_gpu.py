@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from serving.config import ModelConfig
-from serving.engine.scheduler_process import build_engine
+from serving.engine.build import build_engine
 from serving.models.loader import load_weights
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
@@ -117,16 +117,16 @@ def test_decode_graphs_equal_eager(tiny_ckpt):
 
 
 # The two launch checks build the same tiny model and share most kernels: one xdist process
-# runs them in turn (deploy/gpu_tests.sh), the second on the first's warm kernel cache.
+# runs them in turn (bench/gpu_tests.sh), the second on the first's warm kernel cache.
 LAUNCH_CHECKS = pytest.mark.xdist_group("launch_checks")
 
 
 @LAUNCH_CHECKS
 def test_step_launches_never_wait_for_the_device(tiny_ckpt):
-    """The overlap scheduler's premise (serving/tools/sync_check.py): launching a prefill batch
+    """The overlap scheduler's premise (bench/sync_check.py): launching a prefill batch
     or a decode step (graphs and eager, greedy and sampled rows, tokens pending on the device)
     neither syncs with the host nor waits for the device work queued before it."""
-    from serving.tools.sync_check import check
+    from bench.sync_check import check
 
     args = ServerArgs.from_cli(
         [
@@ -156,7 +156,7 @@ def test_overlapped_eagle_launches_never_wait_for_the_device(tiny_ckpt):
     """An overlapped EAGLE step (draft + verify, acceptance on the device, roll-back and
     catch-up; y and n read on the device), with graphs and eager, greedy and sampled rows,
     neither syncs with the host nor waits for the step in flight."""
-    from serving.tools.sync_check import check
+    from bench.sync_check import check
 
     args = ServerArgs.from_cli(
         [
@@ -197,12 +197,10 @@ def test_eagle_graphs_equal_eager_and_plain_decode(distilled_ckpt, plain_tokens,
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_fused_kda_verify_equals_plain_decode(distilled_ckpt, plain_tokens, steps, monkeypatch):
-    """The verify through the fused KDA kernel (serving/models/kda.py FUSED_VERIFY, the
-    default; set here so the test holds if the default changes), in the whole model with graphs
-    and overlap: plain decoding's tokens, with drafts accepted (its roll-back reads the kernel's
-    history)."""
+    """The verify through the fused KDA kernel (serving/layers/attention/kda.py decode_core on
+    the fast path), in the whole model with graphs and overlap: plain decoding's tokens, with
+    drafts accepted (its roll-back reads the kernel's history)."""
     import kernels.triton.kda as kernel
-    import serving.models.kda as kda
 
     fused_steps = []
     layer = kernel.kda_decode_layer
@@ -211,7 +209,6 @@ def test_fused_kda_verify_equals_plain_decode(distilled_ckpt, plain_tokens, step
         fused_steps.append(args[10] if len(args) > 10 else kwargs.get("step_len", 1))
         return layer(*args, **kwargs)
 
-    monkeypatch.setattr(kda, "FUSED_VERIFY", True)
     monkeypatch.setattr(kernel, "kda_decode_layer", counted)
     graphs, stats = _engine_tokens(distilled_ckpt, "full", "float32", tuple(eagle_flags(steps)))
     assert steps + 1 in fused_steps, "the verify did not run through the fused kernel"
@@ -253,7 +250,7 @@ def test_small_model_fp8_tracks_bf16():
 
     from tokenizers import Tokenizer
 
-    from serving.tools.eval_small import fp8_vs_bf16, heldout_texts, token_windows
+    from training.eval_small import fp8_vs_bf16, heldout_texts, token_windows
 
     small = Path(__file__).resolve().parents[1] / "serving" / "assets" / "small_model"
     tok = Tokenizer.from_file(str(small / "tokenizer.json"))

@@ -4,10 +4,14 @@ every module is named on docs/ARCHITECTURE.md.
 
 Layers, low to high (a module may import its own layer and the ones below):
 kernels < shared definitions (serving.config, serving.protocol, serving.forward_batch,
-serving.server_args, serving.distributed) < memory < layers < models < executor < speculative <
-engine < workers < front < launch_server < tools. Imports under `if TYPE_CHECKING:` are types
-only: they do not count for the layers, but they do for circles (a circle of types is still two
-modules that cannot be understood, or split, apart).
+serving.server_args with server_args_checks and cli_flags, serving.distributed) < memory <
+layers < models < executor < speculative < engine < workers < front < launch_server < tools <
+training and bench. training and bench are one layer: the evaluation measures EAGLE with
+bench.spec, and bench.spec draws its prompts from training.distill_nextn. bench may import the
+router too; the router imports only itself, so nothing that ships (serving, workers, kernels,
+router) imports training or bench. Imports under `if TYPE_CHECKING:` are types only: they do not
+count for the layers, but they do for circles (a circle of types is still two modules that
+cannot be understood, or split, apart).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("serving", "workers", "kernels", "router")
+PACKAGES = ("serving", "workers", "kernels", "router", "training", "bench")
 LAYERS = [
     ("kernels",),
     (
@@ -27,6 +31,8 @@ LAYERS = [
         "serving.protocol",
         "serving.forward_batch",
         "serving.server_args",
+        "serving.server_args_checks",
+        "serving.cli_flags",
         "serving.distributed",
     ),
     ("serving.memory",),
@@ -39,6 +45,7 @@ LAYERS = [
     ("serving.front",),
     ("serving.launch_server",),
     ("serving.tools",),
+    ("training", "bench"),
 ]
 
 

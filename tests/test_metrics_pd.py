@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.pd_pair import FAST_TIMEOUTS, PDPair
 from tests.router_proc import RouterProc
 from tests.server_proc import Server, free_port
+from tests.waiting import wait_until
 
 pytest.importorskip("mooncake.engine")
 
@@ -71,13 +71,6 @@ def total(samples: list[Sample], name: str, **labels: str) -> float:
     )
 
 
-def wait_for(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout} s"
-        time.sleep(0.1)
-
-
 _PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
                  "unless", "offset", "bool", "inf", "nan"}  # fmt: skip
 
@@ -121,7 +114,7 @@ def test_after_n_requests_every_counter_moved_by_what_it_should(stack) -> None:
             assert (usage["prompt_tokens"], usage["completion_tokens"]) == (length, k)
     # the client has decode's answer; prefill's own may still be on its way to its front
     done = "sglang:num_requests_total"
-    wait_for(
+    wait_until(
         lambda: total(scrape(pair.prefill.url), done) - total(before["prefill"], done) >= n, 30
     )
     after = {role: scrape(url) for role, url in urls.items()}
@@ -237,7 +230,7 @@ def test_prefill_counts_a_room_whose_destinations_never_came(stack) -> None:
         target=lambda: answer.append(httpx.post(url + "/generate", json=body, timeout=60))
     )
     sender.start()
-    wait_for(lambda: total(scrape(url), "sglang:num_prefill_prealloc_queue_reqs") == 1, 10)
+    wait_until(lambda: total(scrape(url), "sglang:num_prefill_prealloc_queue_reqs") == 1, 10)
     sender.join(60)
     assert answer[0].status_code == 504, answer[0].text
     after = scrape(url)
@@ -285,7 +278,7 @@ def test_a_killed_transfer_moves_the_failure_counters(stack) -> None:
     os.kill(prefill.proc.pid, signal.SIGSTOP)
     try:
         threads = [_post(decode.url, {**body, **pair.bootstrap()}, statuses) for _ in range(2)]
-        wait_for(lambda: total(scrape(decode.url), transfer_queue) == 2, 30)
+        wait_until(lambda: total(scrape(decode.url), transfer_queue) == 2, 30)
         for t in threads:
             t.join(120)
         assert statuses == [502, 502]  # the heartbeat's verdict: prefill stopped answering
@@ -309,7 +302,7 @@ def test_a_killed_transfer_moves_the_failure_counters(stack) -> None:
         for _ in range(2):
             full = {**body, **pair.bootstrap()}
             threads += [_post(decode.url, full, []), _post(prefill.url, full, statuses)]
-        wait_for(lambda: total(scrape(decode.url), transfer_queue) == 2, 30)
+        wait_until(lambda: total(scrape(decode.url), transfer_queue) == 2, 30)
         # the scheduler process holds decode's KV memory and Mooncake engine: it goes first
         for pid in [*decode.children(), decode.proc.pid]:
             os.kill(pid, signal.SIGKILL)

@@ -28,7 +28,8 @@ from serving.front.api.structured_output import (
     forced_tool_calls,
     requested_constraint,
 )
-from serving.front.api.tool_calls import merge_tool_call_deltas, typed_value
+from serving.front.api.tool_calls import merge_tool_call_deltas
+from serving.front.api.tool_schema import typed_value
 from serving.front.chat import ChatTemplate
 from serving.protocol import FinishReason, SamplingParams
 from serving.tools.tokenizer_build import CHAT_TEMPLATE_PATH, write_tokenizer_files

@@ -114,8 +114,8 @@ def _aux_fields_read(path: str, cls: str, method: str) -> set[str]:
 
 def test_aux_host_part_is_host_memory_and_all_the_handoff_host_code_touches():
     """The aux columns the host reads and writes live in host memory whatever the pool's
-    device (on CUDA pinned), so decode's admission of an arrived request (DecodeRole._commit)
-    and prefill's aux write (PrefillRole._write_aux) never wait for the device. With the device
+    device (on CUDA pinned), so decode's read of an arrived request (Transfer.first_token) and
+    prefill's aux write (Shipping._write_aux) never wait for the device. With the device
     part on 'meta', any of their aux fields that is not host memory shows up here."""
     aux = AuxRows.allocate(5, 8, torch.bfloat16, "meta")
     host = {name for name, t in vars(aux).items() if t.device.type == "cpu"}
@@ -124,8 +124,8 @@ def test_aux_host_part_is_host_memory_and_all_the_handoff_host_code_touches():
     assert all(t.shape[0] == 5 for _, t in aux.tensors())
     root = Path(__file__).resolve().parent.parent
     for path, cls, method in (
-        (root / "workers/decode.py", "DecodeRole", "_commit"),
-        (root / "workers/prefill.py", "PrefillRole", "_write_aux"),
+        (root / "workers/decode_transfer.py", "Transfer", "first_token"),
+        (root / "workers/shipping.py", "Shipping", "_write_aux"),
     ):
         used = _aux_fields_read(str(path), cls, method)
         assert used and used <= host, (method, used - host)

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from workers.decode import PrefillDirectory
+from workers.prefill_directory import PrefillDirectory
 from workers.timeouts import Timeouts
 
 ROUTE = {"rank_ip": "127.0.0.1", "rank_port": 4242, "tp_size": 1}

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from serving.engine import scheduler as scheduler_mod
+from serving.engine.build import build_engine
 from serving.engine.request import Req
 from serving.engine.role import Role
 from serving.engine.scheduler import Scheduler
-from serving.engine.scheduler_process import build_engine
 from serving.memory.cache import DSALayerCache, KDALayerCache
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
@@ -433,13 +433,13 @@ def test_kernel_warmup_runs_every_kda_path_the_cache_serves(tiny_ckpt, monkeypat
     from serving.models import kda as kda_model
 
     seen: set[tuple] = set()
-    real = kda_model.delta_rule
+    real = kda_model.KDAttention.forward
 
-    def recording(q, k, v, g, beta, batch, cache, history):
+    def recording(self, x, batch, cache, history=None):
         seen.add(kda_path(batch, history))
-        return real(q, k, v, g, beta, batch, cache, history)
+        return real(self, x, batch, cache, history)
 
-    monkeypatch.setattr(kda_model, "delta_rule", recording)
+    monkeypatch.setattr(kda_model.KDAttention, "forward", recording)
     flags = ("--chunked-prefill-size", "48", "--max-prefill-tokens", "96")  # saves in chunks
     sched = engine(tiny_ckpt, *flags, "--context-length", "1024")
     assert prepare_kernels(sched) > 10

@@ -1,5 +1,5 @@
 """The router's mechanics over real HTTP: our router (in-process, on uvicorn) in front of stub
-workers (router/stub_worker.py: real local HTTP servers whose behaviour each test sets).
+workers (tests/stub_worker.py: real local HTTP servers whose behaviour each test sets).
 
 What the workers receive, the round-robin order, retries with fresh rooms, streams relayed
 before prefill answers, failures on either side, health, queue limits, timeouts, bad input and
@@ -18,8 +18,9 @@ import uvicorn
 
 from router.app import RouterApp
 from router.config import RouterConfig
-from router.stub_worker import StubWorker
 from tests.server_proc import free_port
+from tests.stub_worker import StubWorker
+from tests.waiting import wait_until
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -96,7 +97,7 @@ def test_same_body_with_bootstrap_goes_to_both_and_decode_answers(make):
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "chat.completion"
     assert r.headers["x-request-id"] == "r1"
-    _until(lambda: len(p.generation_requests()) == 1)
+    wait_until(lambda: len(p.generation_requests()) == 1)
     (ps,), (ds,) = p.generation_requests(), d.generation_requests()
     assert ps.body == ds.body  # byte-for-byte the same JSON
     assert ps.body["bootstrap_host"] == "127.0.0.1" and ps.body["bootstrap_port"] == 9000
@@ -120,7 +121,7 @@ def test_routes_streaming_and_not(make, route, stream):
             assert events[-1] == "[DONE]" and len(events) == d.behaviour.chunks + 2
         else:
             assert "choices" in json.loads(r.read()) or route == "/generate"
-    _until(lambda: len(p.generation_requests()) == len(d.generation_requests()) == 1)
+    wait_until(lambda: len(p.generation_requests()) == len(d.generation_requests()) == 1)
 
 
 def test_batched_generate_gets_room_lists(make):
@@ -129,7 +130,7 @@ def test_batched_generate_gets_room_lists(make):
     r = httpx.post(router.url + "/generate", json={"text": ["a", "b", "c"]})
     assert r.status_code == 200
     body = d.generation_requests()[0].body
-    _until(lambda: p.generation_requests() and p.generation_requests()[0].body == body)
+    wait_until(lambda: p.generation_requests() and p.generation_requests()[0].body == body)
     assert body["bootstrap_host"] == ["127.0.0.1"] * 3 and body["bootstrap_port"] == [9000] * 3
     assert len(set(body["bootstrap_room"])) == 3
 
@@ -140,7 +141,7 @@ def test_round_robin_order_across_two_prefill_and_two_decode(make):
     rooms = []
     for _ in range(8):
         assert httpx.post(router.url + "/v1/chat/completions", json=CHAT).status_code == 200
-    _until(lambda: len(p0.generation_requests()) + len(p1.generation_requests()) == 8)
+    wait_until(lambda: len(p0.generation_requests()) + len(p1.generation_requests()) == 8)
     seen = sorted((s for w in (p0, p1, d0, d1) for s in w.generation_requests()), key=_seq)
     prefill_order = [s.worker for s in seen if s.worker in ("w0", "w1")]
     decode_order = [s.worker for s in seen if s.worker in ("w2", "w3")]
@@ -170,7 +171,7 @@ def test_stream_is_relayed_before_prefill_answers(make):
     assert json.loads(first[6:])["object"] == "chat.completion.chunk"
     assert rest[-1] == "data: [DONE]"
     assert time.monotonic() - t0 < 5.0  # the stream ended while prefill was still busy
-    _until(lambda: router.app.registry.by_url[p.url].in_flight == 0)  # prefill answered...
+    wait_until(lambda: router.app.registry.by_url[p.url].in_flight == 0)  # prefill answered...
     assert p.disconnects == 0  # ...as it was left to finish, not aborted
 
 
@@ -183,7 +184,7 @@ def test_5xx_is_retried_with_a_fresh_room(make):
     rooms = [s.body["bootstrap_room"] for s in d.generation_requests()]
     assert len(rooms) == 3 == len(set(rooms))
     # prefill got the last attempt (earlier ones may have been aborted before they were sent)
-    _until(lambda: rooms[-1] in [s.body["bootstrap_room"] for s in p.generation_requests()])
+    wait_until(lambda: rooms[-1] in [s.body["bootstrap_room"] for s in p.generation_requests()])
     assert {s.body["bootstrap_room"] for s in p.generation_requests()} <= set(rooms)
     metrics = httpx.get(router.url + "/metrics").text
     assert 'smg_worker_retries_total{endpoint="chat",worker_type="decode"} 2.0' in metrics
@@ -214,7 +215,7 @@ def test_prefill_failure_ends_decode_and_is_retried(make):
     assert len(d.generation_requests()) == 2
     # 0.2 s + 3 s when the first decode request is dropped at once, 6 s if it was waited for
     assert time.monotonic() - t0 < 5.0
-    _until(lambda: d.disconnects == 1)
+    wait_until(lambda: d.disconnects == 1)
 
 
 def test_worker_4xx_is_passed_through_and_the_other_side_aborted(make):
@@ -226,7 +227,7 @@ def test_worker_4xx_is_passed_through_and_the_other_side_aborted(make):
     assert r.status_code == 400
     assert r.json() == {"error": {"message": "injected failure", "type": "StubError", "code": 500}}
     assert len(d.generation_requests()) == 1  # not retried
-    _until(lambda: p.disconnects == 1)  # prefill's request was cancelled
+    wait_until(lambda: p.disconnects == 1)  # prefill's request was cancelled
 
 
 def test_no_retry_once_streaming_began(make):
@@ -297,13 +298,13 @@ def test_unhealthy_worker_leaves_rotation_and_rejoins(make):
                        "--health-success-threshold", "2")  # fmt: skip
     d1.behaviour.health_status = 503
     worker = router.app.registry.by_url[d1.url]
-    _until(lambda: not worker.healthy)
+    wait_until(lambda: not worker.healthy)
     before = len(d1.generation_requests())
     for _ in range(4):
         assert httpx.post(router.url + "/v1/completions", json={"prompt": "x"}).status_code == 200
     assert len(d1.generation_requests()) == before
     d1.behaviour.health_status = 200
-    _until(lambda: worker.healthy)
+    wait_until(lambda: worker.healthy)
     for _ in range(4):
         httpx.post(router.url + "/v1/completions", json={"prompt": "x"})
     assert len(d1.generation_requests()) == before + 2
@@ -323,10 +324,10 @@ def test_queue_bound_429_and_queue_timeout_408(make):
 
     running = threading.Thread(target=call, args=("running",))
     running.start()
-    _until(lambda: router.app.admission.active == 1)
+    wait_until(lambda: router.app.admission.active == 1)
     queued = threading.Thread(target=call, args=("queued",))
     queued.start()
-    _until(lambda: len(router.app.admission.waiting) == 1)
+    wait_until(lambda: len(router.app.admission.waiting) == 1)
     call("rejected")
     queued.join()
     running.join()
@@ -365,7 +366,7 @@ def test_bad_input(make):
     assert r.status_code == 404 and r.json()["error"]["message"] == "no route GET /v2/nothing"
     assert httpx.get(router.url + "/generate").status_code == 405
     assert post("/health").status_code == 405
-    _until(lambda: len(p.generation_requests()) == 1)
+    wait_until(lambda: len(p.generation_requests()) == 1)
     assert d.generation_requests() == []
 
 
@@ -378,8 +379,8 @@ def test_client_disconnect_cancels_both_upstream_requests(make):
         "POST", router.url + "/v1/chat/completions", json={**CHAT, "stream": True}
     ) as r:
         next(r.iter_lines())
-    _until(lambda: p.disconnects == 1 and d.disconnects == 1)
-    _until(lambda: all(w.in_flight == 0 for w in router.app.registry.workers))
+    wait_until(lambda: p.disconnects == 1 and d.disconnects == 1)
+    wait_until(lambda: all(w.in_flight == 0 for w in router.app.registry.workers))
     assert 'status_code="499"' in httpx.get(router.url + "/metrics").text
 
 
@@ -413,7 +414,7 @@ def test_info_routes_and_metrics(make):
     )
     d.behaviour.health_status = p.behaviour.health_status = 503
     # Both roles must leave rotation: the two health loops run independently.
-    _until(lambda: not any(router.app.registry.healthy.values()))
+    wait_until(lambda: not any(router.app.registry.healthy.values()))
     assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == "/models/x"
     assert httpx.get(router.url + "/model_info").status_code == 503
 
@@ -433,10 +434,3 @@ def test_plain_mode_passes_the_body_through(make):
 
 def _seq(seen) -> int:
     return seen.seq
-
-
-def _until(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from tests import server_proc
 from tests.router_proc import RouterProc
 from tests.server_proc import Server, free_port
+from tests.waiting import wait_until
 
 
 def _fast_timeouts() -> dict[str, str]:
@@ -168,10 +168,16 @@ def test_prefill_killed_mid_run_then_restarted(cluster, monkeypatch):
         except httpx.HTTPError as e:
             results[i] = e
 
+    sent = _sent(cluster)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+
+    def all_sent() -> bool:  # mid-run: each prefill worker has its 4 of the 8 (round robin)
+        now = _sent(cluster)
+        return all(now[p] - sent[p] >= 4 for p in ("p0", "p1"))
+
+    wait_until(all_sent, 60, what="the 8 requests sent")
     cluster.workers["p1"].proc.send_signal(signal.SIGKILL)
     for t in threads:
         t.join()
@@ -180,7 +186,7 @@ def test_prefill_killed_mid_run_then_restarted(cluster, monkeypatch):
         assert r.status_code == 200 or r.json()["error"]["message"], r.text
     assert sum(r.status_code == 200 for r in results.values()) >= 4  # p0's share at least
     # (in practice all 8: the ones on p1 fail before decode sends a byte, and are retried)
-    _until(lambda: not _healthy(cluster)["p1"])
+    wait_until(lambda: not _healthy(cluster)["p1"])
     before = cluster.counters()
     for i in range(4):  # new requests avoid the dead worker
         assert generate(cluster.url, [11, 12, 13 + i]).status_code == 200
@@ -188,7 +194,7 @@ def test_prefill_killed_mid_run_then_restarted(cluster, monkeypatch):
     for name in ("d0", "d1"):
         cluster.workers[name].idle_pool(timeout=30)  # nothing leaked on decode
     cluster.restart_prefill(1, monkeypatch)
-    _until(lambda: _healthy(cluster)["p1"])
+    wait_until(lambda: _healthy(cluster)["p1"])
     before = cluster.counters()
     for i in range(4):
         assert generate(cluster.url, [21, 22, 23 + i]).status_code == 200
@@ -235,8 +241,7 @@ def _healthy(cluster: Cluster) -> dict[str, bool]:
     return {n: by_url[w.url] for n, w in cluster.workers.items()}
 
 
-def _until(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.1)
+def _sent(cluster: Cluster) -> dict[str, int]:
+    """Requests the router has sent each worker, in all."""
+    by_url = {w["url"]: w["requests"] for w in cluster.router.state()["workers"]}
+    return {n: by_url[w.url] for n, w in cluster.workers.items()}

@@ -14,6 +14,7 @@ import pytest
 from tests import server_proc
 from tests.router_proc import RouterProc
 from tests.server_proc import Server, free_port
+from tests.waiting import wait_until
 
 CHAT = [{"role": "user", "content": "List three things to check when a service returns 503."}]
 
@@ -160,15 +161,8 @@ def test_killed_worker_gives_clean_errors_then_rejoins(
     monkeypatch.setattr(server_proc, "free_port", lambda: worker.port)  # restart on its port
     replacement = Server(tiny_ckpt, "--context-length", "256", log_dir=logs)
     try:
-        _until(lambda: any(w["healthy"] for w in router.state()["workers"]), 30)
+        wait_until(lambda: any(w["healthy"] for w in router.state()["workers"]), 30)
         r = httpx.post(router.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
         assert r.status_code == 200
     finally:
         replacement.stop()
-
-
-def _until(predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.1)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from serving.executor.sampler import Sampler, SamplingState, apply_penalties
+from serving.executor.logits_processing import apply_penalties
+from serving.executor.sampler import Sampler, SamplingState
 from serving.protocol import SamplingParams
 
 EOS = 5

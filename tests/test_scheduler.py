@@ -13,7 +13,7 @@ import torch
 
 from serving.config import ModelConfig
 from serving.engine import scheduler as scheduler_mod
-from serving.engine.scheduler_process import build_engine
+from serving.engine.build import build_engine
 from serving.models.loader import load_weights
 from serving.protocol import FinishReason, GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs

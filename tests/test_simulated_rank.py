@@ -8,7 +8,7 @@ with EAGLE on a vocabulary of 410, padded to 412; a prefill + decode pair both s
 of tp 2 / ep 2, decode holding more rows than it runs): chat completions and /generate
 complete, the warnings and /server_info's field are there, the memory plan is logged beside what
 was built, nothing leaks; a decode simulating another rank is refused at the handshake; flags
-that cannot work are refused with one line. deploy/gpu_simulated_rank.py's server part, run
+that cannot work are refused with one line. bench/simulated_rank.py's server part, run
 from a checkout without pdserve installed (as on the GPU machine), records the simulated decode
 role's request rows from /get_server_info.
 """
@@ -348,11 +348,11 @@ def test_decode_simulating_another_rank_is_refused(sim_pair, v410_ckpt, tmp_path
 
 
 def test_engine_bench_runs_a_simulated_rank(v410_ckpt, tmp_path):
-    """bench_fast_path's rank stages on CPU (no graphs, no CUDA profiler): every stage leaves
+    """bench.fast_path's rank stages on CPU (no graphs, no CUDA profiler): every stage leaves
     its JSON line, the collectives are counted per step and projected, the floor is computed."""
     import json
 
-    from serving.tools.bench_fast_path import main
+    from bench.fast_path import main
 
     out = tmp_path / "rank.jsonl"
     main(
@@ -392,8 +392,8 @@ def test_hbm_floor_of_the_real_rank(tmp_path):
     reads about 4.7 GB (2.5 GB of dense weights, lm_head shard included, and the one local
     expert per MoE layer its token is expected to pick), the issue's ~1 ms at 4.23 TB/s; at
     batch 32 the experts dominate."""
+    from bench.step_costs import hbm_floor
     from serving.models.glm5_next import Glm5NextForCausalLM
-    from serving.tools.step_costs import hbm_floor
     from serving.tools.tiny_model import write_checkpoint
 
     config = ModelConfig.from_pretrained(write_checkpoint(tmp_path / "real", preset="real"))
@@ -419,7 +419,7 @@ def test_layer_kinds_split_needs_the_cpu_ranges():
     kind), and a profile whose step range holds nothing is refused, not reported as zeros."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from serving.tools.step_costs import profiler_activities, split_by_kind
+    from bench.step_costs import profiler_activities, split_by_kind
 
     assert ProfilerActivity.CPU in profiler_activities(cuda=True)
     assert ProfilerActivity.CUDA in profiler_activities(cuda=True)
@@ -432,7 +432,8 @@ def test_layer_kinds_split_needs_the_cpu_ranges():
             with record_function("mHC"):
                 a = a + 1
             a = a * 2  # rest
-    ms = split_by_kind(prof, "step", cuda=False)
+    ms, launches = split_by_kind(prof, "step", cuda=False)
+    assert launches == {}  # kernel counts come from a CUDA trace only
     assert ms["MoE"] > ms["mHC"] > 0 and ms["KDA"] == 0 and ms["rest"] > 0, ms
     with pytest.raises(ValueError, match="no device time under 'step' \\(1 ranges\\)"):
         split_by_kind(prof, "step", cuda=True)  # the trace path: a step, but no kernels
@@ -448,7 +449,7 @@ def test_kernel_time_goes_to_the_range_around_its_launch():
     correlation id, to the innermost kind range around the launch (runtime or driver API
     launches alike), the rest of the step to "rest"; launches outside the step count nowhere,
     and a launch on another thread is not inside this thread's ranges."""
-    from serving.tools.step_costs import KINDS, kernel_time_by_range
+    from bench.step_costs import KINDS, kernel_time_by_range
 
     def host(name, cat, ts, dur, tid=1, corr=None):
         args = {} if corr is None else {"correlation": corr}
@@ -477,10 +478,41 @@ def test_kernel_time_goes_to_the_range_around_its_launch():
         {"ph": "X", "cat": "gpu_user_annotation", "name": "KDA", "ts": 1000, "dur": 80,
          "pid": 0, "tid": 7, "args": {}},  # the profiler's device copy of a range: not a kernel
     ]  # fmt: skip
-    totals, steps = kernel_time_by_range({"traceEvents": events}, KINDS, "step")
+    totals, kernels, steps = kernel_time_by_range({"traceEvents": events}, KINDS, "step")
     assert steps == 1
     assert totals == {**dict.fromkeys(KINDS, 0.0), "KDA": 12.0, "mHC": 3.0, "MoE": 2.0,
                       "step": 21.0}, totals  # fmt: skip
+    # the memcpy (corr 4) is time, not a kernel launch
+    assert kernels == {**dict.fromkeys(KINDS, 0), "KDA": 2, "mHC": 1, "step": 4}, kernels
+
+
+def test_graph_steps_count_a_replay_s_kernels_and_its_gaps():
+    """A replayed graph's kernels share their cudaGraphLaunch's correlation id: each step range
+    gets its kernels' count, busy time (overlaps counted once), span and the idle gap between."""
+    from bench.step_costs import graph_steps
+
+    def host(name, cat, ts, dur, corr=None):
+        args = {} if corr is None else {"correlation": corr}
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1,
+                "args": args}  # fmt: skip
+
+    def dev(corr, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": "k", "ts": ts, "dur": dur, "pid": 0, "tid": 7,
+                "args": {"correlation": corr}}  # fmt: skip
+
+    events = [
+        host("step", "user_annotation", 0, 50),
+        host("cudaGraphLaunch", "cuda_runtime", 5, 2, corr=1),
+        host("step", "user_annotation", 100, 50),
+        host("cudaGraphLaunch", "cuda_runtime", 105, 2, corr=2),
+        dev(1, 1000, 10), dev(1, 1012, 10), dev(1, 1015, 3), dev(1, 1030, 5, "gpu_memset"),
+        dev(2, 2000, 20), dev(2, 2030, 10),
+    ]  # fmt: skip
+    rows = graph_steps({"traceEvents": events}, "step")
+    assert rows == [
+        {"kernels": 3, "busy_us": 25.0, "span_us": 35.0, "gap_us": 10.0},
+        {"kernels": 2, "busy_us": 30.0, "span_us": 40.0, "gap_us": 10.0},
+    ], rows
 
 
 @pytest.fixture(scope="module")
@@ -504,7 +536,7 @@ def uninstalled_python(tmp_path_factory) -> Path:
 
 
 def test_gpu_script_reads_the_simulated_decode_rows(v410_ckpt, tmp_path, uninstalled_python):
-    """deploy/gpu_simulated_rank.py's server part at a tiny size on the CPU, run from the
+    """bench/simulated_rank.py's server part at a tiny size on the CPU, run from the
     checkout as on the GPU machine: /get_server_info answers (run 5's raised on the missing
     package metadata, and the script read the 500's body as nulls) and the script records the
     simulated decode role's request rows. Its requests run locally (SGLang's fake bootstrap
@@ -514,7 +546,7 @@ def test_gpu_script_reads_the_simulated_decode_rows(v410_ckpt, tmp_path, uninsta
     seed = "--tp-size 2 --ep-size 2 --context-length 256 --max-running-requests 2"
     seed += " --chunked-prefill-size 32 --skip-server-warmup"
     cmd = [
-        *(str(uninstalled_python), "deploy/gpu_simulated_rank.py", "--parts", "server"),
+        *(str(uninstalled_python), "bench/simulated_rank.py", "--parts", "server"),
         *("--device", "cpu", "--model-path", str(v410_ckpt), "--seed-flags", seed),
         *("--decode-flags", "--disaggregation-mode decode --disaggregation-decode-extra-slots 4"),
         *("--concurrent", "6", "--prompt-len", "20", "--max-new-tokens", "4"),

@@ -1,9 +1,9 @@
-"""The shipped small model (serving/assets/small_model, trained by serving/tools/train_small.py).
+"""The shipped small model (serving/assets/small_model, trained by training/train_small.py).
 
 It speaks: held-out perplexity far below a random model's of the same shape and tokenizer. It
 answers the same greedy tokens on a single worker, on a PD pair behind our router with EAGLE
 on, and with EAGLE off. Its NextN draft is accepted on held-out prompts. tests/data/
-small_heldout.txt is cut from documents serving/tools/corpus.py holds out of training.
+small_heldout.txt is cut from documents training/corpus.py holds out of training.
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ import httpx
 import pytest
 import torch
 
-from serving.tools.eval_small import (
+from serving.tools.generate import StepRunner
+from tests.pd_pair import PDPair
+from tests.router_proc import RouterProc
+from tests.server_proc import Server, eagle_flags
+from training.eval_small import (
     greedy,
     heldout_texts,
     load,
@@ -22,10 +26,6 @@ from serving.tools.eval_small import (
     teacher_forced,
     token_windows,
 )
-from serving.tools.generate import StepRunner
-from tests.pd_pair import PDPair
-from tests.router_proc import RouterProc
-from tests.server_proc import Server, eagle_flags
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = REPO / "serving" / "assets" / "small_model"
@@ -68,7 +68,7 @@ def test_eagle_accepts_the_draft_on_heldout_prompts(tok):
     """Accept length = committed tokens per verify step (1 = nothing accepted). Measured on 8
     held-out prompts x 24 tokens: 1.52 at 1 step, 2.01 at 3 steps (the jointly trained draft
     before session 10's distillation: 1.55 and 1.98). Greedy tokens equal plain decoding."""
-    from serving.tools.bench_spec import measure
+    from bench.spec import measure
 
     prompts = token_windows(tok, heldout_texts(HELDOUT)[::-1], 48, 8)
     plain = measure(str(SMALL), 0, prompts, 24, flags=FLOAT32)

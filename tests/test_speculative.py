@@ -1,8 +1,8 @@
 """EAGLE speculative decoding with the NextN draft (in-process scheduler, tiny checkpoint).
 
 The checkpoint's target speaks a synthetic first-order language (its lm_head refitted by
-serving/tools/fit_target_head.py) and its draft is distilled on that target
-(serving/tools/distill_nextn.py --fit-target-head), so drafts are accepted on prompts the draft
+training/fit_target_head.py) and its draft is distilled on that target
+(training/distill_nextn.py --fit-target-head), so drafts are accepted on prompts the draft
 never saw: accepted runs, rejections and kpool boundaries inside verify chunks are all exercised.
 Greedy output must equal plain decoding token for token; sampled output must follow the same
 distribution.
@@ -15,13 +15,13 @@ import torch
 
 from serving.engine import scheduler as scheduler_mod
 from serving.engine.admission import Admission
+from serving.engine.build import build_engine
 from serving.engine.decode_batch import DecodeManager
-from serving.engine.scheduler_process import build_engine
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
-from serving.tools.distill_nextn import training_prompts
 from tests.conftest import DISTILL_PROMPT_LEN as PROMPT_LEN
 from tests.server_proc import eagle_flags
+from training.distill_nextn import training_prompts
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,9 @@
-"""serving/tools/sync_check.py's WaitTracer, on the CPU: a clock stands for the device's sleep."""
+"""bench/sync_check.py's WaitTracer, on the CPU: a clock stands for the device's sleep."""
 
 import sys
 import time
 
-from serving.tools.sync_check import WaitTracer
+from bench.sync_check import WaitTracer
 
 
 def _traced(done, launch) -> WaitTracer:

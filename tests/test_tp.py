@@ -203,3 +203,78 @@ def test_rendezvous_address(tiny_ckpt):
     assert args.dist_init_method() == "tcp://127.0.0.1:22171" and args.ranks_per_node == 4
     args = ServerArgs.from_cli([*base, "--dist-init-addr", "10.0.0.1:5000", "--nnodes", "2"])
     assert args.dist_init_method() == "tcp://10.0.0.1:5000" and args.ranks_per_node == 2
+
+
+def test_every_step_rank_zero_sends_runs_on_a_follower(monkeypatch):
+    """RankFanout's messages, fed to a Follower, call the same programs with the same host
+    inputs in the same order (collectives stubbed: rank 0's broadcasts are recorded, then
+    replayed to the follower), and its asks are answered by the follower's role and profiler."""
+    from serving.engine import tp_worker
+    from serving.engine.tp_worker import Follower, RankFanout
+
+    calls: list[tuple] = []
+
+    class Pool:
+        device, journal = "cpu", None
+
+        def take_journal(self) -> list:
+            entries, self.journal = self.journal, []
+            return entries
+
+        def replay(self, journal: list) -> None:
+            calls.append(("replay", journal))
+
+    class Runner:
+        pool = Pool()
+
+        def forward(self, items, logits):
+            calls.append(("forward", items, logits))
+
+        def publish(self, rows, tokens):
+            calls.append(("publish", rows, tokens.tolist()))
+
+    class Spec:
+        def extend_draft(self, rows, starts, next_tokens, hidden):
+            calls.append(("extend_draft", rows, starts, next_tokens, hidden.tolist()))
+
+        def verify(self, host):
+            calls.append(("verify", host.tolist()))
+            return "pending"
+
+        def roll_back(self, pending, padded, last, captures):
+            calls.append(("roll_back", pending, padded, last, captures))
+
+    class Answers:
+        def handle(self, order):
+            return ("answer", order)
+
+    sent, tensors, gathered = [], [], []
+    monkeypatch.setattr(tp_worker, "broadcast_object", sent.append)
+    monkeypatch.setattr(tp_worker, "broadcast_tensor", lambda x: tensors.append(x.clone()))
+    monkeypatch.setattr(tp_worker, "gather_object", lambda _: [None, "follower's"])
+    fanout = RankFanout(Runner.pool, followers=1)
+    fanout.forward(["item"], "last")
+    fanout.pool.journal.append(("reset", [3]))
+    fanout.publish([3], torch.tensor([7]))
+    fanout.extend_draft([3], [0], [[5, 6]], torch.ones(2, 4))
+    fanout.verify(torch.tensor([[1], [2], [3]]))
+    fanout.roll_back([[1, 2]], [1], [(0, 1, 9)])
+    assert fanout.ask_role("orders") == ["follower's"]
+    assert fanout.ask_profilers(("stop",)) == ["follower's"]
+    fanout.stop()
+
+    queue = list(sent)
+    monkeypatch.setattr(tp_worker, "broadcast_object", lambda: queue.pop(0))
+    monkeypatch.setattr(tp_worker, "broadcast_tensor", lambda x: x.copy_(tensors.pop(0)))
+    monkeypatch.setattr(tp_worker, "gather_object", gathered.append)
+    Follower(Runner(), Spec(), Answers(), Answers(), 4, torch.float32, False).follow()
+    assert not queue and not tensors
+    assert [c for c in calls if c[0] != "replay"] == [
+        ("forward", ["item"], "last"),
+        ("publish", [3], [7]),
+        ("extend_draft", [3], [0], [[5, 6]], [[1.0] * 4] * 2),
+        ("verify", [[1], [2], [3]]),
+        ("roll_back", "pending", [[1, 2]], [1], [(0, 1, 9)]),
+    ]
+    assert ("replay", [("reset", [3])]) in calls
+    assert gathered == [("answer", "orders"), ("answer", ("stop",))]

@@ -4,7 +4,8 @@
 On CUDA (marked gpu) both rank processes share GPU 0 and talk over gloo (init_parallel's test
 mode: NCCL refuses two ranks on one device; gloo stages CUDA tensors through pinned host memory
 for all_reduce, all_gather and broadcast, the only tensor collectives the forward issues). So
-the Triton and fla kernels run at their per-rank head counts (2 KDA, MLA and indexer heads of 4;
+the Triton and fla kernels run at their per-rank head counts (2 KDA and MLA heads of 4, all 4
+indexer heads: the indexer is replicated;
 8 routed experts of 16 with EP, all 16 at intermediate 32 with TP2 alone) and their partial
 sums meet in the all-reduce.
 The same body runs on the CPU (the torch references), which is also where it was calibrated.

@@ -1,4 +1,4 @@
-"""serving/tools/train_small.py on CPU with the tiny preset (transformers' torch KDA path): a
+"""training/train_small.py on CPU with the tiny preset (transformers' torch KDA path): a
 run split in two with --resume ends with exactly the weights of one straight run, the export
 reads the same in transformers and our loader, and every refusal is one clear line."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving.tools.train_small import Plan, Trainer, main
+from training.train_small import Plan, Trainer, main
 
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--seq-len", "64",
@@ -102,7 +102,7 @@ def test_token_shards_round_trip_and_stage_parts(tmp_path, monkeypatch):
     under their size and carry the held-out shard and the run's tokenizer files."""
     import numpy as np
 
-    from serving.tools import token_shards
+    from training import token_shards
 
     monkeypatch.setattr(token_shards, "SHARD_TOKENS", 1000)
     rng = np.random.default_rng(0)

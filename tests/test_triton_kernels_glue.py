@@ -1,14 +1,17 @@
-"""The per-layer glue's Triton kernels (kernels/triton/mhc.py: the collapse with its RMSNorm and
-the expansion; kernels/triton/route.py: the router) against their torch references
-(kernels/mhc.py, kernels/moe.py). CPU cases run under TRITON_INTERPRET=1 (tests/triton_interp);
-the GPU case runs the real per-rank shapes.
+"""The per-layer glue's Triton kernels (kernels/triton/mhc.py: the collapse with its RMSNorm, the
+expansion and the fused boundary between two sublayers; kernels/triton/route.py: the router)
+against their torch references (kernels/mhc.py, kernels/moe.py), and the model's loop of
+boundaries against the loop of one collapse and one expansion per sublayer it replaced. CPU cases
+run under TRITON_INTERPRET=1 (tests/triton_interp); the GPU cases run the real per-rank shapes.
 
 Tolerances: float32, 1e-5 relative to the reference's largest magnitude (only the summation
-order differs). bf16: the kernels round where the references round (the collapse, the norm,
-each expansion term), so outputs match up to one bf16 ulp where an fp32 sum lands on a rounding
-boundary: 1e-2 relative. Router ids and their order are equal exactly, weights to 1e-5, on every
-row but near-ties (two selection scores within 1e-5, under 1% of the rows: there the summation
-order may decide; the H200 found such rows at 8,192 tokens).
+order differs; the boundary's mixing logits are IEEE float32 sums, no TF32). bf16: the kernels
+round where the references round (the collapse, the norm, each expansion term), so outputs match
+up to one bf16 ulp where an fp32 sum lands on a rounding boundary: 1e-2 relative. The tiny
+model's logits through the Triton mHC kernels (float32): 1e-4 of the largest (the mixing's
+float32 sums in another order, through four layers). Router ids and their order are equal
+exactly, weights to 1e-5, on every row but near-ties (two selection scores within 1e-5, under 1%
+of the rows: there the summation order may decide; the H200 found such rows at 8,192 tokens).
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ def _mhc_inputs(tokens, hc, hidden, dtype, device, seed=0):
         weight.to(dtype=dtype, **d),
         out.to(dtype=dtype, **d),
     )
+
+
+def _poison(device) -> None:
+    """Fill recently freed allocator memory with NaN so that torch.empty outputs start as NaN."""
+    if torch.device(device).type == "cuda":
+        junk = torch.full((64 << 20,), float("nan"), device=device)  # 256 MiB
+        del junk
 
 
 def _close(got, ref, dtype):
@@ -102,6 +112,139 @@ def test_mhc_interpreter_splits_past_one_block():
     _check_mhc(1, 4, 2304, torch.float32, "cpu")
 
 
+def _boundary_inputs(tokens, hc, hidden, dtype, device, seed=0):
+    """A sublayer's output, the streams it came from with their collapse's post and comb (the
+    reference's, as the model has them), and the next collapse's parameters."""
+    streams, fn, base, scale, weight, out = _mhc_inputs(tokens, hc, hidden, dtype, device, seed)
+    _, prev_fn, prev_base, prev_scale, *_ = _mhc_inputs(1, hc, hidden, dtype, device, seed + 1)
+    args = (prev_fn, prev_base, prev_scale, 20, 1e-6, 1e-5, weight, 1e-5)
+    post, comb, _ = mhc_ref.mhc_pre_reference(streams, *args)
+    return (out, streams, post, comb, fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
+
+
+def _check_boundary(tokens, hc, hidden, dtype, device):
+    from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary
+
+    args = _boundary_inputs(tokens, hc, hidden, dtype, device)
+    counter = torch.zeros(BOUNDARY_MAX_TOKENS, dtype=torch.int32, device=device)
+    _poison(device)
+    _boundary_close(mhc_boundary(*args, counter), args, dtype)
+    assert not counter.any(), "the counters must be left zero (the next call, a graph replay)"
+
+
+def _boundary_close(got, args, dtype):
+    """The boundary's outputs against the references stage by stage: the new streams against
+    the expansion's reference, then post, comb and x against the collapse's reference of the
+    streams the kernel wrote. Composed end to end, one bf16 ulp of a stream that rounds the
+    other way (a different float32 summation order) moves the float32 mixing logits by ~1e-3
+    relative, past float32's tolerance (the H200: 1e-3 for the fused and the two-kernel path)."""
+    out, residual, post, comb, fn, base, scale, iters, eps, norm_eps, weight, rms_eps = args
+    _close(got[0], mhc_ref.mhc_post_reference(out, residual, post, comb), dtype)
+    ref = mhc_ref.mhc_pre_reference(got[0], fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
+    _close(got[1], ref[0], torch.float32)  # post, comb: float32 either way
+    _close(got[2], ref[1], torch.float32)
+    _close(got[3], ref[2], dtype)  # the next sublayer's input
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 37])
+def test_mhc_boundary_interpreter(tokens, dtype):
+    # hidden 200: a masked last block of channels (64 per program); 37 tokens: blocks of 8, the
+    # last one partial, each finished by its last program
+    _check_boundary(tokens, 4, 200, dtype, "cpu")
+
+
+@cpu_interp
+def test_mhc_boundary_interpreter_odd_hc_and_prefill():
+    _check_boundary(3, 3, 64, torch.float32, "cpu")  # hc 3: masked streams, 15 mixing logits
+    _check_boundary(130, 4, 64, torch.bfloat16, "cpu")  # past BOUNDARY_MAX_TOKENS: post + pre
+
+
+def _tiny_model():
+    from serving.tools.tiny_model import build_config, random_model
+
+    raw = build_config("tiny", {"<|endoftext|>": 0, "<|user|>": 1, "<|observation|>": 2})
+    return random_model(raw, "cpu")[1]
+
+
+def _unfused_forward(self, batch, cache):
+    """Glm5NextForCausalLM.forward as it was before the boundaries: every sublayer's input a
+    collapse of the streams and its output an expansion, through the references."""
+    from serving.models.glm5_next import ForwardOutput
+
+    def collapse(hc, streams, norm):
+        args = (hc.fn, hc.base, hc.scale, hc.iters, hc.eps, hc.norm_eps, norm.weight, norm.eps)
+        return mhc_ref.mhc_pre_reference(streams, *args)
+
+    x = self.embed(batch.input_ids)
+    streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+    selected = None
+    for layer in self.layers:
+        post, comb, x = collapse(layer.attn_hc, streams, layer.input_layernorm)
+        if layer.is_kda:
+            history = None
+            if batch.kda_history is not None:
+                history = batch.kda_history.setdefault(layer.layer, [])
+            x = layer.self_attn(x, batch, cache.kda(layer.layer), history)
+        else:
+            x, selected = layer.self_attn(x, batch, cache.dsa(layer.layer), selected)
+        streams = mhc_ref.mhc_post_reference(x, streams, post, comb)
+        post, comb, x = collapse(layer.ffn_hc, streams, layer.post_attention_layernorm)
+        streams = mhc_ref.mhc_post_reference(layer.mlp(x), streams, post, comb)
+    hidden = streams.mean(dim=1)
+    return ForwardOutput(logits=self.logits(hidden[batch.logit_index]), hidden=hidden)
+
+
+def _tiny_logits(model, unfused=False):
+    """Logits of three requests through a prefill (13 + 6 + 2 tokens: blocks of 4 tokens in the
+    fused boundary) and three decode steps (3 tokens each)."""
+    from serving.tools.generate import StepRunner
+
+    gen = torch.Generator().manual_seed(0)
+    lens = [13, 6, 2]
+    tokens = [torch.randint(3, 1000, (n + 3,), generator=gen).tolist() for n in lens]
+    runner = StepRunner(model, max_requests=3, max_context=32)
+    seqs = [runner.add(t) for t in tokens]
+    forward = type(model).forward
+    if unfused:
+        type(model).forward = torch.inference_mode()(_unfused_forward)
+    try:
+        steps = [runner.step(seqs, lens, logits="all")]
+        steps += [runner.step(seqs, [1, 1, 1]) for _ in range(3)]
+    finally:
+        type(model).forward = forward
+    return torch.cat([s.logits for s in steps]), torch.cat([s.hidden for s in steps])
+
+
+def test_model_boundaries_equal_the_unfused_loop():
+    """On the torch path the loop of boundaries computes exactly what the loop of one collapse
+    and one expansion per sublayer computed: the same ops in the same order."""
+    model = _tiny_model()
+    logits, hidden = _tiny_logits(model)
+    ref_logits, ref_hidden = _tiny_logits(model, unfused=True)
+    assert torch.equal(logits, ref_logits) and torch.equal(hidden, ref_hidden)
+
+
+@cpu_interp
+def test_model_fused_boundaries_interpreter(monkeypatch):
+    """The tiny model (float32) with its mHC on the Triton kernels (the first collapse, the
+    fused boundaries, the last expansion; the rest on the torch path) against the unfused loop
+    of references: a prefill of 21 tokens, then decode steps of 3."""
+    import serving.layers.mhc as mhc_layer
+
+    model = _tiny_model()
+    ref_logits, ref_hidden = _tiny_logits(model, unfused=True)
+    calls = []
+    monkeypatch.setattr(mhc_layer, "fast_path", lambda t: calls.append(t.shape[0]) or True)
+    logits, hidden = _tiny_logits(model)
+    assert set(calls) == {21, 3}, calls
+    _close(hidden, ref_hidden, torch.float32)
+    assert not logits.isnan().any()
+    err = (logits - ref_logits).abs().max().item()
+    assert err <= 1e-4 * ref_logits.abs().max().item(), err
+
+
 def _route_inputs(tokens, hidden, experts, dtype, device, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(device=device, dtype=dtype)
@@ -143,6 +286,50 @@ def _check_route(tokens, hidden, experts, top_k, dtype, device, local):
 def test_route_interpreter(tokens, dtype, local):
     # 36 experts (not a power of two), top 8, K 320 (split-K with a masked tail)
     _check_route(tokens, 320, 36, 8, dtype, "cpu", local)
+
+
+REAL_HD, BENCH_HD = 4096, 2048  # rank 0 of TP8 (and the bench preset's hidden size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32, 64, 128])
+def test_mhc_boundary_gpu(tokens):
+    """The fused boundary at decode batches 1/8/32 and verify batches (2 and 4 tokens per
+    request at 32 requests), bf16 at the real and the bench preset's hidden size, float32 at
+    the real one."""
+    _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda")
+    _check_boundary(tokens, 4, BENCH_HD, torch.bfloat16, "cuda")
+    _check_boundary(tokens, 4, REAL_HD, torch.float32, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 32])
+def test_mhc_boundary_cuda_graph(tokens):
+    """Captured once, replayed on fresh inputs: each replay equals the reference (the counters
+    the last programs reset start every replay at zero)."""
+    from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary
+
+    args = list(_boundary_inputs(tokens, 4, REAL_HD, torch.bfloat16, "cuda"))
+    counter = torch.zeros(BOUNDARY_MAX_TOKENS, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mhc_boundary(*args, counter)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = mhc_boundary(*args, counter)
+    for seed in (5, 6, 7):
+        fresh = _boundary_inputs(tokens, 4, REAL_HD, torch.bfloat16, "cuda", seed)
+        for dst, src in zip(args, fresh):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _boundary_close(outs, args, torch.bfloat16)
+        assert not counter.any()
 
 
 @pytest.mark.gpu

@@ -62,7 +62,7 @@ TINY = (64, 8, 32, 2)  # serving/tools/tiny_model.py's tiny preset
 BENCH = (2048, 64, 768, 4)  # bench preset
 REAL = (4096, 288, 2048, 8)  # GLM-5.3-Flash
 # a real-shape case holds 15 GB of bf16 experts and 29 GB more for the float reference: under
-# xdist (deploy/gpu_tests.sh, --dist loadgroup) these cases run in one process, one at a time
+# xdist (bench/gpu_tests.sh, --dist loadgroup) these cases run in one process, one at a time
 REAL_HBM = pytest.mark.xdist_group("real_moe")
 
 
@@ -389,15 +389,11 @@ def test_conv_gpu(dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol, step_len=1):
-    """The fused decode (KDAttention._decode_fused: kernels/triton/kda.py kda_decode_layer) on
-    `device` against KDAttention.forward on the CPU (the torch references, same dtype), from the
-    same weights, tokens and states: the layer's output, its conv and recurrent states, and rows
-    outside the batch untouched. step_len > 1 is a verify step: every request adds step_len
-    tokens and both record the roll-back's history, compared too."""
+def _kda_layer(heads, dim, dtype, lower_bound, fp8, seed):
+    """A KDA layer (this rank's heads x dim) with random weights; fp8: f_b_proj and g_b_proj
+    held in block FP8, as a CUDA load of an FP8 checkpoint under --fp8-linears all holds them."""
+    from kernels.fp8 import quantize_weight
     from serving.config import ModelConfig
-    from serving.forward_batch import ForwardBatch
-    from serving.memory.cache import KDALayerCache
     from serving.models.kda import KDAttention
     from serving.tools.tiny_model import build_config
 
@@ -406,42 +402,72 @@ def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol, st
         linear_num_heads=heads, linear_head_dim=dim, linear_lower_bound=lower_bound
     )
     config = ModelConfig.from_dict(raw)
-    gen = torch.Generator().manual_seed(heads * dim + batch)
+    gen = torch.Generator().manual_seed(seed)
     layer = KDAttention(config, dtype)
     with torch.no_grad():
         for name, p in layer.named_parameters():
             scale = {"A_log": 0.5, "dt_bias": 1.0, "o_norm": 0.2}.get(name, p.shape[-1] ** -0.5)
             p.copy_(torch.randn(p.shape, generator=gen) * scale + (name == "o_norm"))
+        for linear in (layer.f_b_proj, layer.g_b_proj) if fp8 else ():
+            w8, w_scale = quantize_weight(linear.weight.float())
+            linear.hold_fp8()
+            linear.weight.copy_(w8)
+            linear.weight_scale_inv.copy_(w_scale)
+    return config, layer
+
+
+def _kda_step_inputs(config, heads, dim, batch, step_len, num_rows, dtype, dev, seed=1):
+    """x, the layer's cache (random conv and recurrent states) and a decode (step_len 1) or
+    verify batch over `batch` non-contiguous rows."""
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+
+    g = torch.Generator().manual_seed(seed)
+    width, ksize = 3 * heads * dim, config.linear_conv_kernel_dim
+    x = torch.randn(batch * step_len, config.hidden_size, generator=g).to(dev, dtype)
+    conv = torch.randn(num_rows, width, ksize - 1, generator=g).to(dev, dtype)
+    state = (torch.randn(num_rows, heads, dim, dim, generator=g) * 0.1).to(dev)
+    rows = _rows(batch, num_rows, dev)
+    req_to_token = torch.zeros(num_rows, 8, dtype=torch.int64, device=dev)
+    if step_len > 1:
+        starts = torch.full((batch,), 3, device=dev)
+        ids = torch.zeros(batch * step_len, dtype=torch.int64, device=dev)
+        fb = ForwardBatch.uniform(ids, rows, starts, step_len, req_to_token, 8)
+    else:
+        fb = ForwardBatch.build([0] * batch, rows.tolist(), [3] * batch, [1] * batch,
+                                req_to_token)  # fmt: skip
+    return x, KDALayerCache(conv, state), fb
+
+
+def _run_kda_decode_layer(
+    heads, dim, batch, dtype, device, lower_bound, tol, step_len=1, fp8=False
+):
+    """The fused decode (kernels/triton/kda.py kda_decode_layer, f_b_proj and g_b_proj inside)
+    on `device` against KDAttention.forward on the CPU (the torch path: kernels.kda's
+    kda_decode_layer, same dtype), from the same weights, tokens and states: the layer's output,
+    its conv and recurrent states, and rows outside the batch untouched. step_len > 1 is a
+    verify step: every request adds step_len tokens and both record the roll-back's history,
+    compared too."""
+    from kernels.triton import kda as tkda
+
+    config, layer = _kda_layer(heads, dim, dtype, lower_bound, fp8, heads * dim + batch)
     num_rows, width = max(16, 2 * batch), 3 * heads * dim
     ksize = config.linear_conv_kernel_dim
     verify = step_len > 1
-
-    def inputs(dev):
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(batch * step_len, config.hidden_size, generator=g).to(dev, dtype)
-        conv = torch.randn(num_rows, width, ksize - 1, generator=g).to(dev, dtype)
-        state = (torch.randn(num_rows, heads, dim, dim, generator=g) * 0.1).to(dev)
-        rows = _rows(batch, num_rows, dev)
-        req_to_token = torch.zeros(num_rows, 8, dtype=torch.int64, device=dev)
-        if verify:
-            starts = torch.full((batch,), 3, device=dev)
-            ids = torch.zeros(batch * step_len, dtype=torch.int64, device=dev)
-            fb = ForwardBatch.uniform(ids, rows, starts, step_len, req_to_token, 8)
-        else:
-            fb = ForwardBatch.build([0] * batch, rows.tolist(), [3] * batch, [1] * batch,
-                                    req_to_token)  # fmt: skip
-        return x, KDALayerCache(conv, state), fb
-
-    x, cache_ref, fb_ref = inputs("cpu")
+    shape = (config, heads, dim, batch, step_len, num_rows, dtype)
+    x, cache_ref, fb_ref = _kda_step_inputs(*shape, "cpu")
     hist_ref, hist = ([], []) if verify else (None, None)
     with torch.no_grad():
         ref = layer.forward(x, fb_ref, cache_ref, hist_ref)
         layer.to(device)
-        x, cache, fb = inputs(device)
+        x, cache, fb = _kda_step_inputs(*shape, device)
         conv0, state0 = cache.conv.clone(), cache.state.clone()
         _poison(device)
         q, k, v, f_a, g_a, b = layer.in_proj(x)
-        core = layer._decode_fused(q, k, v, f_a, g_a, b, fb, cache, step_len, hist)
+        core = tkda.kda_decode_layer(
+            q, k, v, f_a, b, g_a, layer.core_weights(), cache.conv, cache.state, fb.req_rows,
+            step_len, hist,
+        )  # fmt: skip
         out = layer.o_proj(core)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     _check_close(out.cpu(), ref, tol, "layer out")
@@ -468,23 +494,115 @@ def _run_kda_decode_layer(heads, dim, batch, dtype, device, lower_bound, tol, st
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_kda_decode_layer_interpreter(dtype, lower_bound):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    _run_kda_decode_layer(2, 16, 5, dtype, "cpu", lower_bound, tol)
+    for batch in (1, 3, 8):
+        _run_kda_decode_layer(2, 16, batch, dtype, "cpu", lower_bound, tol)
     _run_kda_decode_layer(3, 24, 1, dtype, "cpu", lower_bound, tol)  # D not a power of 2
     _run_kda_decode_layer(2, 16, 3, dtype, "cpu", lower_bound, tol, step_len=2)  # verify
     _run_kda_decode_layer(3, 24, 2, dtype, "cpu", lower_bound, tol, step_len=4)
     _run_kda_decode_layer(2, 16, 12, dtype, "cpu", lower_bound, tol, step_len=2)  # > 8 rows
 
 
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_decode_layer_interpreter_fp8_gates(dtype):
+    """f_b_proj and g_b_proj in block FP8: W8A8 inside the kernel, as the Linear computes it
+    (the activation's e4m3 values are bit-equal; the sums differ in order)."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _run_kda_decode_layer(2, 16, 3, dtype, "cpu", -5.0, tol, fp8=True)
+    _run_kda_decode_layer(3, 24, 2, dtype, "cpu", None, tol, step_len=2, fp8=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kda_decode_layer_gpu(dtype):
+@pytest.mark.parametrize("fp8", [False, True], ids=["dense", "fp8_gates"])
+def test_kda_decode_layer_gpu(dtype, fp8):
     # CUDA GEMMs against the CPU's in the projections: float32 gets TF32-free cuBLAS rounding
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for heads, batch in ((8, 1), (8, 8), (16, 32)):  # TP8's rank, the bench preset
-        _run_kda_decode_layer(heads, 128, batch, dtype, "cuda", -5.0, tol)
-    _run_kda_decode_layer(8, 128, 4, dtype, "cuda", None, tol)
+    for heads, batch in ((8, 1), (8, 8), (8, 32), (16, 1), (16, 32)):  # TP8 rank 0; bench preset
+        _run_kda_decode_layer(heads, 128, batch, dtype, "cuda", -5.0, tol, fp8=fp8)
+    _run_kda_decode_layer(8, 128, 4, dtype, "cuda", None, tol, fp8=fp8)
     for step_len, batch in ((2, 1), (2, 32), (4, 8)):  # EAGLE's verify at 1 and 3 steps
-        _run_kda_decode_layer(8, 128, batch, dtype, "cuda", -5.0, tol, step_len)
+        _run_kda_decode_layer(8, 128, batch, dtype, "cuda", -5.0, tol, step_len, fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step_len", [1, 2])
+def test_kda_decode_layer_cuda_graph(step_len):
+    """The fused core captured once at rank 0's shape (8 heads x 128, bf16, 8 requests) and
+    replayed on fresh tokens and states: each replay equals the torch path run on the same
+    fresh inputs (history buffers included for the verify)."""
+    from kernels import kda as kda_ref
+    from kernels.triton import kda as tkda
+
+    heads, dim, batch, dtype = 8, 128, 8, torch.bfloat16
+    config, layer = _kda_layer(heads, dim, dtype, -5.0, False, 0)
+    layer.to("cuda")
+    shape = (config, heads, dim, batch, step_len, 16, dtype, "cuda")
+    x, cache, fb = _kda_step_inputs(*shape)
+    weights = layer.core_weights()
+
+    def core(hist):
+        q, k, v, f_a, g_a, b = layer.in_proj(x)
+        rows = fb.req_rows
+        return tkda.kda_decode_layer(
+            q, k, v, f_a, b, g_a, weights, cache.conv, cache.state, rows, step_len, hist
+        )
+
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            core([] if step_len > 1 else None)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        hist = [] if step_len > 1 else None
+        with torch.cuda.graph(graph):
+            out = core(hist)
+        for seed in (5, 6):
+            nx, ncache, _ = _kda_step_inputs(*shape, seed=seed)
+            x.copy_(nx)
+            cache.conv.copy_(ncache.conv)
+            cache.state.copy_(ncache.state)
+            out.fill_(float("nan"))
+            graph.replay()
+            ref_hist = [] if step_len > 1 else None
+            q, k, v, f_a, g_a, b = layer.in_proj(nx)
+            ref = kda_ref.kda_decode_layer(
+                q, k, v, f_a, b, g_a, weights, ncache.conv, ncache.state, fb.req_rows,
+                step_len, ref_hist,
+            )  # fmt: skip
+            _check_close(out, ref, 3e-2, "graph out")
+            _check_close(cache.state, ncache.state, 3e-2, "graph state")
+            assert torch.equal(cache.conv, ncache.conv.to(cache.conv.dtype)), "graph conv state"
+            if hist is not None:
+                _check_close(hist[1], ref_hist[1], 3e-2, "graph state history")
+
+
+def test_kda_decode_core_follows_fast_path(monkeypatch):
+    """The decode core's kernel is chosen by kernels.fast_path in serving/layers/attention/kda.py
+    (not by the tensor's device): a torch-path run on CUDA (PDSERVE_TORCH_KERNELS=1,
+    kernels.torch_path()) is pure torch."""
+    import kernels.kda as kda_ref
+    import kernels.triton.kda as tkda
+    import serving.layers.attention.kda as attention
+
+    config, layer = _kda_layer(2, 16, torch.float32, -5.0, False, 0)
+    calls = []
+    for module, name in ((kda_ref, "torch"), (tkda, "triton")):
+        real = module.kda_decode_layer
+        monkeypatch.setattr(
+            module,
+            "kda_decode_layer",
+            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k),
+        )
+    for fast in (False, True):
+        if fast and not INTERPRET:
+            continue  # the Triton kernel on CPU tensors needs the interpreter
+        monkeypatch.setattr(attention, "fast_path", lambda t, _fast=fast: _fast)
+        x, cache, fb = _kda_step_inputs(config, 2, 16, 3, 1, 16, torch.float32, "cpu")
+        with torch.no_grad():
+            layer.forward(x, fb, cache)
+    assert calls == (["torch", "triton"] if INTERPRET else ["torch"]), calls
 
 
 # ---------------------------------------------------------------------------------------------

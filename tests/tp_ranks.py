@@ -170,7 +170,7 @@ def layout_name(tp: int, ep: int) -> str:
 def heldout_prompts(ckpt: Path) -> list[list[int]]:
     from tokenizers import Tokenizer
 
-    from serving.tools.eval_small import heldout_texts
+    from training.eval_small import heldout_texts
 
     tok = Tokenizer.from_file(str(Path(ckpt) / "tokenizer.json"))
     ids = [i for t in heldout_texts(HELDOUT) for i in tok.encode(t, add_special_tokens=False).ids]

@@ -1,6 +1,7 @@
 """The prefill worker's bootstrap server: where decode workers find prefill scheduler ranks.
 
 PUT /route   a prefill rank registers {rank_ip, rank_port, page_size, kv_cache_dtype, ...}
+             (register_rank: the prefill scheduler's end)
 GET /route   ?prefill_dp_rank=&prefill_cp_rank=&target_tp_rank=&target_pp_rank= (all required)
              all -1: cluster info; else {rank_ip, rank_port} of that rank; 503 until registered
 GET /health  200 (decode workers heartbeat this)
@@ -21,9 +22,14 @@ import json
 import logging
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
+
+import httpx
+
+from serving.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +77,54 @@ def check_registration(info: Any) -> dict[str, Any]:
     if not isinstance(info.get("layout", []), list):
         raise BadRegistration("layout: not a list")
     return info
+
+
+def register_rank(
+    args: ServerArgs,
+    rank_ip: str,
+    rank_port: int,
+    tp_size: int,
+    simulated_rank: int | None,
+    model: dict[str, Any],
+    layout: list,
+) -> None:
+    """Register a prefill worker's rank 0 with its bootstrap server (PUT /route): its control
+    socket and the cluster info decode's handshake compares. The server runs in the front
+    process and listens on --host (all interfaces when 0.0.0.0); it may still be starting, so
+    the registration is tried for about 5 s."""
+    info = {
+        "rank_ip": rank_ip,
+        "rank_port": rank_port,
+        "dp_rank": 0,
+        "cp_rank": 0,
+        "tp_rank": 0,
+        "pp_rank": 0,
+        "attn_tp_size": tp_size,
+        "simulated_rank": simulated_rank,
+        "attn_cp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "page_size": args.page_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "model": model,
+        "model_path": args.model_path,
+        "layout": layout,
+        "prefill_http_port": args.port,
+    }
+    bind = args.host if args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+    url = f"http://{bind}:{args.disaggregation_bootstrap_port}/route"
+    body = json.dumps(info).encode()
+    for attempt in range(50):
+        try:
+            headers = {"content-type": "application/json"}
+            if args.api_key:
+                headers["authorization"] = f"Bearer {args.api_key}"
+            httpx.put(url, content=body, headers=headers, timeout=5).raise_for_status()
+            return
+        except httpx.HTTPError as exc:
+            if attempt == 49:
+                raise RuntimeError(f"cannot register with the bootstrap server {url}") from exc
+            time.sleep(0.1)
 
 
 def _is_host(text: str) -> bool:

@@ -1,5 +1,6 @@
 """The decode worker's role: preallocate a request row, KV pages and the aux row for each request,
-send those destinations to its prefill worker, wait for the KV, commit the first token and decode.
+send those destinations to its prefill worker, wait for the KV, adopt the request with its first
+token and decode.
 
     submit -> Bootstrapping (find the prefill rank) -> WaitingForInput (wait for a row + pages)
            -> Transferring (destinations sent) -> Success (aux checked) -> running
@@ -14,155 +15,33 @@ Under TP/EP this role runs on rank 0 and decides everything; every rank has regi
 pool with its own Mooncake engine (workers/rank_transfer.FollowerKV), and the registration sent
 to prefill lists each rank's session and addresses. Prefill says Success only when every one of
 its ranks has written, so decode needs nothing from its followers but their addresses, and that
-their row resets are applied before the destinations go out (RankFanout.ask). A simulated rank
+their row resets are applied before the destinations go out (Fanout.ask_role). A simulated rank
 (--simulate-rank) registers its one rank and pairs only with a prefill simulating the same rank.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass
-
-import httpx
 
 from serving.distributed import state
 from serving.engine.request import Req
 from serving.engine.role import Role
+from serving.executor.fanout import Fanout
 from serving.executor.streams import landed_writes
-from serving.protocol import (
-    FAKE_BOOTSTRAP_HOST,
-    FinishReason,
-    GenerateRequest,
-    SchedulerStats,
-    TokenLogprob,
-)
+from serving.memory.pool import MemoryPool
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SchedulerStats
 from serving.server_args import ServerArgs
+from workers.decode_transfer import Quarantine, Transfer
 from workers.kv_endpoint import KVEndpoint
-from workers.kv_layout import (
-    layout_mismatch,
-    model_fingerprint,
-    simulation_mismatch,
-    tp_mismatch,
-)
-from workers.messages import (
-    NO_ROW,
-    PREFILL_STAGES,
-    Abort,
-    AbortAck,
-    Destination,
-    KVPoll,
-    Register,
-    Status,
-    Waiting,
-    advance,
-    decode_logprobs,
-)
+from workers.kv_layout import model_fingerprint
+from workers.messages import AbortAck, KVPoll, Status, advance
+from workers.prefill_link import PrefillLink
 from workers.rank_transfer import DESCRIBE
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Transfer:
-    req: Req
-    room: int
-    bootstrap: str  # the prefill's bootstrap server, host:port
-    state: KVPoll
-    deadline: float = 0.0
-    rank: str | None = None  # the prefill scheduler rank's control address
-    input_logprobs: list[TokenLogprob] | None = None  # scored by prefill, sent with Success
-    dest_sent_at: float = 0.0  # when the destinations went out
-
-    @property
-    def scores_only(self) -> bool:
-        """max_new_tokens 0 (the front allows it only with prompt logprobs): prefill scores the
-        prompt and sends the scores with Success; no memory is held here and nothing moves."""
-        return self.req.sampling.params.max_new_tokens == 0
-
-
-@dataclass
-class Quarantined:
-    """Memory of a failed room that a late write could still reach."""
-
-    holder: Req
-    rank: str | None
-    deadline: float
-
-
-class PrefillDirectory(threading.Thread):
-    """Looks prefill ranks up on their bootstrap servers and heartbeats those in use.
-
-    Hazard: this thread must outlive any answer a dying prefill gives (refused, reset, a body
-    cut short): if it died, decode would never again find a prefill rank and every new room
-    would wait out prefill's bootstrap timeout. Every transport failure is an httpx.HTTPError,
-    counted as unreachable; a malformed answer is unreachable too."""
-
-    def __init__(self, timeouts: Timeouts, api_key: str | None) -> None:
-        super().__init__(daemon=True, name="prefill-directory")
-        self.timeouts = timeouts
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(headers=headers, timeout=2.0)
-        self.lookups: queue.Queue[str] = queue.Queue()
-        self.events: queue.Queue[tuple[str, str, object]] = queue.Queue()
-        self.watched: set[str] = set()
-        self._misses: dict[str, int] = {}
-
-    def run(self) -> None:
-        next_beat = time.monotonic() + self.timeouts.heartbeat_interval
-        while True:
-            try:
-                addr = self.lookups.get(timeout=max(0.0, next_beat - time.monotonic()))
-                self.events.put(self._lookup(addr))
-            except queue.Empty:
-                pass
-            if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + self.timeouts.heartbeat_interval
-                for addr in list(self.watched):
-                    self._heartbeat(addr)
-
-    def _lookup(self, addr: str) -> tuple[str, str, object]:
-        """Hazard: "unreachable" fails every room waiting on this prefill at once, so a lookup
-        that only timed out is tried again (LOOKUP_ATTEMPTS in all): a prefill worker admitting
-        a burst on a loaded host can take longer than the client's timeout to answer (a CI run
-        lost all 96 rooms of a burst to one such answer)."""
-        base = f"http://{addr}/route?"
-        for _ in range(LOOKUP_ATTEMPTS):
-            try:
-                cluster = self._get_json(base + "&".join(f"{k}=-1" for k in _QUERY))
-                rank = self._get_json(base + "&".join(f"{k}=0" for k in _QUERY))
-                rank_addr = f"{rank['rank_ip']}:{rank['rank_port']}"
-            except httpx.TimeoutException as exc:
-                why = f"{type(exc).__name__}: {exc} ({LOOKUP_ATTEMPTS} attempts)"
-                continue
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                return "unreachable", addr, f"{type(exc).__name__}: {exc}"
-            return "found", addr, {**cluster, "rank": rank_addr}
-        return "unreachable", addr, why
-
-    def _get_json(self, url: str) -> dict:
-        r = self.client.get(url)
-        r.raise_for_status()
-        return r.json() if r.content else {}
-
-    def _heartbeat(self, addr: str) -> None:
-        try:
-            self.client.get(f"http://{addr}/health").raise_for_status()
-            self._misses[addr] = 0
-        except httpx.HTTPError:
-            self._misses[addr] = self._misses.get(addr, 0) + 1
-            if self._misses[addr] >= self.timeouts.heartbeat_max_failures:
-                self._misses[addr] = 0
-                self.watched.discard(addr)
-                self.events.put(("dead", addr, None))
-
-
-_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
-LOOKUP_ATTEMPTS = 3  # of a bootstrap lookup that times out (the client's timeout: 2 s each)
 
 
 class DecodeRole(Role):
@@ -171,27 +50,25 @@ class DecodeRole(Role):
         self.timeouts = Timeouts.from_env()
         self.transfers: dict[int, Transfer] = {}  # by room, in arrival order
         self.by_rid: dict[str, int] = {}
-        self.prefills: dict[str, dict] = {}  # bootstrap addr -> cluster info + rank
-        self.registered: set[str] = set()  # prefill ranks we sent our buffers to
-        self.quarantine: dict[int, Quarantined] = {}
-        self._next_keepalive = 0.0
         # for /metrics (report): failed rooms (not client aborts) by where they failed
         self.bootstrap_failed = 0
         self.transfer_failed = 0
 
-    def attach(self, scheduler) -> None:
-        super().attach(scheduler)
+    def attach(self, scheduler, pool: MemoryPool, fanout: Fanout) -> None:
+        super().attach(scheduler, pool, fanout)
+        self.pool, self.fanout = pool, fanout
         self.endpoint = KVEndpoint(
-            scheduler.pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
+            pool, advertise_host(self.args.host), self.args.disaggregation_ib_device
         )
         ps = state()
-        self.tp_size = ps.tp_size
-        self.simulated_rank = ps.rank if ps.simulated else None
-        self.fanout = scheduler.runner.fanout  # None on one rank
-        followers = self.fanout.ask(DESCRIBE) if self.fanout is not None else []
-        self.memory = [self.endpoint.memory, *followers]  # entry r: decode rank r's
-        self.directory = PrefillDirectory(self.timeouts, self.args.api_key)
-        self.directory.start()
+        # entry r: decode rank r's memory
+        memory = [self.endpoint.memory, *fanout.ask_role(DESCRIBE)]
+        simulated = ps.rank if ps.simulated else None
+        fingerprint = model_fingerprint(pool.config)
+        self.link = PrefillLink(
+            self.args, self.endpoint, memory, ps.tp_size, simulated, fingerprint, self.timeouts
+        )
+        self.quarantine = Quarantine(scheduler.free, self.timeouts.abort_ack)
 
     # ---- intake ----
     def submit(self, request: GenerateRequest) -> None:
@@ -208,13 +85,9 @@ class DecodeRole(Role):
             return fail(request, message, 400)
         if room in self.transfers:
             return fail(request, f"bootstrap_room {room} is already in use", 400)
-        problem = self.scheduler.admission_problem(request)
-        if problem is not None:
-            return fail(request, problem, 400)
-        full = self.scheduler.queue_full()
-        if full is not None:
-            return fail(request, full, 503)
-        req = self.scheduler.make_req(request)
+        req = self.scheduler.intake(request)
+        if req is None:
+            return  # refused and answered
         port = request.bootstrap_port or self.args.disaggregation_bootstrap_port
         addr = f"{request.bootstrap_host}:{port}"
         t = Transfer(
@@ -222,10 +95,10 @@ class DecodeRole(Role):
         )
         self.transfers[room] = t
         self.by_rid[req.rid] = room
-        if addr in self.prefills:
+        if self.link.rank(addr) is not None:
             self._wait_for_memory(t)
         else:
-            self.directory.lookups.put(addr)
+            self.link.look_up(addr)
 
     def abort(self, rid: str, reason: str) -> None:
         room = self.by_rid.get(rid)
@@ -242,13 +115,14 @@ class DecodeRole(Role):
                 case Status():
                     self._on_status(msg)
                 case AbortAck():
-                    self._on_abort_ack(msg)
+                    self.quarantine.acked(msg.room)
                 case _:
                     log.warning("unexpected control message at decode: %s", msg)
         self._preallocate()
-        self._commit()
+        self._adopt_landed()
         now = time.monotonic()
-        self._keep_waiting_rooms(now)
+        waiting = (t for t in self.transfers.values() if t.state == KVPoll.WaitingForInput)
+        self.link.keep_waiting(now, ((t.bootstrap, t.room) for t in waiting))
         for t in list(self.transfers.values()):
             if t.state < KVPoll.Success and now > t.deadline:
                 self._fail(
@@ -257,28 +131,17 @@ class DecodeRole(Role):
                     504,
                     tell_prefill=True,
                 )
-        for room, q in list(self.quarantine.items()):
-            if now > q.deadline:
-                log.warning("room %d: no abort ack from prefill; reusing its memory", room)
-                self._free(self.quarantine.pop(room).holder)
+        self.quarantine.expire(now)
 
     def _directory_events(self) -> None:
-        while True:
-            try:
-                kind, addr, payload = self.directory.events.get_nowait()
-            except queue.Empty:
-                return
+        for kind, addr, payload in self.link.events():
             waiting = [t for t in self.transfers.values() if t.bootstrap == addr]
             if kind == "found":
-                mismatch = self._handshake_problem(payload)
-                if mismatch is None:
-                    self.prefills[addr] = payload
-                    self.directory.watched.add(addr)
+                mismatch = self.link.handshake(addr, payload)
                 for t in waiting:
                     if mismatch is not None:
                         # prefill's request for the room fails at once with the reason too
-                        refusal = Abort(t.room, self.endpoint.addr, mismatch)
-                        self.endpoint.send(payload["rank"], refusal)
+                        self.link.abort(payload["rank"], t.room, mismatch)
                         self._fail(t, f"prefill/decode mismatch: {mismatch}", 502)
                     else:
                         self._wait_for_memory(t)
@@ -288,7 +151,6 @@ class DecodeRole(Role):
                         t, f"cannot reach the prefill bootstrap server {addr}: {payload}", 503
                     )
             elif kind == "dead":
-                rank = (self.prefills.pop(addr, None) or {}).get("rank")
                 for t in waiting:
                     if t.state == KVPoll.Success:
                         continue  # its KV is all here: it decodes without prefill
@@ -298,9 +160,7 @@ class DecodeRole(Role):
                         502,
                         prefill_gone=True,
                     )
-                for room, q in list(self.quarantine.items()):
-                    if q.rank == rank:  # a dead prefill writes nothing more
-                        self._free(self.quarantine.pop(room).holder)
+                self.quarantine.prefill_dead(payload)
 
     def _wait_for_memory(self, t: Transfer) -> None:
         """Waiting for a row and pages is queueing, not a transfer: no deadline runs (the
@@ -309,20 +169,6 @@ class DecodeRole(Role):
         if t.state < KVPoll.WaitingForInput:  # a second lookup answer must not touch later ones
             t.state = advance(t.state, KVPoll.WaitingForInput)
             t.deadline = float("inf")
-
-    def _keep_waiting_rooms(self, now: float) -> None:
-        """Tell each prefill rank which of its rooms still wait here for memory, every
-        heartbeat interval; prefill extends their bootstrap deadline (a dead decode stops
-        sending, and prefill's timeout then frees the room)."""
-        if now < self._next_keepalive:
-            return
-        self._next_keepalive = now + self.timeouts.heartbeat_interval
-        by_rank: dict[str, list[int]] = {}
-        for t in self.transfers.values():
-            if t.state == KVPoll.WaitingForInput and t.bootstrap in self.prefills:
-                by_rank.setdefault(self.prefills[t.bootstrap]["rank"], []).append(t.room)
-        for rank, rooms in by_rank.items():
-            self.endpoint.send(rank, Waiting(rooms))
 
     @property
     def queued(self) -> int:
@@ -335,69 +181,24 @@ class DecodeRole(Role):
         stats.num_bootstrap_failed_reqs_total = self.bootstrap_failed
         stats.num_transfer_failed_reqs_total = self.transfer_failed
 
-    def _handshake_problem(self, info: dict) -> str | None:
-        tp = tp_mismatch(info.get("attn_tp_size"), self.tp_size)
-        if tp is not None:
-            return tp
-        simulated = simulation_mismatch(info.get("simulated_rank"), self.simulated_rank)
-        if simulated is not None:
-            return simulated
-        if info.get("model") != model_fingerprint(self.scheduler.pool.config):
-            return (
-                f"model config differs: prefill serves {info.get('model_path')}, decode "
-                f"{self.args.model_path}"
-            )
-        if info.get("page_size") != self.args.page_size:
-            return f"page size: prefill {info.get('page_size')}, decode {self.args.page_size}"
-        return layout_mismatch(self.endpoint.layout, info.get("layout") or [])
-
     def _preallocate(self) -> None:
         waiting = [t for t in self.transfers.values() if t.state == KVPoll.WaitingForInput]
         for t in waiting:
             if t.scores_only:  # needs no memory: its destination goes out at once
                 self._send_destination(t)
-        scheduler = self.scheduler
-        ready: list[Transfer] = []
-        with scheduler.admission.batched():  # their row resets and page maps: one batch
-            for t in waiting:
-                if t.scores_only:
-                    continue
-                req = t.req
-                # the whole prompt at once (prefill writes it); one page per running request kept
-                reserve = len(scheduler.running)
-                if scheduler.admission.admit(req, len(req.input_ids), reserve) is None:
-                    break  # FIFO: later requests wait behind this one
-                ready.append(t)
-        if ready and self.fanout is not None:
+        wanted = [t for t in waiting if not t.scores_only]
+        ready = wanted[: self.scheduler.preallocate([t.req for t in wanted])]
+        if ready:
             # Hazard: a follower resets a fresh row when it replays rank 0's journal; had it
             # not done so before prefill's writes land, the reset would wipe the request state.
-            self.fanout.ask([])
+            self.fanout.ask_role([])
         for t in ready:
             self._send_destination(t)
 
     def _send_destination(self, t: Transfer) -> None:
-        req = t.req
-        info = self.prefills[t.bootstrap]
-        t.rank = info["rank"]
-        if t.rank not in self.registered:
-            register = Register(
-                decode_addr=self.endpoint.addr,
-                tp_size=self.tp_size,
-                sessions=[m.session for m in self.memory],
-                page_addrs=[m.page_addrs for m in self.memory],
-                row_addrs=[m.row_addrs for m in self.memory],
-                layout=self.endpoint.layout,
-            )
-            self.endpoint.send(t.rank, register)
-            self.registered.add(t.rank)
-        dest = Destination(
-            room=t.room,
-            session=self.endpoint.engine.session_id,
-            decode_addr=self.endpoint.addr,
-            pages=req.pages,
-            row=NO_ROW if t.scores_only else req.row,
-            prompt_len=len(req.input_ids),
-        )
+        t.rank = self.link.rank(t.bootstrap)
+        self.link.register(t.rank)
+        dest = t.destination(self.endpoint.engine.session_id, self.endpoint.addr)
         # stamped before the send: prefill's stages start when the destinations arrive, and a
         # thread paused between the send and the stamp would end this span inside them (on a
         # loaded host decode's kv_transfer_time came out shorter than prefill's parts of it)
@@ -406,48 +207,24 @@ class DecodeRole(Role):
         t.state = advance(t.state, KVPoll.Transferring)
         t.deadline = t.dest_sent_at + self.timeouts.waiting
         # finding prefill and waiting for a row and pages (req.queued_at: its arrival here)
-        req.stages["decode_prealloc_time"] = t.dest_sent_at - req.queued_at
+        t.req.stages["decode_prealloc_time"] = t.dest_sent_at - t.req.queued_at
 
     def _on_status(self, msg: Status) -> None:
         t = self.transfers.get(msg.room)
         if t is None:
             return
-        if msg.status == KVPoll.Success:
-            try:
-                t.input_logprobs = decode_logprobs(msg.input_logprobs)
-            except ValueError as e:  # everything landed: nothing of the room is in flight
-                return self._fail(t, f"prefill's success message: {e}", 502, prefill_gone=True)
-            t.state = advance(t.state, KVPoll.Success)
-            t.req.queued_at = time.monotonic()  # from here it waits for a running slot
-            self._prefill_stages(t, msg.stage_times)
-        else:
-            self._fail(
-                t,
-                f"prefill failed the handoff: {msg.message or 'no reason'}",
-                502,
-                prefill_gone=True,
-            )
+        if msg.status != KVPoll.Success:
+            why = f"prefill failed the handoff: {msg.message or 'no reason'}"
+            return self._fail(t, why, 502, prefill_gone=True)
+        try:
+            t.succeeded(msg)
+        except ValueError as e:  # everything landed: nothing of the room is in flight
+            self._fail(t, f"prefill's success message: {e}", 502, prefill_gone=True)
 
-    def _prefill_stages(self, t: Transfer, prefill: dict[str, float]) -> None:
-        """Prefill's stages join the request's; the KV transfer is the rest of the time from
-        the destinations going out to Success (prefill's wait for the writes, the writes, and
-        the control messages' way), so the TTFT parts add up to the time to first token.
-        kv_ship_wait_time and kv_write_time are parts of kv_transfer_time, not more of it."""
-        stages = t.req.stages
-        for name in PREFILL_STAGES:
-            stages[name] = float(prefill.get(name, 0.0))
-        waited = t.req.queued_at - t.dest_sent_at
-        before = ("prefill_arrival_wait_time", "queue_time", "prefill_forward_time")
-        stages["kv_transfer_time"] = max(0.0, waited - sum(stages[k] for k in before))
-
-    def _on_abort_ack(self, msg: AbortAck) -> None:
-        q = self.quarantine.pop(msg.room, None)
-        if q is not None:
-            self._free(q.holder)
-
-    def _commit(self) -> None:
-        """Successful transfers enter the running batch, oldest first, as slots free up."""
-        aux, landed = self.scheduler.pool.aux, False
+    def _adopt_landed(self) -> None:
+        """Transfers that landed (Success) enter the running batch, oldest first, as slots free
+        up."""
+        landed = False
         for t in list(self.transfers.values()):
             if t.state != KVPoll.Success:
                 continue
@@ -457,38 +234,24 @@ class DecodeRole(Role):
             if self.scheduler.free_running_slots <= 0:
                 continue  # every later one waits too: FIFO
             req = t.req
-            # host memory (AuxRows): no wait for the step in flight
-            room, first, cached, ntop = aux.ints[req.row].tolist()
+            room, first, cached, logprobs = t.first_token(self.pool.aux)
             if room != t.room:
                 self._fail(
                     t, f"handoff corrupted: aux row holds room {room}, expected {t.room}", 500
                 )
                 continue
-            logprobs = None
-            if req.return_logprob:
-                floats = aux.floats[req.row].tolist()
-                ids = aux.top_ids[req.row, :ntop].tolist()
-                logprobs = [TokenLogprob(first, floats[0], list(zip(ids, floats[1 : 1 + ntop])))]
-            aux.ints[req.row] = 0  # a later handoff into this row must write its own room
             del self.transfers[t.room]
             del self.by_rid[req.rid]
-            req.cached = len(req.input_ids)
-            req.cached_tokens = cached  # prefill's prefix-cache hit, for meta_info and usage
-            if req.return_logprob:  # prefill scored the prompt; a re-prefill scores nothing
-                req.input_logprobs = t.input_logprobs or []
-                req.input_scored = len(req.input_ids)
             if not landed:  # the steps that read its pages and row come after Mooncake's copies
-                landed_writes(self.scheduler.pool.device)
+                landed_writes(self.pool.device)
                 landed = True
-            self.scheduler.adopt(req, first, logprobs)
+            self.scheduler.adopt(req, first, logprobs, cached, t.input_logprobs)
 
     def _finish_scored(self, t: Transfer) -> None:
         """A scoring-only request is answered with prefill's scores and no output token."""
         del self.transfers[t.room]
         del self.by_rid[t.req.rid]
-        t.req.input_logprobs = t.input_logprobs or []
-        t.req.input_scored = len(t.req.input_ids)
-        self.scheduler.commit.finish(t.req, FinishReason.length())
+        self.scheduler.finish_scored(t.req, t.input_logprobs)
 
     # ---- failure ----
     def _fail(
@@ -512,28 +275,17 @@ class DecodeRole(Role):
         req = t.req
         exposed = t.state >= KVPoll.Transferring and not prefill_gone
         if exposed and tell_prefill and t.rank is not None:
-            self.endpoint.send(t.rank, Abort(t.room, self.endpoint.addr))
-        if req.row is not None:
-            if exposed:
-                holder = Req(
-                    f"{req.rid}#quarantined", [], req.sampling, row=req.row, pages=list(req.pages)
-                )
-                self.quarantine[t.room] = Quarantined(
-                    holder, t.rank, time.monotonic() + self.timeouts.abort_ack
-                )
-                req.row, req.pages = None, []
-            else:
-                self._free(req)
+            self.link.abort(t.rank, t.room)
+        if req.row is not None and exposed:
+            self.quarantine.hold(t)
+        elif req.row is not None:
+            self.scheduler.free(req)
         self.scheduler.fail_request(req, message, status)
-
-    def _free(self, holder: Req) -> None:
-        self.scheduler.admission.release(holder)
 
     # ---- scheduler hooks ----
     def owned(self) -> list[Req]:
-        return [t.req for t in self.transfers.values() if t.req.row is not None] + [
-            q.holder for q in self.quarantine.values()
-        ]
+        held = [t.req for t in self.transfers.values() if t.req.row is not None]
+        return held + self.quarantine.holders()
 
     @property
     def busy(self) -> bool:

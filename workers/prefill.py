@@ -1,6 +1,6 @@
 """The prefill worker's role: wait for decode's destinations, prefill in chunks, ship each chunk's
-KV pages as it completes, then the request state rows and the aux row, and answer the HTTP
-request (one token) only after the transfer succeeded.
+KV pages as it completes, then the request state rows and the aux row (workers/shipping.py), and
+answer the HTTP request (one token) only after the transfer succeeded.
 
 Per room (SGLang's KVPoll, forward only):
     Bootstrapping     the HTTP request is here; decode's destinations are not
@@ -17,25 +17,20 @@ handshake).
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import time
-from dataclasses import dataclass
-
-import httpx
-import torch
 
 from serving.distributed import state
 from serving.engine.request import Req
 from serving.engine.role import Role
+from serving.executor.fanout import Fanout
+from serving.memory.pool import MemoryPool
 from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams, SchedulerStats
 from serving.server_args import ServerArgs
+from workers.bootstrap_server import register_rank
 from workers.kv_endpoint import KVEndpoint
-from workers.kv_layout import layout_mismatch, model_fingerprint, tp_mismatch
+from workers.kv_layout import model_fingerprint
 from workers.messages import (
-    NO_ROW,
-    PREFILL_STAGES,
     Abort,
     AbortAck,
     Destination,
@@ -46,51 +41,11 @@ from workers.messages import (
     advance,
     encode_logprobs,
 )
-from workers.rank_transfer import JobDone, PeerMemory, RankMemory, RankSender, Ship
+from workers.shipping import Job, Room, Shipping
 from workers.timeouts import Timeouts
 from workers.transfer_engine import advertise_host
 
 log = logging.getLogger(__name__)
-
-# While followers still owe writes, rank 0 asks them at most this often (a broadcast + gather).
-RANK_POLL_S = 0.01
-
-
-@dataclass
-class Room:
-    request: GenerateRequest
-    deadline: float
-    state: KVPoll = KVPoll.Bootstrapping
-    dest: Destination | None = None
-    req: Req | None = None
-    sent_pages: int = 0
-    computed: int = 0  # prompt tokens whose KV the device has finished (chunk_prefilled)
-    in_flight: int = 0  # transfer jobs queued or running
-    failure: str | None = None
-    abort_from: str | None = None  # decode asked to abort: ack once nothing is in flight
-    nbytes: int = 0  # written so far, all ranks
-    write_s: float = 0.0  # time its writes ran (per job: the slowest rank's)
-    final_at: float = 0.0  # when its last write was ordered (its prefill had finished)
-    # how long decode's destinations waited here for the request itself (they came first)
-    arrival_wait: float = 0.0
-
-    @property
-    def scores_only(self) -> bool:
-        """max_new_tokens 0 with prompt logprobs: the prompt is scored here and the scores go
-        to decode with Success; no KV moves (decode holds no memory for it)."""
-        return self.request.sampling.max_new_tokens == 0
-
-
-@dataclass
-class Job:
-    """One Ship order: done when no rank is left that still owes its writes."""
-
-    room: int
-    final: bool
-    left: set[int]  # ranks that have not reported it
-    error: str | None = None
-    nbytes: int = 0  # written, all ranks so far
-    seconds: float = 0.0  # the slowest rank's write time (the ranks write at once)
 
 
 class PrefillRole(Role):
@@ -101,74 +56,22 @@ class PrefillRole(Role):
         self.by_rid: dict[str, int] = {}
         # decode's destinations or abort that beat the HTTP request, by room
         self.early: dict[int, tuple[float, Destination | Abort]] = {}
-        # decode workers that registered (by control address) -> their handshake error (TP size
-        # or layout mismatch: every room from that peer fails with it), or None
-        self.peers: dict[str, str | None] = {}
-        self.to_ship: list[tuple[int, bool]] = []  # (room, final) recorded during the step
-        self.orders: list[PeerMemory | Ship] = []  # for every rank, at the end of this poll
-        self.jobs: dict[int, Job] = {}
-        self.job_ids = itertools.count(1)
-        self.last_ask = 0.0
-        # for /metrics (report): failed rooms (not client aborts) by where they failed, and the
-        # last successful room's transfer
+        # for /metrics (report): failed rooms (not client aborts) by where they failed
         self.bootstrap_failed = 0
         self.transfer_failed = 0
-        self.last_transfer = (0.0, 0.0, 0.0)  # latency ms, speed GB/s, total MB
 
-    def attach(self, scheduler) -> None:
-        super().attach(scheduler)
+    def attach(self, scheduler, pool: MemoryPool, fanout: Fanout) -> None:
+        super().attach(scheduler, pool, fanout)
         host = advertise_host(self.args.host)
-        self.endpoint = KVEndpoint(scheduler.pool, host, self.args.disaggregation_ib_device)
+        self.endpoint = KVEndpoint(pool, host, self.args.disaggregation_ib_device)
         ps = state()
-        # the rank processes that write (one when simulated: rank R's share only)
-        self.world, self.tp_size = ps.processes, ps.tp_size
-        self.simulated_rank = ps.rank if ps.simulated else None
-        self.fanout = scheduler.runner.fanout  # None on one rank
-        self.sender = RankSender(
-            self.endpoint.engine,
-            self.endpoint.page_buffers,
-            self.endpoint.row_buffers,
-            0,
-            self.world,
+        # the rank processes that write: one when simulated (rank R's share only)
+        self.shipping = Shipping(self.endpoint, pool, ps.processes, ps.tp_size, fanout)
+        simulated = ps.rank if ps.simulated else None
+        fingerprint, layout = model_fingerprint(pool.config), self.endpoint.layout
+        register_rank(
+            self.args, host, self.endpoint.port, ps.tp_size, simulated, fingerprint, layout
         )
-        self.sender.start()
-        self._register_with_bootstrap(host)
-
-    def _register_with_bootstrap(self, host: str) -> None:
-        info = {
-            "rank_ip": host,
-            "rank_port": self.endpoint.port,
-            "dp_rank": 0,
-            "cp_rank": 0,
-            "tp_rank": 0,
-            "pp_rank": 0,
-            "attn_tp_size": self.tp_size,
-            "simulated_rank": self.simulated_rank,
-            "attn_cp_size": 1,
-            "dp_size": 1,
-            "pp_size": 1,
-            "page_size": self.args.page_size,
-            "kv_cache_dtype": self.args.kv_cache_dtype,
-            "model": model_fingerprint(self.scheduler.pool.config),
-            "model_path": self.args.model_path,
-            "layout": self.endpoint.layout,
-            "prefill_http_port": self.args.port,
-        }
-        # the bootstrap server listens on --host (all interfaces when 0.0.0.0)
-        bind = self.args.host if self.args.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-        url = f"http://{bind}:{self.args.disaggregation_bootstrap_port}/route"
-        body = json.dumps(info).encode()
-        for attempt in range(50):
-            try:
-                headers = {"content-type": "application/json"}
-                if self.args.api_key:
-                    headers["authorization"] = f"Bearer {self.args.api_key}"
-                httpx.put(url, content=body, headers=headers, timeout=5).raise_for_status()
-                return
-            except httpx.HTTPError as exc:
-                if attempt == 49:
-                    raise RuntimeError(f"cannot register with the bootstrap server {url}") from exc
-                time.sleep(0.1)
 
     # ---- intake ----
     def submit(self, request: GenerateRequest) -> None:
@@ -181,15 +84,11 @@ class PrefillRole(Role):
         if request.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self.scheduler.add(request)  # local only (health checks): no peer, no transfer
             return
-        room = request.bootstrap_room
+        room, fail = request.bootstrap_room, self.scheduler.fail_request
         if room is None:
-            return self.scheduler.fail_request(
-                request, "bootstrap_room is required in PD mode", 400
-            )
+            return fail(request, "bootstrap_room is required in PD mode", 400)
         if room in self.rooms:
-            return self.scheduler.fail_request(
-                request, f"bootstrap_room {room} is already in use", 400
-            )
+            return fail(request, f"bootstrap_room {room} is already in use", 400)
         self.rooms[room] = Room(request, time.monotonic() + self.timeouts.bootstrap)
         self.by_rid[request.rid] = room
         early_at, early = self.early.pop(room, (0.0, None))
@@ -208,11 +107,11 @@ class PrefillRole(Role):
 
     # ---- the loop ----
     def poll(self) -> None:
-        self._ship_pending()
+        self.shipping.order(self.rooms)
         for msg in self.endpoint.receive():
             match msg:
                 case Register():
-                    self._on_register(msg)
+                    self.shipping.register(msg)
                 case Destination():
                     self._on_dest(msg)
                 case Abort():
@@ -221,7 +120,13 @@ class PrefillRole(Role):
                     self._on_waiting(msg)
                 case _:
                     log.warning("unexpected control message at prefill: %s", msg)
-        self._drive_ranks()
+        # Ships come from processed steps: each was synchronised before its hooks ran. With a
+        # later step in flight (overlap) nothing launched since writes a shipped page or row
+        # (the prefill worker never decodes; a next chunk writes only later pages, and rows ship
+        # with the last chunk), so no event is needed. Without one, process-time device work
+        # (EAGLE's draft extend) may still be queued: the sender records an event.
+        for job in self.shipping.drive(written=self.scheduler.inflight is not None):
+            self._on_job_done(job)
         now = time.monotonic()
         for room_id, room in list(self.rooms.items()):
             if room.state == KVPoll.Bootstrapping and now > room.deadline:
@@ -235,24 +140,6 @@ class PrefillRole(Role):
             if now - t > self.timeouts.bootstrap:
                 del self.early[room_id]
 
-    def _on_register(self, msg: Register) -> None:
-        ranks = [RankMemory(*m) for m in zip(msg.sessions, msg.page_addrs, msg.row_addrs)]
-        pages, rows = len(self.endpoint.page_buffers), len(self.endpoint.row_buffers)
-        error = tp_mismatch(self.tp_size, msg.tp_size) or layout_mismatch(
-            self.endpoint.layout, msg.layout
-        )
-        if not error and (
-            not ranks
-            or len({len(msg.sessions), len(msg.page_addrs), len(msg.row_addrs)}) != 1
-            or any(len(r.page_addrs) != pages or len(r.row_addrs) != rows for r in ranks)
-        ):
-            error = "the registration's per-rank addresses do not match its layout"
-        if error:
-            log.error("decode %s refused at handshake: %s", msg.decode_addr, error)
-        else:
-            self.orders.append(PeerMemory(msg.decode_addr, ranks))
-        self.peers[msg.decode_addr] = error
-
     @property
     def queued(self) -> int:
         return sum(room.state == KVPoll.Bootstrapping for room in self.rooms.values())
@@ -263,7 +150,7 @@ class PrefillRole(Role):
         stats.num_bootstrap_failed_reqs_total = self.bootstrap_failed
         stats.num_transfer_failed_reqs_total = self.transfer_failed
         (stats.kv_transfer_latency_ms, stats.kv_transfer_speed_gb_s,
-         stats.kv_transfer_total_mb) = self.last_transfer  # fmt: skip
+         stats.kv_transfer_total_mb) = self.shipping.last_transfer  # fmt: skip
 
     def _on_waiting(self, msg: Waiting) -> None:
         """Decode still queues these rooms for memory: their wait for destinations is decode's
@@ -283,25 +170,9 @@ class PrefillRole(Role):
         if room.dest is not None:
             return
         room.dest = msg
-        n = len(room.request.input_ids)
-        if msg.decode_addr not in self.peers:
-            return self._fail(room_id, "decode sent destinations before registering", 502)
-        if error := self.peers[msg.decode_addr]:
-            return self._fail(room_id, f"prefill/decode mismatch: {error}", 502)
-        if msg.prompt_len != n:
-            return self._fail(
-                room_id,
-                f"prompt length differs: prefill has {n} tokens, decode "
-                f"{msg.prompt_len} (different tokenizer or chat template?)",
-                502,
-            )
-        if (msg.row == NO_ROW) != room.scores_only or (msg.row == NO_ROW and msg.pages):
-            return self._fail(
-                room_id,
-                "prefill and decode disagree on max_new_tokens: a scoring-only request "
-                "(max_new_tokens 0) has no destination memory, any other one has",
-                502,
-            )
+        problem = self.shipping.destination_problem(room, msg)
+        if problem is not None:
+            return self._fail(room_id, problem, 502)
         room.state = advance(room.state, KVPoll.WaitingForInput)
         self.scheduler.add(room.request)
 
@@ -332,7 +203,7 @@ class PrefillRole(Role):
             # not req.cached: under the overlap scheduler it may count a chunk still computing
             room.computed = end
             if not room.scores_only:
-                self.to_ship.append((room_id, False))
+                self.shipping.record(room_id, final=False)
 
     def finished(self, req: Req) -> bool:
         room_id = self.by_rid.get(req.rid)
@@ -348,32 +219,11 @@ class PrefillRole(Role):
             self._forget(room_id)
             return False
         if room.scores_only:  # nothing was written: the scores go out now, memory is freed
-            room.state = advance(room.state, KVPoll.Success)
-            scored = encode_logprobs(req.input_logprobs)
-            self.endpoint.send(
-                room.dest.decode_addr, Status(room_id, int(KVPoll.Success), input_logprobs=scored)
-            )
+            self._succeed(room_id, room)
             self._forget(room_id)
             return False
-        self.to_ship.append((room_id, True))
+        self.shipping.record(room_id, final=True)
         return True
-
-    def _ship_pending(self) -> None:
-        pending, self.to_ship = self.to_ship, []
-        for room_id, final in pending:
-            room = self.rooms.get(room_id)
-            if room is None or room.failure is not None:
-                continue
-            req = room.req
-            end = len(req.pages) if final else room.computed // self.scheduler.pool.plan.page_size
-            if end <= room.sent_pages and not final:
-                continue
-            src, dst = req.pages[room.sent_pages : end], room.dest.pages[room.sent_pages : end]
-            room.sent_pages = end
-            if final:
-                self._write_aux(req, room)
-            rows = (req.row, room.dest.row) if final else None
-            self._ship(room_id, room, src, dst, rows, final)
 
     def owned(self) -> list[Req]:
         """Finished requests held until their transfer ends."""
@@ -385,108 +235,23 @@ class PrefillRole(Role):
 
     @property
     def busy(self) -> bool:
-        return bool(self.to_ship) or any(r.in_flight for r in self.rooms.values())
+        return self.shipping.busy or any(r.in_flight for r in self.rooms.values())
 
     def sockets(self) -> list:
         return [self.endpoint.pull]
 
-    # ---- transfer ----
-    def _write_aux(self, req: Req, room: Room) -> None:
-        """Host writes into the host part of the aux row: complete when this returns, so before
-        the transfer that carries them is posted. EAGLE's proposal and hidden are already
-        current on the device (Eagle.extend_draft)."""
-        aux = self.scheduler.pool.aux
-        lp = req.last_logprob
-        top = lp.top if lp is not None else []
-        aux.ints[req.row] = torch.tensor(
-            [room.request.bootstrap_room, req.output_ids[-1], req.cached_tokens or 0, len(top)]
-        )
-        floats = [lp.logprob if lp is not None else 0.0] + [v for _, v in top]
-        aux.floats[req.row, : len(floats)] = torch.tensor(floats)
-        if top:
-            aux.top_ids[req.row, : len(top)] = torch.tensor([t for t, _ in top])
-
-    def _ship(
-        self,
-        room_id: int,
-        room: Room,
-        src: list[int],
-        dst: list[int],
-        rows: tuple[int, int] | None,
-        final: bool,
-    ) -> None:
-        room.state = advance(room.state, KVPoll.Transferring)
-        room.in_flight += 1
-        if final:
-            room.final_at = time.monotonic()
-        job = next(self.job_ids)
-        self.jobs[job] = Job(room_id, final, set(range(self.world)))
-        self.orders.append(Ship(job, room.dest.decode_addr, src, dst, rows))
-
-    def _drive_ranks(self) -> None:
-        """Hand this poll's orders to every rank (rank 0's own sender, the followers through the
-        fanout) and collect what each rank finished. Followers with writes still owed are asked
-        again at most every RANK_POLL_S, with no orders."""
-        orders, self.orders = self.orders, []
-        # Ships come from processed steps: each was synchronised before its hooks ran. With a
-        # later step in flight (overlap) nothing launched since writes a shipped page or row
-        # (the prefill worker never decodes; a next chunk writes only later pages, and rows ship
-        # with the last chunk), so no event is needed. Without one, process-time device work
-        # (EAGLE's draft extend) may still be queued: the sender records an event.
-        self.sender.apply(orders, written=self.scheduler.inflight is not None)
-        done: list[tuple[int, JobDone]] = [(0, d) for d in self.sender.done()]
-        if self.fanout is not None:
-            now = time.monotonic()
-            owed = any(job.left - {0} for job in self.jobs.values())
-            if orders or (owed and now - self.last_ask >= RANK_POLL_S):
-                self.last_ask = now
-                for rank, finished in enumerate(self.fanout.ask(orders), 1):
-                    done += [(rank, d) for d in finished]
-        for rank, d in done:
-            job = self.jobs.get(d.job)
-            if job is None:
-                continue
-            job.left.discard(rank)
-            job.nbytes += d.nbytes
-            job.seconds = max(job.seconds, d.seconds)
-            if d.error and job.error is None:
-                job.error = f"rank {rank}: {d.error}" if self.world > 1 else d.error
-            if not job.left:
-                del self.jobs[d.job]
-                self._on_job_done(job)
-
+    # ---- the room's end ----
     def _on_job_done(self, job: Job) -> None:
         room = self.rooms.get(job.room)
         if room is None:
             return
-        room.in_flight -= 1
-        room.nbytes += job.nbytes
-        room.write_s += job.seconds
-        if job.error and room.failure is None:
-            room.failure = f"KV transfer to decode failed: {job.error}"
+        if self.shipping.settle(room, job):
             log.error("room %d: %s", job.room, room.failure)
             self._notify_failed(job.room, room, 502)
         if job.final and room.failure is None:
-            room.state = advance(room.state, KVPoll.Success)
-            self.last_transfer = (
-                (time.monotonic() - room.final_at) * 1e3,
-                room.nbytes / room.write_s / 1e9 if room.write_s > 0 else 0.0,
-                room.nbytes / 1e6,
-            )
-            scored = encode_logprobs(room.req.input_logprobs)
-            req = room.req
-            now = time.monotonic()
-            req.stages["prefill_arrival_wait_time"] = room.arrival_wait
-            # the last write ordered -> done: behind other requests' writes, then its own
-            req.stages["kv_ship_wait_time"] = max(0.0, now - room.final_at - job.seconds)
-            req.stages["kv_write_time"] = job.seconds  # the last write: after the prefill
-            stages = {k: req.stages[k] for k in PREFILL_STAGES if k in req.stages}
-            success = Status(
-                job.room, int(KVPoll.Success), input_logprobs=scored, stage_times=stages
-            )
-            self.endpoint.send(room.dest.decode_addr, success)
-            req.stages["kv_transfer_time"] = now - (req.first_token_at or 0.0)
-            self.scheduler.release_held(req, logprobs=_as_list(req.last_logprob))
+            self._succeed(job.room, room, self.shipping.landed(room, job))
+            last = room.req.last_logprob
+            self.scheduler.release_held(room.req, logprobs=[last] if last is not None else None)
             self._forget(job.room)
         elif room.failure is not None and room.in_flight == 0 and room.req is not None:
             if room.req.finish_reason is not None:  # held by finished(): report the failure now
@@ -494,6 +259,14 @@ class PrefillRole(Role):
                 self._forget(job.room)
             else:  # still in the scheduler: aborting it releases through finished()
                 self.scheduler.abort(room.request.rid, room.failure, status=502)
+
+    def _succeed(self, room_id: int, room: Room, stages: dict[str, float] | None = None) -> None:
+        """Tell decode the room's KV is all written (none moves for a scoring-only request),
+        with the prompt's logprobs and (stages) prefill's stage times of its request."""
+        room.state = advance(room.state, KVPoll.Success)
+        scored, times = encode_logprobs(room.req.input_logprobs), stages or {}
+        success = Status(room_id, int(KVPoll.Success), input_logprobs=scored, stage_times=times)
+        self.endpoint.send(room.dest.decode_addr, success)
 
     def _notify_failed(self, room_id: int, room: Room, status: int) -> None:
         """The room failed (`status`: the HTTP status its request fails with): tell decode,
@@ -525,7 +298,3 @@ class PrefillRole(Role):
             self.by_rid.pop(room.request.rid, None)
             if room.abort_from is not None:
                 self.endpoint.send(room.abort_from, AbortAck(room_id))
-
-
-def _as_list(lp):
-    return [lp] if lp is not None else None

@@ -16,9 +16,10 @@ Only rank 0's aux row holds the host-written columns (room, first token, logprob
 rank 0 reads them.
 
 Followers never decide: rank 0 broadcasts orders (PeerMemory, then Ship) through the step
-fanout (serving/engine/tp_worker.RankFanout.ask), every rank turns them into writes against its
-own buffers and its decode peers' addresses, and replies with the jobs it has finished since it
-was last asked. A job is done when every rank reported it; only then does prefill say Success.
+fanout (serving/engine/tp_worker.RankFanout.ask_role; workers/shipping.py), every rank turns them
+into writes against its own buffers and its decode peers' addresses, and replies with the jobs
+it has finished since it was last asked. A job is done when every rank reported it; only then
+does prefill say Success.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Block-FP8 W8A8 linears on CUDA: same signatures and results as kernels/fp8.py.
 
-quantize_act: one program per token and up to GROUPS groups of 128 channels; the scale is
-amax / 448 and the values x * (448 / amax) (both quotients tl.math.div_rn: Triton's `/` is an
-approximate division on CUDA) are rounded to nearest-even on the e4m3 grid by hand
-(_round_e4m3) before the cast, so the bits equal the torch reference's on the GPU and under
-TRITON_INTERPRET=1 alike (the interpreter's own fp32 -> fp8 cast truncates). The scales are
-written token-major ([T, KB], for the Triton kernels) or group-major (stride (1, T), what
-torch._scaled_mm takes).
+quantize_act: one program per token and up to GROUPS groups of 128 channels, quantized by
+kernels/triton/e4m3.py (IEEE quotients, e4m3 rounding by hand), so the bits equal the torch
+reference's on the GPU and under TRITON_INTERPRET=1 alike. The scales are written token-major
+([T, KB], for the Triton kernels) or group-major (stride (1, T), what torch._scaled_mm takes).
 
-block_fp8_linear picks one of two GEMMs per weight shape:
+block_fp8_linear runs at most SKINNY_MAX_TOKENS token rows (decode, verify) on the skinny GEMM
+(kernels/triton/skinny_gemm.py: the weight streamed by split-K programs, x quantized inside it),
+and more on one of two GEMMs per weight shape:
 - torch._scaled_mm with 1x128 activation and 128x128 weight block scales (cuBLASLt's
   DeepSeek-style scaling: SM90, cuBLASLt >= 12.9, PyTorch >= 2.9; N and K multiples of 16). It
   is probed once per (N, K, dtype, device), at load (linear_backends, which the loader logs) or
@@ -24,9 +23,9 @@ No host sync; tile sizes and the backend are host-side functions of the shapes, 
 capturable in CUDA graphs. M, N and K are run-time arguments of the Triton GEMM: one compiled
 kernel per tile configuration, not per shape.
 
-time_linear measures one weight shape, FP8 (block_fp8_linear as above) against the dense GEMM
-in the activations' dtype, as device time under a CUDA graph: what serving/models/fp8_choice.py
-decides from at load.
+time_linear measures one weight shape, FP8 (block_fp8_linear as above) against the dense
+linear a bf16 weight runs (cuBLAS), as device time under a CUDA graph: what
+serving/models/fp8_choice.py decides from at load.
 """
 
 from __future__ import annotations
@@ -37,45 +36,22 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import AMAX_FLOOR, BLOCK, FP8, FP8_MAX, blocks, quantize_weight
+from kernels.fp8 import BLOCK, FP8, blocks, quantize_weight
+from kernels.triton.e4m3 import quant_rows
+from kernels.triton.skinny_gemm import skinny_linear
 
 log = logging.getLogger(__name__)
+
+# token rows up to which block_fp8_linear runs the skinny GEMM: on the H200 (bench.decode_gemm,
+# rank 0 of TP8) it beat quantize + torch._scaled_mm at 1 row for 4 of 6 shapes, lost at 8 rows
+# for most and at 32 for all (0.2-0.5x), so decode at batch 1 and its 2-token verify take it
+SKINNY_MAX_TOKENS = 4
 
 # Programs the small-M GEMM heuristic aims at: about two per SM on an H200 (132 SMs).
 TARGET_PROGRAMS = 264
 # pipelined A and B tiles' shared memory (the rest of the 227 KiB: Triton's own scratch)
 SMEM_TILE_BUDGET = 160 * 1024
-# block_fp8_linear uses torch._scaled_mm (where the shape passed its probe) from this many tokens
-# up; fewer go to the Triton GEMM with the quantization fused (one launch). 1: cuBLASLt for all;
-# bench_kernels_moe_kda --only fp8 times both backends per shape and token count.
-SCALED_MM_MIN_TOKENS = 1
 SCALED_MM_ROWS = 4  # cuBLASLt's 1x128 activation scales take token counts in multiples of this
-AMAX_FLOOR_C = tl.constexpr(AMAX_FLOOR)
-FP8_MAX_C = tl.constexpr(FP8_MAX)
-
-
-@triton.jit
-def _round_e4m3(q):
-    """q (fp32, |q| <= 448) rounded to nearest-even on the e4m3 grid: 3 mantissa bits, steps
-    of 2^(e-3) for exponent e >= -6 and 2^-9 below (subnormals). Exact in fp32."""
-    bits = q.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    step = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e-3)
-    inv = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3-e)
-    r = q * inv  # exact (a power of two): an fma contraction with the add below is harmless
-    r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to nearest-even integer
-    return r * step
-
-
-@triton.jit
-def _quant_rows(x):
-    """x [R, C] fp32, each row one group (entries past the group are 0): (the e4m3 values as
-    fp32, the scales [R]), as kernels.fp8.quantize_act."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR_C)
-    fp8_max = tl.zeros_like(amax) + FP8_MAX_C
-    inv = tl.math.div_rn(fp8_max, amax)
-    q = tl.minimum(tl.maximum(x * inv[:, None], -FP8_MAX_C), FP8_MAX_C)
-    return _round_e4m3(q), tl.math.div_rn(amax, fp8_max)
 
 
 @triton.jit
@@ -95,7 +71,7 @@ def _quant_kernel(
     c = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (g[:, None] < KB) & (c < K)
     x = tl.load(x_ptr + t * K + c, mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quant_rows(x)
+    q, scale = quant_rows(x)
     tl.store(q_ptr + t * K + c, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + t * stride_st + g * stride_sg, scale, mask=g < KB)
 
@@ -184,7 +160,7 @@ def _gemm_kernel(
             a = tl.load(a_ptrs + k0, mask=k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs + k0, mask=k_mask[:, None], other=0.0)
         if QUANT_A:  # BLOCK_K covers the whole group (the host sets it so): quantize here
-            qa, a_s = _quant_rows(a.to(tl.float32))
+            qa, a_s = quant_rows(a.to(tl.float32))
             a = qa.to(b_ptr.dtype.element_ty)  # exact: qa is on the e4m3 grid
         else:
             a_s = tl.load(as_ptrs + (k0 // GROUP) * stride_asg)
@@ -301,14 +277,23 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
     ceil(in/128)] float32; returns [..., out] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = w8.shape[0]
-    x2 = x.reshape(-1, k).contiguous()  # x may be a column slice (StackedProjections' outputs)
-    if x2.shape[0] == 0:
-        return torch.empty(*lead, n, device=x.device, dtype=x.dtype)
-    if x2.shape[0] >= SCALED_MM_MIN_TOKENS and scaled_mm_usable(n, k, x.dtype, x.device):
-        y = block_fp8_linear_scaled_mm(x2, w8, scale)
+    x2 = x.reshape(-1, k)  # x may be a column slice (StackedProjections' outputs)
+    gemm = linear_gemm(x2.shape[0], n, k, x.dtype, x.device)
+    if gemm == "skinny":
+        y = skinny_linear(x2, w8, scale)  # takes the row stride; 0 rows too
+    elif gemm == "scaled_mm":
+        y = block_fp8_linear_scaled_mm(x2.contiguous(), w8, scale)
     else:
-        y = block_fp8_linear_triton(x2, w8, scale)
+        y = block_fp8_linear_triton(x2.contiguous(), w8, scale)
     return y.view(*lead, n)
+
+
+def linear_gemm(tokens: int, n: int, k: int, dtype: torch.dtype, device) -> str:
+    """The GEMM block_fp8_linear runs for `tokens` rows against an [n, k] weight: "skinny",
+    "scaled_mm" or "triton" (host ints; may probe torch._scaled_mm, see scaled_mm_usable)."""
+    if tokens <= SKINNY_MAX_TOKENS:
+        return "skinny"
+    return "scaled_mm" if scaled_mm_usable(n, k, dtype, device) else "triton"
 
 
 # (N, K, dtype, device) -> whether torch._scaled_mm runs this shape and agrees with Triton
@@ -366,8 +351,8 @@ def _probe_scaled_mm(n: int, k: int, dtype: torch.dtype, device: torch.device) -
 
 
 def linear_backends(shapes, dtype: torch.dtype, device) -> dict[tuple[int, int], str]:
-    """The GEMM block_fp8_linear will use per weight shape (N, K): "scaled_mm" or "triton"
-    (probes them now, at load, so the first decode graph capture finds them decided)."""
+    """The GEMM block_fp8_linear will use per weight shape (N, K) above SKINNY_MAX_TOKENS rows:
+    "scaled_mm" or "triton" (probes them now, at load, so no capture meets an unprobed shape)."""
     return {
         (n, k): "scaled_mm" if scaled_mm_usable(n, k, dtype, device) else "triton"
         for n, k in sorted(set(shapes))
@@ -382,12 +367,13 @@ TIMING_WARMUP, TIMING_REPLAYS = 2, 7
 
 def time_linear(n: int, k: int, tokens: int, dtype: torch.dtype, device) -> tuple[float, float]:
     """Device microseconds per call of y = x W^T, x [tokens, k] in `dtype`, for a random weight
-    [n, k]: (block_fp8_linear: activation quantization plus the GEMM it picks for this shape;
-    F.linear on the weight in `dtype`). Each is captured in one CUDA graph (no launch overhead,
-    as the decode graphs run) that rotates through weight copies (and outputs) adding up to
-    twice the L2 cache, so each call reads its operands from HBM as successive layers do; the
-    median of the graph's replays, per call. Allocates about 2 x L2 of copies; runs eagerly
-    first (Triton compiles, the torch._scaled_mm probe), never under an outer capture."""
+    [n, k]: (block_fp8_linear: activation quantization plus the GEMM it picks for this shape and
+    token count; cuBLAS on the weight in `dtype`, what a dense projection runs). Each is
+    captured in one CUDA graph (no launch overhead, as the decode graphs run) that rotates
+    through weight copies (and outputs) adding up to twice the L2 cache, so each call reads its
+    operands from HBM as successive layers do; the median of the graph's replays, per call.
+    Allocates about 2 x L2 of copies; runs eagerly first (Triton compiles, the torch._scaled_mm
+    probe), never under an outer capture."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(n, k, device=device, generator=gen) * k**-0.5

@@ -31,6 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import BLOCK as FP8_BLOCK
+from kernels.kda import KDAWeights
+from kernels.triton.e4m3 import quant_rows
+
 # Every ragged extend runs the conv with this many tokens per program, whatever its lengths: a
 # block size picked from the batch (a short last segment of a snapshot pass, a short prompt)
 # would be one more compiled variant, met first under a user's request.
@@ -512,17 +516,6 @@ def kda_decode(
 # ---------------------------------------------------------------------------------------------
 
 
-class KDADecodeWeights(NamedTuple):
-    """A KDA layer's parameters the fused decode reads (serving/models/kda.py's, this rank's)."""
-
-    conv: torch.Tensor  # [3*H*D, K] float32: q | k | v depthwise kernels
-    dt_bias: torch.Tensor  # [H*D] float32
-    a_log: torch.Tensor  # [H] float32
-    o_norm: torch.Tensor  # [D] float32
-    lower_bound: float | None  # the bounded forget gate's, or None: -exp(A_log) * softplus
-    eps: float  # the output RMSNorm's
-
-
 @triton.jit
 def _conv_silu_step(x, w_ptr, slots, ch, mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """One channel block's causal conv + SiLU for one new input x (float32 holding the input
@@ -552,9 +545,27 @@ def _conv_slots_to_history(slots, hist, mask, K: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
+def _head_projection(a, w_ptr, s_ptr, stride_s, n, n_mask, r, r_mask, dt, R: tl.constexpr,
+                     FP8: tl.constexpr):  # fmt: skip
+    """Rows n of a [*, R] projection applied to one token's a [BLOCK_R] (float32 holding the
+    dtype's values): sum_r a[r] W[n, r] in float32, rounded to dt as the layer's Linear rounds
+    its output. FP8: W8A8 as kernels.fp8.block_fp8_linear (a quantized per token in one group
+    of <= 128, W's block scales per 128 rows), products and sums in float32."""
+    w = tl.load(w_ptr + n[:, None] * R + r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                other=0.0).to(tl.float32)  # fmt: skip
+    if FP8:
+        q, scale = quant_rows(a[None, :])
+        a = tl.sum(q * scale[:, None], axis=0)  # the one group's dequantized values
+        w = w * tl.load(s_ptr + (n // 128) * stride_s, mask=n_mask, other=0.0)[:, None]
+    return tl.sum(w * a[None, :], axis=1).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _kda_decode_layer_kernel(
     q_ptr, k_ptr, v_ptr, stride_x,  # [B*T, H*D] each (views of one projection), rows stride_x apart
-    f_ptr, gate_ptr, stride_fg,  # [B*T, H*D] each: the forget gate's and the output gate's logits
+    fa_ptr, ga_ptr, stride_a,  # [B*T, R] each: f_a_proj's and g_a_proj's outputs
+    fb_ptr, gb_ptr,  # [H*D, R] f_b_proj's and g_b_proj's weights (the model's dtype, or e4m3)
+    fbs_ptr, gbs_ptr, stride_ws,  # FP8: their block scales [ceil(H*D/128), ceil(R/128)]
     b_ptr, stride_b,  # [B*T, H] beta logits
     w_ptr,  # [3*H*D, K] float32 conv weights, q | k | v
     dt_bias_ptr, a_log_ptr, o_norm_ptr,  # [H*D], [H], [D] float32
@@ -564,8 +575,8 @@ def _kda_decode_layer_kernel(
     conv_hist_ptr, state_hist_ptr,  # HISTORY: [B, 3*H*D, K-1+T] float32, [B, T, H, D, D] float32
     scale, lower_bound, eps,
     T: tl.constexpr, HISTORY: tl.constexpr,
-    H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr, BOUNDED: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BOUNDED: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)  # the request
     h = tl.program_id(1)
@@ -588,6 +599,9 @@ def _kda_decode_layer_kernel(
         )
     rate = tl.exp(tl.load(a_log_ptr + h))
     dt_bias = tl.load(dt_bias_ptr + ch, mask=dm)
+    dt = q_ptr.dtype.element_ty
+    r = tl.arange(0, BLOCK_R)
+    rm = r < R
     dv = tl.arange(0, BLOCK_D)
     sm = dm[:, None] & (dv < D)[None, :]
     s_ptrs = state_ptr + row * stride_sr + h * D * D + d[:, None] * D + dv[None, :]
@@ -614,9 +628,11 @@ def _kda_decode_layer_kernel(
         v = v.to(xq.dtype).to(tl.float32)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-        # the forget gate's per-channel log decay, and beta (sigmoid in the logits' dtype)
-        fg = tok * stride_fg + ch
-        f = tl.load(f_ptr + fg, mask=dm, other=0.0).to(tl.float32) + dt_bias
+        # the forget gate's per-channel log decay (f_b_proj: this head's rows of it), and beta
+        # (sigmoid in the logits' dtype)
+        f_a = tl.load(fa_ptr + tok * stride_a + r, mask=rm, other=0.0).to(tl.float32)
+        f = _head_projection(f_a, fb_ptr, fbs_ptr, stride_ws, ch, dm, r, rm, dt, R, FP8)
+        f = f + dt_bias
         if BOUNDED:
             g = lower_bound * tl.sigmoid(rate * f)
         else:  # softplus with torch's threshold 20
@@ -633,8 +649,10 @@ def _kda_decode_layer_kernel(
         o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
         # gated RMSNorm per head
         o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(o_norm_ptr + dv, mask=dv < D)
-        gate = tl.load(gate_ptr + tok * stride_fg + h * D + dv, mask=dv < D, other=0.0)
-        o = o * tl.sigmoid(gate.to(tl.float32))
+        g_a = tl.load(ga_ptr + tok * stride_a + r, mask=rm, other=0.0).to(tl.float32)
+        gate = _head_projection(g_a, gb_ptr, gbs_ptr, stride_ws, h * D + dv, dv < D, r, rm, dt, R,
+                                FP8)  # fmt: skip
+        o = o * tl.sigmoid(gate)
         tl.store(out_ptr + tok * (H * D) + h * D + dv, o.to(out_ptr.dtype.element_ty),
                  mask=dv < D)  # fmt: skip
     tl.store(s_ptrs, s, mask=sm)
@@ -644,33 +662,43 @@ def kda_decode_layer(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    f: torch.Tensor,
+    f_a: torch.Tensor,
     b: torch.Tensor,
-    gate: torch.Tensor,
-    weights: KDADecodeWeights,
+    g_a: torch.Tensor,
+    weights: KDAWeights,
     conv_state: torch.Tensor,
     state: torch.Tensor,
     rows: torch.Tensor,
     step_len: int = 1,
     history: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """A decode-phase step through a KDA layer's core in one kernel, step_len tokens per request
-    (1, or a speculative verify's draft tokens), in order: the causal conv + SiLU of q, k, v
-    (conv_state[rows] shifts by one per token), the forget gate's log decay from f (+ dt_bias,
-    A_log), beta = sigmoid(b), the l2-normed gated delta rule on state[rows] (in place), the
-    per-head RMSNorm of its output gated by sigmoid(gate). q, k, v, f, gate: [B*step_len, H*D]
-    with a contiguous last dim (q, k, v may be views of one projection's output); b:
-    [B*step_len, H]. Returns [B*step_len, H*D] in q's dtype. With history, appends what the
-    unfused path's (kda_uniform and causal_conv_uniform's) history holds, for a verify's
-    roll-back: the conv inputs [B, 3*H*D, K-1+step_len] (old state ++ the step's inputs) and the
-    state after each token [B, step_len, H, D, D], both float32. It rounds where the unfused
-    path (kernels.kda's signatures through serving/models/kda.py) rounds: the conv outputs and
-    the recurrence's output to q's dtype, beta's sigmoid in b's dtype. Graph-safe."""
+    """kernels.kda.kda_decode_layer in one kernel: one program per request and head, looping
+    over the request's step_len tokens (1, or a speculative verify's draft tokens), in order:
+    the causal conv + SiLU of q, k, v (conv_state[rows] shifts by one per token), the head's
+    rows of f_b_proj(f_a) and g_b_proj(g_a) (a 128 x 128 product each at the real size; bf16
+    or block-FP8 weights, W8A8 as the Linear), the forget gate's log decay (+ dt_bias, A_log),
+    beta = sigmoid(b), the l2-normed gated delta rule on state[rows] (in place), the per-head
+    RMSNorm of its output gated by sigmoid(gate). q, k, v: [B*step_len, H*D] with a contiguous
+    last dim (views of one projection's output, as f_a and g_a may be); b: [B*step_len, H].
+    Returns [B*step_len, H*D] in q's dtype. With history, appends what the reference's
+    (kda_uniform and causal_conv_uniform's) history holds, for a verify's roll-back: the conv
+    inputs [B, 3*H*D, K-1+step_len] (old state ++ the step's inputs) and the state after each
+    token [B, step_len, H, D, D], both float32. It rounds where the reference rounds: the conv
+    outputs, the two projections and the recurrence's output to q's dtype, beta's sigmoid in
+    b's dtype. Graph-safe."""
     _check_state(state)
     tokens, width = q.shape
     heads, dim = state.shape[1], state.shape[2]
+    rank = f_a.shape[1]
+    fp8 = weights.f_b_scale is not None
     assert width == heads * dim and k.stride() == v.stride() == q.stride() and q.stride(1) == 1
-    assert f.stride() == gate.stride() and f.stride(1) == 1 and b.stride(1) == 1
+    assert f_a.stride() == g_a.stride() and f_a.stride(1) == 1 and b.stride(1) == 1
+    assert weights.f_b.shape == weights.g_b.shape == (width, rank)
+    assert weights.f_b.is_contiguous() and weights.g_b.is_contiguous()
+    assert (weights.g_b_scale is not None) == fp8, "f_b and g_b are held alike"
+    assert not fp8 or (
+        rank <= FP8_BLOCK and weights.f_b_scale.stride() == weights.g_b_scale.stride()
+    ), "FP8 gates: one activation group (R <= 128) and like-shaped scales"
     assert conv_state.stride(2) == 1 and tokens % step_len == 0
     num_reqs, ksize = tokens // step_len, weights.conv.shape[1]
     out = torch.empty(tokens, width, device=q.device, dtype=q.dtype)
@@ -684,14 +712,18 @@ def kda_decode_layer(
         history += [conv_hist, state_hist]
     if num_reqs == 0:
         return out
+    f_scale = weights.f_b_scale if fp8 else weights.f_b  # unused without FP8
+    g_scale = weights.g_b_scale if fp8 else weights.g_b
     _kda_decode_layer_kernel[(num_reqs, heads)](
-        q, k, v, q.stride(0), f, gate, f.stride(0), b, b.stride(0),
+        q, k, v, q.stride(0), f_a, g_a, f_a.stride(0), weights.f_b, weights.g_b,
+        f_scale, g_scale, f_scale.stride(0) if fp8 else 0, b, b.stride(0),
         weights.conv, weights.dt_bias, weights.a_log, weights.o_norm,
         conv_state, conv_state.stride(0), conv_state.stride(1), state, state.stride(0),
         rows, out, conv_hist, state_hist, dim**-0.5, weights.lower_bound or 0.0, weights.eps,
         T=step_len, HISTORY=history is not None,
-        H=heads, D=dim, K=ksize, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_K=triton.next_power_of_2(ksize - 1), BOUNDED=weights.lower_bound is not None,
+        H=heads, D=dim, K=ksize, R=rank, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_K=triton.next_power_of_2(ksize - 1), BLOCK_R=triton.next_power_of_2(rank),
+        BOUNDED=weights.lower_bound is not None, FP8=fp8,
         num_warps=8 if dim >= 128 else 4,
     )  # fmt: skip
     return out

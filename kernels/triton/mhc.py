@@ -11,7 +11,14 @@
   normalise) instead of stored and re-read, which would need a barrier;
 - mhc_post: one program per (token, Hd block), each term rounded to the streams' dtype as the
   reference's bf16 ops round them. Run 5's prefill ran this as a cuBLAS batched 4x4 GEMM per
-  token: 2.5 ms per call at 8,192 tokens, two per layer.
+  token: 2.5 ms per call at 8,192 tokens, two per layer;
+- mhc_boundary (a decode-sized batch): mhc_post then mhc_pre in one launch. Programs of (token
+  block, channel block) expand their channels of every stream (rounded as mhc_post) and dot them
+  with fn's columns in IEEE float32 (at <= 8 tokens per program a tensor-core tile would be
+  mostly padding, and the fn tile is read once per block of tokens anyway); the last program of
+  a token block to arrive (an atomic counter per block, "the last program finishes") sums the
+  partials in a fixed order and does what mhc_pre's finish kernel does, for each token of its
+  block, with the collapse held in registers (one read of the new streams).
 """
 
 from __future__ import annotations
@@ -28,28 +35,77 @@ LOGIT_DOT = "tf32x3"
 
 @triton.jit
 def _sinkhorn(logits, m, iters, eps):
-    """The [P, P] mixing logits (valid where m) -> row softmax + eps, then iters column/row
-    normalisations (the last is a column one), as kernels.mhc's reference."""
+    """Mixing logits [..., P, P] (valid where m) -> row softmax + eps, then iters column/row
+    normalisations (the last is a column one), as kernels.mhc's reference; over the last two
+    axes, so a [P, P] tile is one token and a [BLOCK_T, P, P] tile several."""
     logits = tl.where(m, logits, float("-inf"))
-    logits = logits - tl.max(logits, axis=1)[:, None]
+    logits = logits - tl.max(logits, axis=-1, keep_dims=True)
     e = tl.where(m, tl.exp(logits), 0.0)
-    comb = tl.where(m, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)
-    comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+    comb = tl.where(m, e / tl.sum(e, axis=-1, keep_dims=True) + eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=-2, keep_dims=True) + eps)
     for _ in range(iters - 1):
-        comb = comb / (tl.sum(comb, axis=1)[:, None] + eps)
-        comb = comb / (tl.sum(comb, axis=0)[None, :] + eps)
+        comb = comb / (tl.sum(comb, axis=-1, keep_dims=True) + eps)
+        comb = comb / (tl.sum(comb, axis=-2, keep_dims=True) + eps)
     return comb
 
 
 @triton.jit
-def _collapse(base, pre, i, h, h_mask, dt, HC: tl.constexpr, HD: tl.constexpr):
+def _collapse(base, pre, i, h, h_mask, dt, HC: tl.constexpr, HD: tl.constexpr, CACHE: tl.constexpr):
     """sum_j pre[j] * streams[j, h] for one token's block of channels h, rounded to the
     stream dtype as the reference's collapse is (float32 out)."""
     col = tl.zeros(h.shape, dtype=tl.float32)
     for j in tl.static_range(HC):
         pj = tl.sum(tl.where(i == j, pre, 0.0))
-        col += pj * tl.load(base + j * HD + h, mask=h_mask, other=0.0).to(tl.float32)
+        s = tl.load(base + j * HD + h, mask=h_mask, other=0.0, cache_modifier=CACHE)
+        col += pj * s.to(tl.float32)
     return col.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _norm_store(col, rms, nw_ptr, out_row, h, h_mask, dt):
+    normed = (col * rms).to(dt).to(tl.float32)
+    w = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
+    tl.store(out_row + h, (w * normed).to(dt), mask=h_mask)
+
+
+@triton.jit
+def _collapse_norm(
+    base,  # one token's streams [HC, HD]
+    pre,  # [P] float32 collapse weights (i: their stream index)
+    i,
+    nw_ptr,  # [HD] RMSNorm weight
+    out_row,  # [HD]
+    rms_eps,
+    HC: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """One token's collapse rounded to the streams' dtype, then its RMSNorm (normalised in
+    float32, rounded, scaled by the weight in that dtype, as kernels.norm.rms_norm). With one
+    block of channels the collapse stays in registers; otherwise it is computed twice (once
+    for its sum of squares, once to normalise) instead of stored and re-read, which would need
+    a barrier."""
+    dt = out_row.dtype.element_ty
+    if BLOCK_H >= HD:
+        h = tl.arange(0, BLOCK_H)
+        h_mask = h < HD
+        col = _collapse(base, pre, i, h, h_mask, dt, HC, HD, CACHE)
+        rms = 1.0 / tl.sqrt(tl.sum(col * col) / HD + rms_eps)
+        _norm_store(col, rms, nw_ptr, out_row, h, h_mask, dt)
+    else:
+        ss = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, HD, BLOCK_H):  # pass 1: the collapse's sum of squares
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_mask = h < HD
+            col = _collapse(base, pre, i, h, h_mask, dt, HC, HD, CACHE)
+            ss += col * col
+        rms = 1.0 / tl.sqrt(tl.sum(ss) / HD + rms_eps)
+        for h0 in range(0, HD, BLOCK_H):  # pass 2: the same collapse, normalised and scaled
+            h = h0 + tl.arange(0, BLOCK_H)
+            h_mask = h < HD
+            col = _collapse(base, pre, i, h, h_mask, dt, HC, HD, CACHE)
+            _norm_store(col, rms, nw_ptr, out_row, h, h_mask, dt)
 
 
 @triton.jit
@@ -210,22 +266,9 @@ def _mhc_pre_finish_kernel(
     comb = _sinkhorn(logits, m, iters, eps)
     tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=m)
 
-    dt = out_ptr.dtype.element_ty
     base = x_ptr + t.to(tl.int64) * (HC * HD)
-    ss = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, HD, BLOCK_H):  # pass 1: the collapse's sum of squares
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_mask = h < HD
-        col = _collapse(base, pre, i, h, h_mask, dt, HC, HD)
-        ss += col * col
-    rms = 1.0 / tl.sqrt(tl.sum(ss) / HD + rms_eps)
-    for h0 in range(0, HD, BLOCK_H):  # pass 2: the same collapse, normalised and scaled
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_mask = h < HD
-        col = _collapse(base, pre, i, h, h_mask, dt, HC, HD)
-        normed = (col * rms).to(dt).to(tl.float32)
-        w = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t.to(tl.int64) * HD + h, (w * normed).to(dt), mask=h_mask)
+    out_row = out_ptr + t.to(tl.int64) * HD
+    _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
 
 
 def mhc_pre(
@@ -351,3 +394,225 @@ def mhc_post(
         num_warps=4,
     )
     return new
+
+
+# The fused boundary: batches of up to this many tokens (decode, EAGLE verify, short chunks);
+# larger ones run mhc_post + mhc_pre (three launches, but each tile of fn serves a block of
+# tokens there, through tf32x3 tensor-core dots): the fused kernel reads fn once per block of at
+# most 8 tokens and multiplies on the CUDA cores, which at prefill sizes is T/8 reads of 1.5 MB.
+# Measured on the H200 (bench.decode_mhc_kda, rank 0 of TP8): 10.3 against post + pre's 16.6 us
+# at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more.
+BOUNDARY_MAX_TOKENS = 16
+BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token block
+BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
+
+
+def boundary_block_t(tokens: int) -> int:
+    """Tokens per program of the fused boundary: 1 up to 8 tokens (one finishing program per
+    token), then up to 8 (fn read from L2 once per block; the finishing program collapses its
+    block's tokens one after another)."""
+    return min(8, triton.next_power_of_2(triton.cdiv(tokens, 8)))
+
+
+# T not specialized (== 1, divisible by 16): the compiled variants are BLOCK_T's four, which the
+# decode graphs' capture (1 to 8 tokens) and the start-up warm-up's prefills of 16, 17 and 33+
+# tokens all meet (serving/engine/kernel_warmup.py)
+@triton.jit(do_not_specialize=["T"])
+def _mhc_boundary_kernel(
+    out_ptr,  # [T, HD] the sublayer's output
+    res_ptr,  # [T, HC, HD] the streams its input was collapsed from
+    post_ptr,  # [T, HC] float32: that collapse's post
+    comb_ptr,  # [T, HC, HC] float32: and comb
+    fn_ptr,  # [MIX, HC * HD] float32: the next collapse's mixing projection
+    base_ptr,  # [MIX] float32
+    scale_ptr,  # [3] float32
+    nw_ptr,  # [HD] the next RMSNorm's weight
+    new_ptr,  # [T, HC, HD] out: the new streams
+    part_ptr,  # [T, NB, MP + 1] float32 scratch: per channel block, logits then sum of squares
+    counter_ptr,  # [>= token blocks] int32: arrivals per token block, zero between calls
+    post2_ptr,  # [T, HC] float32 out
+    comb2_ptr,  # [T, HC, HC] float32 out
+    x_ptr,  # [T, HD] out: the next sublayer's input (collapsed, RMS-normed)
+    T,
+    iters,
+    eps,
+    norm_eps,
+    rms_eps,
+    HC: tl.constexpr,
+    P: tl.constexpr,
+    MIX: tl.constexpr,
+    MP: tl.constexpr,
+    HD: tl.constexpr,
+    NB: tl.constexpr,
+    NB_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    hb = tl.program_id(1)
+    t0 = tb * BLOCK_T
+    n = tl.minimum(T - t0, BLOCK_T)
+    dt = new_ptr.dtype.element_ty
+    K = HC * HD
+    # this program's channels of every stream, flattened: stream i, channel h
+    c = tl.arange(0, P * BLOCK_H)
+    i = c // BLOCK_H
+    h = hb * BLOCK_H + c % BLOCK_H
+    cm = (i < HC) & (h < HD)
+    m = tl.arange(0, MP)
+    fn = tl.load(
+        fn_ptr + m[:, None] * K + (i * HD + h)[None, :],
+        mask=(m < MIX)[:, None] & cm[None, :],
+        other=0.0,
+    )  # [MP, P * BLOCK_H], read once for the block's tokens
+    for tt in range(0, n):
+        t = (t0 + tt).to(tl.int64)
+        # the expansion, each term rounded to the streams' dtype (as _mhc_post_kernel)
+        o = tl.load(out_ptr + t * HD + h, mask=cm, other=0.0).to(tl.float32)
+        p = tl.load(post_ptr + t * HC + i, mask=cm, other=0.0).to(dt).to(tl.float32)
+        mixed = tl.zeros([P * BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(HC):
+            cji = tl.load(comb_ptr + t * HC * HC + j * HC + i, mask=cm, other=0.0)
+            rj = tl.load(res_ptr + t * K + j * HD + h, mask=cm, other=0.0).to(tl.float32)
+            mixed += cji.to(dt).to(tl.float32) * rj
+        new = ((p * o).to(dt).to(tl.float32) + mixed.to(dt).to(tl.float32)).to(dt)
+        tl.store(new_ptr + t * K + i * HD + h, new, mask=cm)
+        # the next collapse's partial logits (IEEE float32) and sum of squares (0 off the mask)
+        x = new.to(tl.float32)
+        row = part_ptr + (t * NB + hb) * (MP + 1)
+        tl.store(row + m, tl.sum(fn * x[None, :], axis=1))
+        tl.store(row + MP, tl.sum(x * x))
+    # the last program of the token block to arrive finishes it: every thread's stores are
+    # issued before the (one-thread) release, and the acquire orders the reads below after
+    # every other program's stores; the partials and streams are read past L1 (.cg)
+    tl.debug_barrier()
+    count = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
+    if count == NB - 1:
+        tl.store(counter_ptr + tb, 0)  # for the next call (a graph replay): nothing else reads it
+        tok = tl.arange(0, BLOCK_T)
+        s = tl.arange(0, NB_P)
+        r = tl.arange(0, P)
+        tm = tok < n
+        rows = part_ptr + ((t0 + tok)[:, None] * NB + s[None, :]).to(tl.int64) * (MP + 1)
+        ts = tm[:, None] & (s < NB)[None, :]  # [BLOCK_T, NB_P]
+        # the partials summed as a tree over the channel blocks: a fixed order
+        vm = ts[:, :, None] & (r < HC)[None, None, :]
+        vec = rows[:, :, None] + r[None, None, :]
+        pre_w = tl.sum(tl.load(vec, mask=vm, other=0.0, cache_modifier=".cg"), axis=1)
+        post_w = tl.sum(tl.load(vec + HC, mask=vm, other=0.0, cache_modifier=".cg"), axis=1)
+        rc = r[:, None] * HC + r[None, :]  # [P, P]: comb[row, col] at row * HC + col
+        pm = (r < HC)[:, None] & (r < HC)[None, :]
+        cmask = ts[:, :, None, None] & pm[None, None, :, :]
+        comb_w = tl.sum(
+            tl.load(
+                rows[:, :, None, None] + 2 * HC + rc[None, None, :, :],
+                mask=cmask,
+                other=0.0,
+                cache_modifier=".cg",
+            ),
+            axis=1,
+        )  # [BLOCK_T, P, P]
+        sq = tl.sum(tl.load(rows + MP, mask=ts, other=0.0, cache_modifier=".cg"), axis=1)
+        # F.linear of the normalised rows = the RMS factor times the linear of the raw rows
+        rstd = 1.0 / tl.sqrt(sq / K + norm_eps)
+        s0 = tl.load(scale_ptr)
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        vmask = tm[:, None] & (r < HC)[None, :]
+        pre = tl.load(base_ptr + r, mask=r < HC, other=0.0)[None, :]
+        pre = tl.sigmoid(pre_w * rstd[:, None] * s0 + pre) + eps  # [BLOCK_T, P]
+        post = tl.load(base_ptr + HC + r, mask=r < HC, other=0.0)[None, :]
+        post = 2.0 * tl.sigmoid(post_w * rstd[:, None] * s1 + post)
+        tv = (t0 + tok).to(tl.int64)
+        tl.store(post2_ptr + tv[:, None] * HC + r[None, :], post, mask=vmask)
+        comb_b = tl.load(base_ptr + 2 * HC + rc, mask=pm, other=0.0)
+        logits = comb_w * rstd[:, None, None] * s2 + comb_b[None, :, :]
+        comb = _sinkhorn(logits, tm[:, None, None] & pm[None, :, :], iters, eps)
+        tl.store(comb2_ptr + tv[:, None, None] * HC * HC + rc[None, :, :], comb,
+                 mask=tm[:, None, None] & pm[None, :, :])  # fmt: skip
+        for tt in range(0, n):  # the collapse of each token of the block, and its RMSNorm
+            t = (t0 + tt).to(tl.int64)
+            pre_t = tl.sum(tl.where(tok[:, None] == tt, pre, 0.0), axis=0)
+            _collapse_norm(
+                new_ptr + t * K, pre_t, r, nw_ptr, x_ptr + t * HD, rms_eps, HC, HD, BLOCK_F, ".cg"
+            )
+
+
+def mhc_boundary(
+    out: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    weight: torch.Tensor,
+    rms_eps: float,
+    counter: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.mhc.mhc_boundary_reference: the expansion of `out` onto the streams, then the
+    next collapse with its RMSNorm. Up to BOUNDARY_MAX_TOKENS tokens in one launch: programs of
+    (token block, BOUNDARY_BLOCK_H channels of every stream) write the new streams and their
+    partial logits and sums of squares; the last program of a token block to arrive (counter:
+    the call site's int32 buffer, at least cdiv(T, boundary_block_t(T)) zeros, which the kernel
+    leaves zero) sums them in a fixed order, runs the Sinkhorn and collapses + normalises.
+    Larger batches: mhc_post, then mhc_pre."""
+    tokens, hc, hidden = residual.shape
+    if tokens > BOUNDARY_MAX_TOKENS:
+        new = mhc_post(out, residual, post, comb)
+        return new, *mhc_pre(new, fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
+    mix = fn.shape[0]
+    assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
+    assert weight.dtype == residual.dtype, "the RMSNorm weight is held in the streams' dtype"
+    dev = residual.device
+    new = torch.empty(tokens, hc, hidden, device=dev, dtype=residual.dtype)
+    post2 = torch.empty(tokens, hc, device=dev, dtype=torch.float32)
+    comb2 = torch.empty(tokens, hc, hc, device=dev, dtype=torch.float32)
+    x = torch.empty(tokens, hidden, device=dev, dtype=residual.dtype)
+    if tokens == 0:
+        return new, post2, comb2, x
+    block_t = boundary_block_t(tokens)
+    token_blocks = triton.cdiv(tokens, block_t)
+    assert counter is not None and counter.dtype == torch.int32, "the fused boundary's counters"
+    assert counter.numel() >= token_blocks, (counter.numel(), token_blocks)
+    p = triton.next_power_of_2(hc)
+    mp = triton.next_power_of_2(mix)
+    blocks = triton.cdiv(hidden, BOUNDARY_BLOCK_H)
+    part = torch.empty(tokens, blocks, mp + 1, device=dev, dtype=torch.float32)
+    _mhc_boundary_kernel[(token_blocks, blocks)](
+        out.contiguous(),
+        residual.contiguous(),
+        post.contiguous().float(),
+        comb.contiguous().float(),
+        fn.contiguous().float(),
+        base.contiguous().float(),
+        scale.contiguous().float(),
+        weight.contiguous(),
+        new,
+        part,
+        counter,
+        post2,
+        comb2,
+        x,
+        tokens,
+        iters,
+        eps,
+        norm_eps,
+        rms_eps,
+        HC=hc,
+        P=p,
+        MIX=mix,
+        MP=mp,
+        HD=hidden,
+        NB=blocks,
+        NB_P=triton.next_power_of_2(blocks),
+        BLOCK_T=block_t,
+        BLOCK_H=BOUNDARY_BLOCK_H,
+        BLOCK_F=min(triton.next_power_of_2(hidden), BOUNDARY_BLOCK_F // p),
+        num_warps=8,
+    )
+    return new, post2, comb2, x

@@ -26,10 +26,10 @@ the real model in one program, so each gathered row is read from HBM once), BLOC
 8 warps, 3 stages. The fp32 accumulator is 64 x 512 x 4 B = 128 KiB, i.e. 128 registers per
 thread over 256 threads; the query tile (64 KiB bf16) and the gathered tiles (64 rows x 1 KiB =
 64 KiB per stage) live in shared memory. BLOCK_H = 32 (64 accumulator registers, two head blocks
-whose second gather hits L2) compiles too, but on the H200 sweep (serving/tools/
-bench_kernels_dsa.py --sweep) the 64-head block was faster for decode and extend alike, so it is
-the default. R is not tiled: both dots need the whole row, and re-gathering a row per R tile
-would multiply the gather traffic. fp32 inputs (tests, tiny model) use BLOCK_H <= 32,
+whose second gather hits L2) compiles too, but on the H200 sweep (bench/kernels_dsa.py --sweep)
+the 64-head block was faster for decode and extend alike, so it is the default. R is not
+tiled: both dots need the whole row, and re-gathering a row per R tile would multiply the gather
+traffic. fp32 inputs (tests, tiny model) use BLOCK_H <= 32,
 BLOCK_W = 16, 2 stages and IEEE dots; bf16 inputs use bf16 tensor-core dots with fp32
 accumulation, and P is rounded to bf16 before P @ V like the reference's softmax(...).to(dtype).
 

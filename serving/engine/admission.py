@@ -65,16 +65,15 @@ class Admission:
         self.match_s = 0.0  # time spent matching prefixes, ever (the step phases read it)
 
     def batched(self):
-        """A block whose admissions and growths issue their device work (row resets, page maps,
-        snapshot loads) as one batch when it ends (MemoryPool.batched)."""
+        """Device work of admissions and growths in the block: one batch (MemoryPool.batched)."""
         return self.pool.batched()
 
     # ---- admit ----
-    def admit(self, req: Req, max_tokens: int, reserve: int) -> int | None:
+    def admit(self, req: Req, max_tokens: int, running: int) -> int | None:
         """Give `req` its cached prefix (when the cache has one), a row and the
-        pages for its next chunk of at most `max_tokens` tokens, keeping `reserve` pages free
-        (or evictable) for the running requests' next decode tokens. Returns the chunk's
-        length, or None with nothing taken."""
+        pages for its next chunk of at most `max_tokens` tokens. The reserve policy: one page
+        stays free (or evictable) per request that decodes beside it (`running`), for that
+        request's next decode tokens. Returns the chunk's length, or None with nothing taken."""
         pool, cache = self.pool, self.cache
         node, hit = None, 0
         if cache is not None:
@@ -88,7 +87,7 @@ class Admission:
             cache.lock(node)  # before any eviction below: the prefix must survive it
             cache.lock_state(node)
         row = None
-        if self._make_free(pool.pages.pages_for(n + 1) + reserve):
+        if self._make_free(pool.pages.pages_for(n + 1) + running):
             row = pool.alloc_row()
         if row is None:
             if node is not None:
@@ -172,11 +171,9 @@ class Admission:
 
     # ---- snapshots ----
     def keys(self, tokens: list[int], req: Req) -> list[int]:
-        """The cache's key per position of `tokens`, req's (its fill_ids, perhaps plus a token
-        sampled for it). With a draft a key is the position's token and the next; req keeps the
-        keys it built (pair_keys, from pair_tokens) and only the new tail is built in Python.
-        The tokens kept are compared with `tokens` whole (a C loop, unlike building keys): where
-        they differ, the keys are rebuilt from there, whatever path changed them."""
+        """The cache's key per position of `tokens` (req's fill_ids, perhaps plus a token sampled
+        for it); with a draft, the position's token and the next. req keeps the keys built so far
+        (pair_keys of pair_tokens); keys are built only from where `tokens` leave pair_tokens."""
         if not self.pair_keys:
             return tokens
         v = self.vocab

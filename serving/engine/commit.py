@@ -1,5 +1,6 @@
 """commit: the one place sampled tokens join a request (tokens, logprobs, stop checks), and
-finish: the one place a request ends (queues, role hook, memory, the last output).
+finish: the one place a request ends (queues, role hook, then release: memory, the last output;
+a request the role holds is released when the role is done with it).
 
 Plain decode, EAGLE's verify and PD decode's first token (sampled by prefill) all commit
 through here, so a token is appended, counted and checked for stops the same way everywhere.
@@ -140,10 +141,15 @@ class Commit:
     ) -> None:
         req.finish_reason = reason
         self.unqueue(req)
-        if self.hooks.finished(req):
-            return
+        if not self.hooks.finished(req):
+            self.release(req, new_tokens or [], logprobs)
+
+    def release(self, req: Req, tokens: list[int], logprobs=None) -> None:
+        """A finished request's end: its memory back, its last output out. finish() runs it,
+        unless the role holds the request (RoleHooks.finished); the role's release_held() then
+        does, once it is done with it."""
         self.admission.release(req)
-        self.outputs.append(self.output_of(req, new_tokens or [], logprobs))
+        self.outputs.append(self.output_of(req, tokens, logprobs))
 
     def fail(self, request: GenerateRequest | Req, message: str, status: int) -> None:
         """Answer, with an error, a request the scheduler does not hold: refused before it got a

@@ -28,7 +28,8 @@ from serving.engine.request import Req
 from serving.executor.model_runner import ModelRunner, StepInput
 from serving.forward_batch import FUTURE
 from serving.protocol import FinishReason, SchedulerStats
-from serving.speculative.eagle import Eagle, Proposal, accepted_tokens
+from serving.speculative.accept import accepted_tokens
+from serving.speculative.eagle import Eagle, Proposal
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class DecodeManager:
         able to reach a snapshot grid position (the offer needs its exact position)."""
         return (
             self.spec is not None
-            and self.spec.fanout is None
+            and self.spec.accepts_on_device
             and not any(self.admission.may_cross_grid(r, r.cached + self._ahead(r)) for r in reqs)
         )
 

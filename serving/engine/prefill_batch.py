@@ -123,9 +123,10 @@ class PrefillManager:
             and running + len(plan) < self.cfg.max_running_requests
         ):
             req = self.waiting[0]
-            # keep one page per running request in reserve for its next decode tokens
-            reserve = running + len(plan)
-            n = self.admission.admit(req, min(self.cfg.chunked_prefill_size, budget), reserve)
+            # the requests planned so far decode beside it too (admit's reserve policy)
+            n = self.admission.admit(
+                req, min(self.cfg.chunked_prefill_size, budget), running + len(plan)
+            )
             if n is None:
                 break
             self.waiting.popleft()

@@ -3,7 +3,7 @@ every rank, one trace per rank, written when profiling stops.
 
 RankProfiler is one rank's profiler (rank 0 and every follower hold one). ProfileControl is rank
 0's: it starts and stops its own and, under TP/EP, the followers' through the step fanout
-(RankFanout.ask with kind "profile"), so every rank profiles the same steps; a follower answers
+(Fanout.ask_profilers), so every rank profiles the same steps; a follower answers
 each order with its error or its trace's path. Traces are SGLang's
 `<prefix-><profile id>-TP-<rank>[-EP-<rank>].trace.json.gz` (gzip-compressed Chrome trace JSON).
 On rank 0 each scheduler step is a STEP_RANGE range in the trace (serving.tools.trace_summary
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from serving.executor.fanout import ONE_RANK, Fanout
 from serving.protocol import StartProfile
 
 log = logging.getLogger(__name__)
@@ -104,14 +105,14 @@ def rank_name(rank: int, ep_size: int) -> str:
 
 
 class ProfileControl:
-    """Rank 0's: its own RankProfiler plus the followers' (through `fanout`, None on one rank)."""
+    """Rank 0's: its own RankProfiler plus the followers' (through `fanout`)."""
 
-    def __init__(self, local: RankProfiler, fanout=None) -> None:
+    def __init__(self, local: RankProfiler, fanout: Fanout = ONE_RANK) -> None:
         self.local, self.fanout = local, fanout
         self.steps_left: int | None = None
 
     def _followers(self, order: tuple) -> list[tuple[str | None, str]]:
-        return self.fanout.ask(order, kind="profile") if self.fanout is not None else []
+        return self.fanout.ask_profilers(order)
 
     def start(self, req: StartProfile) -> str | None:
         error = self.local.start(req)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from serving.executor.sampler import SamplingState
 from serving.memory.radix_cache import Node
-from serving.protocol import FinishReason, SchedulerStats, TokenLogprob
+from serving.protocol import FinishReason, GenerateRequest, SchedulerStats, TokenLogprob
 
 
 class RoleHooks:
@@ -113,6 +113,30 @@ class Req:
     started_at: float | None = None  # first admitted (PD decode: adopted)
     first_token_at: float | None = None  # its first token joined it (sampled or adopted)
     adopted: bool = False  # PD decode: the prompt was prefilled by a prefill worker
+
+    @classmethod
+    def of(cls, request: GenerateRequest, eos_token_ids: frozenset[int]) -> Req:
+        """A new request's Req, its prompt logprobs' start set (positions before it count as
+        scored)."""
+        state = SamplingState(
+            params=request.sampling,
+            prompt_ids=list(request.input_ids),
+            output_ids=[],
+            eos_token_ids=eos_token_ids,
+        )
+        req = cls(
+            request.rid,
+            list(request.input_ids),
+            state,
+            request.return_logprob,
+            request.top_logprobs_num,
+        )
+        start = request.logprob_start_len if request.return_logprob else -1
+        req.input_scored = len(req.input_ids) if start < 0 else start
+        if start == 0 and req.input_ids:  # nothing predicts the first token: no logprob
+            req.input_logprobs.append(TokenLogprob(req.input_ids[0], None))
+            req.input_scored = 1
+        return req
 
     def started(self) -> None:
         """It runs (admitted, or adopted by PD decode); a retracted request restarting keeps

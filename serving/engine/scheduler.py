@@ -49,7 +49,7 @@ from serving.engine.prefill_batch import PrefillBatch, PrefillManager
 from serving.engine.request import Req, RoleHooks, SchedulerConfig
 from serving.engine.stop_conditions import StopConditions
 from serving.executor.model_runner import ModelRunner
-from serving.executor.sampler import Sampler, SamplingState, overlap_safe
+from serving.executor.sampler import Sampler, overlap_safe
 from serving.memory.pool import MemoryPool
 from serving.memory.radix_cache import RadixCache
 from serving.protocol import (
@@ -109,28 +109,6 @@ class Scheduler:
         return self.decode.running
 
     # ---- intake ----
-    def make_req(self, request: GenerateRequest) -> Req:
-        p = request.sampling
-        state = SamplingState(
-            params=p,
-            prompt_ids=list(request.input_ids),
-            output_ids=[],
-            eos_token_ids=self.eos,
-        )
-        req = Req(
-            request.rid,
-            list(request.input_ids),
-            state,
-            request.return_logprob,
-            request.top_logprobs_num,
-        )
-        start = request.logprob_start_len if request.return_logprob else -1
-        req.input_scored = len(req.input_ids) if start < 0 else start
-        if start == 0 and req.input_ids:  # nothing predicts the first token: no logprob
-            req.input_logprobs.append(TokenLogprob(req.input_ids[0], None))
-            req.input_scored = 1
-        return req
-
     def admission_problem(self, request: GenerateRequest) -> str | None:
         """Why `request` can never run here, or None."""
         n, p = len(request.input_ids), request.sampling
@@ -150,7 +128,7 @@ class Scheduler:
         problem = self.admission_problem(request)
         if problem is not None:
             return self.fail_request(request, problem, 400)
-        req = self.make_req(request)
+        req = Req.of(request, self.eos)
         if request.sampling.max_new_tokens == 0 and req.input_scored >= len(req.input_ids):
             self.commit.finish(req, FinishReason.length())
         else:
@@ -161,10 +139,47 @@ class Scheduler:
         """Answer, with an error, a request the scheduler does not hold (Commit.fail)."""
         self.commit.fail(request, message, status)
 
-    def adopt(self, req: Req, first_token: int, logprobs: list[TokenLogprob] | None) -> None:
-        """Take a request whose prompt is already in the cache (PD decode: admitted through
-        admission.admit, its KV written by prefill) and whose first token was sampled there;
-        it decodes from here on, like any running request."""
+    # ---- the PD roles' intake and handoff (workers/) ----
+    def intake(self, request: GenerateRequest) -> Req | None:
+        """A request whose prompt another worker prefills (PD decode): its Req, or None once
+        it is refused (it can never run here: 400; no room to wait: 503)."""
+        problem = self.admission_problem(request)
+        if problem is not None:
+            return self.fail_request(request, problem, 400)
+        full = self.queue_full()
+        if full is not None:
+            return self.fail_request(request, full, 503)
+        return Req.of(request, self.eos)
+
+    def preallocate(self, reqs: list[Req]) -> int:
+        """Admit requests from intake(), FIFO: each a row and the pages of its whole prompt,
+        which another worker writes (admit's reserve policy holds); returns how many were (the
+        first that does not fit now, and those behind it, take nothing). Their row resets and
+        page maps launch as one batch (admission.batched). The role holds them
+        (RoleHooks.owned) until adopt() or free()."""
+        done = 0
+        with self.admission.batched():
+            for req in reqs:
+                if self.admission.admit(req, len(req.input_ids), len(self.running)) is None:
+                    break
+                done += 1
+        return done
+
+    def adopt(
+        self,
+        req: Req,
+        first_token: int,
+        logprobs: list[TokenLogprob] | None,
+        cached_tokens: int,
+        input_logprobs: list[TokenLogprob] | None,
+    ) -> None:
+        """Take a preallocated request whose prompt's KV is written, with what prefill sent
+        beside it: the first token sampled there (and its logprobs), prefill's prefix-cache hit
+        (for meta_info and usage) and the prompt's logprobs. It decodes from here on, like any
+        running request."""
+        req.cached, req.cached_tokens = len(req.input_ids), cached_tokens
+        if req.return_logprob:  # prefill scored the prompt; a re-prefill scores nothing
+            req.input_logprobs, req.input_scored = input_logprobs or [], len(req.input_ids)
         self.stats.prompt_tokens_total += len(req.input_ids)
         req.started()
         req.adopted = True
@@ -173,6 +188,17 @@ class Scheduler:
         if req.finish_reason is None:
             self.decode.running.append(req)
 
+    def finish_scored(self, req: Req, input_logprobs: list[TokenLogprob] | None) -> None:
+        """Answer a scoring-only request from intake() (max_new_tokens 0; no memory) with the
+        prompt logprobs another worker scored, and no token."""
+        req.input_logprobs, req.input_scored = input_logprobs or [], len(req.input_ids)
+        self.commit.finish(req, FinishReason.length())
+
+    def free(self, req: Req) -> None:
+        """Free, unanswered, the memory a role holds for a request that never ran here (PD
+        decode: a preallocation that failed, or whose quarantine ended)."""
+        self.admission.release(req)
+
     def release_held(
         self,
         req: Req,
@@ -180,16 +206,13 @@ class Scheduler:
         status: int = 500,
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
-        """The role is done with a request it held: free its memory and report it."""
+        """The role is done with a finished request it held (RoleHooks.finished): release it
+        as finish() would have, its last output its last token again (logprobs: that token's),
+        or the error."""
         if error is not None:
             req.finish_reason = FinishReason.abort(error, status)
-            tokens: list[int] = []
-        else:
-            tokens = req.output_ids[-1:]
-        self.admission.release(req)
-        self.commit.outputs.append(
-            self.commit.output_of(req, tokens, logprobs if error is None else None)
-        )
+            return self.commit.release(req, [])
+        self.commit.release(req, req.output_ids[-1:], logprobs)
 
     @property
     def queued(self) -> int:

@@ -1,20 +1,21 @@
-"""What makes N rank processes one worker: rendezvous, and rank 0 fanning each forward out.
+"""What makes N rank processes one worker: rendezvous, rank 0 fanning each step out, and the
+followers running it.
 
 Rank 0 runs the Scheduler; before each forward it broadcasts the batch description (request
 rows, start positions, token ids, logits mode) and the pool journal (row resets, page maps since
 the last forward), never text. With EAGLE it also sends the host inputs of each speculative
 program (draft extend, draft+verify, then the committed tokens for roll-back and catch-up).
-Followers (serving/engine/scheduler_process.run_follower) replay the journal into their own
-request table and run the same programs; rank 0 samples. Under the overlap scheduler rank 0
-also broadcasts each step's sampled tokens (device to device, "publish"), since the next
-forward's inputs may name them (FUTURE) before any host has seen them.
+Followers (Follower below, run by the scheduler process's run_follower) replay the journal into
+their own request table and run the same programs; rank 0 samples. Under the overlap
+scheduler rank 0 also broadcasts each step's sampled tokens (device to device, Publish), since
+the next forward's inputs may name them (FUTURE) before any host has seen them.
 
 Hazard: every rank must enter the same collectives in the same order. So all forwards go
 through ModelRunner.forward or Eagle's programs (the fanout points), and a follower never
 decides anything itself.
-A PD role drives the other ranks' KV transfers the same way (RankFanout.ask): rank 0 sends the
-role's orders, every follower hands them to its role plug and all of them answer in one gather,
-so rank 0 learns what the followers have done without a follower ever acting on its own.
+A PD role drives the other ranks' KV transfers the same way (RankFanout.ask_role): rank 0 sends
+the role's orders, every follower hands them to its role plug and all of them answer in one
+gather, so rank 0 learns what the followers have done without a follower ever acting on its own.
 When rank 0 idles, it broadcasts a keepalive every KEEPALIVE_S, so the followers' wait never
 reaches the group timeout; a dead peer breaks the gloo connection and every rank exits.
 A simulated rank (--simulate-rank) has no followers and no RankFanout: it is the driver alone.
@@ -35,64 +36,186 @@ from serving.distributed import (
     init_parallel,
     init_simulated,
 )
-from serving.executor.model_runner import StepInput
+from serving.engine.profiler import RankProfiler
+from serving.executor.fanout import Fanout
+from serving.executor.model_runner import ModelRunner, StepInput
+from serving.executor.streams import landed_writes
 from serving.memory.pool import MemoryPool
 from serving.server_args import ServerArgs
+from serving.speculative.eagle import Eagle, PendingStep
 
 KEEPALIVE_S = 5.0
-STOP = "stop"
-KEEPALIVE = "keepalive"
+
+
+# ---- what rank 0 broadcasts: Stop, Keepalive, or a Step (the journal, then one body) ----
+@dataclass(frozen=True)
+class Stop:
+    pass
 
 
 @dataclass(frozen=True)
-class StepMessage:
-    """kind: "forward" (payload (items, logits)), "publish" (request rows; rank 0's sampled
-    tokens for them follow as a tensor broadcast: the overlap scheduler's FUTURE inputs), or
-    one of EAGLE's programs: "extend_draft" ((rows, starts, next tokens); the target hiddens
-    follow as a tensor broadcast), "spec_verify" (host [3, B] tensor), "spec_commit" ((padded,
-    last, state captures)), "role" (the PD role's orders for its follower plug) or "profile"
-    (/start_profile and /stop_profile orders, serving/engine/profiler.py); every follower
-    answers those two in a gather."""
+class Keepalive:
+    pass
 
-    kind: str
+
+@dataclass(frozen=True)
+class Forward:
+    items: list[StepInput]
+    logits: str | list[bool]
+
+
+@dataclass(frozen=True)
+class Publish:
+    rows: list[int]  # rank 0's sampled tokens for these rows follow as a tensor broadcast
+
+
+@dataclass(frozen=True)
+class ExtendDraft:
+    rows: list[int]
+    starts: list[int]
+    next_tokens: list[list[int]]  # the target hiddens follow as a tensor broadcast
+
+
+@dataclass(frozen=True)
+class Verify:
+    host: torch.Tensor  # [3, B] on the host: y, n, rows
+
+
+@dataclass(frozen=True)
+class RollBack:
+    padded: list[list[int]]  # the committed tokens per request, padded to N+1
+    last: list[int]  # the index of each request's bonus token
+    captures: list[tuple[int, int, int]]  # state snapshots the accepted runs crossed
+
+
+@dataclass(frozen=True)
+class RoleOrders:
+    payload: object  # the PD role's orders for its follower plug; answered in a gather
+
+
+@dataclass(frozen=True)
+class ProfileOrder:
+    order: tuple  # ("start", StartProfile) | ("stop",) | ("cancel",); answered in a gather
+
+
+Body = Forward | Publish | ExtendDraft | Verify | RollBack | RoleOrders | ProfileOrder
+
+
+@dataclass(frozen=True)
+class Step:
     journal: list[tuple]
-    payload: object
+    body: Body
 
 
-class RankFanout:
-    """Rank 0's end: ModelRunner.fanout. Records the pool's journal from now on."""
+class RankFanout(Fanout):
+    """Rank 0's fanout under TP/EP. Records the pool's journal from now on."""
 
-    def __init__(self, pool: MemoryPool) -> None:
-        self.pool = pool
+    def __init__(self, pool: MemoryPool, followers: int) -> None:
+        self.pool, self.followers = pool, followers
         pool.journal = []
         self.last = time.monotonic()
 
-    def __call__(self, items: list[StepInput], logits: str | list[bool]) -> None:
-        self.send("forward", (items, logits))
-
-    def send(self, kind: str, payload: object) -> None:
-        broadcast_object(StepMessage(kind, self.pool.take_journal(), payload))
+    def send(self, body: Body) -> None:
+        broadcast_object(Step(self.pool.take_journal(), body))
         self.last = time.monotonic()
 
+    def forward(self, items: list[StepInput], logits: str | list[bool]) -> None:
+        self.send(Forward(items, logits))
+
     def publish(self, rows: list[int], tokens: torch.Tensor) -> None:
-        self.send("publish", rows)
+        self.send(Publish(rows))
         broadcast_tensor(tokens.to(torch.int64).contiguous())
 
-    def ask(self, payload: object, kind: str = "role") -> list:
-        """The followers' answers (ranks 1..N-1, in order) to `payload` (the role's, or a
-        profiler order with kind "profile"). The journal
-        goes first, so a follower has applied every row reset and page map rank 0 made before
-        it answers (decode relies on this before it sends destinations out)."""
-        self.send(kind, payload)
+    def extend_draft(
+        self, rows: list[int], starts: list[int], next_tokens: list[list[int]], hidden: torch.Tensor
+    ) -> None:
+        self.send(ExtendDraft(rows, starts, next_tokens))
+        broadcast_tensor(hidden)  # followers hold the same hiddens; one copy is simpler
+
+    def verify(self, host: torch.Tensor) -> None:
+        self.send(Verify(host))
+
+    def roll_back(
+        self, padded: list[list[int]], last: list[int], captures: list[tuple[int, int, int]]
+    ) -> None:
+        self.send(RollBack(padded, last, captures))
+
+    def ask_role(self, orders: object) -> list:
+        """The journal goes first, so a follower has applied every row reset and page map rank
+        0 made before it answers (decode relies on this before it sends destinations out)."""
+        return self._ask(RoleOrders(orders))
+
+    def ask_profilers(self, order: tuple) -> list:
+        return self._ask(ProfileOrder(order))
+
+    def _ask(self, body: RoleOrders | ProfileOrder) -> list:
+        self.send(body)
         return gather_object(None)[1:]
 
     def keepalive(self) -> None:
         if time.monotonic() - self.last > KEEPALIVE_S:
-            broadcast_object(KEEPALIVE)
+            broadcast_object(Keepalive())
             self.last = time.monotonic()
 
     def stop(self) -> None:
-        broadcast_object(STOP)
+        broadcast_object(Stop())
+
+
+class Follower:
+    """A rank > 0: runs each step rank 0 broadcasts on its own shard, pool and programs; its
+    role plug (`role`: workers/rank_transfer.FollowerKV on a PD worker, else None) and profiler
+    answer rank 0's asks. It decides nothing."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        spec: Eagle | None,
+        role,
+        profiler: RankProfiler,
+        hidden_size: int,
+        dtype: torch.dtype,
+        decode: bool,
+    ) -> None:
+        self.runner, self.spec, self.role, self.profiler = runner, spec, role, profiler
+        self.pool = runner.pool
+        self.hidden_size, self.dtype, self.decode = hidden_size, dtype, decode
+        self.pending: PendingStep | None = None  # a verified step waiting for its RollBack
+
+    def follow(self) -> None:
+        """Run rank 0's steps until it says stop."""
+        while True:
+            match broadcast_object():
+                case Stop():
+                    return
+                case Keepalive():
+                    continue
+                case Step(journal, body):
+                    self.pool.replay(journal)
+                    self.run(body)
+
+    def run(self, body: Body) -> None:
+        device = self.pool.device
+        match body:
+            case Forward(items, logits):
+                if self.decode:
+                    landed_writes(device)  # this rank's pool may hold a handoff just adopted
+                self.runner.forward(items, logits)
+            case Publish(rows):
+                tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
+                self.runner.publish(rows, broadcast_tensor(tokens))
+            case ExtendDraft(rows, starts, next_tokens):
+                n = sum(len(t) for t in next_tokens)
+                hidden = torch.empty(n, self.hidden_size, dtype=self.dtype, device=device)
+                self.spec.extend_draft(rows, starts, next_tokens, broadcast_tensor(hidden))
+            case Verify(host):
+                self.pending = self.spec.verify(host)
+            case RollBack(padded, last, captures):
+                self.spec.roll_back(self.pending, padded, last, captures)
+                self.pending = None
+            case RoleOrders(payload):
+                gather_object(self.role.handle(payload))
+            case ProfileOrder(order):
+                gather_object(self.profiler.handle(order))
 
 
 def join_group(args: ServerArgs, rank: int) -> ParallelState:
@@ -100,8 +223,6 @@ def join_group(args: ServerArgs, rank: int) -> ParallelState:
     --simulate-rank R this process is rank R alone (fake backend), on --base-gpu-id."""
     device = args.resolved_device()
     if device == "cuda":
-        import torch
-
         torch.cuda.set_device(args.base_gpu_id + rank % args.ranks_per_node)
     if args.simulate_rank is not None:
         return init_simulated(args.simulate_rank, args.tp_size, args.ep_size)

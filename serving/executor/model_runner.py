@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.executor.fanout import ONE_RANK, Fanout
 from serving.forward_batch import FUTURE, ForwardBatch, resolve_future, to_device
 from serving.memory.cache import request_rows, save_kda_states
 from serving.memory.pool import MemoryPool
@@ -33,12 +34,13 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: Glm5NextForCausalLM, pool: MemoryPool) -> None:
-        self.model, self.pool = model, pool
+    def __init__(
+        self, model: Glm5NextForCausalLM, pool: MemoryPool, fanout: Fanout = ONE_RANK
+    ) -> None:
+        """fanout: TP rank 0's, told every forward first, so the other ranks run the same
+        (serving/engine/tp_worker.py)."""
+        self.model, self.pool, self.fanout = model, pool, fanout
         self.graphs = None  # set by enable_decode_graphs
-        # TP rank 0: called with (items, logits) before every forward, so the other ranks run
-        # the same forward (serving/engine/tp_worker.py). Followers leave it None.
-        self.fanout = None
         # The last token sampled for each request row, on the device (the overlap scheduler's
         # futures). Hazard: a row's entry is valid only until its request's next step samples
         # again; the scheduler keeps at most one step in flight, so a FUTURE always refers to
@@ -52,8 +54,7 @@ class ModelRunner:
         step's FUTURE inputs; under TP the other ranks get them too (one broadcast)."""
         if not rows:
             return
-        if self.fanout is not None:
-            self.fanout.publish(rows, tokens)
+        self.fanout.publish(rows, tokens)
         index = to_device(rows, torch.int64, self.pool.device)
         self.next_tokens[index] = tokens.to(torch.int64)
 
@@ -87,8 +88,7 @@ class ModelRunner:
         )
 
     def forward(self, items: list[StepInput], logits: str | list[bool] = "last") -> ForwardOutput:
-        if self.fanout is not None:
-            self.fanout(items, logits)
+        self.fanout.forward(items, logits)
         future = any(FUTURE in item.token_ids for item in items)
         if (
             self.graphs is not None

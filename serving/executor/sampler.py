@@ -1,5 +1,6 @@
 """Batched token sampling: penalties, logit_bias, min_new_tokens, then greedy or
-temperature-top_k-top_p-min_p.
+temperature-top_k-top_p-min_p (the arithmetic in logits_processing.py), grammar masks, seeded
+draws, logprobs.
 
 Per-row parameters may differ inside one batch. Every row's sampling distribution is computed
 with row-wise tensor ops in vocabulary order. A seeded row's draw for output position k comes
@@ -11,31 +12,18 @@ tokens a single plain worker gives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from itertools import chain
-
 import torch
 
 from serving.executor.constrained import SequenceGrammar, has_constraint, load_tokenizer
-from serving.forward_batch import to_device, upload
-from serving.protocol import FinishReason, SamplingParams, TokenLogprob
-
-
-@dataclass
-class SamplingState:
-    """Per-sequence sampling state owned by the scheduler's request object."""
-
-    params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]  # tokens generated so far (the scheduler appends after sample())
-    eos_token_ids: frozenset[int]
-    grammar: SequenceGrammar | None = None  # the sampler's, for a constrained request
-
-    def grammar_finish_reason(self) -> FinishReason | None:
-        """Why the output constraint ends the sequence now (None: it does not)."""
-        return self.grammar.finish_reason() if self.grammar is not None else None
-
+from serving.executor.logits_processing import (
+    adjusted_logits,
+    filtered_probs,
+    has_penalties,
+    row_index,
+)
+from serving.executor.sampling_state import SamplingState
+from serving.forward_batch import upload
+from serving.protocol import TokenLogprob
 
 _MASK64 = 2**64 - 1
 
@@ -48,41 +36,6 @@ def draw_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_ids: Sequence[Sequence[int]],
-    output_ids: Sequence[Sequence[int]],
-    repetition: Sequence[float],
-    frequency: Sequence[float],
-    presence: Sequence[float],
-) -> torch.Tensor:
-    """`logits` [B, V] penalised (out of place); every other argument has one entry per row.
-
-    repetition (HF/vLLM): a token seen in the prompt or the output has its logit divided by the
-    penalty when positive, multiplied when not. frequency / presence subtract f * count and
-    p * (count > 0), counting output tokens only.
-    """
-    vocab = logits.shape[1]
-    device = logits.device
-    repeats = any(r != 1.0 for r in repetition)
-    additive = any(f != 0.0 for f in frequency) or any(p != 0.0 for p in presence)
-    if not (repeats or additive):
-        return logits
-    counts = _token_counts(output_ids, vocab, device)
-    if repeats:
-        seen = counts + _token_counts(prompt_ids, vocab, device)
-        rep = _column(repetition, logits.dtype, device)
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen > 0, penalised, logits)
-    if additive:
-        logits = (
-            logits
-            - _column(frequency, logits.dtype, device) * counts
-            - _column(presence, logits.dtype, device) * (counts > 0)
-        )
-    return logits
 
 
 class Sampler:
@@ -146,14 +99,14 @@ class Sampler:
         """(raw logits, sampled token ids on the device, the grammars still to advance)."""
         # Columns past the vocabulary (a padded lm_head) must never be sampled.
         raw = logits[:, : self.vocab_size].float()
-        adjusted = _adjusted_logits(raw, states)
+        adjusted = adjusted_logits(raw, states)
         grammars = self._grammars(states)
         if grammars:
             adjusted = self._mask_grammars(raw, adjusted, grammars)
         tokens = adjusted.argmax(dim=-1)  # first maximum: ties go to the lowest id
         sampled = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if sampled:
-            index = _index(sampled, logits.device)
+            index = row_index(sampled, logits.device)
             tokens[index] = self._draw(adjusted[index], [states[i] for i in sampled])
         return raw, tokens, grammars
 
@@ -185,7 +138,7 @@ class Sampler:
             return adjusted
         allowed = torch.stack([_unpack_bits(masks[i], self.vocab_size) for i in rows])
         allowed = upload(allowed, raw.device)
-        index = _index(rows, raw.device)
+        index = row_index(rows, raw.device)
         masked = adjusted[index].masked_fill(~allowed, float("-inf"))
         dead = torch.isneginf(masked).all(dim=-1, keepdim=True)
         masked = torch.where(dead, raw[index].masked_fill(~allowed, float("-inf")), masked)
@@ -196,7 +149,7 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """One token id per row of `logits` (rows of non-greedy states)."""
         params = [s.params for s in states]
-        probs = _filtered_probs(
+        probs = filtered_probs(
             logits,
             [p.temperature for p in params],
             [p.top_k for p in params],
@@ -206,7 +159,7 @@ class Sampler:
         picks = torch.empty(len(states), dtype=torch.long, device=logits.device)
         shared = [j for j, p in enumerate(params) if p.seed is None]
         if shared:
-            index = _index(shared, logits.device)
+            index = row_index(shared, logits.device)
             picks[index] = _multinomial(probs[index], self._generator)
         for j, s in enumerate(states):
             if s.params.seed is not None:
@@ -221,7 +174,7 @@ def overlap_safe(state: SamplingState) -> bool:
     min_new_tokens and a seed's draw position count its length, a grammar advances over it."""
     p = state.params
     return (
-        not _has_penalties(p)
+        not has_penalties(p)
         and p.min_new_tokens == 0
         and not has_constraint(p)
         and (p.seed is None or p.is_greedy)
@@ -260,12 +213,6 @@ def _multinomial(probs: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     return probs.div(q).argmax(dim=-1)
 
 
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """Row indices as a device tensor: indexing a CUDA tensor with a Python list copies the
-    list with a blocking copy (a sync)."""
-    return to_device(rows, torch.int64, device)
-
-
 def _unpack_bits(bitmask: bytes, size: int) -> torch.Tensor:
     """[size] bool from one bit per entry, little-endian within each byte; missing bits are 0."""
     packed = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
@@ -274,128 +221,6 @@ def _unpack_bits(bitmask: bytes, size: int) -> torch.Tensor:
     n = min(size, bits.numel())
     out[:n] = bits.flatten()[:n].bool()
     return out
-
-
-def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return to_device(values, dtype, device).unsqueeze(1)
-
-
-def _token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(ids), vocab] float32 occurrence counts, built with one scatter on the device."""
-    lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
-    flat = torch.tensor(list(chain.from_iterable(ids)), dtype=torch.long)
-    row_of = torch.repeat_interleave(torch.arange(len(ids)), lengths)  # on the host: no sync
-    counts = torch.zeros(len(ids), vocab, dtype=torch.float32, device=device)
-    counts.index_put_(
-        (upload(row_of, device), upload(flat, device)),
-        torch.ones(flat.numel(), dtype=torch.float32, device=device),
-        accumulate=True,
-    )
-    return counts
-
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
-def _min_tokens_bans(states: Sequence[SamplingState], vocab: int) -> tuple[list[int], list[int]]:
-    """(rows, ids) to forbid before min_new_tokens: stop tokens, and eos unless ignore_eos."""
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, s in enumerate(states):
-        if len(s.output_ids) >= s.params.min_new_tokens:
-            continue
-        # stop_token_ids may lie outside the vocabulary (accepted, as SGLang): never indexed.
-        banned = {t for t in s.params.stop_token_ids if 0 <= t < vocab}
-        if not s.params.ignore_eos:
-            banned |= s.eos_token_ids
-        rows += [i] * len(banned)
-        cols += banned
-    return rows, cols
-
-
-def _adjusted_logits(raw: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """Penalties, then logit_bias, then min_new_tokens bans; returns `raw` itself (never
-    modified) if none apply. EAGLE's verify samples through here too, so a draft is accepted
-    only where the biased distribution picks it."""
-    penalised = [i for i, s in enumerate(states) if _has_penalties(s.params)]
-    ban_rows, ban_cols = _min_tokens_bans(states, raw.shape[1])
-    bias_rows, bias_cols, bias_values = [], [], []
-    for i, s in enumerate(states):
-        for token_id, bias in s.params.logit_bias.items():
-            bias_rows.append(i)
-            bias_cols.append(token_id)
-            bias_values.append(bias)
-    if not penalised and not ban_rows and not bias_rows:
-        return raw
-    out = raw.clone()
-    if penalised:
-        params = [states[i].params for i in penalised]
-        index = _index(penalised, raw.device)
-        out[index] = apply_penalties(
-            out[index],
-            [states[i].prompt_ids for i in penalised],
-            [states[i].output_ids for i in penalised],
-            [p.repetition_penalty for p in params],
-            [p.frequency_penalty for p in params],
-            [p.presence_penalty for p in params],
-        )
-    if bias_rows:
-        index = to_device([bias_rows, bias_cols], torch.long, raw.device)
-        out.index_put_(
-            (index[0], index[1]),
-            to_device(bias_values, out.dtype, raw.device),
-            accumulate=True,
-        )
-    if ban_rows:
-        index = to_device([ban_rows, ban_cols], torch.long, raw.device)
-        # a device value: `out[i, j] = float("-inf")` would copy it from the host, blocking
-        out.index_put_((index[0], index[1]), out.new_full((), float("-inf")))
-    return out
-
-
-def _filtered_probs(
-    logits: torch.Tensor,
-    temperature: Sequence[float],
-    top_k: Sequence[int],
-    top_p: Sequence[float],
-    min_p: Sequence[float],
-) -> torch.Tensor:
-    """Renormalised sampling distribution in vocabulary order: temperature, top_k, top_p, min_p."""
-    logits = logits / _column(temperature, logits.dtype, logits.device)
-    if any(k != -1 for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _mask_top_k_top_p(logits, top_k, top_p)
-    if any(m > 0.0 for m in min_p):
-        logits = _mask_min_p(logits, min_p)
-    return torch.softmax(logits, dim=-1)
-
-
-def _mask_top_k_top_p(
-    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
-) -> torch.Tensor:
-    """Keep the k largest, then the smallest prefix of those (renormalised) reaching top_p."""
-    vocab = logits.shape[1]
-    device = logits.device
-    # Stable sort: equal logits keep id order, so truncation at a tie is deterministic.
-    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-    k = to_device([vocab if k == -1 else min(k, vocab) for k in top_k], torch.int64, device)
-    p = _column(top_p, logits.dtype, device)
-    position = torch.arange(vocab, device=device).unsqueeze(0)
-    beyond_k = position >= k.unsqueeze(1)
-    probs = torch.softmax(ordered.masked_fill(beyond_k, float("-inf")), dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    # p < 1 guard: a cumulative sum rounding past 1.0 must not cut an untruncated row.
-    drop = beyond_k | ((mass_before >= p) & (p < 1.0))
-    drop[:, 0] = False
-    return logits.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), float("-inf"))
-
-
-def _mask_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
-    """Drop tokens with prob < min_p * max_prob, i.e. logit < max_logit + log(min_p)."""
-    floor = logits.max(dim=-1, keepdim=True).values + torch.log(
-        _column(min_p, logits.dtype, logits.device)
-    )
-    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 def score_tokens(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:

@@ -18,11 +18,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from serving.front.api.admin_routes import admin_router
+from serving.front.api.chat_routes import chat_router
+from serving.front.api.completion_routes import completion_router
 from serving.front.api.context import FrontContext
 from serving.front.api.errors import error_response, install_error_handlers
 from serving.front.api.guard import RequestGuard
 from serving.front.api.native_routes import native_router
-from serving.front.api.openai_routes import openai_router
 from serving.front.api.responses_api import responses_router
 from serving.front.api.sequences import ClientDisconnected
 from serving.front.engine_client import EngineClient, EngineUnavailable
@@ -45,7 +46,8 @@ def create_app(args: ServerArgs, client: EngineClient) -> FastAPI:
     async def _gone(_: object, __: ClientDisconnected) -> JSONResponse:
         return error_response(499, "client disconnected")
 
-    app.include_router(openai_router(ctx))
+    app.include_router(chat_router(ctx))
+    app.include_router(completion_router(ctx))
     app.include_router(responses_router(ctx))
     app.include_router(native_router(ctx))
     app.include_router(admin_router(ctx))

@@ -7,6 +7,7 @@ from torch import nn
 
 from kernels import fast_path
 from kernels import moe as moe_kernels
+from kernels.moe_small import Experts, SharedExpert
 from serving.config import ModelConfig
 from serving.distributed import all_reduce, split, state
 from serving.layers.linear import Linear, StackedProjections, block_scales, fp8_twin, param, shard
@@ -76,6 +77,10 @@ class MoE(nn.Module):
         self.shared_experts = DenseMLP(
             h, i * config.n_shared_experts, config.swiglu_limit, dtype, "shared_expert", False
         )
+        # the small-batch kernels' last-program counters (int32 zeros; made on the first small
+        # batch, which the decode graphs' warm-up runs before capturing). Not a buffer: the
+        # meta-device build and to_empty would leave it uninitialised.
+        self.small_counters: torch.Tensor | None = None
 
     def hold_fp8(self) -> None:
         """Hold the routed experts in block FP8 (the shared expert is a DenseMLP of its own)."""
@@ -91,6 +96,9 @@ class MoE(nn.Module):
         ps = state()
         # EP: ids become local; other ranks' experts id E, which the expert kernels skip
         local = (self.experts.start, self.w13.shape[0]) if ps.ep_size > 1 else None
+        small = SMALL_MOE_MAX_TOKENS if self.w13_scale_inv is None else SMALL_MOE_MAX_TOKENS_FP8
+        if fast_path(x) and c.n_group == 1 and 0 < x.shape[0] <= small:
+            return self._forward_small(x, local)
         weights, ids = _route(x, c.n_group)(
             x,
             self.gate.weight,
@@ -113,6 +121,62 @@ class MoE(nn.Module):
             return all_reduce(routed) + self.shared_experts(x)
         return routed + self.shared_experts(x)
 
+    def _forward_small(self, x: torch.Tensor, local: tuple[int, int] | None) -> torch.Tensor:
+        """Router, routed experts and shared expert in three launches, no align and no sort
+        (kernels/triton/moe_small.py). The shared expert joins the kernels where its output is
+        a partial sum like the routed one (TP) or there is no all-reduce (world 1); under EP
+        without TP every rank holds all of it, so it is added after the all-reduce, as in
+        forward."""
+        from kernels.triton.moe_small import counters_size, moe_small
+
+        c = self.config
+        ps = state()
+        inside = ps.tp_size > 1 or ps.ep_size == 1
+        mlp = self.shared_experts
+        shared = (
+            SharedExpert(
+                mlp.gate_proj.weight,
+                mlp.up_proj.weight,
+                mlp.down_proj.weight,
+                mlp.gate_proj.weight_scale_inv,
+                mlp.up_proj.weight_scale_inv,
+                mlp.down_proj.weight_scale_inv,
+            )
+            if inside
+            else None
+        )
+        counters = self.small_counters
+        if counters is None or counters.device != x.device:
+            inter_sh = mlp.gate_proj.weight.shape[0] if inside else 0
+            size = counters_size(c.n_routed_experts, c.hidden_size, self.w2.shape[2], inter_sh)
+            counters = self.small_counters = torch.zeros(size, dtype=torch.int32, device=x.device)
+        out = moe_small(
+            x,
+            self.gate.weight,
+            self.gate.e_score_correction_bias,
+            c.num_experts_per_tok,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+            local,
+            Experts(self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv),
+            shared,
+            c.swiglu_limit,
+            counters,
+        )
+        if ps.world > 1:
+            out = all_reduce(out)
+        return out if inside else out + self.shared_experts(x)
+
+
+# On the fast path, batches of at most this many tokens take MoE._forward_small (three launches
+# per layer, no align or sort; kernels/triton/moe_small.py, correct up to its MAX_TOKENS = 16),
+# larger ones the fused align path. Issue 43's rule, tokens x top_k below the rank's local expert
+# count, gives 4 at EP8 (top-8 of 288, 36 local experts). The H200 A/B of both paths at rank 0
+# of EP8 (python -m bench.decode_moe, session 14): bf16 29.8 against 51.3 us at 1 token, 108
+# against 122 at 4, 172 against 146 at 8; block FP8 59.7 against 75.2 us at 1 token but 136
+# against 99 at 4. So bf16 up to 4 tokens, FP8 at 1.
+SMALL_MOE_MAX_TOKENS = 4
+SMALL_MOE_MAX_TOKENS_FP8 = 1
 
 # With the torch kernels on CUDA (PDSERVE_TORCH_KERNELS=1), batches this small use the sync-free
 # dense expert path, eager or captured alike, so CUDA graphs on and off compute the same thing;

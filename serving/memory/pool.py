@@ -11,26 +11,21 @@ draft is sized by `request_rows(req_to_token)` (memory/cache.py), the same funct
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from itertools import chain
+from dataclasses import dataclass
 
 import torch
 
 from serving.config import ModelConfig
 from serving.distributed import rank_cache_config
-from serving.forward_batch import to_device
 from serving.memory.allocator import FreeList, PageAllocator
 from serving.memory.cache import (
     ModelCache,
     allocate_model_cache,
-    load_kda_states,
     request_rows,
-    reset_request_state,
     save_kda_states,
     tail_slots_for,
 )
+from serving.memory.pool_work import PoolWork, PoolWorkQueue, apply_work
 
 log = logging.getLogger(__name__)
 
@@ -78,24 +73,6 @@ class AuxRows:
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(f"aux.{name}", t) for name, t in vars(self).items()]
-
-
-@dataclass
-class PoolWork:
-    """Device work of the pool, applied as one batch (MemoryPool.batched), in this order:
-    resets:  rows handed out, their KDA states and compression tails zeroed;
-    maps:    (row, first page index, pages): positions of the row pointed at the pages' slots;
-    loads:   (snapshot slot, row): a row started from a prefix-cache state snapshot.
-    The order is the dependency: a row handed out and started from a snapshot in one batch is
-    zeroed first (its tails stay zero), then loaded. Rows are distinct across resets and loads,
-    and no position is mapped twice (each admission or growth maps pages a row did not have)."""
-
-    resets: list[int] = field(default_factory=list)
-    maps: list[tuple[int, int, list[int]]] = field(default_factory=list)
-    loads: list[tuple[int, int]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.resets or self.maps or self.loads)
 
 
 @dataclass(frozen=True)
@@ -268,9 +245,6 @@ class MemoryPool:
         # here; they replay it before the next forward (serving/engine/tp_worker.py). None: not
         # recorded.
         self.journal: list[tuple] | None = None
-        # batched(): device work queued until the block ends (None: applied at once)
-        self._queued: PoolWork | None = None
-        self._page_offsets = torch.arange(plan.page_size, device=device)
         self.draft: ModelCache | None = None
         if plan.with_draft:
             self.draft = allocate_model_cache(
@@ -283,6 +257,9 @@ class MemoryPool:
                 layer_types=config.draft_layer_types,
                 num_draft_tokens=plan.num_draft_tokens,
             )
+
+        self.work = PoolWorkQueue(self._apply)  # resets, maps and loads: at once, or batched()
+        self._page_offsets = torch.arange(plan.page_size, device=device)
 
     def caches(self) -> list[ModelCache]:
         return [self.target] if self.draft is None else [self.target, self.draft]
@@ -297,66 +274,15 @@ class MemoryPool:
             f"{total / 2**20:.1f} MiB allocated"
         )
 
-    # ---- device work, batched ----
-    @contextmanager
-    def batched(self) -> Iterator[None]:
-        """Row resets, page maps and snapshot loads asked for inside the block are queued and
-        applied when it ends, as a few launches for all of them (PoolWork): admitting 32
-        prefix-cache hits in one step costs what admitting one does. Nested blocks join the
-        outer one.
-
-        Hazard: until the block ends, the device has not seen the queued work: nothing inside
-        may launch device work on those rows, positions or slots (scheduling is host work only).
-        A snapshot slot whose load is queued may be evicted and handed to a save inside the
-        block: the save runs in a later forward, after the load in stream order."""
-        if self._queued is not None:
-            yield
-            return
-        self._queued = PoolWork()
-        try:
-            yield
-        finally:
-            work, self._queued = self._queued, None
-            if work:
-                self._apply(work)
-
-    def _do(self, work: PoolWork) -> None:
-        """Queue `work` inside batched(), else apply it now."""
-        if self._queued is None:
-            self._apply(work)
-            return
-        self._queued.resets += work.resets
-        self._queued.maps += work.maps
-        self._queued.loads += work.loads
+    def batched(self):
+        """A block whose row resets, page maps and snapshot loads launch as one batch when it
+        ends (PoolWorkQueue.batched: the hazards)."""
+        return self.work.batched()
 
     def _apply(self, work: PoolWork) -> None:
-        """The batch's device work: one host-to-device copy of every index, then per buffer one
-        index_fill (resets), one index_put into the request table (maps) and one gather plus
-        one index_copy (loads), whatever the number of rows."""
         if self.journal is not None:
-            self.journal.append(("apply", work))
-        size = self.plan.page_size
-        page_rows = [row for row, _, pages in work.maps for _ in pages]
-        page_starts = [
-            (first + i) * size for _, first, pages in work.maps for i in range(len(pages))
-        ]
-        page_ids = [p for _, _, pages in work.maps for p in pages]
-        load_slots = [slot for slot, _ in work.loads]
-        load_rows = [row for _, row in work.loads]
-        parts = [work.resets, page_rows, page_starts, page_ids, load_slots, load_rows]
-        ids = to_device(list(chain.from_iterable(parts)), torch.int64, self.device)
-        resets, rows, starts, pages, slots, loaded = ids.split([len(p) for p in parts])
-        if work.resets:
-            for cache in self.caches():
-                reset_request_state(cache, resets)
-        if page_ids:
-            # A last page may overhang the table: its positions past the end clamp to the last
-            # column and write that column's own slot (equal values, so the duplicates agree).
-            pos = (starts[:, None] + self._page_offsets).clamp_(max=self.plan.max_context - 1)
-            slots_of = pages[:, None] * size + (pos - starts[:, None])
-            self.req_to_token.index_put_((rows[:, None], pos), slots_of)
-        if work.loads:
-            load_kda_states(self.target, slots, loaded)
+            self.journal.append(("apply", work))  # a follower replays it through here
+        apply_work(work, self.caches(), self.target, self.req_to_token, self._page_offsets)
 
     # ---- rows ----
     def alloc_row(self) -> int | None:
@@ -364,7 +290,7 @@ class MemoryPool:
         got = self.rows.alloc(1)
         if got is None:
             return None
-        self._do(PoolWork(resets=got))
+        self.work.do(PoolWork(resets=got))
         return got[0]
 
     def free_row(self, row: int) -> None:
@@ -389,12 +315,12 @@ class MemoryPool:
         """Point positions from page index `first` of `row` at pages `new` (queued inside
         batched())."""
         if new:
-            self._do(PoolWork(maps=[(row, first, list(new))]))
+            self.work.do(PoolWork(maps=[(row, first, list(new))]))
 
     # ---- state snapshots (the prefix cache's) ----
     def save_states(self, rows: list[int], slots: list[int]) -> None:
         """Snapshot the KDA states of `rows` into `slots` (after a forward wrote them)."""
-        assert self._queued is None, "a save inside batched() would run before queued loads"
+        assert not self.work.open, "a save inside batched() would run before queued loads"
         if self.journal is not None:
             self.journal.append(("save", rows, slots))
         save_kda_states(self.target, rows, slots)
@@ -402,7 +328,7 @@ class MemoryPool:
     def load_states(self, slots: list[int], rows: list[int]) -> None:
         """Start `rows` from the snapshots in `slots` (a prefix-cache hit; queued inside
         batched())."""
-        self._do(PoolWork(loads=list(zip(slots, rows))))
+        self.work.do(PoolWork(loads=list(zip(slots, rows))))
 
     def take_journal(self) -> list[tuple]:
         entries, self.journal = self.journal or [], []

@@ -2,9 +2,10 @@
 
 Projections and the absorbed-form math; what touches the caches (latent and pooled-key writes,
 the tail ring, selection, sparse attention) is serving/layers/attention/dsa.py.
-Heads shard under TP: q_b/kv_b column-parallel, o_proj row-parallel (all-reduce after); the
-indexer's heads shard like q_b and its pool scores are summed across ranks before top-k, so
-every rank selects the same tokens; the latent cache and pooled keys are per token, replicated.
+Heads shard under TP: q_b/kv_b column-parallel, o_proj row-parallel (all-reduce after). The
+indexer is replicated (all its heads on every rank), so every rank selects the same tokens with
+no collective; the latent cache and pooled keys are per token, replicated.
+Two projections of q_lora, MLA's q_b and the indexer's wq_b, run as one GEMM (q_proj).
 """
 
 from __future__ import annotations
@@ -13,40 +14,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.dsa_decode import IndexQuery, IndexWrite
 from serving.config import ModelConfig
 from serving.distributed import state
 from serving.forward_batch import ForwardBatch
 from serving.layers.attention.dsa import (
     IndexerShape,
-    select_positions,
+    StepCounters,
+    attend_step,
+    is_step,
+    query_step,
+    select_slots,
     sparse_mla,
     write_latent,
+    write_step,
 )
 from serving.layers.linear import Linear, StackedProjections, param
 from serving.layers.norm import RMSNorm
 from serving.memory.cache import DSALayerCache
+
+K_NORM_EPS = 1e-6  # the index key's LayerNorm
 
 
 class Indexer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         d, heads = config.index_head_dim, config.index_n_heads
-        # this rank's heads; the head weights keep the full count's scale, so the partial pool
-        # scores of the ranks sum (select_positions all-reduces them) to the unsplit score
-        self.d, self.heads, self.scale = d, heads // state().tp_size, heads**-0.5
+        self.d, self.heads, self.scale = d, heads, heads**-0.5
         self.shape = IndexerShape(
             config.index_kpool,
             config.index_select_pools,
             config.index_kpool_always_select_tail,
             d,
         )
-        self.wq_b = Linear(config.q_lora_rank, heads * d, dtype, split="column", kind="indexer")
+        self.wq_b = Linear(config.q_lora_rank, heads * d, dtype, kind="indexer")
         self.wk = Linear(config.hidden_size, d, dtype, kind="indexer")
         self.k_norm_weight = param(d, dtype=dtype)
         self.k_norm_bias = param(d, dtype=dtype)
-        self.weights_proj = Linear(config.hidden_size, heads, dtype, split="column")
+        self.weights_proj = Linear(config.hidden_size, heads, dtype)
         self.index_kpool_compress_gate = param(d, config.hidden_size, dtype=dtype)
         self.index_kpool_compress_ape = param(config.index_kpool, d, dtype=torch.float32)
+        self.counters = StepCounters()
 
     # what the indexer projects from the layer's input x, in its owner's StackedProjections
     X_PROJECTIONS = ("wk", "index_kpool_compress_gate", "weights_proj")
@@ -54,19 +62,38 @@ class Indexer(nn.Module):
     def forward(
         self,
         x_proj: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        q_lora: torch.Tensor,
+        qi: torch.Tensor,
         batch: ForwardBatch,
         cache: DSALayerCache,
     ) -> torch.Tensor:
-        """Returns selected token positions [T, index_width] (-1 = empty) per new token.
-        x_proj: X_PROJECTIONS applied to the layer's input."""
+        """A ragged batch: writes its index keys, returns the selection [T, index_width] (cache
+        slots, -1 = empty). x_proj: X_PROJECTIONS applied to the layer's input; qi: wq_b's."""
         wk, gates, head_w = x_proj
-        q = self.wq_b(q_lora).view(-1, self.heads, self.d)
-        k = F.layer_norm(wk, (self.d,), self.k_norm_weight, self.k_norm_bias, eps=1e-6)
+        q = qi.view(-1, self.heads, self.d)
+        k = F.layer_norm(wk, (self.d,), self.k_norm_weight, self.k_norm_bias, eps=K_NORM_EPS)
         head_w = head_w.float() * self.scale
-        return select_positions(
+        return select_slots(
             self.shape, q, k, gates, head_w, self.index_kpool_compress_ape, batch, cache
         )
+
+    def step_write(self, x_proj: tuple[torch.Tensor, ...], cache: DSALayerCache) -> IndexWrite:
+        wk, gates, _ = x_proj
+        assert cache.index_keys is not None and cache.tail_keys is not None
+        assert cache.tail_gates is not None
+        return IndexWrite(
+            wk, gates, self.k_norm_weight, self.k_norm_bias, K_NORM_EPS,
+            self.index_kpool_compress_ape, cache.index_keys, cache.tail_keys, cache.tail_gates,
+        )  # fmt: skip
+
+    def step_query(
+        self, qi: torch.Tensor, x_proj: tuple[torch.Tensor, ...], cache: DSALayerCache
+    ) -> IndexQuery:
+        assert cache.index_keys is not None
+        s = self.shape
+        return IndexQuery(
+            qi.view(-1, self.heads, self.d), x_proj[2], self.scale, cache.index_keys,
+            s.kpool, s.select_pools, s.select_tail,
+        )  # fmt: skip
 
 
 class DSAttention(nn.Module):
@@ -86,29 +113,50 @@ class DSAttention(nn.Module):
         self.o_proj = Linear(h * self.v_dim, config.hidden_size, dtype, split="row", kind="mla")
         self.indexer = Indexer(config, dtype) if has_indexer else None
         from_x = ("q_a_proj", "kv_a_proj_with_mqa")
+        from_q_lora = ("q_b_proj",)
         if has_indexer:
             from_x += tuple(f"indexer.{name}" for name in Indexer.X_PROJECTIONS)
+            from_q_lora += ("indexer.wq_b",)
         self.in_proj = StackedProjections(self, from_x)
+        self.q_proj = StackedProjections(self, from_q_lora)
 
     def forward(
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
         cache: DSALayerCache,
-        shared_positions: torch.Tensor | None,
+        shared_selection: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (output [T, Hd], selected positions [T, W]) for a later shared layer."""
+        """Returns (output [T, Hd], the selection [T, W] for a later shared layer)."""
         q_a, kv_a, *indexer_in = self.in_proj(x)
-        q_lora = self.q_a_layernorm(q_a)
-        q = self.q_b_proj(q_lora).view(-1, self.heads, self.nope)
-        write_latent(self.kv_a_layernorm(kv_a), batch, cache)
-        if self.indexer is not None:
-            positions = self.indexer(tuple(indexer_in), q_lora, batch, cache)
-        else:
-            assert shared_positions is not None, "shared DSA layer without a full layer before it"
-            positions = shared_positions
         kv_b = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
-        q_abs = torch.einsum("thd,hdr->thr", q, kv_b[:, : self.nope])
-        o_lat = sparse_mla(q_abs, positions, batch, cache, self.scale)
-        o = torch.einsum("thr,hvr->thv", o_lat, kv_b[:, self.nope :])
-        return self.o_proj(o.flatten(1)), positions
+        kv_b_nope, kv_b_v = kv_b[:, : self.nope], kv_b[:, self.nope :]
+        idx = self.indexer
+        if is_step(batch):  # graph-safe; four launches between the projections on CUDA
+            index = None if idx is None else idx.step_write(indexer_in, cache)
+            norms = (self.q_a_layernorm, self.kv_a_layernorm)
+            q_lora = write_step(q_a, kv_a, *norms, index, batch, cache)
+            q, *qi = self.q_proj(q_lora)
+            query = None if idx is None else idx.step_query(qi[0], indexer_in, cache)
+            counters = None if idx is None else idx.counters
+            q = q.view(-1, self.heads, self.nope)
+            q_abs, selection = query_step(q, kv_b_nope, query, counters, batch)
+            selection = _shared(selection, shared_selection)
+            o = attend_step(q_abs, selection, kv_b_v, cache, self.scale)
+            return self.o_proj(o), selection
+        q_lora = self.q_a_layernorm(q_a)
+        write_latent(self.kv_a_layernorm(kv_a), batch, cache)
+        q, *qi = self.q_proj(q_lora)
+        selection = None if idx is None else idx(tuple(indexer_in), qi[0], batch, cache)
+        selection = _shared(selection, shared_selection)
+        q_abs = torch.einsum("thd,hdr->thr", q.view(-1, self.heads, self.nope), kv_b_nope)
+        o_lat = sparse_mla(q_abs, selection, cache, self.scale)
+        o = torch.einsum("thr,hvr->thv", o_lat, kv_b_v)
+        return self.o_proj(o.flatten(1)), selection
+
+
+def _shared(own: torch.Tensor | None, shared: torch.Tensor | None) -> torch.Tensor:
+    if own is not None:
+        return own
+    assert shared is not None, "shared DSA layer without a full layer before it"
+    return shared

@@ -1,8 +1,11 @@
 """GLM-5.3-Flash text model for serving: hybrid KDA / DSA layers with mHC residual streams.
 
 The hidden state is `hc_mult` parallel streams [T, hc, Hd]. Each layer collapses them for its
-attention and its MLP (HyperConnection), and spreads the sublayer output back. The head takes
-the mean of the streams, then RMSNorm, then lm_head.
+attention and its MLP (HyperConnection), and spreads the sublayer output back. Between two
+sublayers that is one step, the boundary (HyperConnection.boundary: the expansion of one's output,
+then the next one's collapse; one launch for a decode batch): the first attention's input is a
+plain collapse, the last MLP's output a plain expansion. The head takes the mean of the streams,
+then RMSNorm, then lm_head.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from serving.config import KDA, ModelConfig
 from serving.distributed import padded_vocab, state, tp_all_reduce
 from serving.forward_batch import ForwardBatch
 from serving.layers.linear import Linear, padded, tp_param
-from serving.layers.mhc import HyperConnection
+from serving.layers.mhc import HyperConnection, Streams
 from serving.layers.mlp import make_mlp
 from serving.layers.norm import RMSNorm
 from serving.memory.cache import ModelCache
@@ -47,12 +50,16 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        streams: torch.Tensor,
+        x: torch.Tensor,
+        streams: Streams,
         batch: ForwardBatch,
         cache: ModelCache,
         selected: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        post, comb, x = self.attn_hc.collapse(streams, self.input_layernorm)
+    ) -> tuple[torch.Tensor, Streams, torch.Tensor | None]:
+        """x: the attention's input (the streams collapsed by attn_hc, normed); streams: the
+        residual streams with that collapse's mixing. Returns the MLP's output, not yet expanded
+        (the next layer's boundary, or the model's last expansion, does that), the streams it
+        expands onto, and the indexer's selection."""
         if self.is_kda:
             history = None
             if batch.kda_history is not None:
@@ -60,10 +67,8 @@ class DecoderLayer(nn.Module):
             x = self.self_attn(x, batch, cache.kda(self.layer), history)
         else:
             x, selected = self.self_attn(x, batch, cache.dsa(self.layer), selected)
-        streams = HyperConnection.expand(x, streams, post, comb)
-        post, comb, x = self.ffn_hc.collapse(streams, self.post_attention_layernorm)
-        x = self.mlp(x)
-        return HyperConnection.expand(x, streams, post, comb), selected
+        x, streams = self.ffn_hc.boundary(x, streams, self.post_attention_layernorm)
+        return self.mlp(x), streams, selected
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -108,9 +113,14 @@ class Glm5NextForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
         x = self.embed(batch.input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        first = self.layers[0]
+        x, streams = first.attn_hc.collapse(
+            x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous(), first.input_layernorm
+        )
         selected = None
-        for layer in self.layers:
-            streams, selected = layer(streams, batch, cache, selected)
-        hidden = streams.mean(dim=1)
+        for i, layer in enumerate(self.layers):
+            if i:  # one boundary: the last layer's MLP output expanded, this attention's collapse
+                x, streams = layer.attn_hc.boundary(x, streams, layer.input_layernorm)
+            x, streams, selected = layer(x, streams, batch, cache, selected)
+        hidden = HyperConnection.expand(x, streams).mean(dim=1)
         return ForwardOutput(logits=self.logits(hidden[batch.logit_index]), hidden=hidden)

@@ -18,6 +18,10 @@ kernels (a `kind`, not in `keep_bf16`) and whose tensors are all FP8 holds them 
 but the projections whose FP8 GEMM is not faster than the dense one on this device
 (serving/models/fp8_choice.py); everything else, and every module on the CPU, gets them
 dequantized once, here.
+
+Its parts: checkpoint_reader.py (the files and this rank's slices), weight_names.py (which
+parameter each tensor fills), fp8_loading.py (FP8 held or dequantized); this module fills the
+modules from them and exports ours back under the checkpoint's names.
 """
 
 from __future__ import annotations
@@ -26,70 +30,29 @@ import json
 import logging
 import re
 import shutil
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kernels.fp8 import dequantize
 from serving.config import ModelConfig
-from serving.distributed import ParallelState, split, state
+from serving.distributed import state
 from serving.layers.linear import stack_projections
-from serving.models.fp8_choice import LinearChoice, choose_linears, linear_shape
-from serving.models.fp8_weights import (
-    SCALE_SUFFIX,
-    ScaleSlice,
-    TensorInfo,
-    check_holdable,
-    fp8_weights,
-    read_header,
-    scale_slice,
+from serving.models.checkpoint_reader import CheckpointError, checkpoint_files, iter_slices
+from serving.models.fp8_loading import (
+    choose_and_hold,
+    dequantize_share,
+    fp8_modules,
+    log_fp8_linear_backends,
+    read_scales,
 )
+from serving.models.fp8_weights import SCALE_SUFFIX, TensorInfo, fp8_weights, read_header
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
+from serving.models.weight_names import map_name
 
 log = logging.getLogger(__name__)
-
-_SKIPPED = re.compile(r"^model\.visual\.|^visual\.")
-# DeepSeek-style NextN copies of the shared embedding / head: the draft uses the target's.
-_NEXTN_COPIES = re.compile(r"\.(embed_tokens\.weight|shared_head\.head\.weight)$")
-_RENAMES = (
-    (re.compile(r"\.hc_attn_(fn|base|scale)$"), r".attn_hc.\1"),
-    (re.compile(r"\.hc_ffn_(fn|base|scale)$"), r".ffn_hc.\1"),
-    (re.compile(r"\.self_attn\.o_norm\.weight$"), ".self_attn.o_norm"),
-    (re.compile(r"\.indexer\.k_norm\.(weight|bias)$"), r".indexer.k_norm_\1"),
-    (re.compile(r"\.shared_head\.norm\.weight$"), ".shared_head_norm.weight"),
-)
-_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_CONV = re.compile(r"\.self_attn\.([qkv])_conv1d\.weight$")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint does not match the model config; the message names the tensor."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where one checkpoint tensor goes: a parameter, or one expert's rows of a stacked one
-    (and, held in FP8, their block scales: `scale_rows` of `<param>_scale_inv`)."""
-
-    param: str
-    expert: int | None = None
-    rows: slice | None = None
-    scale_rows: slice | None = None
-
-    def view(self, data: torch.Tensor) -> torch.Tensor:
-        if self.expert is not None:
-            data = data[self.expert]
-        return data if self.rows is None else data[self.rows]
-
-    def scale_view(self, data: torch.Tensor) -> torch.Tensor:
-        if self.expert is not None:
-            data = data[self.expert]
-        return data if self.scale_rows is None else data[self.scale_rows]
 
 
 def resolve_dtype(name: str, model_dir: str | Path, device: str | None = None) -> torch.dtype:
@@ -105,81 +68,6 @@ def resolve_dtype(name: str, model_dir: str | Path, device: str | None = None) -
     if name not in table:
         raise CheckpointError(f"--dtype {name!r} is not supported (auto, bfloat16, float32)")
     return table[name]
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"index lists shards that do not exist: {missing}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {model_dir}")
-    return files
-
-
-def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
-# Pages of a memory-mapped shard that reads touched stay in this process's RSS until the file is
-# closed, and a column slice (row-parallel weights) touches every page of its tensor. So a shard
-# is reopened after each window of this many tensor bytes: a rank's peak host memory is its own
-# parameters plus about one window, not plus the whole file. (The header is parsed again per
-# window: ~1 ms, 80 times for a 5 GB shard.)
-MAPPED_WINDOW = 64 << 20
-
-
-def _iter_slices(model_dir: str | Path):
-    """(name, read) per checkpoint tensor; read(shard, padded) returns the whole tensor (shard
-    None) or piece `rank` of `size` along `dim` for shard = (dim, size, rank), reading only that
-    piece. padded: pieces are ceil(n / size) long and the last ones come back short (or empty),
-    where the parameter ends in padding rows. Call each read before asking for the next tensor
-    (its file may be closed after)."""
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-        at = 0
-        while at < len(names):
-            touched = [0]  # bytes of the tensors read through this mapping
-            with safe_open(str(path), framework="pt") as f:
-                while at < len(names) and touched[0] < MAPPED_WINDOW:
-                    name = names[at]
-                    at += 1
-
-                    def read(spec, pad=False, f=f, name=name, touched=touched) -> torch.Tensor:
-                        if spec is None:
-                            t = f.get_tensor(name)
-                            touched[0] += t.numel() * t.element_size()
-                            return t
-                        dim, size, rank = spec
-                        sl = f.get_slice(name)
-                        shape = sl.get_shape()
-                        index = [slice(None)] * len(shape)
-                        if pad:
-                            share = -(-shape[dim] // size)
-                            stop = min((rank + 1) * share, shape[dim])
-                            index[dim] = slice(min(rank * share, stop), stop)
-                        elif shape[dim] % size:
-                            raise CheckpointError(
-                                f"{name!r}: dim {dim} of {tuple(shape)} does not split over "
-                                f"{size} ranks"
-                            )
-                        else:
-                            index[dim] = split(shape[dim], size, rank)
-                        t = sl[tuple(index)]
-                        touched[0] += t.numel() * t.element_size() * size
-                        return t
-
-                    yield name, read
 
 
 def rewrite_checkpoint(model_dir: str | Path, out_dir: str | Path, new: dict[str, torch.Tensor]):
@@ -208,72 +96,6 @@ def rewrite_checkpoint(model_dir: str | Path, out_dir: str | Path, new: dict[str
             str(out / path.name),
             metadata=meta or {"format": "pt"},
         )
-
-
-def _map_name(
-    name: str, config: ModelConfig, load_draft: bool, ps: ParallelState | None = None
-) -> tuple[str, Target] | None:
-    """Checkpoint name -> ("target"|"draft", Target), or None when skipped on purpose (also:
-    another EP rank's expert). Rows and expert ids of the Target are this rank's."""
-    ps = ps or ParallelState()
-    if _SKIPPED.search(name):
-        return None
-    if name == "lm_head.weight":
-        return "target", Target("lm_head.weight")
-    for prefix in ("model.language_model.", "model."):
-        if name.startswith(prefix):
-            local = name[len(prefix) :]
-            break
-    else:
-        raise CheckpointError(f"unexpected tensor {name!r} (not under model. or lm_head)")
-    if local == "embed_tokens.weight":
-        return "target", Target("embed_tokens")
-    m = re.match(r"layers\.(\d+)\.(.*)$", local)
-    if m is None:
-        return "target", Target(local)
-    layer, rest = int(m.group(1)), "." + m.group(2)
-    role = "target"
-    if layer >= config.num_hidden_layers:
-        if layer > config.num_hidden_layers or config.num_nextn_predict_layers == 0:
-            raise CheckpointError(f"tensor {name!r} is beyond the model's layers")
-        if not load_draft or _NEXTN_COPIES.search(rest):
-            return None
-        role, prefix_out = "draft", ""
-    else:
-        prefix_out = f"layers.{layer}"
-    for pattern, repl in _RENAMES:
-        rest = pattern.sub(repl, rest)
-    if em := _EXPERT.search(rest):
-        expert, kind = int(em.group(1)), em.group(2)
-        mine = split(config.n_routed_experts, ps.ep_size, ps.ep_rank)
-        if not mine.start <= expert < mine.stop:
-            return None
-        expert -= mine.start
-        base = rest[: em.start()] + ".mlp."
-        if kind == "down_proj":
-            return role, _target(f"{prefix_out}{base}w2", expert)
-        half = 0 if kind == "gate_proj" else 1
-        inter = config.moe_intermediate_size // ps.moe_tp_size
-        rows = slice(half * inter, (half + 1) * inter)
-        nb = -(-inter // 128)  # block rows of each half's scales
-        return role, _target(
-            f"{prefix_out}{base}w13", expert, rows, slice(half * nb, (half + 1) * nb)
-        )
-    if cm := _CONV.search(rest):
-        part = "qkv".index(cm.group(1))
-        qkv = config.kda_qkv_dim // ps.tp_size
-        param = f"{prefix_out}{rest[: cm.start()]}.self_attn.conv_weight"
-        return role, _target(param, rows=slice(part * qkv, (part + 1) * qkv))
-    return role, _target(prefix_out + rest)
-
-
-def _target(
-    param: str,
-    expert: int | None = None,
-    rows: slice | None = None,
-    scale_rows: slice | None = None,
-) -> Target:
-    return Target(param.lstrip("."), expert, rows, scale_rows)
 
 
 def load_weights(
@@ -310,13 +132,13 @@ def load_weights(
         holders = fp8_modules(modules, header, fp8, config, load_draft, ps, keep_bf16)
         choice = choose_and_hold(holders, dtype, device, fp8_linears)
     params = {role: dict(module.named_parameters()) for role, module in modules.items()}
-    scales = _read_scales(files, header, config, load_draft, ps, params)
+    scales = read_scales(files, header, config, load_draft, ps, params)
     filled: dict[tuple[str, str], int] = {}
     read_bytes = sum(t.numel() * t.element_size() for t, _ in scales.values())
-    for name, read in _iter_slices(model_dir):
+    for name, read in iter_slices(model_dir):
         if name.endswith(SCALE_SUFFIX):
             continue  # read with its weight (_read_scales)
-        mapped = _map_name(name, config, load_draft, ps)
+        mapped = map_name(name, config, load_draft, ps)
         if mapped is None:
             continue
         role, target = mapped
@@ -332,7 +154,7 @@ def load_weights(
             scale, where = scales[name]
             held = params[role].get(target.param + SCALE_SUFFIX)
             if held is None:
-                tensor = _dequantize(tensor, scale, where)
+                tensor = dequantize_share(tensor, scale, where)
             else:
                 _fill(name, role, target.param + SCALE_SUFFIX, scale, target.scale_view(held.data))
                 key = (role, target.param + SCALE_SUFFIX)
@@ -375,34 +197,10 @@ def load_weights(
     draft = modules.get("draft")
     if draft is not None:
         draft = draft.to(device).eval()
+    stack_projections(target_model, draft)  # after .to(device): it would replace the views
     if fp8 and fp8_execution and torch.device(device).type == "cuda":
         log_fp8_linear_backends([target_model, draft], dtype, device)
-    stack_projections(target_model, draft)  # after .to(device): it would replace the views
     return target_model, draft
-
-
-def log_fp8_linear_backends(roots, dtype: torch.dtype, device) -> None:
-    """Decide now (kernels/triton/fp8.py probes each weight shape once) and log which GEMM the
-    FP8 linears use: torch._scaled_mm (cuBLASLt block scales) or the Triton GEMM."""
-    from kernels.triton.fp8 import linear_backends
-
-    shapes = [
-        tuple(m.weight.shape)
-        for root in roots
-        if root is not None
-        for m in root.modules()
-        if getattr(m, "weight_scale_inv", None) is not None and m.weight.dim() == 2
-    ]
-    chosen = linear_backends(shapes, dtype, device)
-    by_backend: dict[str, list[str]] = {}
-    for (n, k), backend in chosen.items():
-        by_backend.setdefault(backend, []).append(f"{n}x{k}")
-    log.info(
-        "FP8 linears (%d weights, %d shapes): %s",
-        len(shapes),
-        len(chosen),
-        "; ".join(f"{b} for {', '.join(s)}" for b, s in sorted(by_backend.items())) or "none",
-    )
 
 
 def _fill(name: str, role: str, param: str, tensor: torch.Tensor, dst: torch.Tensor) -> None:
@@ -412,105 +210,6 @@ def _fill(name: str, role: str, param: str, tensor: torch.Tensor, dst: torch.Ten
             f"model expects {tuple(dst.shape)} ({role}.{param})"
         )
     dst.copy_(tensor.to(dst.dtype))
-
-
-def _dequantize(w8: torch.Tensor, scale: torch.Tensor, where: ScaleSlice) -> torch.Tensor:
-    """float32 weights of a share read with the scale blocks that cover it."""
-    if where.dim == 0:
-        return dequantize(w8, scale, where.offset)
-    return dequantize(w8.T, scale.T, where.offset).T
-
-
-def hold_fp8_modules(
-    selected: list[tuple[str, str, torch.nn.Module]],
-    dense_shapes: frozenset[tuple[int, int]] = frozenset(),
-) -> None:
-    """hold_fp8() on every module fp8_modules() selected but the projections whose weight shape
-    is in dense_shapes (fp8_choice: FP8 not faster there)."""
-    for _, _, module in selected:
-        if linear_shape(module) not in dense_shapes:
-            module.hold_fp8()
-
-
-def fp8_modules(
-    modules: dict[str, torch.nn.Module],
-    header: dict[str, TensorInfo] | None,
-    fp8: set[str],
-    config: ModelConfig,
-    load_draft: bool,
-    ps: ParallelState,
-    keep_bf16: frozenset[str],
-) -> list[tuple[str, str, torch.nn.Module]]:
-    """(role, path, module) of every module with a `kind` not in keep_bf16 whose checkpoint
-    tensors (this rank's) are all FP8; refuses shares whose scale blocks are not their own.
-    header None (a config-only FP8 checkpoint: the memory plan, a simulated rank): every module
-    with a `kind` not in keep_bf16."""
-    tensors: dict[tuple[str, str], list[tuple[str, Target]]] = {}
-    for name in header or ():
-        if (
-            name.endswith(SCALE_SUFFIX)
-            or (mapped := _map_name(name, config, load_draft, ps)) is None
-        ):
-            continue
-        role, target = mapped
-        tensors.setdefault((role, target.param.rpartition(".")[0]), []).append((name, target))
-    out = []
-    for role, root in modules.items():
-        params = dict(root.named_parameters())
-        for path, module in root.named_modules():
-            kind = getattr(module, "kind", None)
-            if kind is None or kind in keep_bf16:
-                continue
-            if header is not None:
-                mine = tensors.get((role, path), [])
-                if not mine or any(name not in fp8 for name, _ in mine):
-                    continue
-                for name, target in mine:
-                    shard = getattr(params.get(target.param), "shard", None)
-                    check_holdable(name, header[name].shape, shard, kind)
-            out.append((role, path, module))
-    return out
-
-
-def choose_and_hold(
-    held: list[tuple[str, str, torch.nn.Module]], dtype: torch.dtype, device, policy: str
-) -> LinearChoice:
-    """fp8_choice's decision for these modules (fp8_modules' list), then hold_fp8() on each
-    but the projections it sends to the dense path."""
-    shapes: dict[tuple[int, int], list[str]] = {}
-    for role, path, module in held:
-        shape = linear_shape(module)
-        if shape is not None:
-            shapes.setdefault(shape, []).append(f"{role}.{path}" if role == "draft" else path)
-    choice = choose_linears(shapes, dtype, device, policy)
-    for _, _, module in held:
-        if linear_shape(module) not in choice.dense_shapes:
-            module.hold_fp8()
-    return choice
-
-
-def _read_scales(
-    files: list[Path],
-    header: dict[str, TensorInfo],
-    config: ModelConfig,
-    load_draft: bool,
-    ps: ParallelState,
-    params: dict[str, dict[str, torch.nn.Parameter]],
-) -> dict[str, tuple[torch.Tensor, ScaleSlice]]:
-    """This rank's scale blocks of every FP8 weight it loads, float32, by weight name."""
-    out = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if not name.endswith(SCALE_SUFFIX):
-                    continue
-                weight = name[: -len(SCALE_SUFFIX)]
-                mapped = _map_name(weight, config, load_draft, ps)
-                if mapped is None or (param := params[mapped[0]].get(mapped[1].param)) is None:
-                    continue  # skipped on purpose, or the weight's own error comes next
-                where = scale_slice(header[weight].shape, getattr(param, "shard", None))
-                out[weight] = (f.get_slice(name)[where.index()].float(), where)
-    return out
 
 
 _EXPORT_RENAMES = (

@@ -22,9 +22,9 @@ from kernels.fp8 import quantize_weight
 from serving.config import ModelConfig
 from serving.distributed import state
 from serving.layers.linear import stack_projections
+from serving.models.fp8_loading import choose_and_hold, fp8_modules
 from serving.models.fp8_weights import SCALE_SUFFIX
 from serving.models.glm5_next import Glm5NextForCausalLM
-from serving.models.loader import choose_and_hold, fp8_modules
 from serving.models.nextn import NextNDraft
 
 

@@ -31,9 +31,9 @@ from serving.memory.pool import (
     table_width,
     token_bytes,
 )
+from serving.models.fp8_loading import fp8_modules, hold_fp8_modules
 from serving.models.fp8_weights import TensorInfo, fp8_weights, read_header
 from serving.models.glm5_next import Glm5NextForCausalLM
-from serving.models.loader import fp8_modules, hold_fp8_modules
 from serving.models.nextn import NextNDraft
 
 GIB = 2**30

@@ -15,21 +15,25 @@ One decode step over a batch:
      deterministic drafts this is rejection sampling with a one-hot proposal, so the output
      distribution is the target's.
   4. roll back: KDA recurrent and conv states are restored to "after the last accepted token"
-     from the per-position history the verify forward recorded. Nothing else needs undoing:
-     latents, pooled keys and tail-ring slots of rejected positions are rewritten before anything
-     reads them (the ring holds kpool-1 + N+1 slots, so no live pool member is overwritten).
+     from the per-position history the verify forward recorded (kda_history.py). Nothing else
+     needs undoing: latents, pooled keys and tail-ring slots of rejected positions are rewritten
+     before anything reads them (the ring holds kpool-1 + N+1 slots, so no live pool member is
+     overwritten).
   5. the draft catches up over the accepted tokens with the target's verify hiddens -> next d1.
 
 Steps 1-2 and 4-5 are tensor programs over uniform batches (every request N+1 tokens;
 ForwardBatch.uniform) with no host sync inside, so on CUDA each is captured once per batch size
-(serving/speculative/graphs.py). Step 3 runs on the host between the two replays (step()), or,
-for an overlapped step (launch(): the overlap scheduler, rows whose sampling is overlap_safe, one
-rank), on the device: every position sampled at once, the accepted run the length of the drafts'
-matching prefix; the committed tokens are copied to the host behind the step and the next step's
-y and n stay on the device (ModelRunner.next_tokens, next_positions: its inputs are FUTURE). The
-catch-up runs the draft over all N+1 verify positions and keeps the output at the last accepted
-one: draft latents, pooled keys and ring slots past it are rewritten before anything reads them,
-for the same reason as the target's. The draft has no KDA layer, so it has nothing to roll back.
+(serving/speculative/graphs.py). Step 3 (serving/speculative/accept.py, which says why there are
+two) runs on the host between the two replays (step()), or, for an overlapped step (launch():
+the overlap scheduler, rows whose sampling is overlap_safe, one rank), on the device: the
+committed tokens are copied to the host behind the step and the next step's y and n stay on the
+device (ModelRunner.next_tokens, next_positions: its inputs are FUTURE). The catch-up runs the
+draft over all N+1 verify positions and keeps the output at the last accepted one: draft
+latents, pooled keys and ring slots past it are rewritten before anything reads them, for the
+same reason as the target's. The draft has no KDA layer, so it has nothing to roll back.
+
+Under TP/EP every rank runs the device programs; rank 0 alone samples, and its fanout
+(serving/executor/fanout.py) sends each program's host inputs first. Followers have no sampler.
 """
 
 from __future__ import annotations
@@ -38,14 +42,17 @@ from dataclasses import dataclass
 
 import torch
 
-from serving.distributed import broadcast_tensor
+from serving.executor.fanout import ONE_RANK, Fanout
 from serving.executor.sampler import SampledTokens, Sampler, SamplingState
 from serving.forward_batch import ForwardBatch, resolve_future, to_device, upload
-from serving.memory.cache import ModelCache, request_rows
+from serving.memory.cache import request_rows
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
+from serving.protocol import TokenLogprob
+from serving.speculative.accept import accept_on_device, accept_on_host
 from serving.speculative.graphs import SpecGraphs, Verified
+from serving.speculative.kda_history import restore_kda_states, save_kda_states_from_history
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,8 @@ class SpecConfig:
 
 @dataclass
 class PendingStep:
-    """A step between verify and commit: the verify outputs and what commit needs (positions
-    and rows [B] on the device, resolved)."""
+    """A step between verify and roll-back: the verify outputs and what the roll-back needs
+    (positions and rows [B] on the device, resolved)."""
 
     verified: Verified
     graphs: SpecGraphs | None
@@ -78,70 +85,31 @@ class Proposal:
     token: int  # y
 
 
-def _kda_states_at(
-    conv_inputs: torch.Tensor, states: torch.Tensor, batch: torch.Tensor, index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One KDA layer's (conv, recurrent) states after verify position index[i] of batch entry
-    batch[i], from the history the verify forward recorded."""
-    width = conv_inputs.shape[-1] - states.shape[1]  # K-1 inputs ending at the position
-    idx = index[:, None] + 1 + torch.arange(width, device=index.device)
-    idx = idx[:, None, :].expand(-1, conv_inputs.shape[1], -1)
-    return conv_inputs[batch].gather(2, idx), states[batch, index]
-
-
-def restore_kda_states(
-    cache: ModelCache,
-    history: dict[int, list[torch.Tensor]],
-    rows: torch.Tensor,
-    last: torch.Tensor,
-) -> None:
-    """Set each row's KDA state to the one after chunk position last[b] (0-based)."""
-    b = torch.arange(rows.numel(), device=rows.device)
-    for layer, (conv_inputs, states) in history.items():
-        kc = cache.kda(layer)
-        conv, state = _kda_states_at(conv_inputs, states, b, last)
-        kc.state[rows] = state.to(kc.state.dtype)
-        kc.conv[rows] = conv.to(kc.conv.dtype)
-
-
-def save_kda_states_from_history(
-    cache: ModelCache, history: dict[int, list[torch.Tensor]], captures: list[tuple[int, int, int]]
-) -> None:
-    """Snapshot, for each (batch entry, verify position, slot) of `captures`, the KDA states
-    after that position into that slot (the prefix cache's state at a grid position that an
-    accepted run crossed)."""
-    if not captures:
-        return
-    device = cache.req_to_token.device
-    batch, index, slots = to_device(list(zip(*captures)), torch.int64, device)
-    for layer, (conv_inputs, states) in history.items():
-        kc = cache.kda(layer)
-        conv, state = _kda_states_at(conv_inputs, states, batch, index)
-        kc.saved_state[slots] = state.to(kc.saved_state.dtype)
-        kc.saved_conv[slots] = conv.to(kc.saved_conv.dtype)
-
-
 class Eagle:
     def __init__(
         self,
         target: Glm5NextForCausalLM,
         draft: NextNDraft,
         pool: MemoryPool,
-        sampler: Sampler,
+        sampler: Sampler | None,
         config: SpecConfig,
+        fanout: Fanout = ONE_RANK,
     ) -> None:
+        """sampler: None on a follower rank; fanout: rank 0's under TP/EP."""
         assert pool.draft is not None, "the pool needs draft caches"
         self.target, self.draft, self.pool, self.sampler = target, draft, pool, sampler
-        self.steps = config.num_steps
+        self.steps, self.fanout = config.num_steps, fanout
         self.graphs = None  # SpecGraphs, set by enable_graphs
         # n of each row's next step, written by an overlapped step (its FUTURE positions)
         self.next_positions = torch.zeros(
             request_rows(pool.req_to_token), dtype=torch.int64, device=pool.device
         )
-        # TP rank 0: RankFanout (serving/engine/tp_worker.py). Every device program below runs
-        # on every rank; only rank 0 samples, and it sends the host inputs of each program
-        # (and the committed tokens) first. Followers have no sampler.
-        self.fanout = None
+
+    @property
+    def accepts_on_device(self) -> bool:
+        """Whether a step may accept on the device (launch()): only with no follower ranks,
+        which would have to sample alike or get rank 0's accepted runs before the roll-back."""
+        return self.fanout.followers == 0
 
     def enable_graphs(self, max_bs: int) -> None:
         self.graphs = SpecGraphs(
@@ -160,9 +128,7 @@ class Eagle:
 
         target_hidden: [sum(len), H], requests back to back. Stores each request's proposal for
         the position after its last one, and the draft's hidden there, in its aux row."""
-        if self.fanout is not None:
-            self.fanout.send("extend_draft", (rows, starts, next_tokens))
-            broadcast_tensor(target_hidden)  # followers hold the same hiddens; one copy is simpler
+        self.fanout.extend_draft(rows, starts, next_tokens, target_hidden)
         ids = [t for toks in next_tokens for t in toks]
         batch = ForwardBatch.build(
             ids, rows, starts, [len(t) for t in next_tokens], self.pool.req_to_token
@@ -219,15 +185,17 @@ class Eagle:
         out = self.draft(self.target, batch, verified.hidden, self.pool.draft)
         self._stash(rows, out.hidden[batch.logit_index], out.logits)
 
-    # ---- one decode step ----
+    # ---- one decode step, accepted on the host ----
     def step(
         self,
         proposals: list[Proposal],
         states: list[SamplingState],
         want: list[int],
         offers: list[tuple[int, int, int]] | None = None,
-    ) -> tuple[list[list[int]], list[list | None]]:
-        """Returns per request the committed tokens (1..N+1) and their logprob entries.
+    ) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+        """Returns per request the committed tokens (1..N+1) and their logprob entries. One of
+        the two step paths, with launch(): this one accepts on the host, so it serves any
+        sampling, logprobs, snapshot offers and TP (accept.py says why both are needed).
 
         want: per request, the number of top logprobs to return (-1: no logprobs).
         offers: (batch entry b, verify position j, state slot): snapshot b's KDA states after
@@ -238,28 +206,17 @@ class Eagle:
             + [[p.row for p in proposals]],
             dtype=torch.int64,
         )
-        if self.fanout is not None:
-            self.fanout.send("spec_verify", host)
+        self.fanout.verify(host)
         pending = self.verify(host)
         verified = pending.verified
         chains = verified.chains[:num].tolist()
         logits = verified.logits[: num * (n_steps + 1)]
-        sampled, logprobs = self._sample_positions(logits, chains, states, want)
-        committed, last = [], []
-        for chain, samp in zip(chains, sampled):
-            a = 0
-            while a < n_steps and samp[a] == chain[a]:
-                a += 1
-            committed.append(chain[:a] + [samp[a]])
-            last.append(a)
+        committed, last, logprobs = accept_on_host(self.sampler, logits, chains, states, want)
         padded = [c + [0] * (n_steps + 1 - len(c)) for c in committed]
         captures = [(b, j, slot) for b, j, slot in offers or [] if j <= last[b]]
-        if self.fanout is not None:
-            self.fanout.send("spec_commit", (padded, last, captures))
-        self.commit(pending, padded, last, captures)
-        return committed, [
-            None if lp is None else lp[: len(c)] for lp, c in zip(logprobs, committed)
-        ]
+        self.fanout.roll_back(padded, last, captures)
+        self.roll_back(pending, padded, last, captures)
+        return committed, logprobs
 
     def verify(
         self, host: torch.Tensor, max_seq_len: int | None = None, future: torch.Tensor | None = None
@@ -282,16 +239,16 @@ class Eagle:
         verified = self.draft_and_verify(tokens, positions, rows, seq_len)
         return PendingStep(verified, None, positions, rows, seq_len)
 
-    def commit(
+    def roll_back(
         self,
         pending: PendingStep,
         padded: list[list[int]],
         last: list[int],
         captures: list[tuple[int, int, int]],
     ) -> None:
-        """Steps 4-5 once the committed tokens are known on the host, and the state snapshots
-        the step's accepted runs crossed (from the verify history, which both programs leave
-        intact)."""
+        """Steps 4-5 (the KDA roll-back, the draft's catch-up) once the committed tokens are
+        known on the host, and the state snapshots the step's accepted runs crossed (from the
+        verify history, which both programs leave intact)."""
         device = self.pool.device
         self._catch_up(
             pending, to_device(padded, torch.int64, device), to_device(last, torch.int64, device)
@@ -306,7 +263,7 @@ class Eagle:
                 pending.verified, pending.rows, pending.positions, committed, last, pending.seq_len
             )
 
-    # ---- one overlapped decode step (nothing waits for the device) ----
+    # ---- one overlapped decode step, accepted on the device (nothing waits for it) ----
     def launch(
         self,
         host: torch.Tensor,
@@ -314,49 +271,20 @@ class Eagle:
         max_seq_len: int,
         next_tokens: torch.Tensor,
     ) -> SampledTokens:
-        """Steps 1-5 with step 3 on the device, for overlap_safe rows on one rank. host: as
-        verify's, FUTURE where the previous step's y or n is still on the device; max_seq_len:
-        above every position the step writes. Leaves each row's next y in next_tokens and its
-        next n in next_positions. Returns, per request, [committed tokens padded to N+1, index
-        of the bonus token], its copy to the host under way (accepted_tokens reads it)."""
-        assert self.fanout is None, "an overlapped step runs on one rank (its acceptance too)"
+        """Steps 1-5 with step 3 on the device, for overlap_safe rows on one rank: the other of
+        the two step paths, with step(); it keeps the overlap scheduler's step in flight, which
+        a host acceptance would end (accept.py says why both are needed). host: as verify's,
+        FUTURE where the previous step's y or n is still on the device; max_seq_len: above
+        every position the step writes. Leaves each row's next y in next_tokens and its next n
+        in next_positions. Returns, per request, [committed tokens padded to N+1, index of the
+        bonus token], its copy to the host under way (accept.accepted_tokens reads it)."""
+        assert self.accepts_on_device, "an overlapped step runs on one rank (its acceptance too)"
         n, num = self.steps + 1, host.shape[1]
         pending = self.verify(host, max_seq_len, next_tokens)
         verified = pending.verified
-        every = [s for s in states for _ in range(n)]  # overlap_safe: no state reads outputs
-        sampled = self.sampler.sample_on_device(verified.logits[: num * n], every).view(num, n)
-        # drafts accepted while they equal the token sampled at their position (step 3)
-        matches = (sampled[:, : n - 1] == verified.chains[:num]).to(torch.int64)
-        last = matches.cumprod(dim=1).sum(dim=1)
+        logits, chains = verified.logits[: num * n], verified.chains[:num]
+        sampled, last = accept_on_device(self.sampler, logits, chains, states)
         self._catch_up(pending, sampled, last)
         next_tokens[pending.rows] = sampled.gather(1, last[:, None]).squeeze(1)
         self.next_positions[pending.rows] = pending.positions + last + 1
         return SampledTokens(torch.cat([sampled, last[:, None]], dim=1))
-
-    def _sample_positions(
-        self,
-        logits: torch.Tensor,
-        chains: list[list[int]],
-        states: list[SamplingState],
-        want: list[int],
-    ):
-        """Sample every verify position as plain decoding would, given the drafts before it."""
-        n = self.steps + 1
-        virtual = [
-            SamplingState(s.params, s.prompt_ids, s.output_ids + chain[:j], s.eos_token_ids)
-            for s, chain in zip(states, chains)
-            for j in range(n)
-        ]
-        top = [max(w, 0) for w in want for _ in range(n)] if any(w >= 0 for w in want) else None
-        tokens, logprobs = self.sampler.sample(logits, virtual, top)
-        per_req = [tokens[b * n : (b + 1) * n] for b in range(len(chains))]
-        if logprobs is None:
-            return per_req, [None] * len(chains)
-        return per_req, [
-            logprobs[b * n : (b + 1) * n] if want[b] >= 0 else None for b in range(len(chains))
-        ]
-
-
-def accepted_tokens(out: SampledTokens) -> list[list[int]]:
-    """An overlapped step's committed tokens per request (waits for its copy to the host)."""
-    return [row[: row[-1] + 1] for row in out.tolist()]

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels.fp8 import quantize_weight
+from serving.layers.linear import stack_projections
 from serving.models.fp8_choice import linear_shape
 from serving.models.fp8_weights import SCALE_SUFFIX
 from serving.models.loader import checkpoint_files
@@ -97,7 +98,9 @@ def quantize_model(
     weights): every module with FP8 kernels (a `kind`) holds block-FP8 weights quantized from
     its own, the routed experts' gate and up halves apart; but the projections whose weight
     shape is in dense_shapes (serving/models/fp8_choice.py: FP8 not faster) stay as they are,
-    as the loader dequantizes them. kv_b stays as it is: the loader dequantizes it anyway."""
+    as the loader dequantizes them. kv_b stays as it is: the loader dequantizes it anyway. The
+    projections are stacked again at the end, FP8 parts with FP8 parts, as after a load (a
+    copy.deepcopy of a model leaves its stacks stale, running their parts one by one)."""
     for module in model.modules():
         if getattr(module, "kind", None) is None or linear_shape(module) in dense_shapes:
             continue
@@ -117,6 +120,7 @@ def quantize_model(
             w8, scale = quantize_weight(w)
             module.weight.data.copy_(w8)
             module.weight_scale_inv.data.copy_(scale)
+    stack_projections(model)
     return model
 
 

@@ -65,7 +65,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=8192,
         dtype="float32",
     ),
-    # The trained small model's shape (serving/tools/train_small.py; docs/SMALL_MODEL.md): the
+    # The trained small model's shape (training/train_small.py; docs/SMALL_MODEL.md): the
     # real layer pattern at 1/16 width, ~15 M parameters, 30 MB in bf16. index_topk 256 tokens
     # (16 pools of kpool 16, as the real model pools) so prompts past 256 tokens select sparsely.
     "small": dict(

@@ -20,9 +20,7 @@ from serving.front.api.sampling import (
     check_n,
     check_prompt_ids,
     check_top_logprobs,
-    fit_to_context,
-    make_sampling,
-    token_bias,
+    request_sampling,
 )
 from serving.front.api.sequences import Seq, Update, collect, make_seqs, start_seqs
 from serving.protocol import SamplingParams, SchedulerReady
@@ -129,36 +127,19 @@ def _sampling(
     prompt_len: int,
     scoring_prompt: bool,
 ) -> SamplingParams:
-    sampling = make_sampling(
+    sampling = request_sampling(
         ctx.sampling_defaults,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
+        p,
+        ready,
+        prompt_len,
+        max_tokens=p.max_new_tokens,
+        default_max_tokens=NATIVE_DEFAULT_MAX_NEW_TOKENS,
         seed=p.sampling_seed if p.sampling_seed is not None else p.seed,
-        frequency_penalty=p.frequency_penalty,
-        presence_penalty=p.presence_penalty,
-        repetition_penalty=p.repetition_penalty,
-        stop=p.stop,
-        stop_token_ids=p.stop_token_ids,
-        stop_regex=p.stop_regex,
-        ignore_eos=p.ignore_eos,
         min_new_tokens=p.min_new_tokens,
-        skip_special_tokens=p.skip_special_tokens,
-        no_stop_trim=p.no_stop_trim,
-        logit_bias=token_bias(p.logit_bias),
+        scoring_prompt=scoring_prompt,
         json_schema=p.json_schema,
         regex=p.regex,
         ebnf=p.ebnf,
-    )
-    fit_to_context(
-        sampling,
-        p.max_new_tokens,
-        prompt_len,
-        ready.context_length,
-        ready.vocab_size,
-        NATIVE_DEFAULT_MAX_NEW_TOKENS,
-        scoring_prompt,
     )
     ctx.check_constraint(sampling)
     return sampling

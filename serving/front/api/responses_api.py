@@ -20,9 +20,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving.front.api.chat_output import ChatOutputParser, parse_reply
+from serving.front.api.chat_request import ChatRun, prepare_chat, reasoning_token_count
 from serving.front.api.context import FrontContext
 from serving.front.api.errors import APIError, error_body
-from serving.front.api.openai_routes import ChatRun, prepare_chat, reasoning_token_count
 from serving.front.api.responses import event_stream
 from serving.front.api.responses_protocol import ResponsesRequest, chat_request
 from serving.front.api.sequences import Seq, collect, run_seqs

@@ -8,20 +8,68 @@ from typing import Any
 
 from serving.front.api.context_length import input_too_long, request_too_long
 from serving.front.api.errors import APIError
-from serving.protocol import SamplingParams
+from serving.front.api.native_protocol import NativeSamplingParams
+from serving.front.api.openai_protocol import SamplingRequest
+from serving.protocol import SamplingParams, SchedulerReady
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # OpenAI's bound on choices per request
 
 
-def make_sampling(defaults: Mapping[str, Any], **values: Any) -> SamplingParams:
-    """Request values (None = not given) over the model's defaults over SamplingParams'."""
-    stop = values.pop("stop", None)
-    stop_regex = values.pop("stop_regex", None)
+def request_sampling(
+    defaults: Mapping[str, Any],
+    fields: SamplingRequest | NativeSamplingParams,
+    ready: SchedulerReady,
+    prompt_len: int,
+    *,
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    seed: int | None,
+    min_new_tokens: int,
+    scoring_prompt: bool = False,
+    prompt_param: str = "prompt",
+    **constraint: str | None,
+) -> SamplingParams:
+    """One prompt's SamplingParams, both APIs': the request's values (None = not given) over
+    the model's defaults over SamplingParams', max_new_tokens fitted to the context
+    (fit_to_context). The fields both APIs name alike are read from `fields`; the output
+    length, seed and min_new_tokens come apart, as the APIs name them differently (OpenAI's
+    max_tokens and min_tokens, SGLang's max_new_tokens and sampling_seed over seed).
+    `constraint`: SGLang's json_schema / regex / ebnf, set before the checks."""
+    values = {
+        "temperature": fields.temperature,
+        "top_p": fields.top_p,
+        "top_k": fields.top_k,
+        "min_p": fields.min_p,
+        "seed": seed,
+        "frequency_penalty": fields.frequency_penalty,
+        "presence_penalty": fields.presence_penalty,
+        "repetition_penalty": fields.repetition_penalty,
+        "stop_token_ids": fields.stop_token_ids,
+        "ignore_eos": fields.ignore_eos,
+        "min_new_tokens": min_new_tokens,
+        "skip_special_tokens": fields.skip_special_tokens,
+        "no_stop_trim": fields.no_stop_trim,
+        "logit_bias": token_bias(fields.logit_bias),
+        **constraint,
+    }
     given = {k: v for k, v in values.items() if v is not None}
-    return SamplingParams(
-        **{**defaults, **given}, stop=_listed(stop), stop_regex=_listed(stop_regex)
+    sampling = SamplingParams(
+        **{**defaults, **given},
+        stop=_listed(fields.stop),
+        stop_regex=_listed(fields.stop_regex),
     )
+    fit_to_context(
+        sampling,
+        max_tokens,
+        prompt_len,
+        ready.context_length,
+        ready.vocab_size,
+        default_max_tokens,
+        scoring_prompt,
+        prompt_param,
+    )
+    return sampling
 
 
 def _listed(value: str | list[str] | None) -> list[str]:

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from serving.executor.constrained import JSON_OPTIONS
 from serving.front.api.errors import APIError
-from serving.front.api.tool_calls import function_schemas, schema_types
+from serving.front.api.tool_schema import function_schemas, schema_types
 
 # The reasoning before </think>: any text (special tokens never match a regex).
 _REASONING = "REASONING: /(?s:.*)/"

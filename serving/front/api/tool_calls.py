@@ -4,10 +4,11 @@
 
 Several calls may follow each other; text around them is content. A value is raw text: it
 stays a string for a "string" parameter and is typed by the parameter's JSON schema otherwise
-(`typed_value`). Calls come out as OpenAI `tool_calls` delta entries. Streaming, a call's entry
-is sent once its name is known (id, type, name, arguments ""), then its arguments JSON in
-fragments: `{"k": ` when a value opens, a string value's text as it arrives, other values
-when they close, `}` at the end. The fragments of a call concatenate to its arguments JSON.
+(tool_schema.typed_value). Calls come out as OpenAI `tool_calls` delta entries. Streaming, a
+call's entry is sent once its name is known (id, type, name, arguments ""), then its arguments
+JSON in fragments: `{"k": ` when a value opens, a string value's text as it arrives, other
+values when they close, `}` at the end. The fragments of a call concatenate to its arguments
+JSON.
 
 Markup that breaks the grammar (an unknown function name, text where a tag belongs, a tag out
 of place) and a call the output ends inside are text. Without streaming (`stream=False`) that
@@ -18,13 +19,13 @@ the result does not depend on how the text was split into pieces.
 
 from __future__ import annotations
 
-import ast
 import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.front.api.tool_schema import function_schemas, schema_types, typed_value
 from serving.front.detokenizer import partial_stop_len
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -34,94 +35,6 @@ MARKUP = (CALL_START, CALL_END, KEY_START, KEY_END, VALUE_START, VALUE_END)
 
 # Where the parser is: outside calls, then inside one call.
 TEXT, NAME, KEY, AFTER_KEY, VALUE, AFTER_VALUE = range(6)
-
-
-def function_schemas(tools: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """name -> parameters schema of each tool ({"type": "function", "function": {...}})."""
-    out = {}
-    for tool in tools:
-        function = tool.get("function") or tool
-        out[function.get("name")] = function.get("parameters") or {}
-    return out
-
-
-def schema_types(schema: Mapping[str, Any] | None) -> set[str]:
-    """The JSON types a schema admits ("type", or its anyOf / oneOf members); empty = any."""
-    if not schema:
-        return set()
-    kind = schema.get("type")
-    if isinstance(kind, str):
-        return {kind}
-    if isinstance(kind, list):
-        return {k for k in kind if isinstance(k, str)}
-    types: set[str] = set()
-    for member in [*(schema.get("anyOf") or []), *(schema.get("oneOf") or [])]:
-        if isinstance(member, Mapping):
-            types |= schema_types(member)
-    return types
-
-
-def _string_choices(schema: Mapping[str, Any] | None) -> list[str]:
-    """The strings a schema's const / enum allow."""
-    if not schema:
-        return []
-    values = [schema["const"]] if "const" in schema else schema.get("enum") or []
-    return [v for v in values if isinstance(v, str)] if isinstance(values, list) else []
-
-
-def typed_value(raw: str, schema: Mapping[str, Any] | None) -> Any:
-    """A raw argument value as the parameter's schema types it; the raw text when it does not
-    parse as one of them."""
-    types = schema_types(schema)
-    if types == {"string"} or raw in _string_choices(schema):
-        return raw  # an untyped enum of strings ["7", "8"] keeps "7" a string
-    text = raw.strip()
-    try:
-        value = json.loads(text)
-        if isinstance(value, float) and value.is_integer() and types == {"integer"}:
-            value = int(value)  # 4.0 for an integer parameter
-        if not types or _json_types(value) & types:
-            return value
-    except json.JSONDecodeError:
-        pass
-    if types & {"object", "array"}:
-        try:  # Python literals: {'a': 1}, [True, None]
-            value = ast.literal_eval(text)
-            if isinstance(value, (dict, list)):
-                return value
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
-            pass
-    lowered = text.lower()
-    if "boolean" in types and lowered in ("true", "false"):
-        return lowered == "true"
-    if "null" in types and lowered in ("null", "none"):
-        return None
-    if types & {"integer", "number"}:
-        try:
-            number = float(text)
-            if number.is_integer() and "integer" in types:
-                return int(number)
-            if "number" in types:
-                return number
-        except ValueError:
-            pass
-    return raw
-
-
-def _json_types(value: Any) -> set[str]:
-    if isinstance(value, bool):
-        return {"boolean"}
-    if isinstance(value, int):
-        return {"integer", "number"}
-    if isinstance(value, float):
-        return {"number", "integer"} if value.is_integer() else {"number"}
-    if isinstance(value, str):
-        return {"string"}
-    if isinstance(value, list):
-        return {"array"}
-    if isinstance(value, dict):
-        return {"object"}
-    return {"null"}
 
 
 @dataclass

@@ -6,6 +6,16 @@ score and select; then attend. A query may therefore select its own pool or tail
 Layout (serving/memory/cache.py): pool P of a request lives at pooled-key row
 req_to_token[row, P*kpool] // kpool; the ring keeps the last tail_slots positions of a request
 (position p at p % tail_slots), so the open pool's members survive any one step's writes.
+
+Two paths. A step (decode, or a uniform batch of step_len tokens per request: EAGLE's verify and
+catch-up, the draft) runs write_step, query_step and attend_step (kernels/dsa_decode.py; on
+CUDA kernels/triton/dsa_decode.py, four launches); anything else (prefill chunks, ragged
+batches) runs write_latent, select_slots and sparse_mla.
+The selection a layer hands a later shared layer is the cache slots [T, W] (-1 = empty) its
+tokens attend, as a set: the step path lists them in another order than the extend path, and
+on CUDA in another order than on the CPU.
+Under TP the indexer is replicated (all its heads on every rank, as SGLang runs DeepSeek-V3.2's):
+every rank computes the same scores and selects the same tokens with no collective.
 """
 
 from __future__ import annotations
@@ -14,11 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import dsa_decode as step_kernels
 from kernels import fast_path
 from kernels import indexer as idx_kernels
 from kernels import sparse_mla as mla_kernels
-from serving.distributed import tp_all_reduce
-from serving.forward_batch import ForwardBatch, to_device
+from kernels.dsa_decode import IndexQuery, IndexWrite, StepLayout
+from serving.forward_batch import ForwardBatch
+from serving.layers.attention.dsa_extend_index import ExtendIndex
+from serving.layers.norm import RMSNorm
 from serving.memory.cache import DSALayerCache
 
 
@@ -30,11 +43,106 @@ class IndexerShape:
     head_dim: int
 
 
+def is_step(batch: ForwardBatch) -> bool:
+    """Decode or a uniform batch: the graph-safe step path."""
+    return batch.is_decode or batch.step_len is not None
+
+
+# ------------------------------------------------------------------------------ step path
+
+
+class StepCounters:
+    """One indexer layer's per-token counters for the fused selection on CUDA (the last program
+    of a token selects): its own, so no two kernels that could overlap share them. int32 zeros,
+    left at zero by every launch; allocated at the layer's first step on a device (an eager
+    run: graph capture warms up eagerly first), never reallocated, since captured graphs keep
+    its address."""
+
+    CAPACITY = 1 << 14  # tokens per step
+
+    def __init__(self) -> None:
+        self.counters: torch.Tensor | None = None
+
+    def get(self, tokens: int, device: torch.device) -> torch.Tensor:
+        assert tokens <= self.CAPACITY, f"a step of {tokens} tokens: raise StepCounters.CAPACITY"
+        if self.counters is None or self.counters.device != device:
+            self.counters = torch.zeros(self.CAPACITY, dtype=torch.int32, device=device)
+        return self.counters
+
+
+def _step_ops(t: torch.Tensor):
+    if fast_path(t):
+        from kernels.triton import dsa_decode
+
+        return dsa_decode
+    return step_kernels
+
+
+def step_layout(batch: ForwardBatch, kpool: int) -> StepLayout:
+    return StepLayout(
+        batch.req_to_token,
+        batch.req_rows,
+        batch.positions,
+        batch.token_slots,
+        batch.step_len or 1,
+        max(1, batch.max_seq_len // kpool),
+    )
+
+
+def write_step(
+    q_a: torch.Tensor,
+    kv_a: torch.Tensor,
+    q_norm: RMSNorm,
+    kv_norm: RMSNorm,
+    index: IndexWrite | None,
+    batch: ForwardBatch,
+    cache: DSALayerCache,
+) -> torch.Tensor:
+    """The step's writes (latents; with an indexer its keys and gates into the ring and the
+    pools that close); returns q_a's RMSNorm (q_lora)."""
+    assert q_norm.eps == kv_norm.eps
+    kpool = 1 if index is None else index.ape.shape[0]
+    return _step_ops(q_a).write_step(
+        q_a, kv_a, q_norm.weight, kv_norm.weight, q_norm.eps, cache.latent,
+        step_layout(batch, kpool), index,
+    )  # fmt: skip
+
+
+def query_step(
+    q: torch.Tensor,
+    kv_b_nope: torch.Tensor,
+    index: IndexQuery | None,
+    counters: StepCounters | None,
+    batch: ForwardBatch,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(absorbed queries [T, H, R], the selection [T, W] or None without an indexer)."""
+    kpool = 1 if index is None else index.kpool
+    ops = _step_ops(q)
+    own = None
+    if counters is not None and ops is not step_kernels:
+        own = counters.get(q.shape[0], q.device)
+    return ops.step_queries(q, kv_b_nope, index, step_layout(batch, kpool), own)
+
+
+def attend_step(
+    q_abs: torch.Tensor,
+    slots: torch.Tensor,
+    kv_b_v: torch.Tensor,
+    cache: DSALayerCache,
+    scale: float,
+) -> torch.Tensor:
+    """Sparse MLA over the selection, taken up by kv_b_v: [T, H * V]."""
+    return _step_ops(q_abs).step_attention(q_abs, cache.latent, slots, scale, kv_b_v)
+
+
+# ---------------------------------------------------------------------------- extend path
+
+
 def write_latent(latent: torch.Tensor, batch: ForwardBatch, cache: DSALayerCache) -> None:
     cache.latent[batch.token_slots] = latent.to(cache.latent.dtype)
 
 
-def select_positions(
+def select_slots(
     shape: IndexerShape,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -44,26 +152,19 @@ def select_positions(
     batch: ForwardBatch,
     cache: DSALayerCache,
 ) -> torch.Tensor:
-    """Writes the step's index keys (ring, closed pools), then returns the selected token
-    positions [T, index_width] (-1 = empty) of every new token.
+    """Writes the batch's index keys (ring, closed pools), then returns the selection: the cache
+    slots [T, index_width] (-1 = empty) each new token attends.
 
     q [T, Hi, D]; k, gates [T, D]; head_w [T, Hi] (times Hi^-0.5); ape [kpool, D]."""
-    if batch.is_decode or batch.step_len is not None:
-        _write_tokens(shape, k, gates, ape, batch, cache)
-        return _select_uniform(shape, q, head_w, batch, cache)
-    return _extend(shape, q, k, gates, head_w, ape, batch, cache)
+    positions = _extend(shape, q, k, gates, head_w, ape, batch, cache)
+    rows = batch.req_rows[batch.token_req].unsqueeze(-1)
+    return torch.where(positions >= 0, batch.req_to_token[rows, positions.clamp(min=0)], -1)
 
 
 def sparse_mla(
-    q_abs: torch.Tensor,
-    positions: torch.Tensor,
-    batch: ForwardBatch,
-    cache: DSALayerCache,
-    scale: float,
+    q_abs: torch.Tensor, slots: torch.Tensor, cache: DSALayerCache, scale: float
 ) -> torch.Tensor:
-    """Absorbed MLA [T, H, R] over the latents at the selected positions of each token's row."""
-    rows = batch.req_rows[batch.token_req].unsqueeze(-1)
-    slots = torch.where(positions >= 0, batch.req_to_token[rows, positions.clamp(min=0)], -1)
+    """Absorbed MLA [T, H, R] over the latents at the selected slots."""
     if fast_path(q_abs):
         from kernels.triton import sparse_mla as mla_kernels_fast
 
@@ -79,112 +180,6 @@ def _indexer_ops(t: torch.Tensor):
 
         return indexer
     return idx_kernels
-
-
-def _score(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
-    """Pool scores [N, max_pools] of queries q [N, Hi, D] that come in len(rows) equal groups,
-    one per request row (extend: one request; decode and verify: step_len queries each).
-
-    Under TP each rank holds Hi/tp of the heads: the scores are summed over the ranks here, so
-    every rank selects the same tokens."""
-    return tp_all_reduce(_score_heads(shape, q, head_w, r2t, rows, positions, max_pools, cache))
-
-
-def _score_heads(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
-    if fast_path(q):
-        from kernels.triton.indexer import score_pools_paged
-
-        per_query = rows.repeat_interleave(q.shape[0] // rows.shape[0])
-        return score_pools_paged(
-            q, head_w, cache.index_keys, r2t, per_query, positions, shape.kpool, max_pools,
-            shape.head_dim**-0.5,
-        )  # fmt: skip
-    # one gather of pooled keys per request, shared by its queries
-    pools = torch.arange(max_pools, device=q.device)
-    keys = cache.index_keys[_pool_slots(shape.kpool, r2t, rows[:, None], pools[None, :])]
-    return idx_kernels.score_pools(q, head_w, keys, shape.head_dim**-0.5)
-
-
-def _pool_slots(kpool: int, req_to_token: torch.Tensor, row, pools: torch.Tensor):
-    """Pooled-key rows of pools `pools` of request `row`."""
-    return req_to_token[row, pools * kpool] // kpool
-
-
-@dataclass
-class ExtendIndex:
-    """A ragged extend's index tensors for the indexer, derived once per forward from the batch
-    (host lists, one upload) and shared by every DSA layer of it.
-
-    Closing pools (pools whose last member is among the batch's new tokens), NP of them:
-      pool_rows [NP]            request row
-      pool_slots [NP]           pooled-key row each is written to
-      members_new [NP, kpool]   whether a member is a new token (else it is in the ring)
-      members_token [NP, kpool] the new token's index in the batch (clamped to 0 where not)
-      members_ring [NP, kpool]  the member's ring slot
-    Ring writes (each request's last `ring` new positions: the open pool among them), NW:
-      ring_rows, ring_slots, ring_tokens [NW]
-    query_rows [T]: each token's request row; max_pools: pools of the longest request."""
-
-    pool_rows: torch.Tensor
-    pool_slots: torch.Tensor
-    members_new: torch.Tensor
-    members_token: torch.Tensor
-    members_ring: torch.Tensor
-    ring_rows: torch.Tensor
-    ring_slots: torch.Tensor
-    ring_tokens: torch.Tensor
-    query_rows: torch.Tensor
-    num_pools: int
-    max_pools: int
-
-    @classmethod
-    def of(cls, batch: ForwardBatch, kpool: int, ring: int) -> ExtendIndex:
-        key = ("dsa_extend", kpool, ring)
-        index = batch.derived.get(key)
-        if index is None:
-            index = batch.derived[key] = cls.build(batch, kpool, ring)
-        return index
-
-    @classmethod
-    def build(cls, batch: ForwardBatch, kp: int, ring: int) -> ExtendIndex:
-        # per closing pool: its first position, its request's row, first new position and that
-        # token's index in the batch; per ring write: row, slot, token index
-        pool_starts, pool_rows, pool_first, pool_token0 = [], [], [], []
-        ring_rows, ring_slots, ring_tokens = [], [], []
-        offset = 0
-        for start, n, row in zip(batch.starts_cpu, batch.lens_cpu, batch.rows_cpu):
-            end = start + n
-            first, last = start // kp, end // kp
-            pool_starts += range(first * kp, last * kp, kp)
-            pool_rows += [row] * (last - first)
-            pool_first += [start] * (last - first)
-            pool_token0 += [offset] * (last - first)
-            keep = range(max(start, end - ring), end)
-            ring_rows += [row] * len(keep)
-            ring_slots += [p % ring for p in keep]
-            ring_tokens += range(offset + keep.start - start, offset + keep.stop - start)
-            offset += n
-        parts = [pool_starts, pool_rows, pool_first, pool_token0, ring_rows, ring_slots]
-        parts.append(ring_tokens)
-        device = batch.positions.device
-        ids = to_device([v for part in parts for v in part], torch.int64, device)
-        starts, rows, first_pos, token0, w_rows, w_slots, w_tokens = ids.split(
-            [len(p) for p in parts]
-        )
-        members = starts[:, None] + torch.arange(kp, device=device)  # [NP, kp] positions
-        return cls(
-            pool_rows=rows,
-            pool_slots=batch.req_to_token[rows, starts] // kp,
-            members_new=members >= first_pos[:, None],
-            members_token=(members - first_pos[:, None] + token0[:, None]).clamp_(min=0),
-            members_ring=members % ring,
-            ring_rows=w_rows,
-            ring_slots=w_slots,
-            ring_tokens=w_tokens,
-            query_rows=batch.req_rows[batch.token_req],
-            num_pools=len(pool_starts),
-            max_pools=max(1, max(s + n for s, n in zip(batch.starts_cpu, batch.lens_cpu)) // kp),
-        )
 
 
 def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALayerCache):
@@ -209,13 +204,14 @@ def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALaye
     cache.tail_keys[ring_at] = k[index.ring_tokens].to(cache.tail_keys.dtype)
     cache.tail_gates[ring_at] = gates[index.ring_tokens].to(cache.tail_gates.dtype)
     # 3. score every complete pool of each query's request, select per query
-    scores = tp_all_reduce(_score_ragged(shape, q, head_w, batch, index, cache))
+    scores = _score_ragged(shape, q, head_w, batch, index, cache)
     return ops.select_tokens(scores, batch.positions, kp, shape.select_pools, shape.select_tail)
 
 
 def _score_ragged(shape, q, head_w, batch: ForwardBatch, index: ExtendIndex, cache: DSALayerCache):
-    """Pool scores [T, max_pools] of a ragged batch's queries (this rank's heads). Columns past a
-    request's own pools are never visible to its queries (select_tokens masks them)."""
+    """Pool scores [T, max_pools] of a ragged batch's queries (every indexer head: replicated
+    under TP). Columns past a request's own pools are never visible to its queries (select_tokens
+    masks them)."""
     r2t, max_pools = batch.req_to_token, index.max_pools
     if fast_path(q):
         from kernels.triton.indexer import score_pools_paged
@@ -236,33 +232,9 @@ def _score_ragged(shape, q, head_w, batch: ForwardBatch, index: ExtendIndex, cac
     return torch.cat(pieces)
 
 
-def _write_tokens(shape, k, gates, ape, batch: ForwardBatch, cache: DSALayerCache) -> None:
-    """Graph-safe write for batches of step_len tokens per request (decode, verify).
-
-    All of the step's keys enter the ring before any pool is compressed, so a pool that closes
-    mid-step finds its members. The ring holds kpool-1 + step_len slots, so this step's writes
-    never evict a member of a pool it still closes."""
-    kp, ring = shape.kpool, cache.tail_slots
-    assert batch.step_len is None or batch.step_len <= ring - kp + 1, "ring too small"
-    rows, pos = batch.req_rows[batch.token_req], batch.positions
-    cache.tail_keys[rows, pos % ring] = k.to(cache.tail_keys.dtype)
-    cache.tail_gates[rows, pos % ring] = gates.to(cache.tail_gates.dtype)
-    members = (pos[:, None] - kp + 1 + torch.arange(kp, device=pos.device)) % ring
-    pooled = _indexer_ops(k).kpool_compress(
-        cache.tail_keys[rows[:, None], members], cache.tail_gates[rows[:, None], members], ape
-    )
-    # Tokens that close no pool write to pooled-key row 0 (the padding page's), so two tokens of
-    # one request that share a pool never race on its row.
-    closes = pos % kp == kp - 1
-    dst = torch.where(closes, _pool_slots(kp, batch.req_to_token, rows, pos // kp), 0)
-    cache.index_keys[dst] = pooled.to(cache.index_keys.dtype)
-
-
-def _select_uniform(shape, q, head_w, batch: ForwardBatch, cache: DSALayerCache):
-    kp = shape.kpool
-    max_pools = max(1, batch.max_seq_len // kp)
-    r2t = batch.req_to_token
-    scores = _score(shape, q, head_w, r2t, batch.req_rows, batch.positions, max_pools, cache)
-    return _indexer_ops(q).select_tokens(
-        scores, batch.positions, kp, shape.select_pools, shape.select_tail
-    )
+def _score_heads(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
+    """The reference's pool scores [N, max_pools] of one request's queries q [N, Hi, D]: one
+    gather of its pooled keys shared by its queries."""
+    pools = torch.arange(max_pools, device=q.device)
+    slots = r2t[rows[:, None], pools[None, :] * shape.kpool] // shape.kpool
+    return idx_kernels.score_pools(q, head_w, cache.index_keys[slots], shape.head_dim**-0.5)

@@ -1,6 +1,9 @@
 """KDA's stateful core: the short causal conv and the gated delta rule over the request rows'
-conv and recurrent states (KDALayerCache). The batch's shape picks the kernel: decode (one token
-per request), uniform (step_len tokens per request: EAGLE verify, graph-safe) or ragged extend.
+conv and recurrent states (KDALayerCache), and every KDA kernel choice (kernels.fast_path: on
+CUDA kernels/triton/kda.py, else kernels/kda.py's references). A decode or uniform batch (one or
+step_len tokens per request: EAGLE's verify; graph-safe) runs the whole core in one call
+(decode_core: one kernel on the fast path, from the projections through the gated norm); a
+ragged extend (extend_core) runs the conv (short_conv) and the recurrence (delta_rule) apart.
 
 history (multi-token batches): receives [conv inputs, per-position states] for rollback.
 batch.kda_saves (prefill): snapshots of the states at positions inside the chunk, taken between
@@ -15,6 +18,7 @@ import torch
 
 from kernels import fast_path
 from kernels import kda as kda_kernels
+from kernels.kda import KDAWeights
 from serving.forward_batch import ForwardBatch, KDASaves
 from serving.memory.cache import KDALayerCache
 
@@ -28,6 +32,50 @@ def _ops(x: torch.Tensor):
     return kda_kernels
 
 
+def decode_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f_a: torch.Tensor,
+    g_a: torch.Tensor,
+    b: torch.Tensor,
+    weights: KDAWeights,
+    batch: ForwardBatch,
+    cache: KDALayerCache,
+    history: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """A decode or uniform batch's core (kda_decode_layer), from in_proj's outputs to the gated
+    norm's [T, H*D], continuing each request's states."""
+    step_len = 1 if batch.is_decode else batch.step_len
+    assert step_len is not None, "decode_core takes decode and uniform batches"
+    return _ops(q).kda_decode_layer(
+        q, k, v, f_a, b, g_a, weights, cache.conv, cache.state, batch.req_rows, step_len, history
+    )
+
+
+def extend_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    gate: torch.Tensor,
+    b: torch.Tensor,
+    weights: KDAWeights,
+    batch: ForwardBatch,
+    cache: KDALayerCache,
+    history: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """A ragged extend's core: the conv, the forget gate from f (f_b_proj's output), the
+    recurrence, the gated norm with gate (g_b_proj's); [T, H*D]."""
+    heads, dim = cache.state.shape[1], cache.state.shape[2]
+    mixed = short_conv(torch.cat([q, k, v], dim=-1), weights.conv, batch, cache, history)
+    q, k, v = (t.view(-1, heads, dim) for t in mixed.chunk(3, dim=-1))
+    g = kda_kernels.forget_gate(f, weights.dt_bias, weights.a_log, weights.lower_bound, heads)
+    beta = torch.sigmoid(b).float()
+    o = delta_rule(q, k, v, g, beta, batch, cache, history)
+    return kda_kernels.gated_norm(o, gate, weights.o_norm, weights.eps)
+
+
 def short_conv(
     mixed: torch.Tensor,
     weight: torch.Tensor,
@@ -35,14 +83,9 @@ def short_conv(
     cache: KDALayerCache,
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """Depthwise causal conv + SiLU over [T, C], continuing each request's conv state."""
+    """Depthwise causal conv + SiLU over a ragged extend's [T, C], continuing each request's
+    conv state."""
     ops = _ops(mixed)
-    if batch.is_decode:
-        return ops.causal_conv_decode(mixed, weight, cache.conv, batch.req_rows)
-    if batch.step_len is not None:
-        return ops.causal_conv_uniform(
-            mixed, weight, cache.conv, batch.req_rows, batch.step_len, history
-        )
     if batch.kda_saves is not None:
 
         def save(rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -69,13 +112,10 @@ def delta_rule(
     cache: KDALayerCache,
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """The gated delta-rule recurrence from each request's state (updated in place)."""
+    """The gated delta-rule recurrence over a ragged extend, from each request's state (updated
+    in place)."""
     ops = _ops(q)
     rows = batch.req_rows
-    if batch.is_decode:
-        return ops.kda_decode(q, k, v, g, beta, cache.state, rows)
-    if batch.step_len is not None:
-        return ops.kda_uniform(q, k, v, g, beta, cache.state, rows, batch.step_len, history)
     if batch.kda_saves is not None:
 
         def save(rows: torch.Tensor, slots: torch.Tensor) -> None:

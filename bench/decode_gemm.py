@@ -1,0 +1,218 @@
+"""Decode-sized linears of rank 0 of GLM-5.3-Flash at TP8/EP8 (issue 43): before and after the
+skinny GEMM (kernels/triton/skinny_gemm.py), bf16 and block FP8, at 1, 8 and 32 tokens.
+
+    python -m bench.decode_gemm            # the table, one JSON line per row (< 60 s on an H200)
+    python -m bench.decode_gemm --sweep    # the skinny GEMM's tilings per row, for skinny_config
+
+A row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_old",
+"launches_new", ...}, microseconds per call (launches_old null: cuBLAS's own choice, one GEMM or
+a split-K GEMM and its reduction).
+- dtype bf16: us_old cuBLAS (F.linear, what a bf16 projection ran), us_new the skinny GEMM;
+- dtype fp8: us_old the FP8 path before the skinny GEMM (block_fp8_linear's old backends:
+  torch._scaled_mm with its activation quantization where the shape's probe passes, else the
+  Triton GEMM with the quantization fused), us_new the skinny GEMM (the quantization inside),
+  us_bf16_old the bf16 row's cuBLAS (what the start-up timing kept these shapes on; the DSA
+  layer in FP8 runs "dsa in_proj" and "dsa in_proj rest" against the bf16 layer's one GEMM);
+- floor_us: the weight's bytes (FP8: with its scales) at 4.23 TB/s, the H200's measured copy
+  bandwidth; new_over_floor = us_new / floor_us.
+Shapes: the projections as a rank-0 layer runs them (RANK0_LINEARS): stacked input projections
+as one GEMM (FP8 stacks padded to 16 rows; the DSA layer's bf16 kpool gate and weights_proj stay
+apart from its FP8 stack, a second GEMM), both indexer head counts (4 local heads, as today, or
+all 32).
+
+Timing: the calls captured in one CUDA graph over weight copies (each with its own input) that
+add up to more than twice the L2, so every call reads its weight from HBM as a decode step's
+successive layers do; the median of REPLAYS replays, per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+DEVICE = "cuda"
+HBM_BYTES_PER_US = 4.23e6  # 4.23 TB/s
+TOKENS = (1, 8, 32)
+REPLAYS = 20
+MAX_COPIES = 256
+# --sweep: skinny_config's (target_programs, partial_bytes)
+SWEEP = ((132, 1), (264, 1), (528, 1), (264, 4), (528, 4), (792, 4))
+
+# name: (N in bf16, N in block FP8 or None: bf16 only, K), at rank 0 of TP8/EP8
+RANK0_LINEARS = {
+    # q, k, v 1024 each, f_a and g_a 128, b 8; FP8: padded to 3344 rows
+    "kda in_proj": (3 * 1024 + 128 + 128 + 8, 3344, 4096),
+    "kda o_proj": (4096, 4096, 1024),
+    "kda f_b/g_b": (1024, 1024, 128),
+    # q_a 1536, kv_a 512, indexer wk 128, kpool gate 128, weights_proj 4 (or 32); FP8: q_a, kv_a
+    # and wk (the gate and weights_proj are bf16 in the checkpoint: "dsa in_proj rest")
+    "dsa in_proj, 4 index heads": (1536 + 512 + 128 + 128 + 4, 2176, 4096),
+    "dsa in_proj, 32 index heads": (1536 + 512 + 128 + 128 + 32, 2176, 4096),
+    "dsa in_proj rest, 4 index heads": (128 + 4, None, 4096),
+    "dsa in_proj rest, 32 index heads": (128 + 32, None, 4096),
+    "mla q_b": (2048, 2048, 1536),
+    "indexer wq_b, 4 heads": (512, 512, 1536),
+    "indexer wq_b, 32 heads": (4096, 4096, 1536),
+    "dsa o_proj": (4096, 4096, 2048),
+    "dense gate_up": (2 * 1536, 2 * 1536, 4096),
+    "dense down": (4096, 4096, 1536),
+    "shared expert gate_up": (2 * 256, 2 * 256, 4096),
+    "shared expert down": (4096, 4096, 256),
+    "lm_head": (19360, None, 4096),
+}
+
+
+def graph_us(fn, operands: list) -> float:
+    """Median device microseconds per fn(*op) over REPLAYS replays of one CUDA graph that calls
+    it once per operand set (compiled and warmed eagerly first, on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*operands[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for op in operands:
+            fn(*op)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] * 1e3 / len(operands)
+
+
+def _copies(weight_bytes: int) -> int:
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(2, min(MAX_COPIES, -(-5 * l2 // (2 * weight_bytes))))
+
+
+def _weight(n: int, k: int, gen) -> torch.Tensor:
+    return torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5
+
+
+def _inputs(m: int, k: int, copies: int, gen) -> list[torch.Tensor]:
+    return [
+        torch.randn(m, k, device=DEVICE, generator=gen, dtype=torch.bfloat16) for _ in range(copies)
+    ]
+
+
+def rows_for(name: str, gen) -> list[dict]:
+    from kernels.fp8 import quantize_weight
+    from kernels.triton import fp8 as tfp8
+    from kernels.triton.skinny_gemm import skinny_linear
+
+    n16, n8, k = RANK0_LINEARS[name]
+    out = []
+    w16 = _weight(n16, k, gen).bfloat16()
+    dense = [w16.clone() for _ in range(_copies(w16.numel() * 2))]
+    del w16
+    if n8 is not None:
+        w8, scale = quantize_weight(_weight(n8, k, gen))
+        fp8_bytes = w8.numel() + scale.numel() * 4
+        fp8 = [(w8.clone(), scale.clone()) for _ in range(_copies(fp8_bytes))]
+        del w8, scale
+        scaled_mm = tfp8.scaled_mm_usable(n8, k, torch.bfloat16, DEVICE)
+        old_fp8 = tfp8.block_fp8_linear_scaled_mm if scaled_mm else tfp8.block_fp8_linear_triton
+    for m in TOKENS:
+        xs = _inputs(m, k, len(dense), gen)
+        cublas = graph_us(F.linear, list(zip(xs, dense)))
+        new = graph_us(skinny_linear, list(zip(xs, dense)))
+        floor = n16 * k * 2 / HBM_BYTES_PER_US
+        out.append(_row(name, m, "bf16", (n16, k), cublas, new, floor, None, 1))
+        if n8 is None:
+            continue
+        xs = _inputs(m, k, len(fp8), gen)
+        ops = [(x, *op) for x, op in zip(xs, fp8)]
+        old = graph_us(old_fp8, ops)
+        new = graph_us(skinny_linear, ops)
+        floor = fp8_bytes / HBM_BYTES_PER_US
+        launches_old = (3 if m % tfp8.SCALED_MM_ROWS else 2) if scaled_mm else 1
+        row = _row(name, m, "fp8", (n8, k), old, new, floor, launches_old, 1)
+        row["old_gemm"] = "scaled_mm" if scaled_mm else "triton"
+        row["us_bf16_old"] = round(cublas, 2)
+        row["new_vs_bf16_old"] = round(cublas / new, 2)
+        out.append(row)
+    return out
+
+
+def _row(name, m, dtype, shape, old, new, floor, launches_old, launches_new) -> dict:
+    return {
+        "name": name,
+        "batch": m,
+        "dtype": dtype,
+        "shape": list(shape),
+        "us_old": round(old, 2),
+        "us_new": round(new, 2),
+        "floor_us": round(floor, 2),
+        "old_over_floor": round(old / floor, 2),
+        "new_over_floor": round(new / floor, 2),
+        "launches_old": launches_old,
+        "launches_new": launches_new,
+    }
+
+
+def sweep_for(name: str, gen) -> list[dict]:
+    """The skinny GEMM at each SWEEP tiling (skinny_config's target_programs and partial_bytes),
+    per count and dtype: the fastest and every distinct tiling's time (N tile, splits x steps),
+    for tuning skinny_config."""
+    from kernels.fp8 import quantize_weight
+    from kernels.triton.skinny_gemm import skinny_config, skinny_linear
+
+    n16, n8, k = RANK0_LINEARS[name]
+    out = []
+    for dtype, n in (("bf16", n16), ("fp8", n8)):
+        if n is None:
+            continue
+        w = _weight(n, k, gen)
+        w_bytes = 2 if dtype == "bf16" else 1
+        op = (w.bfloat16(),) if dtype == "bf16" else quantize_weight(w)
+        ops = [tuple(t.clone() for t in op) for _ in range(_copies(n * k * w_bytes))]
+        del w, op
+        for m in TOKENS:
+            xs = _inputs(m, k, len(ops), gen)
+            times = {}
+            for target, partial_bytes in SWEEP:
+                cfg = skinny_config(m, n, k, w_bytes, target, partial_bytes)
+                key = f"n{cfg.block_n} s{cfg.splits}x{cfg.steps}"
+                if key in times:
+                    continue
+                fn = lambda x, *o, cfg=cfg: skinny_linear(x, *o, config=cfg)  # noqa: E731
+                times[key] = round(graph_us(fn, [(x, *o) for x, o in zip(xs, ops)]), 2)
+            best = min(times, key=times.get)
+            floor = n * k * w_bytes / HBM_BYTES_PER_US
+            out.append(
+                {"name": name, "batch": m, "dtype": dtype, "best": best, "us": times,
+                 "floor_us": round(floor, 2)}
+            )  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="time skinny_config's tilings")
+    parser.add_argument("--only", nargs="*", help="RANK0_LINEARS names (default: all)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench.decode_gemm needs a CUDA device")
+    started = time.monotonic()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for name in args.only or RANK0_LINEARS:
+        for row in (sweep_for if args.sweep else rows_for)(name, gen):
+            print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    print(json.dumps({"seconds": round(time.monotonic() - started, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

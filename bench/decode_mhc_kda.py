@@ -1,0 +1,316 @@
+"""Decode microbenchmarks of issue 43's points 4 and 5 at rank 0 of TP8 on one GPU:
+
+    python -m bench.decode_mhc_kda [--batches 1,8,32] [--only mhc|kda]
+
+- mhc_boundary (bf16; the mixing is float32 whatever the weights): the old boundary, mhc_post
+  then mhc_pre (three launches), against mhc_boundary (one), hc 4 x Hd 4096, fn [24, 16384].
+- kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
+  --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
+  GEMMs in FP8; f_b_proj, g_b_proj, the fused core as it was before f_b/g_b moved in, o_proj)
+  against KDAttention.forward (in_proj: one GEMM, FP8 too; the fused core with f_b/g_b inside,
+  o_proj), 8 local heads x 128, without o_proj's all-reduce.
+
+Each path is captured in one CUDA graph that calls it once per copy of its weights and inputs,
+the copies adding up to twice the L2 cache (each call reads its weights from HBM, as successive
+layers do); us_* is the median over REPLAYS replays, per call. floor_us: the bytes a call must
+move through HBM (weights, the streams or the KDA states read and written) at HBM_BW.
+launches_new: kernels one call of the new path launches (a profiled eager call). One JSON line
+per row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_new"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.kda import _conv_silu_step
+
+HBM_BW = 4.23e12  # bytes/s: the H200's measured copy bandwidth (docs/BENCHMARKS.md)
+REPLAYS, WARMUP = 30, 3
+HC, HD = 4, 4096  # mHC streams, hidden size
+HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
+
+
+def graph_us(fn, copies: list) -> float:
+    """Median device microseconds per fn(copy), every copy's call captured in one graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():  # compile and allocate outside the capture
+        for _ in range(2):
+            fn(copies[0])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        for c in copies:
+            fn(c)
+    for _ in range(WARMUP):
+        graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] * 1e3 / len(copies)
+
+
+def launches(fn, copy) -> int:
+    """Kernels one eager fn(copy) launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.no_grad():
+        fn(copy)
+        torch.cuda.synchronize()
+    kinds = ("memcpy", "memset")
+    return sum(
+        1
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not any(k in e.name.lower() for k in kinds)
+    )
+
+
+def n_copies(nbytes: int) -> int:
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(2, math.ceil(2 * l2 / nbytes))
+
+
+def row(name, batch, dtype, us_old, us_new, floor_bytes, launches_new) -> None:
+    print(
+        json.dumps(
+            dict(
+                name=name,
+                batch=batch,
+                dtype=dtype,
+                us_old=round(us_old, 2),
+                us_new=round(us_new, 2),
+                floor_us=round(floor_bytes / HBM_BW * 1e6, 2),
+                launches_new=launches_new,
+            )
+        ),
+        flush=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# mHC: one boundary (the expansion of a sublayer's output, the next collapse + RMSNorm)
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_mhc(batch: int) -> None:
+    from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary, mhc_post, mhc_pre
+
+    dev, dt = "cuda", torch.bfloat16
+    mix = (2 + HC) * HC
+    gen = torch.Generator(device=dev).manual_seed(batch)
+
+    def one() -> dict:
+        def rand(*shape, scale=1.0, dtype=torch.float32):
+            return (torch.randn(*shape, device=dev, generator=gen) * scale).to(dtype)
+
+        return dict(
+            out=rand(batch, HD, dtype=dt),
+            streams=rand(batch, HC, HD, scale=3.0, dtype=dt),
+            post=torch.rand(batch, HC, device=dev, generator=gen) * 2,
+            comb=torch.rand(batch, HC, HC, device=dev, generator=gen) * 0.5,
+            fn=rand(mix, HC * HD, scale=(HC * HD) ** -0.5),
+            base=rand(mix, scale=0.5),
+            scale=torch.rand(3, device=dev, generator=gen) + 0.5,
+            weight=(torch.rand(HD, device=dev, generator=gen) + 0.5).to(dt),
+            counter=torch.zeros(BOUNDARY_MAX_TOKENS, dtype=torch.int32, device=dev),
+        )
+
+    fn_bytes = mix * HC * HD * 4
+    act_bytes = batch * HD * 2 * (2 * HC + 2)  # streams in and out, the output, the next input
+    copies = [one() for _ in range(n_copies(fn_bytes + act_bytes))]
+    mixing = (20, 1e-6, 1e-5)
+
+    def old(c):
+        new = mhc_post(c["out"], c["streams"], c["post"], c["comb"])
+        return mhc_pre(new, c["fn"], c["base"], c["scale"], *mixing, c["weight"], 1e-5)
+
+    def new(c):
+        args = (c["out"], c["streams"], c["post"], c["comb"], c["fn"], c["base"], c["scale"])
+        return mhc_boundary(*args, *mixing, c["weight"], 1e-5, c["counter"])
+
+    us_old, us_new = graph_us(old, copies), graph_us(new, copies)
+    floor = fn_bytes + act_bytes
+    row("mhc_boundary", batch, "bf16", us_old, us_new, floor, launches(new, copies[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: one layer's decode step
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _old_core_kernel(
+    q_ptr, k_ptr, v_ptr, stride_x, f_ptr, gate_ptr, stride_fg, b_ptr, stride_b, w_ptr,
+    dt_bias_ptr, a_log_ptr, o_norm_ptr, conv_ptr, stride_cr, stride_cc, state_ptr, stride_sr,
+    rows_ptr, out_ptr, scale, lower_bound, eps,
+    H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The fused decode core as it was before f_b_proj and g_b_proj moved in (commit c64aef6's
+    kernels/triton/kda.py, one token per request, bounded gate): f and gate read as computed by
+    their Linears. The benchmark's "old"."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    d = tl.arange(0, D)
+    ch = h * D + d
+    dm = d < D
+    conv = conv_ptr + row * stride_cr
+    rate = tl.exp(tl.load(a_log_ptr + h))
+    s_ptrs = state_ptr + row * stride_sr + h * D * D + d[:, None] * D + d[None, :]
+    s = tl.load(s_ptrs)
+    x = i.to(tl.int64) * stride_x + ch
+    xq = tl.load(q_ptr + x)
+    q = _conv_silu_step(xq.to(tl.float32), w_ptr, conv + ch[:, None] * stride_cc, ch, dm, K,
+                        BLOCK_K).to(xq.dtype).to(tl.float32)  # fmt: skip
+    k = _conv_silu_step(tl.load(k_ptr + x).to(tl.float32), w_ptr,
+                        conv + (H * D + ch)[:, None] * stride_cc, H * D + ch, dm, K,
+                        BLOCK_K).to(xq.dtype).to(tl.float32)  # fmt: skip
+    v = _conv_silu_step(tl.load(v_ptr + x).to(tl.float32), w_ptr,
+                        conv + (2 * H * D + ch)[:, None] * stride_cc, 2 * H * D + ch, dm, K,
+                        BLOCK_K).to(xq.dtype).to(tl.float32)  # fmt: skip
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    fg = i.to(tl.int64) * stride_fg + ch
+    f = tl.load(f_ptr + fg).to(tl.float32) + tl.load(dt_bias_ptr + ch)
+    g = lower_bound * tl.sigmoid(rate * f)
+    b_raw = tl.load(b_ptr + i.to(tl.int64) * stride_b + h)
+    beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    s = s * tl.exp(g)[:, None]
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(o_norm_ptr + d)
+    o = o * tl.sigmoid(tl.load(gate_ptr + fg).to(tl.float32))
+    tl.store(out_ptr + i.to(tl.int64) * (H * D) + ch, o.to(out_ptr.dtype.element_ty))
+    tl.store(s_ptrs, s)
+
+
+def _old_core(q, k, v, f, b, gate, w, conv_state, state, rows):
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    _old_core_kernel[(rows.shape[0], HEADS)](
+        q, k, v, q.stride(0), f, gate, f.stride(0), b, b.stride(0), w.conv, w.dt_bias, w.a_log,
+        w.o_norm, conv_state, conv_state.stride(0), conv_state.stride(1), state, state.stride(0),
+        rows, out, DIM**-0.5, w.lower_bound, w.eps, H=HEADS, D=DIM, K=w.conv.shape[1],
+        BLOCK_K=triton.next_power_of_2(w.conv.shape[1] - 1), num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+def _kda_layer(fp8: bool, gen: torch.Generator, device: str = "cuda"):
+    """Rank 0 of TP8's KDA layer (real shapes) with random weights on the GPU; fp8: every
+    projection held in block FP8."""
+    from kernels.fp8 import quantize_weight
+    from serving.config import ModelConfig
+    from serving.distributed import ParallelState, set_state, state
+    from serving.layers.linear import Linear
+    from serving.models.kda import KDAttention
+    from serving.tools.tiny_model import build_config
+
+    raw = build_config("real", {"<|endoftext|>": 0, "<|user|>": 1, "<|observation|>": 2})
+    config = ModelConfig.from_dict(raw)
+    before = state()
+    set_state(ParallelState(0, 8, 8))
+    try:
+        with torch.device("meta"):
+            layer = KDAttention(config, torch.bfloat16)
+        linears = [m for m in layer.modules() if isinstance(m, Linear)]
+        if fp8:
+            for m in linears:
+                m.hold_fp8()
+        layer.to_empty(device=device)
+    finally:
+        set_state(before)
+    assert layer.heads == HEADS and layer.dim == DIM
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name.endswith("weight_scale_inv"):
+                continue
+            std = {"A_log": 0.3, "dt_bias": 1.0, "o_norm": 0.05}.get(name, p.shape[-1] ** -0.5)
+            value = torch.randn(p.shape, device=device, generator=gen) * std
+            if name == "o_norm":
+                value += 1
+            if p.dtype == torch.float8_e4m3fn:
+                owner = layer.get_submodule(name.rpartition(".")[0])
+                w8, scale = quantize_weight(value)
+                p.copy_(w8)
+                owner.weight_scale_inv.copy_(scale)
+            else:
+                p.copy_(value)
+    layer.o_proj.reduce = False  # the bench times one rank's work: no all-reduce
+    layer.in_proj.stack()
+    return layer
+
+
+def bench_kda(batch: int, fp8: bool) -> None:
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    probe = _kda_layer(fp8, gen)
+    weight_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+    rows = 2 * batch
+    state_bytes = batch * HEADS * DIM * DIM * 4 * 2  # read and written
+    copies = []
+    for i in range(n_copies(weight_bytes + state_bytes)):
+        layer = probe if i == 0 else _kda_layer(fp8, gen)
+        conv = torch.randn(rows, 3 * HEADS * DIM, 3, device="cuda", generator=gen)
+        state = torch.randn(rows, HEADS, DIM, DIM, device="cuda", generator=gen) * 0.1
+        req_rows = list(range(1, batch + 1))
+        req_to_token = torch.zeros(rows, 8, dtype=torch.int64, device="cuda")
+        fb = ForwardBatch.build([0] * batch, req_rows, [3] * batch, [1] * batch, req_to_token)
+        x = torch.randn(batch, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+        cache = KDALayerCache(conv.to(torch.bfloat16), state)
+        copies.append((layer, x, fb, cache))
+
+    def old(c):  # before: FP8 projections never stacked (one W8A8 GEMM each)
+        layer, x, fb, cache = c
+        if fp8:
+            q, k, v, f_a, g_a, b = (getattr(layer, n)(x) for n in layer.in_proj.names)
+        else:
+            q, k, v, f_a, g_a, b = layer.in_proj(x)
+        f, gate = layer.f_b_proj(f_a), layer.g_b_proj(g_a)
+        w = layer.core_weights()
+        core = _old_core(q, k, v, f, b, gate, w, cache.conv, cache.state, fb.req_rows)
+        return layer.o_proj(core)
+
+    def new(c):
+        layer, x, fb, cache = c
+        return layer(x, fb, cache)
+
+    us_old, us_new = graph_us(old, copies), graph_us(new, copies)
+    dtype, floor = "fp8" if fp8 else "bf16", weight_bytes + state_bytes
+    row("kda_layer", batch, dtype, us_old, us_new, floor, launches(new, copies[0]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--only", choices=("mhc", "kda"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.decode_mhc_kda needs a CUDA device")
+    batches = [int(b) for b in args.batches.split(",")]
+    for batch in batches:
+        if args.only in (None, "mhc"):
+            bench_mhc(batch)
+        if args.only in (None, "kda"):
+            for fp8 in (False, True):
+                bench_kda(batch, fp8)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""GPU benchmark of the Triton DSA kernels against their torch references, at the real
+GLM-5.3-Flash shapes (MLA 64 heads x kv_lora 512, W = index_topk + kpool - 1 = 2063; indexer
+32 heads x 128, kpool 16, top 128 pools).
+
+    python -m bench.kernels_dsa [--out results.json] [--quick] [--sweep]
+
+Rows:
+- sparse MLA decode, batch 1/32/128, contexts 8k..64k: achieved GB/s (latent rows gathered +
+  q + out + slot ids, over the CUDA-graph replay time, which is what a decode step sees)
+  against the 4.23 TB/s copy ceiling; eager time beside it (includes launch overhead).
+- sparse MLA extend, 8,192 queries (a prefill chunk at the start of a request, and one at the
+  end of a 64k context): TFLOP/s counted on valid slots only (4 * H * R per slot).
+- indexer scoring at contexts 8k..64k (decode batches, and an 8,192-query extend chunk): GB/s
+  (pooled keys read) and TFLOP/s; top-k selection; scoring + selection against the reference
+  pipeline (gather + score_pools + select_tokens).
+Times are medians of triton.testing.do_bench (L2 flushed before every run) after warm-up;
+"graph ms" is triton.testing.do_bench_cudagraph (replays, no L2 flush). GB/s of the decode rows
+use the graph time.
+A Markdown table goes to stdout, everything to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+
+import torch
+
+COPY_TBPS = 4.23  # H200 device-to-device copy, measured (read + write) on the lent machines
+H, R, TOPK, KPOOL = 64, 512, 2048, 16
+W = TOPK + KPOOL - 1
+HI, DI = 32, 128
+PAGE = 64
+
+
+def _bench(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _bench_graph(fn) -> float:
+    import triton
+
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def _table(batch: int, ctx: int, gen: torch.Generator) -> torch.Tensor:
+    """req_to_token [batch, ctx] over shuffled pages (no padding row: rows 0..batch-1 used)."""
+    pages = ctx // PAGE
+    ids = torch.randperm(batch * pages, generator=gen) + 1
+    offs = torch.arange(PAGE)
+    return (ids.view(batch, pages, 1) * PAGE + offs).view(batch, ctx).cuda()
+
+
+def _decode_slots(table: torch.Tensor, positions: torch.Tensor, gen) -> torch.Tensor:
+    """Slots like the indexer's: top pools at random among the complete ones, plus the tail."""
+    from kernels.indexer import select_tokens
+
+    scores = torch.rand(positions.numel(), table.shape[1] // KPOOL, generator=gen).cuda()
+    pos = select_tokens(scores, positions, KPOOL, TOPK // KPOOL, True)
+    if table.shape[0] == positions.numel():  # decode: one query per request row
+        rows = torch.arange(table.shape[0], device="cuda")
+    else:  # extend: every query in request row 0
+        rows = torch.zeros(positions.numel(), dtype=torch.int64, device="cuda")
+    return torch.where(pos >= 0, table[rows[:, None], pos.clamp(min=0)], -1)
+
+
+def _sweep(fn, configs, timer=None) -> tuple[float, str] | None:
+    timer = timer or _bench
+    best = None
+    for label, kwargs in configs:
+        try:
+            t = timer(functools.partial(fn, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - out of resources for a config etc.
+            print(f"  skip {label}: {type(exc).__name__}")
+            continue
+        if best is None or t < best[0]:
+            best = (t, label)
+    return best
+
+
+def _mla_decode_case(batch: int, ctx: int, sweep: bool, gen) -> dict:
+    from kernels.sparse_mla import sparse_mla_attention as ref
+    from kernels.triton.sparse_mla import plan
+    from kernels.triton.sparse_mla import sparse_mla_attention as tri
+
+    table = _table(batch, ctx, gen)
+    latent = torch.randn(batch * ctx + PAGE, R, device="cuda", dtype=torch.bfloat16)
+    positions = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
+    slots = _decode_slots(table, positions, gen)
+    q = torch.randn(batch, H, R, generator=gen).cuda().bfloat16()
+    args = (q, latent, slots, 192**-0.5)
+    valid = int((slots >= 0).sum())
+    nbytes = valid * R * 2 + 2 * q.numel() * 2 + slots.numel() * 8
+    t = _bench(lambda: tri(*args))
+    tg = _bench_graph(lambda: tri(*args))
+    pl = plan(batch, H, W, R, q.dtype, q.device)
+    row = dict(
+        kernel="sparse_mla decode",
+        case=f"batch {batch}, ctx {ctx // 1024}k",
+        ms=t,
+        graph_ms=tg,
+        torch_ms=_bench(lambda: ref(*args)),
+        gbps=nbytes / tg / 1e6,
+        plan=f"BH{pl.block_h} BW{pl.block_w} s{pl.num_splits} w{pl.num_warps} st{pl.num_stages}",
+    )
+    if sweep:
+        splits = {1: (8, 16, 32), 32: (2, 4, 8)}.get(batch, (1, 2))
+        configs = [
+            (
+                f"BH{h} BW{w} s{ns} w{nw} st{st}",
+                dict(block_h=h, block_w=w, num_splits=ns, num_warps=nw, num_stages=st),
+            )
+            for h in (32, 64)
+            for w in (32, 64)
+            for ns in splits
+            for nw in (4, 8)
+            for st in (1, 2, 3)
+        ]
+        best = _sweep(lambda **kw: tri(*args, **kw), configs, _bench_graph)
+        if best:
+            row["sweep_best"] = f"{best[1]}: {best[0] * 1e3:.1f} us (graph)"
+    return row
+
+
+def bench_mla_decode(results, quick: bool, sweep: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    batches = [1, 32] if quick else [1, 32, 128]
+    contexts = [8192, 65536] if quick else [8192, 16384, 32768, 65536]
+    for batch in batches:
+        for ctx in contexts:
+            results.append(_mla_decode_case(batch, ctx, sweep and ctx == contexts[-1], gen))
+            torch.cuda.empty_cache()
+
+
+def _mla_extend_case(name: str, ctx: int, start: int, sweep: bool, gen) -> dict:
+    from kernels.sparse_mla import sparse_mla_attention as ref
+    from kernels.triton.sparse_mla import sparse_mla_attention as tri
+
+    n = 8192
+    table = _table(1, ctx, gen)
+    latent = torch.randn(ctx + PAGE, R, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(start, start + n, device="cuda")
+    slots = _decode_slots(table, positions, gen)
+    q = torch.randn(n, H, R, generator=gen).cuda().bfloat16()
+    args = (q, latent, slots, 192**-0.5)
+    flops = 4.0 * H * R * int((slots >= 0).sum())
+    t = _bench(lambda: tri(*args))
+    row = dict(
+        kernel="sparse_mla extend",
+        case=f"{n} queries, {name}",
+        ms=t,
+        torch_ms=_bench(lambda: ref(*args)),
+        tflops=flops / t / 1e9,
+    )
+    if sweep:
+        configs = [
+            (f"BH{h} BW{w} w{nw} st{st}", dict(block_h=h, block_w=w, num_warps=nw, num_stages=st))
+            for h in (32, 64)
+            for w in (32, 64, 128)
+            for nw in (4, 8)
+            for st in (1, 2, 3)
+        ]
+        best = _sweep(lambda **kw: tri(*args, **kw), configs)
+        if best:
+            row["sweep_best"] = f"{best[1]}: {best[0]:.3f} ms"
+    return row
+
+
+def bench_mla_extend(results, quick: bool, sweep: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    results.append(_mla_extend_case("8k-token prefill chunk", 8192, 0, sweep, gen))
+    if not quick:
+        results.append(_mla_extend_case("8k chunk at 56k..64k", 65536, 65536 - 8192, False, gen))
+
+
+def _indexer_case(results, batch: int, ctx: int, chunk: int | None, sweep: bool, gen):
+    from kernels import indexer as ref
+    from kernels.triton import indexer as tri
+
+    scale = DI**-0.5
+    table = _table(batch, ctx, gen)
+    keys = torch.randn(batch * ctx // KPOOL + PAGE, DI, device="cuda", dtype=torch.bfloat16)
+    n = batch if chunk is None else chunk
+    if chunk is None:
+        positions = torch.full((n,), ctx - 1, dtype=torch.int64, device="cuda")
+        rows = torch.arange(batch, device="cuda")
+    else:
+        positions = torch.arange(ctx - chunk, ctx, device="cuda")
+        rows = torch.zeros(n, dtype=torch.int64, device="cuda")
+    q = torch.randn(n, HI, DI, generator=gen).cuda().bfloat16()
+    w = torch.randn(n, HI, generator=gen).cuda() * HI**-0.5
+    pools = ctx // KPOOL
+    sel = TOPK // KPOOL
+    dst_rows = rows[:, None] if chunk is None else rows[:1, None]
+
+    def ours_score():
+        return tri.score_pools_paged(q, w, keys, table, rows, positions, KPOOL, pools, scale)
+
+    def ref_score():
+        dst = table[dst_rows, torch.arange(pools, device="cuda")[None] * KPOOL] // KPOOL
+        return ref.score_pools(q, w, keys[dst], scale)
+
+    scores = ours_score()
+    t = _bench(ours_score)
+    best = None
+    if sweep:
+        configs = [
+            (f"QB{qb} BP{bp} w{nw}", dict(query_block=qb, block_p=bp, num_warps=nw))
+            for qb in ((1, 2, 4, 8) if chunk else (1,))
+            for bp in (32, 64, 128)
+            for nw in (4, 8)
+        ]
+        best = _sweep(
+            lambda **kw: tri.score_pools_paged(
+                q, w, keys, table, rows, positions, KPOOL, pools, scale, **kw
+            ),
+            configs,
+        )
+    key_bytes = (batch if chunk is None else 1) * pools * DI * 2
+    nbytes = key_bytes + q.numel() * 2 + n * pools * 4
+    label = f"batch {batch}, ctx {ctx // 1024}k"
+    if chunk is not None:
+        label = f"{chunk} queries, ctx {ctx // 1024}k"
+    tg = _bench_graph(ours_score) if chunk is None else None
+    results.append(
+        dict(
+            kernel="indexer score",
+            case=label,
+            ms=t,
+            graph_ms=tg,
+            torch_ms=_bench(ref_score),
+            gbps=nbytes / tg / 1e6 if chunk is None else None,
+            tflops=2.0 * n * HI * pools * DI / t / 1e9,
+            sweep_best=f"{best[1]}: {best[0]:.4f} ms" if best else None,
+        )
+    )
+    select_args = (scores, positions, KPOOL, sel, True)
+    results.append(
+        dict(
+            kernel="indexer select (top-k)",
+            case=label,
+            ms=_bench(lambda: tri.select_tokens(*select_args)),
+            torch_ms=_bench(lambda: ref.select_tokens(*select_args)),
+        )
+    )
+    fused_args = (q, w, keys, table, rows, positions, KPOOL, pools, scale, sel, True)
+    results.append(
+        dict(
+            kernel="indexer score+select",
+            case=label,
+            ms=_bench(lambda: tri.index_select_paged(*fused_args)),
+            graph_ms=_bench_graph(lambda: tri.index_select_paged(*fused_args))
+            if chunk is None
+            else None,
+            torch_ms=_bench(lambda: ref.select_tokens(ref_score(), positions, KPOOL, sel, True)),
+        )
+    )
+
+
+def bench_indexer(results, quick: bool, sweep: bool) -> None:
+    gen = torch.Generator().manual_seed(2)
+    batches = [1, 32] if quick else [1, 32, 128]
+    contexts = [8192, 65536] if quick else [8192, 16384, 32768, 65536]
+    for batch in batches:
+        for ctx in contexts:
+            _indexer_case(results, batch, ctx, None, sweep and ctx == contexts[-1], gen)
+            torch.cuda.empty_cache()
+    _indexer_case(results, 1, 65536, 8192, sweep, gen)  # extend: an 8k chunk ending a 64k context
+    torch.cuda.empty_cache()
+
+
+def _markdown(results) -> str:
+    lines = [
+        "| kernel | case | ours ms | graph ms | torch ms | speedup | GB/s | % of 4.23 TB/s "
+        "| TFLOP/s | plan / sweep |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x, fmt):
+        return "" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+    for r in results:
+        gbps = r.get("gbps")
+        pct = None if gbps is None else 100 * gbps / (COPY_TBPS * 1e3)
+        note = " ; ".join(x for x in (r.get("plan"), r.get("sweep_best")) if x)
+        lines.append(
+            f"| {r['kernel']} | {r['case']} | {f(r['ms'], '{:.4f}')} | "
+            f"{f(r.get('graph_ms'), '{:.4f}')} | {f(r['torch_ms'], '{:.3f}')} | "
+            f"{f(r['torch_ms'] / r['ms'], '{:.1f}x')} | {f(gbps, '{:.0f}')} | "
+            f"{f(pct, '{:.0f}%')} | {f(r.get('tflops'), '{:.1f}')} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--quick", action="store_true", help="fewer batches and contexts")
+    ap.add_argument("--sweep", action="store_true", help="also sweep launch parameters (slow)")
+    ap.add_argument("--only", choices=["decode", "extend", "indexer"], action="append")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)  # large tensors are drawn on the GPU
+    results: list[dict] = []
+    only = set(args.only or ["decode", "extend", "indexer"])
+    if "decode" in only:
+        bench_mla_decode(results, args.quick, args.sweep)
+    if "extend" in only:
+        bench_mla_extend(results, args.quick, args.sweep)
+    if "indexer" in only:
+        bench_indexer(results, args.quick, args.sweep)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(_markdown(results))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(dict(device=torch.cuda.get_device_name(), results=results), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,963 @@
+"""MoE at decode batch sizes (T <= MAX_TOKENS) in three launches, no align and no sort: same
+signatures and results as kernels/moe_small.py (route_slots, experts_slots, moe_small).
+
+1. route (one launch): programs of (block of BLOCK_E experts, K split) compute router logits
+   x @ W^T with fp32 accumulators (bf16 products are exact in fp32; float32 inputs use IEEE
+   dots) into per-split partials. The last split of an expert block (a counter per block) sums
+   the splits in order and writes the block's logits; the last expert block (one more counter)
+   selects: sigmoid, + correction bias for the choice only, top-k by k row maxima over one int64
+   key per (token, expert) (the choice's order-preserving bits above the inverted expert id: ties
+   go to the lowest id, as kernels/triton/route.py), normalise, x scaling, and writes the slots:
+   the distinct picked experts of this rank in ascending local id (EP: others' experts are not
+   this rank's slots), then E_local in the unused slots, and slot_weight [S, T] (0 where a token
+   did not pick the slot's expert, and in unused slots).
+2. gate/up + SwiGLU (one launch): programs of (block of BLOCK_N intermediate columns, K split of
+   Hd) loop over the used slots (their count is read from slot_expert, so no program is spent on
+   an unused slot), each program reading its gate and up tiles of every picked expert once for
+   all T tokens (tokens padded to one 16-row tl.dot tile). The shared expert is one more
+   expert of weight 1, in programs of its own. Each program stores float32 partial gate/up sums;
+   the last program of each 128-column group (a counter per group, over its column blocks and K
+   splits) sums the splits in order, applies silu(min(gate, limit)) * clamp(up, -limit, limit),
+   rounds to x's dtype and stores the intermediate h, in FP8 quantized per row group of 128 (the
+   group is whole there, so the quantization happens once).
+3. down + combine (one launch): programs of (block of BLOCK_N output columns, K split of I) loop
+   over the used slots and the shared expert, adding weight[t] * (h @ w2[e]^T) in float32 in
+   slot order; with several K splits the last program of a column block (a counter per block)
+   sums the splits in order and stores the output in x's dtype. No float atomics: deterministic.
+
+Block FP8 (W8A8 as kernels.moe.experts_fp8): x is quantized per token group of 128 in the gate/up
+K loop (each K step is one group; the same code as kernels/triton/e4m3.quant_rows, bit-equal to
+kernels.fp8.quantize_act), e4m3 dots add dot * a_scale * w_scale per K step. The shared expert's
+gate/up and down may each be FP8 or in x's dtype (serving/models/fp8_choice.py keeps a shape
+dense where FP8 is not faster); the routed experts are one or the other as a whole.
+
+Tile sizes and split counts are host functions of the shapes (never of T or of device values),
+so nothing is autotuned and every launch is capturable in a CUDA graph; T is a run-time argument
+(one compiled kernel per shape and dtype, plus the JIT's own T = 1 specialisation; the router's
+select compiles per next_pow2(T)).
+
+Invariants and hazards:
+- Last-program reductions: a program writes its partials, then tl.debug_barrier() (Triton
+  issues a scalar atomic from one thread only, so every thread's stores must precede it), then
+  tl.atomic_add(counter, 1, sem="acq_rel"); the program that sees count == contributors - 1
+  reads the partials (cache_modifier ".cg": from L2, never a stale L1 line) and resets the
+  counter to 0, so the next launch (a graph replay) starts clean. Integer atomics only.
+- counters: one int32 zeros buffer of counters_size(...) per call site (serving/layers/mlp.MoE
+  owns one per layer), split here between the three kernels. Two launches that may run at the
+  same time (two streams, or programmatic dependent launch) must not share one.
+- MAX_TOKENS: tokens sit in one 16-row tile; more would need row blocks (use the align path).
+- Offsets inside one expert are int32 (the host checks they fit); expert bases are int64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import BLOCK as GROUP
+from kernels.fp8 import FP8, blocks
+from kernels.moe_small import Experts, SharedExpert, num_slots
+from kernels.triton.e4m3 import quant_rows
+
+MAX_TOKENS = 16  # one tl.dot M tile of tokens
+BLOCK_T = 16
+BLOCK_E = 16  # router: experts per program
+BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns (divides GROUP)
+# The most programs each grid may hold (the K split counts are chosen up to them), for the H200's
+# 132 SMs: a grid within one resident wave, with several programs per SM keeping enough weight
+# bytes in flight (one picked expert is 33.5 MB of gate/up in bf16). Registers a thread, from
+# Triton 3.6's sm_90 compile (4 warps): gate/up 96 in bf16 (5 programs fit an SM) and 150 in FP8
+# (its K loop quantizes x: 3 fit); down 64-72 (7 fit); the router's select 78-142 up to 8 tokens
+# and 200 at 16 (8 warps: 1 fits), so the router gets one program per SM. The H200 A/B sets
+# these (python -m bench.decode_moe --sweep).
+ROUTE_PROGRAMS = 132
+GATE_UP_PROGRAMS = 528
+GATE_UP_PROGRAMS_FP8 = 396
+DOWN_PROGRAMS = 528
+_PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A K dimension cut into `splits` ranges of `k_split` (a multiple of block_k)."""
+
+    splits: int
+    k_split: int
+    block_k: int
+
+
+def _split(k: int, column_blocks: int, programs: int) -> _Split:
+    """Split K into as many ranges as column_blocks * splits <= programs allows (at least one;
+    host ints only). block_k divides GROUP, so in FP8 a K step never straddles a scale group,
+    and is >= 32 (e4m3 dots)."""
+    block_k = max(32, min(GROUP, triton.next_power_of_2(k)))
+    steps = triton.cdiv(k, block_k)
+    splits = max(1, min(steps, programs // column_blocks))
+    k_split = triton.cdiv(steps, splits) * block_k
+    return _Split(triton.cdiv(k, k_split), k_split, block_k)
+
+
+def route_counters(num_experts: int) -> int:
+    return 1 + triton.cdiv(num_experts, BLOCK_E)
+
+
+def expert_counters(hidden: int, inter: int, shared_inter: int) -> int:
+    return blocks(inter) + blocks(shared_inter) + triton.cdiv(hidden, BLOCK_N)
+
+
+def counters_size(num_experts: int, hidden: int, inter: int, shared_inter: int) -> int:
+    """int32 counters moe_small needs: num_experts the router's (all ranks'), inter and
+    shared_inter this rank's intermediate sizes (0: no shared expert in the kernels)."""
+    return route_counters(num_experts) + expert_counters(hidden, inter, shared_inter)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. route
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_kernel(
+    x_ptr,  # [T, HD]
+    w_ptr,  # [E, HD]
+    bias_ptr,  # [E] float32
+    part_ptr,  # [NEB, SPLITS, T, BLOCK_E] float32: partial logits
+    logits_ptr,  # [T, E] float32
+    counters_ptr,  # [1 + NEB] int32: expert blocks done, then K splits done per block
+    slot_expert_ptr,  # [SLOTS] int32
+    slot_weight_ptr,  # [SLOTS, T] float32
+    T,
+    SLOTS,
+    first,
+    scaling,
+    E: tl.constexpr,
+    NEB: tl.constexpr,
+    HD: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    TOPK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    IEEE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    TP: tl.constexpr,
+    EP: tl.constexpr,
+    SP: tl.constexpr,
+):
+    b = tl.program_id(0) // SPLITS
+    s = tl.program_id(0) % SPLITS
+    t = tl.arange(0, BLOCK_T)
+    c = tl.arange(0, BLOCK_E)
+    e = b * BLOCK_E + c
+    t_mask = t < T
+    e_mask = e < E
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    k_lo = s * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, HD), BLOCK_K):
+        k_mask = (k0 + kk) < HD
+        a = tl.load(
+            x_ptr + t[:, None] * HD + (k0 + kk)[None, :],
+            mask=t_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + e[None, :] * HD + (k0 + kk)[:, None],
+            mask=e_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    part_rows = (b * SPLITS * T + t[:, None]) * BLOCK_E + c[None, :]
+    tl.store(part_ptr + s * T * BLOCK_E + part_rows, acc, mask=t_mask[:, None])
+    tl.debug_barrier()  # every thread's partial precedes the release below
+    if tl.atomic_add(counters_ptr + 1 + b, 1, sem="acq_rel") == SPLITS - 1:
+        logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for i in tl.static_range(SPLITS):  # fixed order: deterministic
+            logits += tl.load(
+                part_ptr + i * T * BLOCK_E + part_rows,
+                mask=t_mask[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+        tl.store(
+            logits_ptr + t[:, None] * E + e[None, :],
+            logits,
+            mask=t_mask[:, None] & e_mask[None, :],
+        )
+        tl.store(counters_ptr + 1 + b, 0)
+        tl.debug_barrier()
+        if tl.atomic_add(counters_ptr, 1, sem="acq_rel") == NEB - 1:
+            _select(
+                logits_ptr,
+                bias_ptr,
+                slot_expert_ptr,
+                slot_weight_ptr,
+                T,
+                SLOTS,
+                first,
+                scaling,
+                E,
+                E_LOCAL,
+                TOPK,
+                NORMALIZE,
+                TP,
+                EP,
+                SP,
+            )
+            tl.store(counters_ptr, 0)
+
+
+@triton.jit
+def _select(
+    logits_ptr,
+    bias_ptr,
+    slot_expert_ptr,
+    slot_weight_ptr,
+    T,
+    SLOTS,
+    first,
+    scaling,
+    E: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    TOPK: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    TP: tl.constexpr,
+    EP: tl.constexpr,
+    SP: tl.constexpr,
+):
+    t = tl.arange(0, TP)
+    e = tl.arange(0, EP)
+    t_mask = t < T
+    e_mask = e < E
+    logits = tl.load(
+        logits_ptr + t[:, None] * E + e[None, :],
+        mask=t_mask[:, None] & e_mask[None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    scores = tl.sigmoid(logits)
+    choice = scores + tl.load(bias_ptr + e, mask=e_mask, other=0.0)[None, :]
+    choice = tl.where(e_mask[None, :], choice, float("-inf"))
+    # int32 bits that order as the floats do, above EP - 1 - e: one row max per pick finds the
+    # best choice and, among equal ones, the lowest id
+    bits = choice.to(tl.int32, bitcast=True)
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    key = ordered * 4294967296 + (EP - 1 - e)[None, :]
+    for _ in tl.static_range(TOPK):
+        best = tl.max(key, axis=1)
+        key = tl.where(key == best[:, None], _PICKED, key)
+    picked = (key == _PICKED) & t_mask[:, None]
+    w = tl.where(picked, scores, 0.0)
+    if NORMALIZE:
+        total = tl.zeros_like(w) + (tl.sum(w, axis=1) + 1e-20)[:, None]
+        w = tl.math.div_rn(w, total)
+    w = w * scaling
+    # this rank's picked experts, in ascending id, become the slots
+    mine = e_mask & (e >= first) & (e < first + E_LOCAL)
+    active = (tl.max(picked.to(tl.int32), axis=0) > 0) & mine
+    slot = tl.cumsum(active.to(tl.int32), axis=0) - 1
+    used = tl.sum(active.to(tl.int32), axis=0)
+    tl.store(slot_expert_ptr + slot, e - first, mask=active)
+    tl.store(
+        slot_weight_ptr + slot[None, :] * T + t[:, None],
+        w,
+        mask=active[None, :] & t_mask[:, None],
+    )
+    j = tl.arange(0, SP)
+    spare = (j >= used) & (j < SLOTS)
+    tl.store(slot_expert_ptr + j, tl.full([SP], E_LOCAL, tl.int32), mask=spare)
+    tl.store(
+        slot_weight_ptr + j[:, None] * T + t[None, :],
+        tl.zeros([SP, TP], dtype=tl.float32),
+        mask=spare[:, None] & t_mask[None, :],
+    )
+
+
+def route_slots(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    scaling: float,
+    local: tuple[int, int] | None,
+    counters: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.moe_small.route_slots in one launch; counters: route_counters(E) int32 zeros."""
+    tokens, hidden = x.shape
+    experts = gate_weight.shape[0]
+    first, num_local = local if local is not None else (0, experts)
+    slots = num_slots(tokens, top_k, num_local)
+    dev = x.device
+    slot_expert = torch.empty(slots, device=dev, dtype=torch.int32)
+    slot_weight = torch.empty(slots, tokens, device=dev, dtype=torch.float32)
+    if tokens == 0:
+        return slot_expert, slot_weight
+    assert tokens <= MAX_TOKENS, f"{tokens} tokens: the small MoE takes at most {MAX_TOKENS}"
+    assert top_k <= experts and gate_weight.dtype == x.dtype, (top_k, gate_weight.dtype)
+    neb = triton.cdiv(experts, BLOCK_E)
+    assert counters.dtype == torch.int32 and counters.numel() >= route_counters(experts)
+    split = _split(hidden, neb, ROUTE_PROGRAMS)
+    part = torch.empty(neb, split.splits, tokens, BLOCK_E, device=dev, dtype=torch.float32)
+    logits = torch.empty(tokens, experts, device=dev, dtype=torch.float32)
+    tp = max(2, triton.next_power_of_2(tokens))
+    _route_kernel[(neb * split.splits,)](
+        x.contiguous(),
+        gate_weight.contiguous(),
+        correction_bias.contiguous().float(),
+        part,
+        logits,
+        counters,
+        slot_expert,
+        slot_weight,
+        tokens,
+        slots,
+        first,
+        float(scaling),
+        E=experts,
+        NEB=neb,
+        HD=hidden,
+        E_LOCAL=num_local,
+        TOPK=top_k,
+        NORMALIZE=normalize,
+        IEEE=x.dtype == torch.float32,
+        SPLITS=split.splits,
+        K_SPLIT=split.k_split,
+        BLOCK_K=split.block_k,
+        BLOCK_T=BLOCK_T,
+        BLOCK_E=BLOCK_E,
+        TP=tp,
+        EP=triton.next_power_of_2(experts),
+        SP=triton.next_power_of_2(num_local),
+        num_warps=8 if tp >= 16 else 4,  # the select's [TP, EP] int64 keys
+    )
+    return slot_expert, slot_weight
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. gate/up + SwiGLU
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_up_acc(
+    x_ptr,
+    T,
+    wg_ptr,  # [INTER, HD] gate rows of one expert
+    wu_ptr,  # [INTER, HD] up rows
+    sg_ptr,  # FP8: [ceil(INTER / GROUP), KB] gate block scales
+    su_ptr,  # FP8: up block scales
+    n0,
+    k_lo,
+    INTER: tl.constexpr,
+    HD: tl.constexpr,
+    KB: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """x @ [gate; up]^T for columns n0 .. n0 + BLOCK_N over K range k_lo .. k_lo + K_SPLIT."""
+    t = tl.arange(0, BLOCK_T)
+    n = n0 + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    t_mask = t < T
+    n_mask = n < INTER
+    a_ptrs = x_ptr + t[:, None] * HD + kk[None, :]
+    w_offs = n[None, :] * HD + kk[:, None]
+    acc_g = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, HD), BLOCK_K):
+        if EVEN:  # whole tiles: the weights unmasked
+            a = tl.load(a_ptrs + k0, mask=t_mask[:, None], other=0.0)
+            wg = tl.load(wg_ptr + k0 + w_offs)
+            wu = tl.load(wu_ptr + k0 + w_offs)
+        else:
+            k_mask = (k0 + kk) < HD
+            w_mask = n_mask[None, :] & k_mask[:, None]
+            a = tl.load(a_ptrs + k0, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+            wg = tl.load(wg_ptr + k0 + w_offs, mask=w_mask, other=0.0)
+            wu = tl.load(wu_ptr + k0 + w_offs, mask=w_mask, other=0.0)
+        if FP8:  # the K step is one whole group: quantize x's tile here (rows past T: zeros)
+            qa, a_s = quant_rows(a.to(tl.float32))
+            a8 = qa.to(wg_ptr.dtype.element_ty)  # exact: qa is on the e4m3 grid
+            g_s = tl.load(sg_ptr + (n0 // GROUP) * KB + k0 // GROUP)
+            u_s = tl.load(su_ptr + (n0 // GROUP) * KB + k0 // GROUP)
+            acc_g += tl.dot(a8, wg) * (a_s[:, None] * g_s)
+            acc_u += tl.dot(a8, wu) * (a_s[:, None] * u_s)
+        elif IEEE:
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _store_gate_up(
+    part_ptr,
+    s,
+    T,
+    n0,
+    acc_g,
+    acc_u,
+    INTER: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Partials of one expert: part [SPLITS, T, 2 * INTER], gate columns then up columns."""
+    t = tl.arange(0, BLOCK_T)
+    n = n0 + tl.arange(0, BLOCK_N)
+    mask = (t < T)[:, None] & (n < INTER)[None, :]
+    ptrs = part_ptr + (s * T + t[:, None]) * (2 * INTER) + n[None, :]
+    tl.store(ptrs, acc_g, mask=mask)
+    tl.store(ptrs + INTER, acc_u, mask=mask)
+
+
+@triton.jit
+def _finish_group(
+    part_ptr,  # [SPLITS, T, 2 * INTER] float32 of one expert
+    h_ptr,  # [T, INTER]: x's dtype, or e4m3 (QUANT)
+    hs_ptr,  # QUANT: [T, NB] float32
+    x_ptr,  # for its dtype: the SwiGLU output is rounded to it
+    T,
+    g,
+    limit,
+    INTER: tl.constexpr,
+    NB: tl.constexpr,
+    SPLITS: tl.constexpr,
+    QUANT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """Column group g of one expert: splits summed in order, clamped SwiGLU, h stored."""
+    t = tl.arange(0, BLOCK_T)
+    col = g * GROUP + tl.arange(0, GROUP)
+    mask = (t < T)[:, None] & (col < INTER)[None, :]
+    gate = tl.zeros([BLOCK_T, GROUP], dtype=tl.float32)
+    up = tl.zeros([BLOCK_T, GROUP], dtype=tl.float32)
+    for i in tl.static_range(SPLITS):
+        ptrs = part_ptr + (i * T + t[:, None]) * (2 * INTER) + col[None, :]
+        gate += tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        up += tl.load(ptrs + INTER, mask=mask, other=0.0, cache_modifier=".cg")
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
+    out = h_ptr + t[:, None] * INTER + col[None, :]
+    if QUANT:  # the whole group is here (columns past INTER: zeros, as quantize_act pads)
+        q, scale = quant_rows(h.to(tl.float32))
+        tl.store(out, q.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(hs_ptr + t * NB + g, scale, mask=t < T)
+    else:
+        tl.store(out, h, mask=mask)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,  # [T, HD]
+    slot_expert_ptr,  # [SLOTS] int32
+    w13_ptr,  # [E_LOCAL, 2 * INTER, HD]
+    w13_scale_ptr,  # FP8: [E_LOCAL, 2 * NB, KB]
+    sg_ptr,  # shared gate [INTER_SH, HD]
+    su_ptr,  # shared up [INTER_SH, HD]
+    sg_scale_ptr,  # SH_FP8: [NB_SH, KB]
+    su_scale_ptr,
+    part_ptr,  # [SLOTS, SPLITS, T, 2 * INTER] float32
+    part_sh_ptr,  # [SPLITS, T, 2 * INTER_SH] float32
+    h_ptr,  # [SLOTS, T, INTER]
+    h_scale_ptr,  # H_FP8: [SLOTS, T, NB]
+    h_sh_ptr,  # [T, INTER_SH]
+    h_sh_scale_ptr,  # H_SH_FP8: [T, NB_SH]
+    counters_ptr,  # [NB + NB_SH] int32: programs done per column group
+    T,
+    SLOTS,
+    limit,
+    HD: tl.constexpr,
+    INTER: tl.constexpr,
+    INTER_SH: tl.constexpr,
+    NB: tl.constexpr,
+    NB_SH: tl.constexpr,
+    KB: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    N_BLOCKS_SH: tl.constexpr,
+    SPLITS: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SH_FP8: tl.constexpr,
+    H_SH_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN: tl.constexpr,
+    EVEN_SH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    SP: tl.constexpr,
+):
+    # program: (column block, K split), K splits fastest (neighbours stream neighbouring bytes);
+    # the routed column blocks first, then the shared expert's
+    blk = tl.program_id(0) // SPLITS
+    s = tl.program_id(0) % SPLITS
+    k_lo = s * K_SPLIT
+    per_group: tl.constexpr = GROUP // BLOCK_N
+    tl.static_assert(GROUP % BLOCK_N == 0)
+    if blk < N_BLOCKS:
+        n0 = blk * BLOCK_N
+        j_offs = tl.arange(0, SP)
+        slot_experts = tl.load(slot_expert_ptr + j_offs, mask=j_offs < SLOTS, other=E_LOCAL)
+        used = tl.sum((slot_experts < E_LOCAL).to(tl.int32), axis=0)  # slots are packed first
+        part_stride = SPLITS * T * 2 * INTER
+        for j in range(0, used):
+            e = tl.sum(tl.where(j_offs == j, slot_experts, 0), axis=0).to(tl.int64)
+            wg_ptr = w13_ptr + e * (2 * INTER * HD)
+            sg = w13_scale_ptr + e * (2 * NB * KB)
+            acc_g, acc_u = _gate_up_acc(
+                x_ptr,
+                T,
+                wg_ptr,
+                wg_ptr + INTER * HD,
+                sg,
+                sg + NB * KB,
+                n0,
+                k_lo,
+                INTER,
+                HD,
+                KB,
+                K_SPLIT,
+                W_FP8,
+                IEEE,
+                EVEN,
+                BLOCK_T,
+                BLOCK_N,
+                BLOCK_K,
+                GROUP,
+            )
+            _store_gate_up(
+                part_ptr + j * part_stride, s, T, n0, acc_g, acc_u, INTER, BLOCK_T, BLOCK_N
+            )
+        g = n0 // GROUP
+        contributors = tl.minimum(per_group, N_BLOCKS - g * per_group) * SPLITS
+        tl.debug_barrier()  # every thread's partials precede the release below
+        if tl.atomic_add(counters_ptr + g, 1, sem="acq_rel") == contributors - 1:
+            for j in range(0, used):
+                _finish_group(
+                    part_ptr + j * part_stride,
+                    h_ptr + j * T * INTER,
+                    h_scale_ptr + j * T * NB,
+                    x_ptr,
+                    T,
+                    g,
+                    limit,
+                    INTER,
+                    NB,
+                    SPLITS,
+                    W_FP8,
+                    BLOCK_T,
+                    GROUP,
+                )
+            tl.store(counters_ptr + g, 0)
+    elif HAS_SHARED:
+        n0 = (blk - N_BLOCKS) * BLOCK_N
+        acc_g, acc_u = _gate_up_acc(
+            x_ptr,
+            T,
+            sg_ptr,
+            su_ptr,
+            sg_scale_ptr,
+            su_scale_ptr,
+            n0,
+            k_lo,
+            INTER_SH,
+            HD,
+            KB,
+            K_SPLIT,
+            SH_FP8,
+            IEEE,
+            EVEN_SH,
+            BLOCK_T,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP,
+        )
+        _store_gate_up(part_sh_ptr, s, T, n0, acc_g, acc_u, INTER_SH, BLOCK_T, BLOCK_N)
+        g = n0 // GROUP
+        contributors = tl.minimum(per_group, N_BLOCKS_SH - g * per_group) * SPLITS
+        tl.debug_barrier()
+        if tl.atomic_add(counters_ptr + NB + g, 1, sem="acq_rel") == contributors - 1:
+            _finish_group(
+                part_sh_ptr,
+                h_sh_ptr,
+                h_sh_scale_ptr,
+                x_ptr,
+                T,
+                g,
+                limit,
+                INTER_SH,
+                NB_SH,
+                SPLITS,
+                H_SH_FP8,
+                BLOCK_T,
+                GROUP,
+            )
+            tl.store(counters_ptr + NB + g, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. down + combine
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _down_acc(
+    a_ptr,  # [T, K]: the SwiGLU output of one expert (x's dtype, or e4m3)
+    as_ptr,  # FP8: [T, KB] its scales
+    T,
+    w_ptr,  # [HD, K]
+    ws_ptr,  # FP8: [ceil(HD / GROUP), KB]
+    n0,
+    k_lo,
+    K: tl.constexpr,
+    KB: tl.constexpr,
+    HD: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """a @ w^T for output columns n0 .. n0 + BLOCK_N over K range k_lo .. k_lo + K_SPLIT."""
+    t = tl.arange(0, BLOCK_T)
+    n = n0 + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    t_mask = t < T
+    a_ptrs = a_ptr + t[:, None] * K + kk[None, :]
+    w_offs = n[None, :] * K + kk[:, None]
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
+        if EVEN:
+            a = tl.load(a_ptrs + k0, mask=t_mask[:, None], other=0.0)
+            w = tl.load(w_ptr + k0 + w_offs)
+        else:
+            k_mask = (k0 + kk) < K
+            a = tl.load(a_ptrs + k0, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + k0 + w_offs, mask=(n < HD)[None, :] & k_mask[:, None], other=0.0)
+        if FP8:
+            a_s = tl.load(as_ptr + t * KB + k0 // GROUP, mask=t_mask, other=0.0)
+            w_s = tl.load(ws_ptr + (n0 // GROUP) * KB + k0 // GROUP)
+            acc += tl.dot(a, w) * (a_s[:, None] * w_s)
+        elif IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,  # [SLOTS, T, INTER]
+    h_scale_ptr,  # W_FP8: [SLOTS, T, NB]
+    h_sh_ptr,  # [T, INTER_SH]
+    h_sh_scale_ptr,  # SH_FP8: [T, NB_SH]
+    w2_ptr,  # [E_LOCAL, HD, INTER]
+    w2_scale_ptr,  # W_FP8: [E_LOCAL, HB, NB]
+    sd_ptr,  # shared down [HD, INTER_SH]
+    sd_scale_ptr,  # SH_FP8: [HB, NB_SH]
+    slot_expert_ptr,  # [SLOTS] int32
+    slot_weight_ptr,  # [SLOTS, T] float32
+    part_ptr,  # [SPLITS, T, HD] float32 (SPLITS > 1)
+    out_ptr,  # [T, HD]
+    counters_ptr,  # [N_BLOCKS] int32: K splits done per column block
+    T,
+    SLOTS,
+    HD: tl.constexpr,
+    INTER: tl.constexpr,
+    INTER_SH: tl.constexpr,
+    NB: tl.constexpr,
+    NB_SH: tl.constexpr,
+    HB: tl.constexpr,
+    E_LOCAL: tl.constexpr,
+    SPLITS: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    K_SPLIT_SH: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SH_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN: tl.constexpr,
+    EVEN_SH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_K_SH: tl.constexpr,
+    GROUP: tl.constexpr,
+    SP: tl.constexpr,
+):
+    blk = tl.program_id(0) // SPLITS
+    s = tl.program_id(0) % SPLITS
+    n0 = blk * BLOCK_N
+    t = tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    j_offs = tl.arange(0, SP)
+    slot_experts = tl.load(slot_expert_ptr + j_offs, mask=j_offs < SLOTS, other=E_LOCAL)
+    used = tl.sum((slot_experts < E_LOCAL).to(tl.int32), axis=0)
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for j in range(0, used):  # slot order: a fixed summation order
+        e = tl.sum(tl.where(j_offs == j, slot_experts, 0), axis=0).to(tl.int64)
+        y = _down_acc(
+            h_ptr + j * T * INTER,
+            h_scale_ptr + j * T * NB,
+            T,
+            w2_ptr + e * (HD * INTER),
+            w2_scale_ptr + e * (HB * NB),
+            n0,
+            s * K_SPLIT,
+            INTER,
+            NB,
+            HD,
+            K_SPLIT,
+            W_FP8,
+            IEEE,
+            EVEN,
+            BLOCK_T,
+            BLOCK_N,
+            BLOCK_K,
+            GROUP,
+        )
+        weight = tl.load(slot_weight_ptr + j * T + t, mask=t_mask, other=0.0)
+        acc += y * weight[:, None]
+    if HAS_SHARED:  # weight 1
+        acc += _down_acc(
+            h_sh_ptr,
+            h_sh_scale_ptr,
+            T,
+            sd_ptr,
+            sd_scale_ptr,
+            n0,
+            s * K_SPLIT_SH,
+            INTER_SH,
+            NB_SH,
+            HD,
+            K_SPLIT_SH,
+            SH_FP8,
+            IEEE,
+            EVEN_SH,
+            BLOCK_T,
+            BLOCK_N,
+            BLOCK_K_SH,
+            GROUP,
+        )
+    n = n0 + tl.arange(0, BLOCK_N)
+    mask = t_mask[:, None] & (n < HD)[None, :]
+    out_ptrs = out_ptr + t[:, None] * HD + n[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = part_ptr + t[:, None] * HD + n[None, :]
+        tl.store(part + s * T * HD, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial precedes the release below
+        if tl.atomic_add(counters_ptr + blk, 1, sem="acq_rel") == SPLITS - 1:
+            total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for i in tl.static_range(SPLITS):  # fixed order: deterministic
+                total += tl.load(part + i * T * HD, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(counters_ptr + blk, 0)
+
+
+def experts_slots(
+    x: torch.Tensor,
+    slot_expert: torch.Tensor,
+    slot_weight: torch.Tensor,
+    experts: Experts,
+    shared: SharedExpert | None,
+    limit: float,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """kernels.moe_small.experts_slots in two launches; counters: expert_counters(Hd, I, Is)
+    int32 zeros (Is 0 without a shared expert)."""
+    tokens, hidden = x.shape
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    assert tokens <= MAX_TOKENS, f"{tokens} tokens: the small MoE takes at most {MAX_TOKENS}"
+    w13, w2, w13_scale, w2_scale = experts
+    num_local, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    slots = slot_expert.shape[0]
+    w_fp8 = w13_scale is not None
+    assert w13.dtype == w2.dtype == (FP8 if w_fp8 else x.dtype), (w13.dtype, w2.dtype, x.dtype)
+    dev = x.device
+    if shared is None:
+        inter_sh = 0
+        sg = su = sd = x
+        sg_scale = su_scale = sd_scale = None
+    else:
+        sg, su, sd, sg_scale, su_scale, sd_scale = shared
+        inter_sh = sg.shape[0]
+        assert (sg_scale is None) == (su_scale is None) and sg.dtype == su.dtype
+        for w, scale in ((sg, sg_scale), (sd, sd_scale)):
+            assert w.dtype == (FP8 if scale is not None else x.dtype), (w.dtype, x.dtype)
+    sh_fp8, sd_fp8 = sg_scale is not None, sd_scale is not None
+    nb, nb_sh, kb, hb = blocks(inter), blocks(inter_sh), blocks(hidden), blocks(hidden)
+    assert counters.dtype == torch.int32
+    assert counters.numel() >= expert_counters(hidden, inter, inter_sh)
+    ieee = x.dtype == torch.float32
+    sp = triton.next_power_of_2(num_local)
+    x = x.contiguous()
+    dummy = x
+
+    n_blocks, n_blocks_sh = triton.cdiv(inter, BLOCK_N), triton.cdiv(inter_sh, BLOCK_N)
+    fp8_gate_up = w_fp8 or sh_fp8
+    gu = _split(
+        hidden, n_blocks + n_blocks_sh, GATE_UP_PROGRAMS_FP8 if fp8_gate_up else GATE_UP_PROGRAMS
+    )
+    assert 2 * max(inter, inter_sh) * hidden < 2**31, "int32 offsets inside one expert"
+    assert slots * gu.splits * tokens * 2 * inter < 2**31, "int32 offsets of the partials"
+    part = torch.empty(slots, gu.splits, tokens, 2 * inter, device=dev, dtype=torch.float32)
+    h = torch.empty(slots, tokens, inter, device=dev, dtype=FP8 if w_fp8 else x.dtype)
+    h_scale = torch.empty(slots, tokens, nb, device=dev, dtype=torch.float32) if w_fp8 else dummy
+    if shared is not None:
+        part_sh = torch.empty(gu.splits, tokens, 2 * inter_sh, device=dev, dtype=torch.float32)
+        h_sh = torch.empty(tokens, inter_sh, device=dev, dtype=FP8 if sd_fp8 else x.dtype)
+        h_sh_scale = torch.empty(tokens, nb_sh, device=dev, dtype=torch.float32) if sd_fp8 else x
+    else:
+        part_sh = h_sh = h_sh_scale = dummy
+    even_k = hidden % gu.k_split == 0 and gu.k_split % gu.block_k == 0
+    _gate_up_kernel[((n_blocks + n_blocks_sh) * gu.splits,)](
+        x,
+        slot_expert,
+        w13.contiguous(),
+        w13_scale.contiguous() if w_fp8 else dummy,
+        sg.contiguous(),
+        su.contiguous(),
+        sg_scale.contiguous() if sh_fp8 else dummy,
+        su_scale.contiguous() if sh_fp8 else dummy,
+        part,
+        part_sh,
+        h,
+        h_scale,
+        h_sh,
+        h_sh_scale,
+        counters,
+        tokens,
+        slots,
+        float(limit),
+        HD=hidden,
+        INTER=inter,
+        INTER_SH=inter_sh,
+        NB=nb,
+        NB_SH=nb_sh,
+        KB=kb,
+        E_LOCAL=num_local,
+        N_BLOCKS=n_blocks,
+        N_BLOCKS_SH=n_blocks_sh,
+        SPLITS=gu.splits,
+        K_SPLIT=gu.k_split,
+        HAS_SHARED=shared is not None,
+        W_FP8=w_fp8,
+        SH_FP8=sh_fp8,
+        H_SH_FP8=sd_fp8,
+        IEEE=ieee,
+        EVEN=even_k and inter % BLOCK_N == 0,
+        EVEN_SH=even_k and inter_sh % BLOCK_N == 0,
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=gu.block_k,
+        GROUP=GROUP,
+        SP=sp,
+        num_warps=4,
+        num_stages=3 if ieee else 4,
+    )
+
+    d_blocks = triton.cdiv(hidden, BLOCK_N)
+    dn = _split(inter, d_blocks, DOWN_PROGRAMS)
+    # the shared expert's K (its own intermediate size) in as many splits
+    block_k_sh = max(32, min(GROUP, triton.next_power_of_2(max(inter_sh, 1))))
+    k_split_sh = max(1, triton.cdiv(triton.cdiv(inter_sh, dn.splits), block_k_sh)) * block_k_sh
+    d_part = (
+        torch.empty(dn.splits, tokens, hidden, device=dev, dtype=torch.float32)
+        if dn.splits > 1
+        else dummy
+    )
+    even_n = hidden % BLOCK_N == 0
+    _down_kernel[(d_blocks * dn.splits,)](
+        h,
+        h_scale,
+        h_sh,
+        h_sh_scale,
+        w2.contiguous(),
+        w2_scale.contiguous() if w_fp8 else dummy,
+        sd.contiguous(),
+        sd_scale.contiguous() if sd_fp8 else dummy,
+        slot_expert,
+        slot_weight,
+        d_part,
+        out,
+        counters[blocks(inter) + blocks(inter_sh) :],
+        tokens,
+        slots,
+        HD=hidden,
+        INTER=inter,
+        INTER_SH=inter_sh,
+        NB=nb,
+        NB_SH=nb_sh,
+        HB=hb,
+        E_LOCAL=num_local,
+        SPLITS=dn.splits,
+        K_SPLIT=dn.k_split,
+        K_SPLIT_SH=k_split_sh,
+        HAS_SHARED=shared is not None,
+        W_FP8=w_fp8,
+        SH_FP8=sd_fp8,
+        IEEE=ieee,
+        EVEN=even_n and inter % dn.k_split == 0 and dn.k_split % dn.block_k == 0,
+        EVEN_SH=even_n and inter_sh % k_split_sh == 0,
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=dn.block_k,
+        BLOCK_K_SH=block_k_sh,
+        GROUP=GROUP,
+        SP=sp,
+        num_warps=4,
+        num_stages=3 if ieee else 4,
+    )
+    return out
+
+
+def moe_small(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    normalize: bool,
+    scaling: float,
+    local: tuple[int, int] | None,
+    experts: Experts,
+    shared: SharedExpert | None,
+    limit: float,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """kernels.moe_small.moe_small in three launches; counters: counters_size(E, Hd, I, Is)
+    int32 zeros, owned by the call site."""
+    split = route_counters(gate_weight.shape[0])
+    slot_expert, slot_weight = route_slots(
+        x, gate_weight, correction_bias, top_k, normalize, scaling, local, counters[:split]
+    )
+    return experts_slots(x, slot_expert, slot_weight, experts, shared, limit, counters[split:])

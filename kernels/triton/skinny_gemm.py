@@ -1,0 +1,243 @@
+"""Linears of a few token rows (decode, EAGLE verify): y[M, N] = x[M, K] W[N, K]^T, M <= 64.
+
+At these sizes a linear is a read of its weight, and the weight read is what the kernel is shaped
+for: narrow N tiles and split K, so a few hundred programs stream the weight at once (a program
+streams only ~30-60 GB/s). Before it, 1536 x 4096 at 32 tokens took 16.2 us in block FP8
+(torch._scaled_mm, tiled for large M: 10x the FP8 weight's HBM floor) and 8.9 us in bf16
+(cuBLAS: 3x its floor). Two weight formats, one kernel:
+- dense (bf16/fp16; x in the weight's dtype): tl.dot into fp32;
+- block FP8 (e4m3 W with float32 scales per 128 x 128 block; x in bf16, fp16 or float32): the
+  W8A8 of kernels.fp8.block_fp8_linear: each K step is one 128-wide group, x's group quantized
+  in the kernel with kernels/triton/e4m3.py (the bits of quantize_act), the e4m3 dot promoted
+  into the fp32 accumulator as dot * x_scale[m] * w_scale[n // 128].
+Twins: torch.nn.functional.linear and kernels.fp8.block_fp8_linear (same results up to fp32
+summation order and, for bf16 outputs, one output rounding).
+
+Split K, deterministically: program (n tile, split) sums its share of K, writes the fp32 partial
+and counts itself in its tile's counter (an int32 atomic, acquire-release); the program that
+counts last sums the tile's partials in split order (the same sum whichever program is last),
+writes y and resets the counter, so the next launch (and a CUDA graph's next replay) starts from
+zero. Counters: one int32 per N tile in a workspace per (device, weight shape, tiling), shared
+by the calls of one shape. Hazard: calls of one shape on two streams at once would share
+counters; pdserve runs its forwards on one stream, where launches run one after another.
+
+skinny_config (host ints only) picks the tiling; nothing depends on device values, so the
+kernel is capturable in CUDA graphs. M, N, K are run-time arguments: one compiled kernel per
+tile configuration and dtype, not per shape.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import BLOCK, FP8
+from kernels.triton.e4m3 import quant_rows
+
+# the most token rows the kernel takes (its tilings are sized for up to this many); which calls
+# run it is kernels/triton/fp8.py's SKINNY_MAX_TOKENS (block FP8 only: cuBLAS beat it in bf16)
+MAX_TOKENS = 64
+# programs skinny_config aims at: two per SM of an H200 (132 SMs), each with its loads in flight
+TARGET_PROGRAMS = 264
+# split-K partials (fp32, each written once and read once) stay below the weight's own bytes
+PARTIAL_BYTES_PER_WEIGHT_BYTE = 1
+DENSE_DTYPES = (torch.bfloat16, torch.float16)
+# the narrowest N tile: the e4m3 dot tiles kernels/triton/fp8.py's GEMM runs on the H200 (16-row
+# tiles would double the programs only of weights under 2 MB, whose time is launch latency)
+MIN_BLOCK_N = 32
+
+
+class SkinnyConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int  # K splits per N tile
+    steps: int  # BLOCK_K steps per split (the last split may have fewer)
+    num_warps: int
+    num_stages: int
+
+
+def skinny_config(
+    m: int,
+    n: int,
+    k: int,
+    w_bytes: int,
+    target_programs: int = TARGET_PROGRAMS,
+    partial_bytes: int = PARTIAL_BYTES_PER_WEIGHT_BYTE,
+) -> SkinnyConfig:
+    """The tiling for M = m rows against an [n, k] weight of w_bytes per element (host ints).
+
+    BLOCK_K is one 128-wide scale group (what the FP8 quantization needs) or, for k < 128, all
+    of k; tl.dot takes M >= 16 rows (padded), e4m3 K >= 32. N tiles start at 64 rows and narrow
+    (to MIN_BLOCK_N) until the programs, N tiles x K splits, can reach target_programs; K splits
+    then fill up to it, as far as the partials' bytes allow (2 * splits * BLOCK_M * n * 4 <=
+    partial_bytes times the weight's); bench/decode_gemm.py --sweep times other target_programs
+    and partial_bytes. Everything follows from BLOCK_M, not m: every m of one BLOCK_M gets the
+    same tiling, so a row's bits do not depend on how many rows share the call (an eager decode
+    of 11 requests equals its CUDA graph padded to 16: tests/test_gpu.py)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_k = max(32, min(BLOCK, triton.next_power_of_2(k)))
+    steps = triton.cdiv(k, block_k)
+    max_splits = max(1, min(steps, partial_bytes * k * w_bytes // (8 * block_m)))
+    block_n = 64
+    while block_n > MIN_BLOCK_N and triton.cdiv(n, block_n) * max_splits < target_programs:
+        block_n //= 2
+    splits = min(max_splits, triton.cdiv(target_programs, triton.cdiv(n, block_n)))
+    per = max(1, steps // splits)  # the splits' steps rounded down: at least `splits` of them
+    while triton.cdiv(steps, per) > max_splits:
+        per += 1
+    return SkinnyConfig(block_m, block_n, block_k, triton.cdiv(steps, per), per, 4, 3)
+
+
+# M, N, strides and split counts vary by call; specializing on them (== 1, divisible by 16)
+# would compile a kernel per shape and token count for nothing: the loads run along K
+@triton.jit(do_not_specialize=["M", "N", "KB", "stride_xm", "splits", "steps"])
+def _skinny_kernel(
+    x_ptr,  # [M, K], row stride stride_xm, unit column stride
+    w_ptr,  # [N, K]: dense, or e4m3 (FP8)
+    ws_ptr,  # [ceil(N/128), KB] float32 block scales (FP8; else unused)
+    y_ptr,  # [M, N] in x's dtype
+    part_ptr,  # [splits, M, N] float32 partials (SPLIT_K)
+    count_ptr,  # [ceil(N/BLOCK_N)] int32, zero between launches (SPLIT_K)
+    M,
+    N,
+    K,
+    KB,
+    stride_xm,
+    splits,
+    steps,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # FP8: GROUP, or all of K below it
+    FP8_W: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = pid // splits
+    pid_k = pid % splits
+    m = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    # rows past M and past N read row M-1 / N-1 (never stored): the loads need no row masks
+    m_safe = tl.minimum(m, M - 1)
+    n_safe = tl.minimum(n, N - 1)
+    x_ptrs = x_ptr + m_safe[:, None] * stride_xm + kk[None, :]
+    w_ptrs = w_ptr + n_safe[None, :] * K + kk[:, None]
+    ws_ptrs = ws_ptr + (n_safe // GROUP) * KB
+    k_begin = pid_k * steps * BLOCK_K
+    k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0)
+            w = tl.load(w_ptrs + k0)
+        else:
+            k_mask = (k0 + kk) < K
+            x = tl.load(x_ptrs + k0, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=k_mask[:, None], other=0.0)
+        if FP8_W:
+            q, x_scale = quant_rows(x.to(tl.float32))  # one group per row: quantize_act's bits
+            w_scale = tl.load(ws_ptrs + k0 // GROUP)
+            dot = tl.dot(q.to(w_ptr.dtype.element_ty), w)  # exact cast: q is on the e4m3 grid
+            acc += dot * x_scale[:, None] * w_scale[None, :]
+        else:
+            acc += tl.dot(x, w)
+    y_ptrs = y_ptr + m[:, None] * N + n[None, :]
+    y_mask = (m[:, None] < M) & (n[None, :] < N)
+    if SPLIT_K:
+        tile = m[:, None] * N + n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=y_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        count = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if count == splits - 1:  # the tile's last program: every partial is written
+            tl.debug_barrier()
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, splits):  # split order: deterministic
+                # .cg: from L2, where the other programs' stores are, never a stale L1 line
+                part = tl.load(part_ptr + s * M * N + tile, mask=y_mask, cache_modifier=".cg")
+                total += part
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # the next launch starts from zero
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+# (device, N, K, BLOCK_N) -> the N tiles' counters (see the module doc)
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int, k: int, block_n: int) -> torch.Tensor:
+    key = (device, n, k, block_n)
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        counters = _COUNTERS[key] = torch.zeros(
+            triton.cdiv(n, block_n), device=device, dtype=torch.int32
+        )
+    return counters
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """y = x W^T for x [M, K] (M <= MAX_TOKENS; a row stride is fine, e.g. a column slice of a
+    stacked projection's output), W [N, K]: dense in x's dtype (scale None), or e4m3 with block
+    scales [ceil(N/128), ceil(K/128)] float32 (W8A8, as kernels.fp8.block_fp8_linear). Returns
+    [M, N] in x's dtype. config: skinny_config's by default (another: bench/decode_gemm.py's
+    --sweep)."""
+    (m, k), n = x.shape, w.shape[0]
+    assert m <= MAX_TOKENS and w.shape[1] == k, (x.shape, w.shape)
+    assert max(n, m) * k < 2**31, "skinny GEMM offsets exceed int32"
+    fp8 = scale is not None
+    if fp8:
+        assert w.dtype == FP8 and scale.shape == (triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK))
+        scale = scale.contiguous()
+    else:
+        assert w.dtype in DENSE_DTYPES and x.dtype == w.dtype, (x.dtype, w.dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0:
+        return y
+    cfg = config or skinny_config(m, n, k, w.element_size())
+    assert not fp8 or cfg.block_k == BLOCK or cfg.block_k >= k, cfg  # a K step is one group
+    split_k = cfg.splits > 1
+    if split_k:
+        partials = torch.empty(cfg.splits, m, n, device=x.device, dtype=torch.float32)
+        counters = _counters(x.device, n, k, cfg.block_n)
+    else:
+        partials = counters = y  # unused
+    grid = (triton.cdiv(n, cfg.block_n) * cfg.splits,)
+    _skinny_kernel[grid](
+        x,
+        w,
+        scale if fp8 else w,
+        y,
+        partials,
+        counters,
+        m,
+        n,
+        k,
+        triton.cdiv(k, BLOCK),
+        x.stride(0),
+        cfg.splits,
+        cfg.steps,
+        GROUP=BLOCK,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        FP8_W=fp8,
+        SPLIT_K=split_k,
+        EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y
