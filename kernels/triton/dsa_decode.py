@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels.dsa_decode import IndexQuery, IndexWrite, StepLayout
+from kernels.triton.pdl import LAUNCH, grid_dependency
 from kernels.triton.sparse_mla import _num_sms  # interpreter: 4, so tests meet several splits
 
 _LOG2E = 1.4426950408889634
@@ -126,6 +127,7 @@ def _write_step_kernel(
     STEP_LEN: tl.constexpr,
     HAS_INDEX: tl.constexpr,
 ):
+    grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     if part == 0:
@@ -266,6 +268,7 @@ def write_step(
         STEP_LEN=step.step_len,
         HAS_INDEX=index is not None,
         num_warps=4,
+        **LAUNCH,
     )
     return q_lora
 
@@ -592,6 +595,7 @@ def _queries_kernel(
 ):
     """Programs [0, n_score): score/select (first: the selection is the longer chain);
     the rest absorb."""
+    grid_dependency()  # first: kernels/triton/pdl.py
     pid = tl.program_id(0)
     if HAS_INDEX:
         if pid < n_score:
@@ -798,6 +802,7 @@ def step_queries(
         HAS_INDEX=index is not None,
         DOT_PREC=prec,
         num_warps=pl.num_warps,
+        **LAUNCH,
     )
     return q_abs, out
 
@@ -829,6 +834,7 @@ def _mla_split_kernel(
 ):
     """Program (token, split): every head over the split's slots; a normalised partial output
     [H, R] and its log2-sum-exp [H] (-inf where the split has no valid slot)."""
+    grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_H)
@@ -901,6 +907,7 @@ def _combine_up_kernel(
     in flight together, and the up-projection is a GEMV; each token reads the V block's
     weights (from L2 after the first). BLOCK_T 16 (few splits): one split's [16, R] tile at a
     time, and the up-projection is a dot, the weights read once per 16 tokens."""
+    grid_dependency()  # first: kernels/triton/pdl.py
     tb = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -1060,6 +1067,7 @@ def step_attention(
         DOT_PREC=prec,
         num_warps=pl.num_warps,
         **stages,
+        **LAUNCH,
     )
     # per token while tokens are few (then splits are many); blocks of 16 tokens sharing the
     # weight tile past that (then splits are few: about one program per SM over both)
@@ -1086,5 +1094,6 @@ def step_attention(
         BLOCK_S=block_s,
         DOT_PREC=prec,
         num_warps=4,
+        **LAUNCH,
     )
     return out

@@ -34,6 +34,7 @@ import triton.language as tl
 from kernels.fp8 import BLOCK as FP8_BLOCK
 from kernels.kda import KDAWeights
 from kernels.triton.e4m3 import quant_rows
+from kernels.triton.pdl import LAUNCH, grid_dependency
 
 # Every ragged extend runs the conv with this many tokens per program, whatever its lengths: a
 # block size picked from the batch (a short last segment of a snapshot pass, a short prompt)
@@ -578,6 +579,7 @@ def _kda_decode_layer_kernel(
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BOUNDED: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
+    grid_dependency()  # first: kernels/triton/pdl.py
     i = tl.program_id(0)  # the request
     h = tl.program_id(1)
     row = tl.load(rows_ptr + i).to(tl.int64)
@@ -725,5 +727,6 @@ def kda_decode_layer(
         BLOCK_K=triton.next_power_of_2(ksize - 1), BLOCK_R=triton.next_power_of_2(rank),
         BOUNDED=weights.lower_bound is not None, FP8=fp8,
         num_warps=8 if dim >= 128 else 4,
+        **LAUNCH,
     )  # fmt: skip
     return out

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.pdl import LAUNCH, grid_dependency
+
 # The mixing logits' dot: three TF32 tensor-core products (the hi/lo split of each operand) keep
 # float32's accuracy; IEEE float32 on CUDA cores made the prefill's collapse compute-bound
 # (1.3 ms per call at 8,192 tokens of the real size, a third of the chunk).
@@ -182,6 +184,7 @@ def _mhc_pre_partial_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    grid_dependency()  # first: kernels/triton/pdl.py
     pid_t = tl.program_id(0)
     s = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -230,6 +233,7 @@ def _mhc_pre_finish_kernel(
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
+    grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0)
     i = tl.arange(0, P)
     vec_mask = i < HC
@@ -317,6 +321,7 @@ def mhc_pre(
         BLOCK_K=block_k,
         PRECISION=LOGIT_DOT,
         num_warps=4,
+        **LAUNCH,
     )
     _mhc_pre_finish_kernel[(tokens,)](
         part,
@@ -340,6 +345,7 @@ def mhc_pre(
         BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
         SPLITS=min(64, triton.next_power_of_2(splits)),
         num_warps=4,
+        **LAUNCH,
     )
     return post, comb, out
 
@@ -355,6 +361,7 @@ def _mhc_post_kernel(
     HD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < HD
@@ -392,6 +399,7 @@ def mhc_post(
         HD=hidden,
         BLOCK_H=block_h,
         num_warps=4,
+        **LAUNCH,
     )
     return new
 
@@ -449,6 +457,7 @@ def _mhc_boundary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
+    grid_dependency()  # first: kernels/triton/pdl.py
     tb = tl.program_id(0)
     hb = tl.program_id(1)
     t0 = tb * BLOCK_T
@@ -614,5 +623,6 @@ def mhc_boundary(
         BLOCK_H=BOUNDARY_BLOCK_H,
         BLOCK_F=min(triton.next_power_of_2(hidden), BOUNDARY_BLOCK_F // p),
         num_warps=8,
+        **LAUNCH,
     )
     return new, post2, comb2, x

@@ -61,6 +61,7 @@ from kernels.fp8 import BLOCK as GROUP
 from kernels.fp8 import FP8, blocks
 from kernels.moe_small import Experts, SharedExpert, num_slots
 from kernels.triton.e4m3 import quant_rows
+from kernels.triton.pdl import LAUNCH, grid_dependency
 
 MAX_TOKENS = 16  # one tl.dot M tile of tokens
 BLOCK_T = 16
@@ -149,6 +150,7 @@ def _route_kernel(
     EP: tl.constexpr,
     SP: tl.constexpr,
 ):
+    grid_dependency()  # first: kernels/triton/pdl.py
     b = tl.program_id(0) // SPLITS
     s = tl.program_id(0) % SPLITS
     t = tl.arange(0, BLOCK_T)
@@ -338,6 +340,7 @@ def route_slots(
         EP=triton.next_power_of_2(experts),
         SP=triton.next_power_of_2(num_local),
         num_warps=8 if tp >= 16 else 4,  # the select's [TP, EP] int64 keys
+        **LAUNCH,
     )
     return slot_expert, slot_weight
 
@@ -511,6 +514,7 @@ def _gate_up_kernel(
 ):
     # program: (column block, K split), K splits fastest (neighbours stream neighbouring bytes);
     # the routed column blocks first, then the shared expert's
+    grid_dependency()  # first: kernels/triton/pdl.py
     blk = tl.program_id(0) // SPLITS
     s = tl.program_id(0) % SPLITS
     k_lo = s * K_SPLIT
@@ -710,6 +714,7 @@ def _down_kernel(
     GROUP: tl.constexpr,
     SP: tl.constexpr,
 ):
+    grid_dependency()  # first: kernels/triton/pdl.py
     blk = tl.program_id(0) // SPLITS
     s = tl.program_id(0) % SPLITS
     n0 = blk * BLOCK_N
@@ -884,6 +889,7 @@ def experts_slots(
         SP=sp,
         num_warps=4,
         num_stages=3 if ieee else 4,
+        **LAUNCH,
     )
 
     d_blocks = triton.cdiv(hidden, BLOCK_N)
@@ -937,6 +943,7 @@ def experts_slots(
         SP=sp,
         num_warps=4,
         num_stages=3 if ieee else 4,
+        **LAUNCH,
     )
     return out
 

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kernels.fp8 import BLOCK, FP8
 from kernels.triton.e4m3 import quant_rows
+from kernels.triton.pdl import LAUNCH, grid_dependency
 
 # the most token rows the kernel takes (its tilings are sized for up to this many); which calls
 # run it is kernels/triton/fp8.py's SKINNY_MAX_TOKENS (block FP8 only: cuBLAS beat it in bf16)
@@ -117,6 +118,7 @@ def _skinny_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
+    grid_dependency()  # first: kernels/triton/pdl.py
     pid = tl.program_id(0)
     pid_n = pid // splits
     pid_k = pid % splits
@@ -239,5 +241,6 @@ def skinny_linear(
         EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **LAUNCH,
     )
     return y

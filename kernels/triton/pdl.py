@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode path's Triton kernels.
+
+A decode step at batch 1 is ~500 short kernels, each of a few microseconds, and the graph's
+replay leaves a gap before each. With PDL a kernel is launched while the one before it still
+runs: its programs are scheduled and wait in `grid_dependency()` until the previous kernel has
+completed and its writes are visible, so the launch and scheduling latency overlaps the
+previous kernel's tail instead of following it.
+
+PDSERVE_PDL=1 turns it on (read once, at import): the kernels below are then launched with
+`launch_pdl=True` (LAUNCH) and begin with grid_dependency(). Off, both are no-ops and the
+kernels compile exactly as without PDL (the interpreter ignores the launch option).
+
+Invariant (why waiting first is always safe): a kernel launched with PDL executes nothing of
+its own before grid_dependency() returns, and that waits for the complete previous grid with
+its memory flushed. So neither a read-after-write nor a write-after-read can cross it, whatever
+the previous kernel is; a previous kernel launched without PDL (cuBLAS, torch's own) simply
+never lets the next one start early. It also signals at once that its own dependents may
+launch: they wait in their own grid_dependency(). Hazard: a kernel launched with LAUNCH must
+call grid_dependency() as its first statement; one that does not races its predecessor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENABLED = os.environ.get("PDSERVE_PDL") == "1"
+_ON = tl.constexpr(ENABLED)
+# the launch option of every kernel that begins with grid_dependency()
+LAUNCH = {"launch_pdl": True} if ENABLED else {}
+
+
+@triton.jit
+def grid_dependency():
+    """First statement of a PDL kernel: wait for the previous grid, let the next one launch."""
+    if _ON:
+        gdc_wait()
+        gdc_launch_dependents()
