@@ -1,7 +1,9 @@
 """The prefix cache on one worker (in-process scheduler): multi-turn chat and random prompts,
-with the radix cache and with --disable-radix-cache, one engine after the other.
+with the radix cache and with --disable-radix-cache, the two engines alternating in one process;
+with --pd, the multi-turn chat over HTTP too: one worker, then a PD pair behind our router.
 
-    python -m bench.prefix_cache --model-path DIR --out "$OUT/prefix_cache.json"
+    python -m bench.prefix_cache --model-path DIR --out "$OUT/prefix_cache.json" \
+        [--repeats 3] [--pd]
 
 multi-turn: --conversations conversations share one --system-len-token system prompt; each runs
 --turns turns of a --user-len-token user message and a --output-len-token greedy reply. Turn
@@ -15,27 +17,40 @@ hit rate: prompt tokens served from the cache / prompt tokens, over each workloa
 scheduler's counters, which /metrics reports as sglang:cache_hit_rate).
 stalls: per workload, the CUDA allocator's cudaMalloc / cudaFree calls and retries, Python's full
 collections and the Triton kernels built under it (host stalls that device time does not show).
+phases: per workload, the mean host-phase split of its prefill steps (serving/engine/
+step_phases.py: radix match, admission, snapshot plan, admission's batched device work, the
+forward's launch, its device time, the wait and processing); for multi-turn, over the steps that
+admit turns 2.. (`phases_turns_2_plus`) and turn 1 apart.
 
-Each variant runs in a child process (so each gets the whole GPU, with default memory
-settings) with a Triton cache directory of its own (--shared-triton-cache: the default one),
-so neither variant runs on kernels the other compiled or tuned: build the engine, prepare its
-kernels as a worker does at start-up (engine/build.prepare; prepare_s), random workloads,
-flush, multi-turn. The first request of each workload (first batch at concurrency > 1) is
-reported apart from the rest (`first`, `rest`): a kernel compiled under a request shows there.
-The JSON is rewritten after every variant; a summary line per workload goes to stdout.
+One child process builds both engines (each --mem-fraction-static 0.4 on CUDA unless
+--worker-args says otherwise) and prepares their kernels as a worker does at start-up
+(engine/build.prepare; prepare_s: the second finds the first's kernels built), then runs
+--repeats rounds: each workload on each engine, the engines' order flipped every round, the
+cache flushed before each workload, so the host's drift (below) weighs on both alike. Every
+run is reported (`variants.NAME.runs`) and `summary` gives each figure's runs and median and
+the ratios of the medians. The first request of each random workload (first batch at
+concurrency > 1) is reported apart from the rest (`first`, `rest`): a kernel compiled under a
+request shows there. Unpinned by default, as users run.
+
+--pd (after the child exited, so the GPU is free): a worker with the cache (launch_server), then
+a prefill worker (caching), a decode worker and our router (Mooncake over loopback TCP, as
+bench/pd_bench.py starts them), each loaded with the same multi-turn chat over streaming
+/generate (TTFT at the first chunk with tokens); `servers` holds both, `summary`
+pd_over_single_turns_2_plus their ratio. Run from the repository root (it imports deploy/).
+The JSON is rewritten after each part; a summary line per run goes to stdout.
 
 Host speed: the GPU machine's virtual CPUs differ and drift (H200, session 7: a fixed
 pure-Python loop took 7.5-8.3 ms on some of its 16 and 12.7-15.4 ms on the others, which ones
 changing from machine to machine; on one pinned CPU the same loop went from 13.7 to 7.7 ms within
-a minute), so an engine's host-bound steps may run up to 1.8x slower in one variant than in the
-other. --cpu N pins both variants to CPU N once their kernels are prepared (a cold preparation
-pinned to one CPU took over 5 minutes); each variant reports `python_loop_ms` (that loop before
-and after its workloads) and the CPUs it ran on, so a comparison can be checked for it.
+a minute), so an engine's host-bound steps may run up to 1.8x slower in one run than in another.
+--cpu N pins the process to CPU N once the kernels are prepared; each run reports
+`python_loop_ms` (that loop before and after the round) and the CPUs it ran on.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -52,8 +67,11 @@ import torch
 
 from serving.engine.build import build_engine, prepare
 from serving.engine.scheduler import Scheduler
+from serving.engine.step_phases import StepPhases, phase_means
 from serving.protocol import GenerateRequest, SamplingParams
 from serving.server_args import ServerArgs
+
+SHARED_DEVICE_FRACTION = 0.4  # per engine or worker, two sharing one GPU
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,11 +95,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--random-len", type=int, default=4096)
     ap.add_argument("--random-output-len", type=int, default=16)
     ap.add_argument("--random-concurrency", default="1,16")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds, the variants alternating")
     ap.add_argument(
-        "--shared-triton-cache",
+        "--pd",
         action="store_true",
-        help="both variants use the default Triton cache (the second reuses the first's kernels)",
+        help="then the multi-turn chat over HTTP: one worker, and a PD pair behind the router",
     )
+    ap.add_argument("--server-timeout", type=float, default=300, help="seconds to get healthy")
     ap.add_argument("--vocab", type=int, default=1000, help="prompt token ids are below this")
     ap.add_argument("--cpu", type=int, help="pin both variants to this CPU (host speed)")
     ap.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)  # run_child's
@@ -106,10 +126,12 @@ class Driver:
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
+        sched.prefill.phases = []  # every prefill step's host-phase split (step_phases.py)
         self.submitted: dict[str, float] = {}
         self.ttft: dict[str, float] = {}
         self.tokens: dict[str, list[int]] = {}
         self.cached: dict[str, int] = {}
+        self.phases: list[StepPhases] = []
 
     def submit(self, rid: str, ids: list[int], n: int) -> None:
         sampling = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
@@ -121,6 +143,8 @@ class Driver:
         """One scheduler step; returns the rids that finished in it."""
         outs = self.sched.step()
         now = time.perf_counter()
+        self.phases += self.sched.prefill.phases
+        self.sched.prefill.phases.clear()
         done = []
         for o in outs:
             if o.new_token_ids and o.rid not in self.ttft:
@@ -230,6 +254,7 @@ def random_prompts(sched: Scheduler, a: argparse.Namespace, concurrency: int, se
         "wall_s": round(wall, 2),
         "hit_rate": hit_rate(before, counters(sched)),
         "stalls": stalls_since(stalls),
+        "phases": phase_means(drv.phases),
     }
 
 
@@ -278,14 +303,22 @@ def multi_turn(sched: Scheduler, a: argparse.Namespace) -> dict:
         "prompt_tok_per_s": round(prompt_tokens / wall, 1),
         "hit_rate": hit_rate(before, counters(sched)),
         "stalls": stalls_since(stalls),
+        # the prefill steps that admit turns 2.. (each admits the conversations' next turns)
+        "phases_turns_2_plus": phase_means(
+            [p for p in drv.phases if p.rids and all(turn_of[r][1] > 1 for r in p.rids)]
+        ),
+        "phases_turn_1": phase_means(
+            [p for p in drv.phases if any(turn_of[r][1] == 1 for r in p.rids)]
+        ),
     }
 
 
-def run_variant(a: argparse.Namespace, name: str) -> dict:
+def build_variant(a: argparse.Namespace, name: str) -> tuple[Scheduler, dict]:
     flags = shlex.split(a.worker_args) + (["--disable-radix-cache"] if name == "no_cache" else [])
+    if torch.cuda.is_available() and "--mem-fraction-static" not in flags:
+        flags += ["--mem-fraction-static", str(SHARED_DEVICE_FRACTION)]  # two engines, one GPU
     args = ServerArgs.from_cli(["--model-path", a.model_path, "--skip-server-warmup", *flags])
     args.validate()
-    watch_compiles()
     t0 = time.perf_counter()
     sched = build_engine(args)[0]
     out: dict = {"flags": flags, "build_s": round(time.perf_counter() - t0, 1)}
@@ -294,65 +327,201 @@ def run_variant(a: argparse.Namespace, name: str) -> dict:
     t0 = time.perf_counter()
     prepare(sched)  # what a worker does at start-up, no more
     out["prepare_s"] = round(time.perf_counter() - t0, 1)
-    if a.cpu is not None:  # after the build and warm-up: compiling on one CPU takes minutes
+    return sched, out
+
+
+def run_in_process(a: argparse.Namespace) -> dict:
+    """Both variants' engines in this process; --repeats rounds, each running every workload on
+    every engine, the engines alternating (their order flipped each round), so the host's
+    drift weighs on both alike. The cache is flushed before each workload."""
+    watch_compiles()
+    names = a.variants.split(",")
+    engines, report = {}, {}
+    for name in names:
+        engines[name], report[name] = build_variant(a, name)
+        report[name]["runs"] = []
+    if a.cpu is not None:  # after the builds and warm-ups: compiling on one CPU takes minutes
         os.sched_setaffinity(0, {a.cpu})
-    out["python_loop_ms"] = {"before": python_loop_ms()}
     concurrencies = [int(c) for c in a.random_concurrency.split(",") if c]
-    out["random"] = [random_prompts(sched, a, c, seed=1000 + c) for c in concurrencies]
-    sched.flush_cache()
-    out["multi_turn"] = multi_turn(sched, a)
-    out["python_loop_ms"]["after"] = python_loop_ms()
-    out["cpus"] = sorted(os.sched_getaffinity(0))
-    return out
+    for r in range(a.repeats):
+        order = names if r % 2 == 0 else names[::-1]
+        runs = {name: {"python_loop_ms": {"before": python_loop_ms()}} for name in order}
+        for c in concurrencies:
+            for name in order:
+                engines[name].flush_cache()
+                seed = 1000 + c + 100 * r  # prompts no earlier run has seen: misses
+                runs[name].setdefault("random", []).append(
+                    random_prompts(engines[name], a, c, seed)
+                )
+        for name in order:
+            engines[name].flush_cache()
+            runs[name]["multi_turn"] = multi_turn(engines[name], a)
+        for name in order:
+            runs[name]["python_loop_ms"]["after"] = python_loop_ms()
+            runs[name]["cpus"] = sorted(os.sched_getaffinity(0))
+            report[name]["runs"].append(runs[name])
+    return report
 
 
-def run_child(argv: list[str], a: argparse.Namespace, name: str) -> dict:
-    """run_variant in a fresh process: the engine's memory goes with it."""
+def run_child(argv: list[str], a: argparse.Namespace) -> dict:
+    """run_in_process in a fresh process: the engines' memory goes with it (the PD part's
+    workers need the GPU next)."""
     with tempfile.TemporaryDirectory() as tmp:
-        part = Path(tmp) / f"{name}.json"
+        part = Path(tmp) / "in_process.json"
         cmd = [sys.executable, "-m", "bench.prefix_cache", *argv]
-        env = dict(os.environ)
-        if not a.shared_triton_cache:
-            env["TRITON_CACHE_DIR"] = str(Path(tmp) / "triton")  # fla's autotune results too
-        subprocess.run([*cmd, "--variants", name, "--child-out", str(part)], check=True, env=env)
+        subprocess.run([*cmd, "--child-out", str(part)], check=True)
         return json.loads(part.read_text())
 
 
-def summarise(report: dict) -> dict:
-    v = report["variants"]
-    if not {"cache", "no_cache"} <= v.keys():
-        return {}
-    on, off = v["cache"], v["no_cache"]
-    later_on = on["multi_turn"]["ttft_ms_turns_2_plus"]["mean"]
-    later_off = off["multi_turn"]["ttft_ms_turns_2_plus"]["mean"]
-    out = {
-        "multi_turn_ttft_turns_2_plus_ms": {"cache": later_on, "no_cache": later_off},
-        "multi_turn_ttft_speedup": round(later_off / later_on, 2),
-        "multi_turn_output_tok_per_s": {
-            k: x["multi_turn"]["output_tok_per_s"] for k, x in (("cache", on), ("no_cache", off))
-        },
-        "multi_turn_hit_rate": on["multi_turn"]["hit_rate"],
-        "random": [],
+# ---- the same multi-turn chat over HTTP: one worker, and a PD pair behind the router ----
+async def http_turn(client, url: str, ids: list[int], n: int) -> tuple[float, list[int], dict]:
+    """One streamed /generate: (TTFT in s, the output ids, the last chunk's meta_info)."""
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
     }
-    for r_on, r_off in zip(on["random"], off["random"]):
-        row = {"concurrency": r_on["concurrency"], "hit_rate": r_on["hit_rate"]}
-        # all requests; the first request / batch alone; the rest (steady state), mean and p50
-        for label, key, stat in (
-            ("all", "ttft_ms", "mean"),
-            ("first", "ttft_ms_first", "mean"),
-            ("rest", "ttft_ms_rest", "mean"),
-            ("rest_p50", "ttft_ms_rest", "p50"),
-        ):
-            m_on, m_off = r_on.get(key, {}).get(stat), r_off.get(key, {}).get(stat)
-            if m_on is None or not m_off:
+    start, ttft, out, meta = time.perf_counter(), None, [], {}
+    async with client.stream("POST", url + "/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            row[f"ttft_ms_{label}"] = {"cache": m_on, "no_cache": m_off}
-            row[f"cache_overhead_pct_{label}"] = round(100 * (m_on / m_off - 1), 2)
-        out["random"].append(row)
-    t1_on, t1_off = (x["multi_turn"]["ttft_ms_turn_1"]["mean"] for x in (on, off))
-    out["multi_turn_ttft_turn_1_ms"] = {"cache": t1_on, "no_cache": t1_off}
-    for key in ("prepare_s", "python_loop_ms"):
-        out[key] = {"cache": on.get(key), "no_cache": off.get(key)}
+            chunk = json.loads(line[6:])
+            out, meta = chunk["output_ids"], chunk.get("meta_info") or meta
+            if out and ttft is None:
+                ttft = time.perf_counter() - start
+    return ttft, out, meta
+
+
+async def http_multi_turn(url: str, a: argparse.Namespace) -> dict:
+    """multi_turn's workload through a server: every conversation at once, each submitting its
+    next turn when its reply is complete."""
+    import httpx
+
+    rng = random.Random(7)
+    user = lambda: [rng.randrange(a.vocab) for _ in range(a.user_len)]  # noqa: E731
+    system = [rng.randrange(a.vocab) for _ in range(a.system_len)]
+    ttft: dict[int, list[float]] = {t: [] for t in range(1, a.turns + 1)}
+    cached: dict[int, list[int]] = {t: [] for t in range(1, a.turns + 1)}
+
+    async def conversation(client) -> None:
+        ids = system + user()
+        for turn in range(1, a.turns + 1):
+            first, out, meta = await http_turn(client, url, ids, a.output_len)
+            ttft[turn].append(first)
+            cached[turn].append(meta.get("cached_tokens", 0))
+            ids = ids + out + user()
+
+    t0 = time.perf_counter()
+    limits = httpx.Limits(max_connections=a.conversations + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await asyncio.gather(*(conversation(client) for _ in range(a.conversations)))
+    later = [x for t in range(2, a.turns + 1) for x in ttft[t]]
+    return {
+        "ttft_ms_turn_1": stats_ms(ttft[1]),
+        "ttft_ms_turns_2_plus": stats_ms(later),
+        "ttft_ms_mean_by_turn": {t: stats_ms(v).get("mean") for t, v in ttft.items() if v},
+        "cached_tokens_mean_by_turn": {
+            t: round(statistics.fmean(v), 1) for t, v in cached.items() if v
+        },
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def run_servers(a: argparse.Namespace, out_dir: Path) -> dict:
+    """One worker with the cache (launch_server), then a PD pair + our router (the prefill
+    worker caching; Mooncake over loopback, as deploy/pd_bench.py starts it), one after the
+    other on this machine, each running http_multi_turn once."""
+    from deploy.launch_local import Proc, build, start, stop, take_port, wait_ready
+
+    model = Path(a.model_path).resolve()
+    worker = a.worker_args
+    if "--mem-fraction-static" not in worker:
+        worker += f" --mem-fraction-static {SHARED_DEVICE_FRACTION}"  # two workers, one GPU
+    results: dict = {}
+    stacks: dict[str, list[Proc]] = {}
+    port = take_port("127.0.0.1", 0, "single worker")
+    single = [
+        sys.executable, "-m", "serving.launch_server", "--model-path", str(model),
+        "--host", "127.0.0.1", "--port", str(port), *shlex.split(worker),
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    stacks["single"] = [Proc("single", single, url, "/health", out_dir / "single.log")]
+    ns = argparse.Namespace(
+        host="127.0.0.1", port=0, prefill_port=0, bootstrap_port=0, decode_port=0,
+        prefill_args=worker, decode_args=worker,
+    )  # fmt: skip
+    stacks["pd"] = build(ns, model, model.name, out_dir)
+    for name, procs in stacks.items():
+        t0 = time.monotonic()
+        try:
+            for p in procs:
+                start(p)
+            wait_ready(procs, a.server_timeout, t0)
+            res = asyncio.run(http_multi_turn(procs[-1].url, a))
+            res["startup_s"] = round(time.monotonic() - t0, 1)
+            results[name] = res
+        except Exception as e:  # noqa: BLE001 (the report names it; the other stack still runs)
+            tails = {p.role: p.log_tail(30) for p in procs if p.log_path.is_file()}
+            results[name] = {"error": repr(e), "log_tails": tails}
+        finally:
+            stop(procs)
+        print(json.dumps({"server": name, **results[name]}), flush=True)
+    return results
+
+
+# ---- the report ----
+def median_of(runs: list[float | None]) -> dict:
+    values = [v for v in runs if v is not None]
+    return {"runs": runs, "median": round(statistics.median(values), 2) if values else None}
+
+
+def summarise(report: dict) -> dict:
+    """Every run's figure and the median over runs, per variant; ratios of the medians."""
+    v = report.get("variants", {})
+    out: dict = {}
+    if {"cache", "no_cache"} <= v.keys():
+        on, off = v["cache"]["runs"], v["no_cache"]["runs"]
+        for key, label in (("ttft_ms_turns_2_plus", "turns_2_plus"), ("ttft_ms_turn_1", "turn_1")):
+            fig = {
+                name: median_of([r["multi_turn"][key]["mean"] for r in runs])
+                for name, runs in (("cache", on), ("no_cache", off))
+            }
+            out[f"multi_turn_ttft_{label}_ms"] = fig
+            if fig["cache"]["median"]:
+                out[f"multi_turn_ttft_{label}_speedup"] = round(
+                    fig["no_cache"]["median"] / fig["cache"]["median"], 2
+                )
+        out["multi_turn_hit_rate"] = median_of([r["multi_turn"]["hit_rate"] for r in on])
+        out["random"] = []
+        for i, first in enumerate(on[0]["random"]):
+            row: dict = {"concurrency": first["concurrency"]}
+            for label, key, stat in (
+                ("all", "ttft_ms", "mean"),
+                ("first", "ttft_ms_first", "mean"),
+                ("rest", "ttft_ms_rest", "mean"),
+            ):
+                per = {
+                    name: [r["random"][i].get(key, {}).get(stat) for r in runs]
+                    for name, runs in (("cache", on), ("no_cache", off))
+                }
+                if None in per["cache"] + per["no_cache"]:
+                    continue
+                row[f"ttft_ms_{label}"] = {name: median_of(x) for name, x in per.items()}
+                pairs = [100 * (c / n - 1) for c, n in zip(per["cache"], per["no_cache"])]
+                row[f"cache_overhead_pct_{label}"] = median_of([round(p, 2) for p in pairs])
+            out["random"].append(row)
+    for name, res in v.items():
+        per_run = [r["multi_turn"]["phases_turns_2_plus"] for r in res["runs"]]
+        keys = [k for k, x in per_run[0].items() if isinstance(x, (int, float))]
+        medians = {k: median_of([p.get(k) for p in per_run])["median"] for k in keys}
+        out.setdefault("phases_turns_2_plus", {})[name] = {"median": medians, "runs": per_run}
+    servers = report.get("servers", {})
+    single = servers.get("single", {}).get("ttft_ms_turns_2_plus", {}).get("mean")
+    pd = servers.get("pd", {}).get("ttft_ms_turns_2_plus", {}).get("mean")
+    if single and pd:
+        out["pd_over_single_turns_2_plus"] = round(pd / single, 2)
     return out
 
 
@@ -360,25 +529,33 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     if a.child_out is not None:
-        a.child_out.write_text(json.dumps(run_variant(a, a.variants)))
+        a.child_out.write_text(json.dumps(run_in_process(a)))
         return
     report: dict = {
         "args": {k: str(v) for k, v in vars(a).items()},
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        "variants": {},
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    for name in a.variants.split(","):
-        report["variants"][name] = run_child(argv, a, name)
+
+    def write() -> None:
         report["summary"] = summarise(report)
         report["total_s"] = round(time.perf_counter() - t0, 1)
         a.out.write_text(json.dumps(report, indent=2) + "\n")
-        res = report["variants"][name]
-        print(json.dumps({"variant": name, "multi_turn": res["multi_turn"]}), flush=True)
-        print(json.dumps({"variant": name, "random": res["random"]}), flush=True)
-    print(json.dumps({"summary": report.get("summary"), "total_s": report["total_s"]}), flush=True)
+
+    report["variants"] = run_child([x for x in argv if x != "--pd"], a)
+    write()
+    for name, res in report["variants"].items():
+        for r, run in enumerate(res["runs"]):
+            print(json.dumps({"variant": name, "run": r, "multi_turn": run["multi_turn"]}))
+            print(json.dumps({"variant": name, "run": r, "random": run["random"]}), flush=True)
+    if a.pd:
+        logs = a.out.parent / (a.out.stem + "_logs")
+        logs.mkdir(parents=True, exist_ok=True)
+        report["servers"] = run_servers(a, logs)
+        write()
+    print(json.dumps({"summary": report["summary"], "total_s": report["total_s"]}), flush=True)
 
 
 if __name__ == "__main__":

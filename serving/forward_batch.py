@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
+from operator import add
 
 import torch
 
@@ -38,7 +40,7 @@ class KDASaves:
     ) -> KDASaves:
         """saves[b]: (after how many of request b's new tokens, slot), ascending."""
         t = lambda ids: to_device(ids, torch.int64, device)  # noqa: E731
-        starts = [sum(lens[:b]) for b in range(len(lens))]
+        starts = [0, *accumulate(lens)][:-1]
         cuts = [[0] + [a for a, _ in request if a < n] + [n] for request, n in zip(saves, lens)]
         passes = []
         for k in range(max(len(c) for c in cuts) - 1):
@@ -48,7 +50,7 @@ class KDASaves:
             index = (
                 slice(ranges[0][0], ranges[-1][1])
                 if contiguous
-                else t([i for lo, hi in ranges for i in range(lo, hi)])
+                else t(list(chain.from_iterable(range(lo, hi) for lo, hi in ranges)))
             )
             saved = [
                 (rows[b], slot) for b in members for a, slot in saves[b] if a == cuts[b][k + 1]
@@ -72,7 +74,21 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     step in flight and undoes the overlap scheduler. On CUDA the values go through pinned memory
     (torch's caching host allocator: a block is reused only once its copy has run)."""
     pinned = torch.device(device).type == "cuda" and len(values) > 0
-    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+    host = _int64_host(values) if dtype == torch.int64 else None
+    if host is None:
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=True)
+    return (host.pin_memory() if pinned else host).to(device, non_blocking=True)
+
+
+def _int64_host(values) -> torch.Tensor | None:
+    """A flat list of ints as an int64 host tensor, through array's C loop (a step's metadata is
+    tens of thousands of ids: torch.tensor(list) takes 3-4x as long); None for anything else."""
+    if type(values) is not list or not values or type(values[0]) is not int:
+        return None
+    try:
+        return torch.frombuffer(array("q", values), dtype=torch.int64)
+    except (TypeError, OverflowError):  # not all ints after all
+        return None
 
 
 def upload(host: torch.Tensor, device) -> torch.Tensor:
@@ -125,6 +141,9 @@ class ForwardBatch:
     step_len: int | None = None
     # Prefill: KDA states to snapshot at positions inside the chunk (the prefix cache).
     kda_saves: KDASaves | None = None
+    # What layers derive from the batch once per forward and share (index tensors of a ragged
+    # extend), by the deriver's key. Hazard: valid for this batch only; never kept across steps.
+    derived: dict = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:
@@ -150,8 +169,8 @@ class ForwardBatch:
         whether all its tokens give logits (else its last one does). saves: per request,
         (after how many of its tokens, state slot) to snapshot its KDA state into."""
         device = req_to_token.device
-        positions = [s + i for s, n in zip(starts, lens) for i in range(n)]
-        token_req = [b for b, n in enumerate(lens) for _ in range(n)]
+        positions = list(chain.from_iterable(map(range, starts, map(add, starts, lens))))
+        token_req = list(chain.from_iterable([b] * n for b, n in enumerate(lens)))
         ends = list(accumulate(lens))
         if logits == "all":
             index: list[int] | range = range(len(input_ids))

@@ -151,3 +151,96 @@ def test_free_list_hands_out_the_lowest_free_ids_and_refuses_bad_frees():
     with pytest.raises(RuntimeError, match="page 0 freed"):
         ids.free([0])  # the padding id is never handed out
     assert sorted(ids.used) == [1, 2, 3, 4, 5] and ids.num_used == 5
+
+
+def _snapshot_pool(config, journal: bool = False) -> MemoryPool:
+    """A pool with prefix-cache snapshot slots and a table that does not end on a page (1000
+    positions, pages of 16): the last page overhangs."""
+    plan = PoolPlan(
+        rows=6, pages=80, page_size=16, max_context=1000, with_draft=True, state_slots=5
+    )
+    pool = MemoryPool(config, plan, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(3)
+    for _, t in [*pool.target.tensors(), *pool.draft.tensors()]:
+        t.copy_(torch.randn(t.shape, generator=g))  # stale state everywhere, snapshots too
+    pool.req_to_token.copy_(torch.randint(0, 999, pool.req_to_token.shape, generator=g))
+    if journal:
+        pool.journal = []
+    return pool
+
+
+def _admit_three(pool: MemoryPool) -> list[int]:
+    """What one prefill step's admissions ask of the pool: rows (a hit started from a snapshot
+    among them), a cached prefix mapped, pages for the chunks, one of them overhanging."""
+    rows = [pool.alloc_row() for _ in range(3)]
+    pool.map_pages(rows[0], 0, [7, 3])  # a cached prefix
+    pool.load_states([4], [rows[0]])
+    pages: list[int] = [7, 3]
+    assert pool.grow(rows[0], pages, 70)
+    pool.load_states([2], [rows[1]])
+    pool.map_pages(rows[2], 60, [11, 12, 13])  # positions 960..1007: the last page overhangs
+    return rows
+
+
+def _buffers(pool: MemoryPool) -> dict[str, torch.Tensor]:
+    return {
+        "req_to_token": pool.req_to_token,
+        **{f"target.{n}": t for n, t in pool.target.tensors()},
+        **{f"draft.{n}": t for n, t in pool.draft.tensors()},
+    }
+
+
+def test_batched_admission_equals_the_one_by_one_order(tiny_ckpt):
+    """Row resets, page maps and snapshot loads queued in batched() and applied at its end give
+    the same request table and states as the same calls applied one by one; a TP follower that
+    replays the journal gets them too; and nothing reaches the device before the block ends."""
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    one_by_one, batched, follower = (_snapshot_pool(config, journal=True) for _ in range(3))
+    rows = _admit_three(one_by_one)
+    before = {n: t.clone() for n, t in _buffers(batched).items()}
+    with batched.batched():
+        assert _admit_three(batched) == rows
+        for name, t in _buffers(batched).items():
+            assert torch.equal(t, before[name]), f"{name} written before the block ended"
+    journal = batched.take_journal()
+    assert [kind for kind, *_ in journal] == ["apply"]  # the whole block, one entry
+    follower.replay(journal)
+    want = _buffers(one_by_one)
+    for pool in (batched, follower):
+        for name, t in _buffers(pool).items():
+            assert torch.equal(t, want[name]), name
+    # the expected values themselves, on the one-by-one pool
+    r2t = one_by_one.req_to_token
+    assert r2t[rows[0], :32].tolist() == [*range(7 * 16, 8 * 16), *range(3 * 16, 4 * 16)]
+    assert r2t[rows[2], 960:].tolist() == list(range(11 * 16, 11 * 16 + 40))
+    kda = one_by_one.target.kda(0)
+    assert torch.equal(kda.state[rows[0]], kda.saved_state[4])
+    assert torch.equal(kda.conv[rows[1]], kda.saved_conv[2])
+    assert not kda.state[rows[2]].any()
+    tails = one_by_one.target.dsa(1).tail_keys
+    assert not tails[rows].any()
+
+
+def test_batched_admission_costs_the_same_ops_for_one_row_or_many(tiny_ckpt):
+    """The device work of a block is a fixed number of torch ops, whatever the rows admitted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    config = ModelConfig.from_pretrained(tiny_ckpt)
+    counts = []
+    for hits in (1, 5):
+        pool = _snapshot_pool(config)
+        Count.ops = 0
+        with Count(), pool.batched():
+            for i in range(hits):
+                row = pool.alloc_row()
+                pool.map_pages(row, 0, [2 * i + 1, 2 * i + 2])
+                pool.load_states([i + 1], [row])
+        counts.append(Count.ops)
+    assert counts[0] == counts[1], counts

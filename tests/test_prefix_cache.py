@@ -409,13 +409,13 @@ def test_kernel_warmup_meets_indexer_pool_counts_off_the_multiple_of_16(tiny_ckp
     from serving.layers.attention import dsa
 
     seen: set[tuple[int, int]] = set()
-    real = dsa._score
+    real = dsa._score_ragged  # one scoring launch per extend, over every query of the batch
 
-    def recording(shape, q, head_w, r2t, rows, positions, max_pools, cache):
-        seen.add((q.shape[0], max_pools))
-        return real(shape, q, head_w, r2t, rows, positions, max_pools, cache)
+    def recording(shape, q, head_w, batch, index, cache):
+        seen.add((q.shape[0], index.max_pools))
+        return real(shape, q, head_w, batch, index, cache)
 
-    monkeypatch.setattr(dsa, "_score", recording)
+    monkeypatch.setattr(dsa, "_score_ragged", recording)
     flags = ("--chunked-prefill-size", "2048", "--max-prefill-tokens", "2048")
     sched = engine(tiny_ckpt, *flags, "--context-length", "4096")
     prepare_kernels(sched)

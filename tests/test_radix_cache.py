@@ -170,3 +170,30 @@ def test_state_snapshots_copy_every_kda_layer_both_ways(count):
         assert torch.equal(c.conv[rows], conv[rows]) and torch.equal(c.state[rows], state[rows])
         others = [r for r in range(12) if r not in rows]
         assert not c.conv[others].any() and not c.state[others].any()
+
+
+def test_pair_keys_are_kept_per_request_and_equal_the_plain_ones():
+    """With a draft, admission.keys extends the keys a request kept as tokens join it, and
+    rebuilds them from where its tokens differ from what was kept, wherever that is."""
+    from types import SimpleNamespace
+
+    from serving.engine.admission import Admission
+    from serving.engine.request import Req
+
+    vocab = 1000
+    admission = Admission(SimpleNamespace(draft=object()), stats=None, vocab=vocab)
+    plain = lambda t: [a * vocab + b for a, b in zip(t, t[1:])]  # noqa: E731
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, vocab, (300,), generator=g).tolist()
+    req = Req("r", tokens[:200], sampling=None)
+    for n in (200, 201, 200, 260, 261, 300, 120, 1, 0, 2):  # grows, a token less, shrinks, ...
+        assert admission.keys(tokens[:n], req) == plain(tokens[:n]), n
+    assert admission.keys(tokens, req) == plain(tokens)
+    other = tokens[:150] + [(t + 1) % vocab for t in tokens[150:]]  # differs from 150 on
+    assert admission.keys(other, req) == plain(other)
+    middle = list(other)
+    middle[100] = (middle[100] + 1) % vocab  # one token inside; the last keys stay equal
+    assert admission.keys(middle + [7], req) == plain(middle + [7])
+    assert req.pair_keys == plain(middle + [7]) and req.pair_tokens == middle + [7]
+    first = [(middle[0] + 1) % vocab] + middle[1:]  # the very first token
+    assert admission.keys(first, req) == plain(first)

@@ -186,13 +186,8 @@ class DecodeRole(Role):
         for t in waiting:
             if t.scores_only:  # needs no memory: its destination goes out at once
                 self._send_destination(t)
-        ready: list[Transfer] = []
-        for t in waiting:
-            if t.scores_only:
-                continue
-            if not self.scheduler.preallocate(t.req):
-                break  # FIFO: later requests wait behind this one
-            ready.append(t)
+        wanted = [t for t in waiting if not t.scores_only]
+        ready = wanted[: self.scheduler.preallocate([t.req for t in wanted])]
         if ready:
             # Hazard: a follower resets a fresh row when it replays rank 0's journal; had it
             # not done so before prefill's writes land, the reset would wipe the request state.

@@ -32,6 +32,7 @@ for writers outside the stream: a PD transfer into pages or a row handed out aga
 from __future__ import annotations
 
 import math
+import time
 
 from serving.engine.request import Req
 from serving.memory.pool import MemoryPool
@@ -61,6 +62,11 @@ class Admission:
         self.track_interval, self.vocab = track_interval, vocab
         self.pair_keys = pool.draft is not None
         self.deferred: list[Req] = []  # released while in flight; freed by settle()
+        self.match_s = 0.0  # time spent matching prefixes, ever (the step phases read it)
+
+    def batched(self):
+        """Device work of admissions and growths in the block: one batch (MemoryPool.batched)."""
+        return self.pool.batched()
 
     # ---- admit ----
     def admit(self, req: Req, max_tokens: int, running: int) -> int | None:
@@ -71,7 +77,9 @@ class Admission:
         pool, cache = self.pool, self.cache
         node, hit = None, 0
         if cache is not None:
-            match = cache.match(self.keys(req.fill_ids), self._match_limit(req))
+            started = time.perf_counter()
+            match = cache.match(self.keys(req.fill_ids, req), self._match_limit(req))
+            self.match_s += time.perf_counter() - started
             node, hit = match.node, match.length
             req.branch = match.kv_length // self.grid * self.grid
         n = min(len(req.fill_ids) - hit, max_tokens)
@@ -162,12 +170,23 @@ class Admission:
         return [p for p in req.pages if p not in req.shared_pages]
 
     # ---- snapshots ----
-    def keys(self, tokens: list[int]) -> list[int]:
-        """The cache's key per position (with a draft: the position's token and the next)."""
+    def keys(self, tokens: list[int], req: Req) -> list[int]:
+        """The cache's key per position of `tokens` (req's fill_ids, perhaps plus a token sampled
+        for it); with a draft, the position's token and the next. req keeps the keys built so far
+        (pair_keys of pair_tokens); keys are built only from where `tokens` leave pair_tokens."""
         if not self.pair_keys:
             return tokens
         v = self.vocab
-        return [a * v + b for a, b in zip(tokens, tokens[1:])]
+        keys, seen = req.pair_keys, req.pair_tokens
+        n = min(len(seen), len(tokens))
+        if seen[:n] != tokens[:n]:
+            n = next(i for i, (a, b) in enumerate(zip(seen, tokens)) if a != b)
+        del seen[n:]
+        del keys[max(n - 1, 0) :]  # a key needs both its tokens among the common ones
+        m = len(keys)
+        keys += [a * v + b for a, b in zip(tokens[m:], tokens[m + 1 :])]
+        seen += tokens[n:]
+        return list(keys)
 
     def plan_save(self, req: Req, n: int) -> list[tuple[int, int]]:
         """Where in the chunk req.cached.. +n to snapshot the KDA state for the cache: (tokens
@@ -177,10 +196,10 @@ class Admission:
             return []
         start, end = req.cached, req.cached + n
         points = sorted({p for p in (req.branch, end // self.grid * self.grid) if start < p <= end})
-        keys = self.keys(req.fill_ids)
+        keys = self.keys(req.fill_ids, req)
         saves = []
         for p in points:
-            if len(keys) >= p and self.cache.has_state(keys[:p]):
+            if self.cache.has_state(keys, p):
                 continue  # cached already (a re-prefill, or a twin request)
             slot = self._alloc_slot()
             if slot is not None:
@@ -255,7 +274,7 @@ class Admission:
         `end`). The request then locks the new, longer prefix; pages the tree already held
         stay the request's own (freed at its release: a transfer may still read them)."""
         cache = self.cache
-        keys = self.keys(tokens)
+        keys = self.keys(tokens, req)
         if len(keys) < end or len(req.pages) * self.pool.plan.page_size < end:
             self.pool.state_slots.free([slot])  # its tokens were cut (a stop inside EAGLE's run)
             return

@@ -64,6 +64,8 @@ class Launched:
     ends: list[int] = field(default_factory=list)  # prefill: each request's end of chunk
     started: list[Req] = field(default_factory=list)  # prefill: requests that start decoding
     spec: bool = False
+    waited: float = 0.0  # seconds the host waited for `event` before processing
+    phases: object = None  # prefill: its StepPhases record while they are recorded
 
 
 class Commit:

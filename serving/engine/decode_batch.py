@@ -59,20 +59,21 @@ class DecodeManager:
         """Grow every request the step decodes; None when one needs a retraction and `retract`
         is False (a step is in flight: retract only after it completed, see scheduler.py)."""
         retracted: list[Req] = []
-        for req in list(self.running):
-            if req not in self.running or self._ends_pending(req):
-                continue  # retracted for an earlier request of this loop / done when committed
-            while req.finish_reason is None and not self.admission.grow(
-                req, req.cached + self._ahead(req)
-            ):
-                if not retract:
-                    return None
-                victim = self._retract_one(keep=req)
-                if victim is None:
-                    reason = FinishReason.abort("out of KV cache memory while decoding", 503)
-                    self.commit.finish(req, reason)
-                else:
-                    retracted.append(victim)
+        with self.admission.batched():  # the step's page maps (requests in step cross together)
+            for req in list(self.running):
+                if req not in self.running or self._ends_pending(req):
+                    continue  # retracted for an earlier request of this loop / done when committed
+                while req.finish_reason is None and not self.admission.grow(
+                    req, req.cached + self._ahead(req)
+                ):
+                    if not retract:
+                        return None
+                    victim = self._retract_one(keep=req)
+                    if victim is None:
+                        reason = FinishReason.abort("out of KV cache memory while decoding", 503)
+                        self.commit.finish(req, reason)
+                    else:
+                        retracted.append(victim)
         reqs = [r for r in self.running if r.finish_reason is None and not self._ends_pending(r)]
         return DecodeBatch(reqs, retracted)
 

@@ -18,6 +18,7 @@ runs on the device after it, in stream order.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ import torch
 from serving.engine.admission import Admission
 from serving.engine.commit import Commit, Launched
 from serving.engine.request import Req, RoleHooks, SchedulerConfig
+from serving.engine.step_phases import StepPhases, forward_watch, timed
 from serving.executor.model_runner import ModelRunner, StepInput
 from serving.executor.sampler import score_tokens
 from serving.forward_batch import to_device, upload
@@ -37,6 +39,7 @@ from serving.speculative.eagle import Eagle
 class PrefillBatch:
     plan: list[tuple[Req, int]]  # (request, tokens of this chunk)
     saves: list[list[tuple[int, int]]]  # per request: (tokens into the chunk, state slot)
+    phases: StepPhases | None = None  # recorded while PrefillManager.phases is a list
 
 
 class PrefillManager:
@@ -56,6 +59,9 @@ class PrefillManager:
         # After a retraction, admit nothing new until a running request finishes: re-admitting
         # at once would only retract again (thrash).
         self.hold_admission = False
+        # Each prefill step's StepPhases, appended once processed (the prefix-cache bench sets
+        # a list and empties it); None: nothing recorded.
+        self.phases: list[StepPhases] | None = None
 
     @property
     def queued(self) -> int:
@@ -75,13 +81,38 @@ class PrefillManager:
     def schedule(self, running: int) -> PrefillBatch | None:
         """The next prefill batch, its memory allocated; None when nothing fits (`running`:
         requests decoding now)."""
+        record = StepPhases() if self.phases is not None else None
+        continuing, matched = self.prefilling, self.admission.match_s
+        started = time.perf_counter()
+        with self.admission.batched():  # one batch of device work for every admission
+            plan = self._plan(running)
+            if not plan:
+                return None
+            planned = time.perf_counter()
+            saves = [self.admission.plan_save(req, n) for req, n in plan]
+            saved = time.perf_counter()
+        if record is not None:
+            match = self.admission.match_s - matched
+            record.add("match", match)
+            record.add("admit", planned - started - match)
+            record.add("plan_save", saved - planned)
+            record.add("pool_apply", time.perf_counter() - saved)
+            admitted = [req for req, _ in plan if req is not continuing]
+            record.rids = [req.rid for req in admitted]
+            record.hits = sum(1 for req in admitted if req.cached)
+            record.cached_tokens = sum(req.cached for req in admitted)
+            record.new_tokens = sum(n for _, n in plan)
+        return PrefillBatch(plan, saves, record)
+
+    def _plan(self, running: int) -> list[tuple[Req, int]]:
+        """The chunk-prefilling request's next chunk, then waiting requests FIFO, admitted."""
         plan: list[tuple[Req, int]] = []
         budget = self.cfg.max_prefill_tokens
         if self.prefilling is not None:
             req = self.prefilling
             n = min(req.uncached, self.cfg.chunked_prefill_size, budget)
             if not self.admission.grow(req, req.cached + n):
-                return None  # decode frees pages as requests finish
+                return []  # decode frees pages as requests finish
             plan.append((req, n))
             budget -= n
         while (
@@ -104,26 +135,28 @@ class PrefillManager:
             budget -= n
             if n < req.uncached:
                 self.prefilling = req
-        if not plan:
-            return None
-        return PrefillBatch(plan, [self.admission.plan_save(req, n) for req, n in plan])
+        return plan
 
     def launch(self, batch: PrefillBatch, sync: bool) -> Launched:
         """One forward over the batch, the first tokens drawn (on the device unless `sync`:
         the scheduler decides), the draft extended and the chunks cached; Launched.started
         are the requests that start decoding (their first token may still be pending)."""
+        record, launch_start = batch.phases, time.perf_counter()
         plan = batch.plan
         targets = [req.prompt_targets(n) for req, n in plan]
         every = [bool(t) for t in targets]  # all of a chunk's logits, to score its prompt
-        out = self.runner.forward(
-            [
-                StepInput(
-                    req.row, req.cached, req.fill_ids[req.cached : req.cached + n], tuple(save)
-                )
-                for (req, n), save in zip(plan, batch.saves)
-            ],
-            every if any(every) else "last",
-        )
+        forward_start = time.perf_counter()
+        with forward_watch(record, self.runner.pool.req_to_token.device):
+            out = self.runner.forward(
+                [
+                    StepInput(
+                        req.row, req.cached, req.fill_ids[req.cached : req.cached + n], tuple(save)
+                    )
+                    for (req, n), save in zip(plan, batch.saves)
+                ],
+                every if any(every) else "last",
+            )
+        forward_s = time.perf_counter() - forward_start
         last_row = self._score_prompts(plan, targets, out.logits)
         for req, n in plan:
             req.cached += n
@@ -157,11 +190,25 @@ class PrefillManager:
                 req.pending += 1
         reqs = [req for req, _ in plan]
         ends = [r.cached for r in reqs]
-        return Launched("prefill", reqs, sampled, sync, self.runner.mark_step(), ends, started)
+        launched = Launched("prefill", reqs, sampled, sync, self.runner.mark_step(), ends, started)
+        if record is not None:
+            record.launched_at = time.perf_counter()
+            record.add("launch_rest", record.launched_at - launch_start - forward_s)
+            launched.phases = record
+        return launched
 
     def process(self, launched: Launched) -> None:
         """After the step completed: tell the role each chunk's KV is there, then commit the
         first tokens. A request finished (aborted) since the launch gets neither."""
+        record: StepPhases | None = launched.phases
+        if record is not None:
+            record.settle(time.perf_counter(), launched.waited)
+        with timed(record, "process"):
+            self._process(launched)
+        if record is not None and self.phases is not None:
+            self.phases.append(record)
+
+    def _process(self, launched: Launched) -> None:
         for req in launched.reqs:
             req.in_flight -= 1
         for req, end in zip(launched.reqs, launched.ends):

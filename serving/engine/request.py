@@ -79,6 +79,10 @@ class Req:
     track_slot: int | None = None
     track_pos: int = 0
     branch: int = 0  # grid position where its tokens leave the cache's KV (a state is worth it)
+    # With an EAGLE draft, the cache keys of pair_tokens (admission.keys), extended as tokens
+    # join: rebuilding them per step cost a Python loop over the whole history.
+    pair_keys: list[int] = field(default_factory=list)
+    pair_tokens: list[int] = field(default_factory=list)
     cached_tokens: int | None = None  # prompt tokens the cache served at its first admission
     finish_reason: FinishReason | None = None
     # The overlap scheduler (scheduler.py). in_flight: launched steps holding this request whose

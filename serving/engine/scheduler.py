@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from serving.engine.admission import Admission, snapshot_grid
 from serving.engine.batch_log import BatchLog
@@ -150,11 +151,19 @@ class Scheduler:
             return self.fail_request(request, full, 503)
         return Req.of(request, self.eos)
 
-    def preallocate(self, req: Req) -> bool:
-        """Admit a request from intake(): a row and the pages of its whole prompt, which another
-        worker writes (admit's reserve policy holds); False, nothing taken, when they do not
-        fit now. The role holds it (RoleHooks.owned) until adopt() or free()."""
-        return self.admission.admit(req, len(req.input_ids), len(self.running)) is not None
+    def preallocate(self, reqs: list[Req]) -> int:
+        """Admit requests from intake(), FIFO: each a row and the pages of its whole prompt,
+        which another worker writes (admit's reserve policy holds); returns how many were (the
+        first that does not fit now, and those behind it, take nothing). Their row resets and
+        page maps launch as one batch (admission.batched). The role holds them
+        (RoleHooks.owned) until adopt() or free()."""
+        done = 0
+        with self.admission.batched():
+            for req in reqs:
+                if self.admission.admit(req, len(req.input_ids), len(self.running)) is None:
+                    break
+                done += 1
+        return done
 
     def adopt(
         self,
@@ -310,7 +319,9 @@ class Scheduler:
 
     def _process(self, launched: Launched) -> None:
         if launched.event is not None:
+            started = time.perf_counter()
             launched.event.synchronize()  # the device finished the step
+            launched.waited = time.perf_counter() - started
         manager = self.prefill if launched.kind == "prefill" else self.decode
         manager.process(launched)
         self.admission.settle()

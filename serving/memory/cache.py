@@ -151,37 +151,56 @@ FEW_ROWS = 4
 
 def save_kda_states(cache: ModelCache, rows: list[int], slots: list[int]) -> None:
     """Snapshot the KDA states of request rows into slots."""
-    _copy_kda_states(cache, True, rows, slots)
-
-
-def load_kda_states(cache: ModelCache, slots: list[int], rows: list[int]) -> None:
-    """Start request rows from snapshots (a prefix-cache hit)."""
-    _copy_kda_states(cache, False, slots, rows)
-
-
-def _copy_kda_states(cache: ModelCache, to_slots: bool, src: list[int], dst: list[int]) -> None:
-    """Every KDA layer's conv and recurrent state, src -> dst (rows to slots, or back). Their
-    host cost counts: a prefill's or a hit's launches run barely ahead of the device, and an
-    index gather plus an index_put per tensor cost several times one row copy."""
-    layers = [layer for layer in cache.layers.values() if isinstance(layer, KDALayerCache)]
-    if not layers or not src:
+    pairs = _kda_pairs(cache, to_slots=True)
+    if not pairs or not rows:
         return
+    # Their host cost counts: a prefill's launches run barely ahead of the device, and an index
+    # gather plus an index_put per tensor cost several times one row copy.
+    if len(rows) <= FEW_ROWS:
+        for to, frm in pairs:
+            for slot, row in zip(slots, rows):
+                to[slot].copy_(frm[row])
+        return
+    device = pairs[0][0].device
+    _copy_indexed(pairs, *(to_device(ids, torch.int64, device) for ids in (rows, slots)))
+
+
+def load_kda_states(
+    cache: ModelCache, slots: list[int] | torch.Tensor, rows: list[int] | torch.Tensor
+) -> None:
+    """Start request rows from snapshots (prefix-cache hits): one gather and one index_copy per
+    buffer for all of them. slots, rows: ids, or index tensors on the device (MemoryPool's
+    batch uploads them with the rest of its indices)."""
+    pairs = _kda_pairs(cache, to_slots=False)
+    if not pairs or not len(rows):
+        return
+    device = pairs[0][0].device
+    _copy_indexed(pairs, *(_ids_on(ids, device) for ids in (slots, rows)))
+
+
+def _ids_on(ids: list[int] | torch.Tensor, device) -> torch.Tensor:
+    return ids if isinstance(ids, torch.Tensor) else to_device(ids, torch.int64, device)
+
+
+def _kda_pairs(cache: ModelCache, to_slots: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) of every KDA layer's conv and recurrent state: rows to snapshot
+    slots, or back."""
     pairs = []
-    for layer in layers:
+    for layer in cache.layers.values():
+        if not isinstance(layer, KDALayerCache):
+            continue
         assert layer.saved_conv is not None and layer.saved_state is not None
         if to_slots:
             pairs += [(layer.saved_conv, layer.conv), (layer.saved_state, layer.state)]
         else:
             pairs += [(layer.conv, layer.saved_conv), (layer.state, layer.saved_state)]
-    if len(src) <= FEW_ROWS:
-        for to, frm in pairs:
-            for d, s in zip(dst, src):
-                to[d].copy_(frm[s])
-        return
-    device = layers[0].state.device
-    src_ids, dst_ids = (to_device(ids, torch.int64, device) for ids in (src, dst))
+    return pairs
+
+
+def _copy_indexed(pairs, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """to[dst[i]] = frm[src[i]] for every pair (dst distinct)."""
     for to, frm in pairs:
-        to[dst_ids] = frm[src_ids]
+        to.index_copy_(0, dst, frm.index_select(0, src))
 
 
 def reset_request_state(cache: ModelCache, rows: torch.Tensor) -> None:

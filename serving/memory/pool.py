@@ -17,17 +17,15 @@ import torch
 
 from serving.config import ModelConfig
 from serving.distributed import rank_cache_config
-from serving.forward_batch import to_device
 from serving.memory.allocator import FreeList, PageAllocator
 from serving.memory.cache import (
     ModelCache,
     allocate_model_cache,
-    load_kda_states,
     request_rows,
-    reset_request_state,
     save_kda_states,
     tail_slots_for,
 )
+from serving.memory.pool_work import PoolWork, PoolWorkQueue, apply_work
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +241,9 @@ class MemoryPool:
         self.aux = AuxRows.allocate(
             request_rows(self.req_to_token), config.hidden_size, dtype, device
         )
-        # TP rank 0 records what followers must mirror (row resets, page maps) here; they
-        # replay it before the next forward (serving/engine/tp_worker.py). None: not recorded.
+        # TP rank 0 records what followers must mirror (row resets, page maps, snapshot copies)
+        # here; they replay it before the next forward (serving/engine/tp_worker.py). None: not
+        # recorded.
         self.journal: list[tuple] | None = None
         self.draft: ModelCache | None = None
         if plan.with_draft:
@@ -259,6 +258,9 @@ class MemoryPool:
                 num_draft_tokens=plan.num_draft_tokens,
             )
 
+        self.work = PoolWorkQueue(self._apply)  # resets, maps and loads: at once, or batched()
+        self._page_offsets = torch.arange(plan.page_size, device=device)
+
     def caches(self) -> list[ModelCache]:
         return [self.target] if self.draft is None else [self.target, self.draft]
 
@@ -272,20 +274,24 @@ class MemoryPool:
             f"{total / 2**20:.1f} MiB allocated"
         )
 
+    def batched(self):
+        """A block whose row resets, page maps and snapshot loads launch as one batch when it
+        ends (PoolWorkQueue.batched: the hazards)."""
+        return self.work.batched()
+
+    def _apply(self, work: PoolWork) -> None:
+        if self.journal is not None:
+            self.journal.append(("apply", work))  # a follower replays it through here
+        apply_work(work, self.caches(), self.target, self.req_to_token, self._page_offsets)
+
     # ---- rows ----
     def alloc_row(self) -> int | None:
+        """A free request row, its state zeroed (queued inside batched())."""
         got = self.rows.alloc(1)
         if got is None:
             return None
-        self._reset_rows(got)
+        self.work.do(PoolWork(resets=got))
         return got[0]
-
-    def _reset_rows(self, rows: list[int]) -> None:
-        if self.journal is not None:
-            self.journal.append(("reset", rows))
-        index = to_device(rows, torch.int64, self.device)
-        for cache in self.caches():
-            reset_request_state(cache, index)
 
     def free_row(self, row: int) -> None:
         self.rows.free([row])
@@ -306,48 +312,37 @@ class MemoryPool:
         return True
 
     def map_pages(self, row: int, first: int, new: list[int]) -> None:
-        """Point positions from page index `first` of `row` at pages `new`."""
-        if self.journal is not None:
-            self.journal.append(("map", row, first, new))
-        size = self.plan.page_size
-        start = first * size
-        slots = (
-            to_device(new, torch.int64, self.device)[:, None] * size
-            + torch.arange(size, device=self.device)
-        ).flatten()
-        end = min(start + slots.numel(), self.plan.max_context)  # the last page may overhang
-        self.req_to_token[row, start:end] = slots[: end - start]
+        """Point positions from page index `first` of `row` at pages `new` (queued inside
+        batched())."""
+        if new:
+            self.work.do(PoolWork(maps=[(row, first, list(new))]))
 
     # ---- state snapshots (the prefix cache's) ----
     def save_states(self, rows: list[int], slots: list[int]) -> None:
         """Snapshot the KDA states of `rows` into `slots` (after a forward wrote them)."""
+        assert not self.work.open, "a save inside batched() would run before queued loads"
         if self.journal is not None:
             self.journal.append(("save", rows, slots))
         save_kda_states(self.target, rows, slots)
 
     def load_states(self, slots: list[int], rows: list[int]) -> None:
-        """Start `rows` from the snapshots in `slots` (a prefix-cache hit)."""
-        if self.journal is not None:
-            self.journal.append(("load", slots, rows))
-        load_kda_states(self.target, slots, rows)
+        """Start `rows` from the snapshots in `slots` (a prefix-cache hit; queued inside
+        batched())."""
+        self.work.do(PoolWork(loads=list(zip(slots, rows))))
 
     def take_journal(self) -> list[tuple]:
         entries, self.journal = self.journal or [], []
         return entries
 
     def replay(self, entries: list[tuple]) -> None:
-        """A TP follower applies rank 0's row resets, page maps and snapshot copies, in order,
-        so its request table, fresh states and snapshots equal rank 0's (its own allocators stay
-        unused)."""
+        """A TP follower applies rank 0's row resets, page maps and snapshot copies, in order and
+        batched as rank 0 applied them, so its request table, fresh states and snapshots equal
+        rank 0's (its own allocators stay unused)."""
         for kind, *args in entries:
-            if kind == "reset":
-                self._reset_rows(*args)
-            elif kind == "map":
-                self.map_pages(*args)
-            elif kind == "save":
-                self.save_states(*args)
+            if kind == "apply":
+                self._apply(*args)
             else:
-                self.load_states(*args)
+                self.save_states(*args)
 
     def free_pages(self, pages: list[int]) -> None:
         self.pages.free(pages)

@@ -37,10 +37,10 @@ from serving.memory.pool import MemoryPool
 
 @dataclass(eq=False)
 class Node:
-    key: tuple[int, ...]
+    key: list[int]  # a list: compared with a slice of the request's keys in one C call
     pages: list[int]
     parent: Node | None
-    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # by first page
     slot: int | None = None  # state snapshot after this node's last position
     kv_locks: int = 0
     state_locks: int = 0
@@ -76,7 +76,7 @@ class RadixCache:
         if grid % pool.plan.page_size:
             raise ValueError(f"snapshot grid {grid} is not a multiple of the page size")
         self.pool, self.page, self.grid = pool, pool.plan.page_size, grid
-        self.root = Node((), [], None)
+        self.root = Node([], [], None)
         self.clock = itertools.count(1)
         self.pages_held = 0
         self.pages_locked = 0  # pages of nodes with kv_locks > 0
@@ -87,16 +87,18 @@ class RadixCache:
         return self.pages_held - self.pages_locked
 
     # ---- lookups ----
-    def match(self, keys: list[int], limit: int) -> Match:
-        """The deepest node on `keys`' path that holds a state, at depth <= limit; and how far
-        the tree holds the path's KV (where it branches off, a state is worth taking)."""
+    def match(self, keys: list[int], limit: int, end: int | None = None) -> Match:
+        """The deepest node on the path of keys[:end] (default: all of them) that holds a state,
+        at depth <= limit; and how far the tree holds the path's KV (where it branches off, a
+        state is worth taking)."""
+        end = len(keys) if end is None else min(end, len(keys))
         node, depth, best = self.root, 0, Match(None)
         p = self.page
-        while depth + p <= len(keys):
+        while depth + p <= end:
             child = node.children.get(tuple(keys[depth : depth + p]))
             if child is None:
                 break
-            same = self._common(child.key, keys, depth)
+            same = self._common(child.key, keys, depth, end)
             if same < len(child.key):  # a partial node: its state (at its end) is not on it
                 best.kv_length = max(best.kv_length, depth + same)
                 break
@@ -113,10 +115,10 @@ class RadixCache:
                 n = n.parent
         return best
 
-    def has_state(self, keys: list[int]) -> bool:
-        """Whether a node ends exactly at len(keys) on this path with a state."""
-        m = self.match(keys, len(keys))
-        return m.length == len(keys)
+    def has_state(self, keys: list[int], end: int | None = None) -> bool:
+        """Whether a node ends exactly at `end` (default len(keys)) on this path with a state."""
+        end = len(keys) if end is None else end
+        return end <= len(keys) and self.match(keys, end, end).length == end
 
     # ---- locks ----
     def lock(self, node: Node) -> None:
@@ -158,12 +160,12 @@ class RadixCache:
             first = tuple(keys[depth : depth + p])
             child = node.children.get(first)
             if child is None:
-                child = Node(tuple(keys[depth:]), pages[depth // p :], node)
+                child = Node(keys[depth:], pages[depth // p :], node)
                 node.children[first] = child
                 self.pages_held += len(child.pages)
                 adopted += child.pages
             else:
-                same = self._common(child.key, keys, depth)
+                same = self._common(child.key, keys, depth, len(keys))
                 if same < len(child.key):
                     child = self._split(child, same)
             child.kv_used = now
@@ -180,11 +182,16 @@ class RadixCache:
         self.states_held += 1
         return True
 
-    def _common(self, key: tuple[int, ...], keys: list[int], depth: int) -> int:
-        """Tokens (whole pages) that `key` shares with keys[depth:]."""
+    def _common(self, key: list[int], keys: list[int], depth: int, end: int) -> int:
+        """Tokens (whole pages) that `key` shares with keys[depth:end]. A node's key is often
+        thousands of tokens (a system prompt) and nearly always shared whole: that is one
+        comparison, the page-by-page walk only where they part."""
+        n = len(key)
+        if depth + n <= end and key == keys[depth : depth + n]:
+            return n
         p, n = self.page, 0
-        while n < len(key) and depth + n + p <= len(keys):
-            if key[n : n + p] != tuple(keys[depth + n : depth + n + p]):
+        while n < len(key) and depth + n + p <= end:
+            if key[n : n + p] != keys[depth + n : depth + n + p]:
                 break
             n += p
         return n
@@ -200,10 +207,10 @@ class RadixCache:
             kv_locks=node.kv_locks,
             kv_used=node.kv_used,
         )
-        parent.children[node.key[: self.page]] = upper
+        parent.children[tuple(node.key[: self.page])] = upper
         node.key, node.pages = node.key[at:], node.pages[at // self.page :]
         node.parent = upper
-        upper.children[node.key[: self.page]] = node
+        upper.children[tuple(node.key[: self.page])] = node
         return upper
 
     # ---- eviction ----
@@ -258,7 +265,7 @@ class RadixCache:
             node = parent
 
     def _remove(self, leaf: Node) -> int:
-        del leaf.parent.children[leaf.key[: self.page]]
+        del leaf.parent.children[tuple(leaf.key[: self.page])]
         return self._free_node(leaf)
 
     def _free_node(self, node: Node) -> int:

@@ -30,6 +30,7 @@ from kernels import indexer as idx_kernels
 from kernels import sparse_mla as mla_kernels
 from kernels.dsa_decode import IndexQuery, IndexWrite, StepLayout
 from serving.forward_batch import ForwardBatch
+from serving.layers.attention.dsa_extend_index import ExtendIndex
 from serving.layers.norm import RMSNorm
 from serving.memory.cache import DSALayerCache
 
@@ -181,63 +182,59 @@ def _indexer_ops(t: torch.Tensor):
     return idx_kernels
 
 
-def _score_heads(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
-    """Pool scores [N, max_pools] of queries q [N, Hi, D] that come in len(rows) equal groups,
-    one per request row (an extend chunk: one request)."""
+def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALayerCache):
+    """A ragged extend, every request at once (a fixed number of launches per layer, whatever
+    the batch's requests). Order (hazard): the ring is read for the closing pools' early members
+    before this step's keys overwrite it."""
+    kp = shape.kpool
+    index = ExtendIndex.of(batch, kp, cache.tail_slots)
+    ops = _indexer_ops(k)
+    # 1. pools that close in this batch; members before a request's start come from its ring
+    if index.num_pools:
+        ring_at = (index.pool_rows[:, None], index.members_ring)
+        new = index.members_new[..., None]
+        member_k = torch.where(new, k[index.members_token], cache.tail_keys[ring_at].to(k.dtype))
+        member_g = torch.where(
+            new, gates[index.members_token], cache.tail_gates[ring_at].to(gates.dtype)
+        )
+        pooled = ops.kpool_compress(member_k, member_g, ape)
+        cache.index_keys[index.pool_slots] = pooled.to(cache.index_keys.dtype)
+    # 2. the ring keeps each request's last `ring` positions (the open pool among them)
+    ring_at = (index.ring_rows, index.ring_slots)
+    cache.tail_keys[ring_at] = k[index.ring_tokens].to(cache.tail_keys.dtype)
+    cache.tail_gates[ring_at] = gates[index.ring_tokens].to(cache.tail_gates.dtype)
+    # 3. score every complete pool of each query's request, select per query
+    scores = _score_ragged(shape, q, head_w, batch, index, cache)
+    return ops.select_tokens(scores, batch.positions, kp, shape.select_pools, shape.select_tail)
+
+
+def _score_ragged(shape, q, head_w, batch: ForwardBatch, index: ExtendIndex, cache: DSALayerCache):
+    """Pool scores [T, max_pools] of a ragged batch's queries (every indexer head: replicated
+    under TP). Columns past a request's own pools are never visible to its queries (select_tokens
+    masks them)."""
+    r2t, max_pools = batch.req_to_token, index.max_pools
     if fast_path(q):
         from kernels.triton.indexer import score_pools_paged
 
-        per_query = rows.repeat_interleave(q.shape[0] // rows.shape[0])
         return score_pools_paged(
-            q, head_w, cache.index_keys, r2t, per_query, positions, shape.kpool, max_pools,
-            shape.head_dim**-0.5,
+            q, head_w, cache.index_keys, r2t, index.query_rows, batch.positions, shape.kpool,
+            max_pools, shape.head_dim**-0.5,
         )  # fmt: skip
-    # one gather of pooled keys per request, shared by its queries
-    pools = torch.arange(max_pools, device=q.device)
-    keys = cache.index_keys[_pool_slots(shape.kpool, r2t, rows[:, None], pools[None, :])]
-    return idx_kernels.score_pools(q, head_w, keys, shape.head_dim**-0.5)
-
-
-def _pool_slots(kpool: int, req_to_token: torch.Tensor, row, pools: torch.Tensor):
-    """Pooled-key rows of pools `pools` of request `row`."""
-    return req_to_token[row, pools * kpool] // kpool
-
-
-def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALayerCache):
-    kp, ring = shape.kpool, cache.tail_slots
-    r2t = batch.req_to_token
-    ops = _indexer_ops(k)
-    out = []
-    offset = 0
-    # `row` is the host's int: a 0-dim device tensor as an index would be read back (a sync)
-    for b, (start, n, row) in enumerate(zip(batch.starts_cpu, batch.lens_cpu, batch.rows_cpu)):
-        end = start + n
+    # the reference: per request, one gather of pooled keys shared by its queries
+    pieces, offset = [], 0
+    for b, n in enumerate(batch.lens_cpu):
         chunk = slice(offset, offset + n)
-        # 1. pools that close in this chunk; early members come from the ring
-        base = (start // kp) * kp
-        ring_pos = torch.arange(base, start, device=k.device) % ring
-        all_k = torch.cat([cache.tail_keys[row, ring_pos], k[chunk]])
-        all_g = torch.cat([cache.tail_gates[row, ring_pos], gates[chunk]])
-        first, last = start // kp, end // kp
-        if last > first:
-            count = last - first
-            pooled = ops.kpool_compress(
-                all_k[: count * kp].view(count, kp, -1),
-                all_g[: count * kp].view(count, kp, -1),
-                ape,
-            )
-            dst = _pool_slots(kp, r2t, row, torch.arange(first, last, device=k.device))
-            cache.index_keys[dst] = pooled.to(cache.index_keys.dtype)
-        # 2. the ring keeps the last `ring` positions (the open pool among them)
-        keep = torch.arange(max(start, end - ring), end, device=k.device)
-        cache.tail_keys[row, keep % ring] = k[offset + keep - start].to(cache.tail_keys.dtype)
-        cache.tail_gates[row, keep % ring] = gates[offset + keep - start].to(cache.tail_gates.dtype)
-        # 3. score every complete pool of the request, select per query
-        positions = batch.positions[chunk]
-        scores = _score_heads(
-            shape, q[chunk], head_w[chunk], r2t, batch.req_rows[b : b + 1], positions,
-            max(last, 1), cache,
-        )  # fmt: skip
-        out.append(ops.select_tokens(scores, positions, kp, shape.select_pools, shape.select_tail))
+        rows, positions = batch.req_rows[b : b + 1], batch.positions[chunk]
+        pieces.append(
+            _score_heads(shape, q[chunk], head_w[chunk], r2t, rows, positions, max_pools, cache)
+        )
         offset += n
-    return torch.cat(out)
+    return torch.cat(pieces)
+
+
+def _score_heads(shape, q, head_w, r2t, rows, positions, max_pools: int, cache: DSALayerCache):
+    """The reference's pool scores [N, max_pools] of one request's queries q [N, Hi, D]: one
+    gather of its pooled keys shared by its queries."""
+    pools = torch.arange(max_pools, device=q.device)
+    slots = r2t[rows[:, None], pools[None, :] * shape.kpool] // shape.kpool
+    return idx_kernels.score_pools(q, head_w, cache.index_keys[slots], shape.head_dim**-0.5)
