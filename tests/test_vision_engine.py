@@ -154,3 +154,28 @@ def test_a_text_only_model_refuses_images(tmp_path) -> None:
     with pytest.raises(APIError, match="does not take images"):
         asyncio.run(load_images(None, ["data:image/png;base64,AAAA"], "messages"))
     assert np.asarray(decode_image(IMAGE_A)).shape == (90, 120, 3)
+
+
+@pytest.mark.gpu
+def test_image_prefill_on_cuda_in_bf16(tiny_vision_ckpt) -> None:
+    """The worker's image path on CUDA in bf16 (the tower in the model dtype, decode graphs
+    on): a two-image request cut into 16-token chunks beside a text request; each image is
+    encoded once, nothing is held after, every output token is a real token."""
+    sched = engine(tiny_vision_ckpt, "--device", "cuda", "--dtype", "bfloat16")
+    images = sched.prefill.images
+    assert images.tower.merger.proj.weight.dtype == torch.bfloat16
+    assert images.tower.merger.proj.weight.is_cuda
+    config = sched.pool.config
+    sched.add(image_request("two", config, [IMAGE_A, IMAGE_B], n=8))
+    text = GenerateRequest(
+        "text",
+        list(range(5, 45)),
+        SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
+    )
+    sched.add(text)
+    out = drain(sched)
+    assert images.encoded_images == 2 and not images.held
+    for rid in ("two", "text"):
+        tokens, _ = out[rid]
+        assert len(tokens) == 8 and all(0 <= t < config.vocab_size for t in tokens)
+    sched.check_invariants()

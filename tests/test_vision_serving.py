@@ -226,6 +226,9 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(server, media_host, tm
         timeout=30,
     )
     assert r.status_code == 400 and "0 image placeholders for 1 images" in r.text
+    body = {"prompt": "a typed <|image|>", "max_tokens": 1}  # completions take no images
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "1 image placeholders for 0 images" in r.text
     chat(server.url, [{"role": "user", "content": [image_part(IMAGE_A)]}])  # still serving
 
 

@@ -115,6 +115,7 @@ class ModelRunner:
         future = any(FUTURE in item.token_ids for item in items)
         if (
             self.graphs is not None
+            and not images  # a 1-token chunk may be an image token: the graphs take no rows
             and logits == "last"
             and all(len(item.token_ids) == 1 and not item.saves for item in items)
             and self.graphs.fits(len(items))
