@@ -1,4 +1,5 @@
-"""Model configuration: the text part of a GLM-5.3-Flash (`glm5_next`) checkpoint.
+"""Model configuration of a GLM-5.3-Flash (`glm5_next`) checkpoint: the text model and, when
+config.json has a `vision_config`, the vision tower (VisionConfig) and its image token ids.
 
 `ModelConfig.from_dict` accepts what transformers writes for `glm5_next` (fields nested under
 `text_config`) and flat text-only configs. Everything the model cannot serve is refused here,
@@ -81,6 +82,59 @@ class Fp8Config:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """transformers' Glm5NextVisionConfig (the `vision_config` of config.json), its defaults;
+    serving/models/vision.py builds the tower from it."""
+
+    depth: int = 24
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 4096
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    out_hidden_size: int = 1536
+    projection_intermediate_size: int = 10240
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = True
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> VisionConfig:
+        """From config.json's vision_config; what the tower does not implement is refused,
+        naming the field."""
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"vision_config.hidden_act={raw['hidden_act']!r}: only silu")
+        rope = raw.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ConfigError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}")
+        values = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+        values["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", cls.rope_theta))
+        for key in ("patch_size", "temporal_patch_size"):
+            if not isinstance(values.get(key, 0), int):
+                raise ConfigError(f"vision_config.{key}={values[key]!r}: only one int")
+        config = cls(**values)
+        if config.hidden_size % (4 * config.num_heads):  # 2-D RoPE: four quarters per head
+            raise ConfigError(
+                f"vision_config: hidden_size {config.hidden_size} is not num_heads "
+                f"{config.num_heads} x a head width that is a multiple of 4"
+            )
+        if raw.get("head_dim") not in (None, config.head_dim):
+            raise ConfigError(f"vision_config.head_dim={raw['head_dim']} is not hidden / heads")
+        return config
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# transformers' Glm5NextConfig defaults (GLM-5.3-Flash's ids), for a config.json without them
+IMAGE_TOKEN_IDS = {"image_token_id": 154854, "video_start_token_id": 154832}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -126,6 +180,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     quantization: Fp8Config | None = None  # block-FP8 checkpoint (quantization_config)
+    # the vision tower (None: a text-only checkpoint) and the ids the image path needs: each
+    # image's <|image|> run, and <|begin_of_video|> (after it transformers reads images as video)
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
+    video_start_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -204,6 +263,8 @@ class ModelConfig:
         eos = text.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         known = {f.name for f in fields(cls)}
+        vision = raw.get("vision_config") if "text_config" in raw else None
+        ids = {k: int(raw.get(k, v)) for k, v in IMAGE_TOKEN_IDS.items()} if vision else {}
         return cls(
             vocab_size=_req(text, "vocab_size", int),
             hidden_size=_req(text, "hidden_size", int),
@@ -246,6 +307,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             pad_token_id=text.get("pad_token_id"),
             quantization=None if quant is None else Fp8Config.from_dict(quant),
+            vision=VisionConfig.from_dict(vision) if vision else None,
+            **ids,
             extra={k: v for k, v in text.items() if k not in known},
         )
 
@@ -314,6 +377,11 @@ class ModelConfig:
             )
         if self.hc_mult < 1:
             raise ConfigError(f"hc_mult must be >= 1, got {self.hc_mult}")
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ConfigError(
+                f"vision_config.out_hidden_size={self.vision.out_hidden_size} is not the text "
+                f"hidden_size {self.hidden_size}"
+            )
 
 
 def _req(d: dict[str, Any], key: str, typ: type) -> Any:

@@ -97,6 +97,18 @@ class SamplingParams:
 
 
 @dataclass
+class ImageInput:
+    """One image of a request, preprocessed by the front (serving/front/images.py): what the
+    vision tower takes, and where its embeddings go. Its run is input_ids[start : start +
+    num_tokens], all <|image|>; the runs of a request's images ascend and never overlap."""
+
+    pixel_values: Any  # numpy float32 [patches, channels * temporal * patch * patch]
+    grid_thw: tuple[int, int, int]  # in patches
+    start: int
+    num_tokens: int
+
+
+@dataclass
 class GenerateRequest:
     rid: str
     input_ids: list[int]
@@ -110,6 +122,7 @@ class GenerateRequest:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order
 
 
 @dataclass
@@ -252,6 +265,10 @@ class SchedulerStats:
     # (both 0 with --disable-radix-cache); /metrics turns them into cache_hit_rate.
     cache_lookup_tokens_total: int = 0
     cache_hit_tokens_total: int = 0
+    # The vision tower (a checkpoint with one): images encoded so far, and requests holding
+    # image embeddings now (only while part-way through an image's tokens; else a leak)
+    images_encoded_total: int = 0
+    image_embeddings_held: int = 0
     # PD, filled by the role (RoleHooks.report), with SGLang's meanings
     num_prefill_prealloc_queue_reqs: int = 0  # prefill: rooms waiting for decode's destinations
     num_prefill_inflight_queue_reqs: int = 0  # prefill: prefilled, their KV still being written

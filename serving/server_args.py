@@ -199,6 +199,31 @@ class ServerArgs(ArgsChecks):
     # API
     reasoning_parser: str | None = field(default=None, metadata={"choices": [None, "glm45"]})
     tool_call_parser: str | None = field(default=None, metadata={"choices": [None, "glm47"]})
+    # images (a checkpoint with a vision_config; docs/PROTOCOL.md)
+    max_images_per_request: int = field(
+        default=16, metadata={"help": "images in one request's prompt, beyond which a 400"}
+    )
+    max_image_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "image tokens one image may take, beyond which a 400 (default: the "
+            "checkpoint's preprocessor_config.json max_image_tokens)"
+        },
+    )
+    allowed_media_domains: str | None = field(
+        default=None,
+        metadata={
+            "help": "comma-separated hosts whose http(s) image URLs are fetched (default: "
+            "none; only data: URLs)"
+        },
+    )
+    allowed_local_media_path: str | None = field(
+        default=None,
+        metadata={"help": "file:// image URLs are read only under this directory (default: none)"},
+    )
+    media_fetch_timeout: float = field(
+        default=5.0, metadata={"help": "seconds an image URL fetch may take, beyond which a 400"}
+    )
     # process
     skip_server_warmup: bool = False
     watchdog_timeout: float = field(

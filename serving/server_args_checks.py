@@ -108,6 +108,13 @@ class ArgsChecks:
             raise ArgsError("--mamba-full-memory-ratio/--mamba-track-interval: must be > 0")
         if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < 1:
             raise ArgsError("--max-mamba-cache-size: must be >= 1")
+        if self.max_images_per_request < 0 or self.media_fetch_timeout <= 0:
+            raise ArgsError("--max-images-per-request/--media-fetch-timeout: must be >= 0 / > 0")
+        if self.max_image_tokens is not None and self.max_image_tokens < 1:
+            raise ArgsError("--max-image-tokens: must be >= 1")
+        local = self.allowed_local_media_path
+        if local is not None and not Path(local).is_dir():
+            raise ArgsError(f"--allowed-local-media-path {local}: not a directory")
         if self.speculative_algorithm is not None:
             self._validate_speculative()
         if self.disaggregation_mode != "null":

@@ -40,6 +40,14 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vision_ckpt(tmp_path_factory):
+    """The tiny checkpoint with a vision tower (--vision), written once per test session."""
+    from serving.tools.tiny_model import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("tiny_vision"), vision=True)
+
+
+@pytest.fixture(scope="session")
 def v410_ckpt(tmp_path_factory):
     """The tiny preset with a vocabulary of 410 (its tokenizer too), which does not divide by
     4: at --tp-size 4 it is padded to 412 (serving/distributed.padded_vocab)."""

@@ -207,10 +207,14 @@ def test_render_string_and_parts_content(template: ChatTemplate) -> None:
     assert template.render(as_parts) == expected
 
 
-def test_render_refuses_non_text_parts(template: ChatTemplate) -> None:
+def test_render_image_parts_and_refuse_other_parts(template: ChatTemplate) -> None:
+    """An image_url part is GLM's placeholder (the route loaded or refused the image)."""
     image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
-    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content\[0\].*image_url"):
-        template.render([{"role": "user", "content": [image]}])
+    rendered = template.render([{"role": "user", "content": [image]}])
+    assert "<|user|><|begin_of_image|><|image|><|end_of_image|><|assistant|>" in rendered
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.content\[0\].*input_audio"):
+        template.render([{"role": "user", "content": [audio]}])
 
 
 def test_render_unknown_role_is_a_template_error(template: ChatTemplate) -> None:

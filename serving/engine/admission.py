@@ -111,11 +111,14 @@ class Admission:
         return n
 
     def _match_limit(self, req: Req) -> int:
-        """At least one token is computed (its logits are sampled), and no prompt position whose
-        logprob is still to be scored is skipped."""
+        """At least one token is computed (its logits are sampled), no prompt position whose
+        logprob is still to be scored is skipped, and no image token is served from the cache
+        (another image behind the same <|image|> ids would hit)."""
         limit = len(req.fill_ids) - 1
         if req.input_scored < len(req.input_ids):
             limit = min(limit, req.input_scored - 1)
+        if req.images:  # keys are token ids: no hit may reach an image's tokens (issue 45.5)
+            limit = min(limit, req.images[0].start)
         return limit
 
     def grow(self, req: Req, num_tokens: int) -> bool:

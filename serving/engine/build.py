@@ -23,7 +23,7 @@ from kernels import fast_path
 from serving.config import ModelConfig, parse_fp8_kinds
 from serving.distributed import min_over_ranks, state
 from serving.engine.kernel_warmup import prepare_kernels
-from serving.engine.memory_report import log_memory_plan
+from serving.engine.memory_report import log_memory_plan, vision_step_tokens
 from serving.engine.request import SchedulerConfig
 from serving.engine.role import Role
 from serving.engine.scheduler import Scheduler
@@ -37,7 +37,10 @@ from serving.models.fp8_choice import summary
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.loader import load_weights, resolve_dtype
 from serving.models.nextn import NextNDraft
-from serving.models.random_init import random_weights
+from serving.models.random_init import random_vision, random_weights
+from serving.models.rank_plan import vision_peak
+from serving.models.vision import VisionTower
+from serving.models.vision_loader import load_vision
 from serving.protocol import GenerateRequest, SamplingParams, SchedulerReady
 from serving.server_args import ServerArgs
 from serving.speculative.eagle import Eagle, SpecConfig
@@ -61,6 +64,7 @@ class RankModel:
     draft: NextNDraft | None
     pool: MemoryPool
     context: int  # the context window the pool was planned for
+    vision: VisionTower | None = None  # the checkpoint's vision tower (None: text only)
 
 
 def build_model(args: ServerArgs) -> RankModel:
@@ -96,6 +100,13 @@ def build_model(args: ServerArgs) -> RankModel:
             keep_bf16=keep,
             fp8_linears=args.fp8_linears,
         )
+    vision = None
+    if config.vision is not None:
+        vision = (
+            random_vision(config, dtype, device, args.random_seed)
+            if ps.simulated
+            else load_vision(args.model_path, config, dtype, device)
+        )
     _sync(device)
     log.info(
         "start-up: weights %s in %.1f s",
@@ -104,8 +115,11 @@ def build_model(args: ServerArgs) -> RankModel:
         else "loaded",
         time.monotonic() - started,
     )
-    modules = [model] if draft is None else [model, draft]
+    modules = [m for m in (model, draft, vision) if m is not None]
     weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    # the tower's activations for one step's images are kept free beside the weights
+    elem = torch.tensor([], dtype=dtype).element_size()
+    reserved = vision_peak(config, vision_step_tokens(args), elem)
     num_params = sum(p.numel() for m in modules for p in m.parameters())
     kv_dtype = torch.bfloat16 if args.kv_cache_dtype in ("bf16", "bfloat16") else dtype
     context = args.context_window(config)
@@ -118,7 +132,7 @@ def build_model(args: ServerArgs) -> RankModel:
         device=device,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
-        weight_bytes=weight_bytes,
+        weight_bytes=weight_bytes + reserved,
         with_draft=steps > 0,
         num_draft_tokens=steps + 1,
         snapshots=SnapshotBudget(args.mamba_full_memory_ratio, args.max_mamba_cache_size)
@@ -152,7 +166,7 @@ def build_model(args: ServerArgs) -> RankModel:
         time.monotonic() - started,
     )
     log_memory_plan(args, config, dtype, weight_bytes, plan, device, model.fp8_choice)
-    return RankModel(config, dtype, model, draft, pool, context)
+    return RankModel(config, dtype, model, draft, pool, context, vision)
 
 
 def _sync(device: str) -> None:
@@ -161,8 +175,11 @@ def _sync(device: str) -> None:
 
 
 def build_runner(args: ServerArgs, built: RankModel, fanout: Fanout = ONE_RANK) -> ModelRunner:
-    """The forward's runner, its decode graphs captured (none with EAGLE: decode is Eagle's)."""
-    runner = ModelRunner(built.model, built.pool, fanout)
+    """The forward's runner, its decode graphs captured (none with EAGLE: decode is Eagle's).
+    The vision tower runs on one rank only for now (image rows are not fanned out): with more
+    ranks the runner has none, and the scheduler refuses images."""
+    vision = built.vision if state().processes == 1 else None
+    runner = ModelRunner(built.model, built.pool, fanout, vision)
     if args.use_decode_graphs() and args.speculative_steps == 0:
         started = time.monotonic()
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)

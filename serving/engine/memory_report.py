@@ -14,9 +14,16 @@ from serving.distributed import state
 from serving.memory.pool import PoolPlan
 from serving.models.fp8_choice import LinearChoice
 from serving.models.rank_plan import GIB, fp8_plan, predict_rank
+from serving.models.vision import step_image_tokens
 from serving.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
+
+
+def vision_step_tokens(args: ServerArgs) -> int:
+    """The image tokens one prefill step encodes at most, by the flags (8,000 per image, the
+    processor's default, unless --max-image-tokens says less)."""
+    return step_image_tokens(args.chunked_prefill_size, args.max_image_tokens or 8000)
 
 
 def log_memory_plan(
@@ -59,6 +66,7 @@ def log_memory_plan(
         snapshot_ratio=args.mamba_full_memory_ratio
         if args.radix_cache and args.max_mamba_cache_size is None
         else 0.0,
+        vision_tokens=vision_step_tokens(args),
     )
     for line in predicted.lines(args.model_path):
         log.info("memory plan (serving.tools.plan): %s", line)

@@ -26,6 +26,7 @@ import torch
 
 from serving.engine.admission import Admission
 from serving.engine.commit import Commit, Launched
+from serving.engine.image_prefill import ImagePrefill
 from serving.engine.request import Req, RoleHooks, SchedulerConfig
 from serving.engine.step_phases import StepPhases, forward_watch, timed
 from serving.executor.model_runner import ModelRunner, StepInput
@@ -54,6 +55,7 @@ class PrefillManager:
     ) -> None:
         self.cfg, self.runner, self.admission, self.commit = cfg, runner, admission, commit
         self.hooks, self.spec = hooks, spec
+        self.images = None if runner.vision is None else ImagePrefill(runner.vision)
         self.waiting: deque[Req] = deque()
         self.prefilling: Req | None = None  # the one request part-way through chunked prefill
         # After a retraction, admit nothing new until a running request finishes: re-admitting
@@ -77,6 +79,8 @@ class PrefillManager:
             self.waiting.remove(req)
         if self.prefilling is req:
             self.prefilling = None
+        if self.images is not None:
+            self.images.free(req)
 
     def schedule(self, running: int) -> PrefillBatch | None:
         """The next prefill batch, its memory allocated; None when nothing fits (`running`:
@@ -155,6 +159,7 @@ class PrefillManager:
                     for (req, n), save in zip(plan, batch.saves)
                 ],
                 every if any(every) else "last",
+                self.images.runs(plan) if self.images is not None else None,
             )
         forward_s = time.perf_counter() - forward_start
         last_row = self._score_prompts(plan, targets, out.logits)
@@ -163,6 +168,8 @@ class PrefillManager:
             req.in_flight += 1
             if req.uncached == 0 and self.prefilling is req:
                 self.prefilling = None
+        if self.images is not None:
+            self.images.launched(plan)
         # max_tokens 0 with prompt logprobs: scored, nothing to sample (on a PD prefill worker
         # the scores then go to decode without a KV handoff)
         done = [

@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 
 from serving.executor.sampler import SamplingState
 from serving.memory.radix_cache import Node
-from serving.protocol import FinishReason, GenerateRequest, SchedulerStats, TokenLogprob
+from serving.protocol import (
+    FinishReason,
+    GenerateRequest,
+    ImageInput,
+    SchedulerStats,
+    TokenLogprob,
+)
 
 
 class RoleHooks:
@@ -113,6 +119,9 @@ class Req:
     started_at: float | None = None  # first admitted (PD decode: adopted)
     first_token_at: float | None = None  # its first token joined it (sampled or adopted)
     adopted: bool = False  # PD decode: the prompt was prefilled by a prefill worker
+    # The prompt's images (serving/engine/image_prefill.py encodes them while it prefills);
+    # their pixel values stay with the request (a retraction re-encodes them).
+    images: list[ImageInput] = field(default_factory=list)
 
     @classmethod
     def of(cls, request: GenerateRequest, eos_token_ids: frozenset[int]) -> Req:
@@ -130,6 +139,7 @@ class Req:
             state,
             request.return_logprob,
             request.top_logprobs_num,
+            images=list(request.images),
         )
         start = request.logprob_start_len if request.return_logprob else -1
         req.input_scored = len(req.input_ids) if start < 0 else start

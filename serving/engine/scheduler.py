@@ -122,6 +122,8 @@ class Scheduler:
         if self.pool.pages.pages_for(n + 1) > self.pool.plan.pages:
             tokens = self.pool.plan.pages * self.pool.plan.page_size
             return f"prompt ({n} tokens) does not fit in the KV pool ({tokens} tokens)"
+        if request.images and self.prefill.images is None:
+            return "this worker runs no vision tower (a text-only model, or more than one rank)"
         return None
 
     def add(self, request: GenerateRequest) -> None:
@@ -348,6 +350,9 @@ class Scheduler:
         s.used_pages = self.pool.pages.num_used - evictable
         s.cached_pages = self.cache.pages_held if self.cache is not None else 0
         s.cached_states = self.cache.states_held if self.cache is not None else 0
+        if (images := self.prefill.images) is not None:
+            s.images_encoded_total = images.encoded_images
+            s.image_embeddings_held = len(images.held)
         self.hooks.report(s)
 
     def check_invariants(self) -> None:
@@ -362,3 +367,6 @@ class Scheduler:
         self.pool.check(owners, slots)
         for r in live:
             assert r.finish_reason is None, f"{r.rid} finished but still queued"
+        if self.prefill.images is not None:
+            leaked = [r.rid for r in self.prefill.images.held if r not in live]
+            assert not leaked, f"image embeddings held for requests that ended: {leaked}"

@@ -19,6 +19,7 @@ from serving.forward_batch import FUTURE, ForwardBatch, resolve_future, to_devic
 from serving.memory.cache import request_rows, save_kda_states
 from serving.memory.pool import MemoryPool
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+from serving.models.vision import VisionTower
 
 
 @dataclass
@@ -33,13 +34,29 @@ class StepInput:
     saves: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass
+class ImageRun:
+    """Image embeddings one item of a forward takes in place of its tokens' embeddings (its
+    <|image|> tokens), rows in order from `offset` tokens into the item."""
+
+    item: int  # the StepInput's index in the forward
+    offset: int
+    embeds: torch.Tensor  # [rows, hidden] on the model's device
+
+
 class ModelRunner:
     def __init__(
-        self, model: Glm5NextForCausalLM, pool: MemoryPool, fanout: Fanout = ONE_RANK
+        self,
+        model: Glm5NextForCausalLM,
+        pool: MemoryPool,
+        fanout: Fanout = ONE_RANK,
+        vision: VisionTower | None = None,
     ) -> None:
         """fanout: TP rank 0's, told every forward first, so the other ranks run the same
-        (serving/engine/tp_worker.py)."""
-        self.model, self.pool, self.fanout = model, pool, fanout
+        (serving/engine/tp_worker.py). vision: the tower a prefill step's images run through
+        (serving/engine/image_prefill.py); one rank only for now (image rows are not fanned
+        out)."""
+        self.model, self.pool, self.fanout, self.vision = model, pool, fanout, vision
         self.graphs = None  # set by enable_decode_graphs
         # The last token sampled for each request row, on the device (the overlap scheduler's
         # futures). Hazard: a row's entry is valid only until its request's next step samples
@@ -87,11 +104,18 @@ class ModelRunner:
             saves=saves if any(saves) else None,
         )
 
-    def forward(self, items: list[StepInput], logits: str | list[bool] = "last") -> ForwardOutput:
+    def forward(
+        self,
+        items: list[StepInput],
+        logits: str | list[bool] = "last",
+        images: list[ImageRun] | None = None,
+    ) -> ForwardOutput:
+        """images: embeddings that replace some items' token embeddings (a prefill step's)."""
         self.fanout.forward(items, logits)
         future = any(FUTURE in item.token_ids for item in items)
         if (
             self.graphs is not None
+            and not images  # a 1-token chunk may be an image token: the graphs take no rows
             and logits == "last"
             and all(len(item.token_ids) == 1 and not item.saves for item in items)
             and self.graphs.fits(len(items))
@@ -106,7 +130,7 @@ class ModelRunner:
         batch = self.build_batch(items, logits, inside)
         if future:
             resolve_future(batch.input_ids, batch.req_rows[batch.token_req], self.next_tokens)
-        out = self.model(batch, self.pool.target)
+        out = self.model(batch, self.pool.target, self._image_rows(items, images))
         after = [
             (item.row, slot) for item, end in zip(items, at_end) if end for _, slot in item.saves
         ]
@@ -114,3 +138,22 @@ class ModelRunner:
             rows, slots = zip(*after)
             save_kda_states(self.pool.target, list(rows), list(slots))
         return out
+
+    def _image_rows(
+        self, items: list[StepInput], images: list[ImageRun] | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions in the batch's tokens [K], embeddings [K, hidden]) of the image runs."""
+        if not images:
+            return None
+        first = [0]
+        for item in items:
+            first.append(first[-1] + len(item.token_ids))
+        positions = [
+            p
+            for run in images
+            for p in range(
+                first[run.item] + run.offset, first[run.item] + run.offset + len(run.embeds)
+            )
+        ]
+        device = self.pool.req_to_token.device
+        return to_device(positions, torch.int64, device), torch.cat([r.embeds for r in images])

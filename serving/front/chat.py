@@ -86,20 +86,28 @@ class ChatTemplate:
 
 
 def prepare_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of the messages: content parts checked (text only), tool-call arguments given as
+    """Copies of the messages: content parts checked (text, and image_url, which becomes
+    {"type": "image"}: GLM's template renders that as its image placeholder; the route has
+    loaded the image or refused it, a text-only model included), tool-call arguments given as
     JSON strings decoded to mappings."""
     out = []
     for i, message in enumerate(messages):
         m = dict(message)
         content = m.get("content")
         if isinstance(content, list):
+            parts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                if kind == "image_url":  # loaded by the route (front/api/image_request.py)
+                    parts.append({"type": "image"})
+                    continue
                 if kind != "text":
                     raise ChatTemplateError(
                         f"messages[{i}].content[{j}]: content type {kind!r} is not supported "
-                        "(this model takes text only)"
+                        "(text and image_url only)"
                     )
+                parts.append(part)
+            m["content"] = parts
         if m.get("tool_calls"):
             m["tool_calls"] = [
                 _decode_tool_call(tc, f"messages[{i}].tool_calls[{j}]")

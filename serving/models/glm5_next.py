@@ -25,6 +25,7 @@ from serving.layers.norm import RMSNorm
 from serving.memory.cache import ModelCache
 from serving.models.dsa import DSAttention
 from serving.models.kda import KDAttention
+from serving.models.vision import scatter_image_embeddings
 
 
 @dataclass
@@ -111,8 +112,17 @@ class Glm5NextForCausalLM(nn.Module):
         return logits.float()
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: ModelCache) -> ForwardOutput:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        cache: ModelCache,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ForwardOutput:
+        """images: (positions [K], embeddings [K, Hd]) that replace those tokens' embeddings
+        (serving/models/vision.py's scatter; the image tokens of a prefill step)."""
         x = self.embed(batch.input_ids)
+        if images is not None:
+            x = scatter_image_embeddings(x, *images)
         first = self.layers[0]
         x, streams = first.attn_hc.collapse(
             x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous(), first.input_layernorm

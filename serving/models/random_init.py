@@ -26,6 +26,7 @@ from serving.models.fp8_loading import choose_and_hold, fp8_modules
 from serving.models.fp8_weights import SCALE_SUFFIX
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
+from serving.models.vision import VisionTower
 
 
 def init_parameter(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
@@ -148,6 +149,29 @@ def random_weights(
     roles["target"].fp8_choice = choice  # type: ignore[assignment]
     stack_projections(*roles.values())
     return roles["target"], roles.get("draft")  # type: ignore[return-value]
+
+
+def random_vision(
+    config: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0
+) -> VisionTower:
+    """The vision tower of `config` with random weights (its own generator, so the text
+    model's weights do not depend on it): norms near 1, biases small, projections with std
+    1/sqrt(fan_in) over all of a kernel's inputs."""
+    assert config.vision is not None
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    with torch.device(device):
+        tower = VisionTower(config.vision, dtype)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            value = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+            if "norm" in name and name.endswith("weight"):
+                value = 1.0 + 0.05 * value
+            elif name.endswith("bias"):
+                value = 0.02 * value
+            else:
+                value = value * p[0].numel() ** -0.5
+            p.copy_(value.to(dtype))
+    return tower.eval()
 
 
 def _materialize(module: nn.Module, device: str) -> None:

@@ -35,6 +35,7 @@ from serving.models.fp8_loading import fp8_modules, hold_fp8_modules
 from serving.models.fp8_weights import TensorInfo, fp8_weights, read_header
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
+from serving.models.vision import VisionTower, activation_bytes
 
 GIB = 2**30
 
@@ -83,6 +84,8 @@ def module_weights(
         modules = {"target": Glm5NextForCausalLM(config, dtype)}
         if draft:
             modules["draft"] = NextNDraft(config, dtype)
+        if config.vision is not None:  # whole on every rank, in the model dtype (never FP8)
+            modules["vision"] = VisionTower(config.vision, dtype)
     if fp8 is not None:
         selected = fp8_modules(
             modules, fp8.header, set(fp8.fp8), config, draft, state(), fp8.keep_bf16
@@ -115,6 +118,8 @@ class RankPlan:
     # the prefix cache's KDA snapshots: this share of the KV pool's bytes again (plan_pool's
     # rule, --mamba-full-memory-ratio; 0: no cache, as on PD decode)
     snapshot_ratio: float = 0.0
+    vision_peak: int = 0  # bytes kept free for the vision tower's activations (one step)
+    vision_tokens: int = 0  # the image tokens one step encodes at most
 
     @property
     def rows(self) -> int:
@@ -132,7 +137,7 @@ class RankPlan:
         tokens = fit_kv_tokens(
             self.total_memory,
             self.mem_fraction_static,
-            self.weight_bytes,
+            self.weight_bytes + self.vision_peak,
             self.running + self.extra,
             self.context,
             self.row_bytes,
@@ -173,6 +178,11 @@ class RankPlan:
             f"bytes per KV token      {self.token_bytes:8d} (MLA latents + pooled index keys, "
             "replicated)",
         ]
+        if self.vision_peak:
+            out.append(
+                f"vision activations      {self.vision_peak / GIB:8.2f} GiB (a step of "
+                f"{self.vision_tokens} image tokens; the tower's weights are in the weights)"
+            )
         if self.fp8 is not None and self.fp8.dense_shapes is None:
             out.append(
                 "FP8 projections         all counted FP8; a CUDA start-up dequantizes the shapes "
@@ -213,8 +223,10 @@ def predict_rank(
     rank: int = 0,
     fp8: Fp8Plan | None = None,
     snapshot_ratio: float = 0.0,
+    vision_tokens: int = 0,
 ) -> RankPlan:
-    """The plan of rank `rank` (ValueError when the sizes do not split the checkpoint)."""
+    """The plan of rank `rank` (ValueError when the sizes do not split the checkpoint).
+    vision_tokens: image tokens one prefill step encodes at most (step_image_tokens)."""
     check_sizes(config, tp_size, ep_size)
     elem = torch.tensor([], dtype=dtype).element_size()
     draft = speculative_steps > 0
@@ -247,4 +259,13 @@ def predict_rank(
         total_memory=total_memory,
         fp8=fp8,
         snapshot_ratio=snapshot_ratio,
+        vision_peak=vision_peak(config, vision_tokens, elem),
+        vision_tokens=vision_tokens if config.vision is not None else 0,
     )
+
+
+def vision_peak(config: ModelConfig, vision_tokens: int, elem: int) -> int:
+    """Bytes the vision tower's activations need in one step (0: a text-only model)."""
+    if config.vision is None:
+        return 0
+    return activation_bytes(config.vision, vision_tokens, elem)

@@ -45,65 +45,16 @@ acceptance does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving.config import VisionConfig
 from serving.layers.linear import param
 from serving.layers.norm import RMSNorm
 
 Grid = tuple[int, int, int]  # (frames, rows, cols) of one image, in patches
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    """transformers' Glm5NextVisionConfig (the `vision_config` of config.json), its defaults."""
-
-    depth: int = 24
-    hidden_size: int = 1024
-    num_heads: int = 16
-    intermediate_size: int = 4096
-    in_channels: int = 3
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    out_hidden_size: int = 1536
-    projection_intermediate_size: int = 10240
-    swiglu_limit: float = 10.0
-    rms_norm_eps: float = 1e-5
-    attention_bias: bool = True
-    rope_theta: float = 10000.0
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> VisionConfig:
-        """From config.json's vision_config; what this module does not implement is refused,
-        naming the field."""
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"vision_config.hidden_act={raw['hidden_act']!r}: only silu")
-        rope = raw.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}")
-        fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-        fields["rope_theta"] = rope.get("rope_theta", raw.get("rope_theta", cls.rope_theta))
-        for key in ("patch_size", "temporal_patch_size"):
-            if not isinstance(fields.get(key, 0), int):
-                raise ValueError(f"vision_config.{key}={fields[key]!r}: only one int")
-        config = cls(**fields)
-        if config.hidden_size % (4 * config.num_heads):  # 2-D RoPE: four quarters per head
-            raise ValueError(
-                f"vision_config: hidden_size {config.hidden_size} is not num_heads "
-                f"{config.num_heads} x a head width that is a multiple of 4"
-            )
-        if raw.get("head_dim") not in (None, config.head_dim):
-            raise ValueError(f"vision_config.head_dim={raw['head_dim']} is not hidden / heads")
-        return config
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
 
 class VisionLinear(nn.Module):
@@ -282,6 +233,24 @@ class VisionTower(nn.Module):
         angles = torch.cat(positions)[..., None].float() * inv_freq  # [N, 2, quarter]
         angles = angles.flatten(1).repeat(1, 2)  # rows, cols, rows, cols
         return angles.cos(), angles.sin()
+
+
+def activation_bytes(config: VisionConfig, image_tokens: int, elem: int) -> int:
+    """An upper estimate of the tower's activation peak for `image_tokens` merged tokens in one
+    call (4 patches each): a block's live tensors per patch (the residual, its norm, qkv, the
+    float32 RoPE of q and k, the attention output, gate, up and their product) and the float32
+    cos/sin; attention itself runs in sdpa's fused kernels on CUDA (no patches x patches
+    matrix). The merger's rows are a quarter as many and narrower than the blocks'."""
+    d, inner = config.hidden_size, config.intermediate_size
+    patches = image_tokens * config.spatial_merge_size**2
+    per_patch = elem * (6 * d + 3 * inner) + 4 * (4 * d + 2 * config.head_dim)
+    return patches * per_patch
+
+
+def step_image_tokens(chunked_prefill_size: int, max_image_tokens: int) -> int:
+    """The most image tokens one prefill step encodes: the images its chunk touches lie inside
+    it but the last, which may run past it by up to one image."""
+    return chunked_prefill_size + max_image_tokens
 
 
 def num_tokens(grid: Grid, merge_size: int) -> int:

@@ -5,8 +5,9 @@
         --disaggregation-decode-extra-slots 64 --gpu-memory-gib 141 [--speculative-num-steps 1]
 
 The plan itself is serving/models/rank_plan.py (a worker logs the same plan at start-up beside
-what it built). Block-FP8 checkpoints are read from their headers, as a CUDA rank holds them
-(--fp8-keep-bf16 as the server's flag).
+what it built). A checkpoint with a vision tower: its weights and one step's activation peak
+(--chunked-prefill-size + --max-image-tokens image tokens) are counted. Block-FP8 checkpoints
+are read from their headers, as a CUDA rank holds them (--fp8-keep-bf16 as the server's flag).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 from serving.config import ModelConfig, parse_fp8_kinds
 from serving.models.loader import resolve_dtype
 from serving.models.rank_plan import GIB, fp8_plan, predict_rank
+from serving.models.vision import step_image_tokens
 
 
 def plan(args: argparse.Namespace) -> list[str]:
@@ -34,6 +36,7 @@ def plan(args: argparse.Namespace) -> list[str]:
         total_memory=int(args.gpu_memory_gib * GIB),
         fp8=fp8_plan(args.model_path, config, parse_fp8_kinds(args.fp8_keep_bf16)),
         snapshot_ratio=args.mamba_full_memory_ratio,
+        vision_tokens=step_image_tokens(args.chunked_prefill_size, args.max_image_tokens),
     )
     return rank.lines(args.model_path)
 
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         help="a worker with the prefix cache (the server's default is 0.1; 0: none, as PD decode)",
+    )
+    ap.add_argument("--chunked-prefill-size", type=int, default=8192, help="as the server's")
+    ap.add_argument(
+        "--max-image-tokens", type=int, default=8000, help="a vision checkpoint: as the server's"
     )
     args = ap.parse_args(argv)
     try:

@@ -31,7 +31,10 @@ from serving.layers.linear import stack_projections
 from serving.models.fp8_choice import linear_shape
 from serving.models.fp8_weights import SCALE_SUFFIX
 from serving.models.loader import checkpoint_files
+from serving.models.vision_loader import VISION_PREFIX
 
+# the tower's mlp.*_proj names match this too: it stays in the checkpoint's dtype (GLM-5.3-Flash
+# ships it in bf16 beside FP8 text weights)
 QUANTIZED = re.compile(
     r"\.self_attn\.(q|k|v|o|f_a|f_b|g_a|g_b|b|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?\.weight$"
     r"|\.self_attn\.indexer\.(wq_b|wk)\.weight$"
@@ -68,7 +71,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, ue8m0: bool = False) -
                 tensor = f.get_tensor(name)
                 if name.endswith(SCALE_SUFFIX) or tensor.dtype == torch.float8_e4m3fn:
                     raise SystemExit(f"error: {src} is already quantized ({name})")
-                if QUANTIZED.search(name):
+                if QUANTIZED.search(name) and not name.startswith(VISION_PREFIX):
                     if tensor.dim() != 2:
                         raise SystemExit(
                             f"error: {name}: expected a 2-D weight, got {tensor.shape}"

@@ -4,12 +4,17 @@
     python -m serving.tools.tiny_model DIR --preset bench --device cuda   # 3B GPU benchmark config
     python -m serving.tools.tiny_model DIR --preset real     # GLM-5.3-Flash's config.json only
     python -m serving.tools.tiny_model DIR --preset real --fp8   # ... as published: block FP8
+    python -m serving.tools.tiny_model DIR --vision     # with a tiny vision tower (random)
 
 The checkpoint is what transformers' glm5_next save_pretrained writes (nested text_config,
 original tensor names) plus the NextN layer at layers.{num_hidden_layers}, a byte-level BPE
 tokenizer.json with GLM's special tokens, chat_template.jinja and generation_config.json.
 --fp8: the checkpoint in block FP8 (serving/tools/quantize_fp8.py; config-only presets get just
 the quantization_config).
+--vision: a vision tower too (transformers' glm5_next_vision config, `model.visual.*` tensors,
+kept in the checkpoint's dtype even with --fp8), the tokenizer's image tokens and a
+preprocessor_config.json for Glm5NextImageProcessor; the real preset gets GLM-5.3-Flash's
+tower shape (transformers' defaults at the text width).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from serving.config import DSA, KDA, ModelConfig
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.loader import export_checkpoint
 from serving.models.nextn import NextNDraft
-from serving.models.random_init import random_weights
+from serving.models.random_init import random_vision, random_weights
 from serving.tools.tokenizer_build import write_tokenizer_files
 
 TINY_VOCAB = 1024
@@ -164,6 +169,24 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 CONFIG_ONLY = {"real"}  # presets written without weights
 
+# --vision: the tower per preset (transformers' Glm5NextVisionConfig defaults otherwise);
+# out_hidden_size is always the text width. Tiny: 2 blocks of 32 wide, 2 heads of 16.
+VISION_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        depth=2, hidden_size=32, num_heads=2, intermediate_size=64, projection_intermediate_size=64
+    ),
+    "small": dict(
+        depth=4,
+        hidden_size=128,
+        num_heads=4,
+        intermediate_size=256,
+        projection_intermediate_size=512,
+    ),  # fmt: skip
+}
+# preprocessor_config.json: Glm5NextImageProcessor with CLIP's mean and std; the tiny preset's
+# images take 4 to 64 tokens (GLM-5.3-Flash's: 16 to 8,000), so tests stay short.
+IMAGE_TOKEN_BUDGET = {"tiny": (4, 64)}
+
 COMMON: dict[str, Any] = dict(
     model_type="glm5_next_text",
     hidden_act="silu",
@@ -183,17 +206,56 @@ COMMON: dict[str, Any] = dict(
 )
 
 
-def build_config(preset: str, specials: dict[str, int]) -> dict[str, Any]:
+def build_config(preset: str, specials: dict[str, int], vision: bool = False) -> dict[str, Any]:
     text = {**COMMON, **PRESETS[preset]}
     dtype = text.pop("dtype")
     text["eos_token_id"] = [specials[t] for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
     text["pad_token_id"] = specials["<|endoftext|>"]
-    return {
+    raw = {
         "architectures": ["Glm5NextForConditionalGeneration"],
         "model_type": "glm5_next",
         "dtype": dtype,
         "tie_word_embeddings": False,
         "text_config": text,
+    }
+    if vision:
+        raw["vision_config"] = {
+            "model_type": "glm5_next_vision",
+            **VISION_PRESETS.get(preset, {}),
+            "out_hidden_size": text["hidden_size"],
+        }
+        for key, token in (
+            ("image_token_id", "<|image|>"),
+            ("video_token_id", "<|video|>"),
+            ("image_start_token_id", "<|begin_of_image|>"),
+            ("image_end_token_id", "<|end_of_image|>"),
+            ("video_start_token_id", "<|begin_of_video|>"),
+            ("video_end_token_id", "<|end_of_video|>"),
+        ):
+            raw[key] = specials[token]
+    return raw
+
+
+def preprocessor_config(preset: str) -> dict[str, Any]:
+    """What transformers' AutoImageProcessor reads for glm5_next (serving/front/images.py's
+    ImageProcessorConfig reads the same keys)."""
+    low, high = IMAGE_TOKEN_BUDGET.get(preset, (16, 8000))
+    return {
+        "image_processor_type": "Glm5NextImageProcessor",
+        "processor_class": "Glm5NextProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_image_tokens": low,
+        "max_image_tokens": high,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "rescale_factor": 1 / 255,
+        "resample": 3,
     }
 
 
@@ -214,15 +276,21 @@ def write_checkpoint(
     device: str = "cpu",
     seed: int = 0,
     fp8: bool = False,
+    vision: bool = False,
 ) -> Path:
     from serving.tools.quantize_fp8 import quantize_checkpoint, write_fp8_config
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # a vocabulary smaller than the tiny tokenizer's gets a tokenizer of its size
-    specials = write_tokenizer_files(out, vocab_size=min(TINY_VOCAB, PRESETS[preset]["vocab_size"]))
-    raw = build_config(preset, specials)
+    specials = write_tokenizer_files(
+        out, vocab_size=min(TINY_VOCAB, PRESETS[preset]["vocab_size"]), vision=vision
+    )
+    raw = build_config(preset, specials, vision)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    if vision:
+        text = json.dumps(preprocessor_config(preset), indent=2) + "\n"
+        (out / "preprocessor_config.json").write_text(text)
     (out / "generation_config.json").write_text(
         json.dumps(
             {
@@ -239,6 +307,11 @@ def write_checkpoint(
         return out
     config, target, draft = random_model(raw, device, seed)
     tensors = export_checkpoint(config, target, draft)
+    if vision:  # quantize_checkpoint leaves model.visual.* as they are
+        tower = random_vision(config, target.dtype, device, seed)
+        tensors.update(
+            {f"model.visual.{k}": v.detach().cpu() for k, v in tower.state_dict().items()}
+        )
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return quantize_checkpoint(out, out) if fp8 else out
 
@@ -252,9 +325,13 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fp8", action="store_true", help="block FP8, as GLM-5.3-Flash is published")
+    ap.add_argument("--vision", action="store_true", help="with a vision tower (random weights)")
     args = ap.parse_args()
-    path = write_checkpoint(args.out_dir, args.preset, args.device, args.seed, args.fp8)
-    print(f"wrote {args.preset}{' FP8' if args.fp8 else ''} checkpoint to {path}")
+    path = write_checkpoint(
+        args.out_dir, args.preset, args.device, args.seed, args.fp8, args.vision
+    )
+    kind = (" FP8" if args.fp8 else "") + (" vision" if args.vision else "")
+    print(f"wrote {args.preset}{kind} checkpoint to {path}")
 
 
 if __name__ == "__main__":

@@ -41,14 +41,26 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "/nothink",
 )
 EOS_TOKEN = "<|endoftext|>"
+# A vision checkpoint's further special tokens (GLM's: <|image|> repeated for each image token;
+# the video markers transformers' Glm5NextProcessor looks up), after SPECIAL_TOKENS.
+VISION_TOKENS: tuple[str, ...] = (
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|image|>",
+    "<|video|>",
+)
 
 
-def build_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = None) -> Tokenizer:
-    """BPE over `texts` (default: the tiny corpus's lines), GLM's special tokens last."""
-    bpe_size = vocab_size - len(SPECIAL_TOKENS)
+def build_tokenizer(
+    vocab_size: int = 1024,
+    texts: Iterable[str] | None = None,
+    specials: tuple[str, ...] = SPECIAL_TOKENS,
+) -> Tokenizer:
+    """BPE over `texts` (default: the tiny corpus's lines), the special tokens last."""
+    bpe_size = vocab_size - len(specials)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if bpe_size < len(alphabet):
-        raise ValueError(f"vocab_size must be at least {len(alphabet) + len(SPECIAL_TOKENS)}")
+        raise ValueError(f"vocab_size must be at least {len(alphabet) + len(specials)}")
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -70,10 +82,10 @@ def build_tokenizer(vocab_size: int = 1024, texts: Iterable[str] | None = None) 
         )
 
     tokenizer.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+        [AddedToken(token, special=True, normalized=False) for token in specials]
     )
     # A special token that collided with a learned token would keep the BPE id instead.
-    ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
+    ids = [tokenizer.token_to_id(token) for token in specials]
     if ids != list(range(bpe_size, vocab_size)):
         raise RuntimeError(f"special tokens did not land at ids {bpe_size}..{vocab_size - 1}")
     return tokenizer
@@ -84,14 +96,17 @@ def write_tokenizer_files(
     vocab_size: int = 1024,
     model_max_length: int = 8192,
     texts: Iterable[str] | None = None,
+    vision: bool = False,
 ) -> dict[str, int]:
+    """vision: with VISION_TOKENS after GLM's (a vision checkpoint's tokenizer)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size, texts)
+    specials = SPECIAL_TOKENS + (VISION_TOKENS if vision else ())
+    tokenizer = build_tokenizer(vocab_size, texts, specials)
     tokenizer.save(str(out / "tokenizer.json"))
 
-    special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    extra = [token for token in SPECIAL_TOKENS if token != EOS_TOKEN]
+    special_ids = {token: tokenizer.token_to_id(token) for token in specials}
+    extra = [token for token in specials if token != EOS_TOKEN]
     config = {
         "added_tokens_decoder": {
             str(token_id): {

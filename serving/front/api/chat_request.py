@@ -10,6 +10,7 @@ from typing import Any
 
 from serving.front.api.context import FrontContext
 from serving.front.api.errors import APIError
+from serving.front.api.image_request import attach_images, chat_image_sources, load_images
 from serving.front.api.openai_protocol import ChatCompletionRequest, ContentPart, NamedToolChoice
 from serving.front.api.openai_request import bootstrap_fields, check_common, constrain
 from serving.front.api.reasoning import prompt_opens_reasoning
@@ -51,6 +52,7 @@ async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRu
     chars = sum(_content_chars(m.content) for m in body.messages)
     ctx.check_text_length(chars, ready.context_length, "messages", "the messages' content")
     tools, forced = _tool_choice(body)
+    images = await load_images(ctx.vision, chat_image_sources(body.messages), "messages")
     prompt = ctx.chat_template.render(
         [m.model_dump(exclude_none=True) for m in body.messages],
         tools=tools,
@@ -59,6 +61,7 @@ async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRu
         **(body.chat_template_kwargs or {}),
     )
     ids = await ctx.encode_checked(prompt, False, ready.context_length, "messages")
+    ids, image_inputs = attach_images(ctx.vision, ids, images, "messages")
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
@@ -88,6 +91,7 @@ async def prepare_chat(ctx: FrontContext, body: ChatCompletionRequest) -> ChatRu
         body.n,
         return_logprob=body.logprobs,
         top_logprobs_num=top,
+        images=[image_inputs],  # one list per prompt
         **bootstrap_fields(body),
     )
     return ChatRun(seqs, rid, reasoning, opens, parsed_tools)

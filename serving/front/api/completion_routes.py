@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from serving.front.api.context import FrontContext
 from serving.front.api.errors import APIError
+from serving.front.api.image_request import attach_images
 from serving.front.api.logprobs import completion_logprobs
 from serving.front.api.openai_protocol import CompletionRequest
 from serving.front.api.openai_request import (
@@ -134,6 +135,9 @@ async def _completion_prompts(
         raise APIError(400, "prompt: must not be empty", "prompt")
     for ids in prompts:
         check_prompt_ids(ids, ready.vocab_size, "prompt")
+        # completions take no images: an <|image|> here would be an image-less placeholder
+        # (and share prefix-cache keys with image runs)
+        attach_images(ctx.vision, ids, [], "prompt")
     return prompts
 
 

@@ -21,6 +21,7 @@ from serving.executor.constrained import (
 )
 from serving.front.api.context_length import input_too_long
 from serving.front.api.errors import APIError
+from serving.front.api.image_request import VisionSetup
 from serving.front.api.structured_output import GlmTokens
 from serving.front.chat import ChatTemplate, load_chat_template
 from serving.front.engine_client import EngineClient, EngineUnavailable
@@ -45,6 +46,7 @@ class FrontContext:
     sampling_defaults: dict[str, Any]
     created: int
     max_token_chars: int  # the longest vocabulary entry, in characters (bytes for byte-level BPE)
+    vision: VisionSetup | None = None  # the image path (None: a text-only checkpoint)
 
     @classmethod
     def load(cls, args: ServerArgs, client: EngineClient) -> FrontContext:
@@ -55,6 +57,7 @@ class FrontContext:
             raise ArgsError(f"{flag} {tokenizer_file.parent}: no tokenizer.json")
         generation = _read_json(model_dir / "generation_config.json")
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        model_config = _read_json(model_dir / "config.json")
         return cls(
             args=args,
             client=client,
@@ -64,10 +67,11 @@ class FrontContext:
             chat_template=load_chat_template(
                 args.model_path, args.tokenizer_path, args.chat_template
             ),
-            model_config=_read_json(model_dir / "config.json"),
+            model_config=model_config,
             sampling_defaults={k: generation[k] for k in _GENERATION_DEFAULTS if k in generation},
             created=int(time.time()),
             max_token_chars=_longest_token(tokenizer),
+            vision=VisionSetup.load(args, model_config),
         )
 
     @property

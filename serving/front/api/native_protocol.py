@@ -48,6 +48,10 @@ class GenerateBody(NativeBody):
     bootstrap_host: str | list[str] | None = None
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
+    # SGLang's: per prompt, an image (data: or http(s) URL, file:// URL or path, bare base64)
+    # or a list of them, for the prompt's <|image|> placeholders in order; a batch: one entry
+    # per prompt
+    image_data: str | list[str | list[str] | None] | None = None
 
 
 class AbortBody(NativeBody):

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from serving.front.api.context import FrontContext
 from serving.front.api.errors import APIError
+from serving.front.api.image_request import attach_images, load_images
 from serving.front.api.logprobs import native_logprobs
 from serving.front.api.native_protocol import AbortBody, GenerateBody, NativeSamplingParams
 from serving.front.api.responses import SSE_DONE, event_stream, sse, stream_error
@@ -23,7 +24,7 @@ from serving.front.api.sampling import (
     request_sampling,
 )
 from serving.front.api.sequences import Seq, Update, collect, make_seqs, start_seqs
-from serving.protocol import SamplingParams, SchedulerReady
+from serving.protocol import ImageInput, SamplingParams, SchedulerReady
 
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 
@@ -35,6 +36,7 @@ def native_router(ctx: FrontContext) -> APIRouter:
     async def generate(body: GenerateBody, request: Request) -> Response:
         ready = ctx.scheduler()
         prompts, batched = await _prompts(ctx, body, ready)
+        prompts, images = await _prompt_images(ctx, body, prompts, batched)
         params = body.sampling_params or NativeSamplingParams()
         if isinstance(params, list):
             if len(params) != len(prompts):
@@ -73,6 +75,7 @@ def native_router(ctx: FrontContext) -> APIRouter:
             bootstrap_host=body.bootstrap_host,
             bootstrap_port=body.bootstrap_port,
             bootstrap_room=body.bootstrap_room,
+            images=images,
         )
         many = batched or n > 1
         if body.stream:
@@ -118,6 +121,31 @@ async def _prompts(
     for ids in prompts:
         check_prompt_ids(ids, vocab_size, "input_ids")
     return prompts, batched
+
+
+async def _prompt_images(
+    ctx: FrontContext, body: GenerateBody, prompts: list[list[int]], batched: bool
+) -> tuple[list[list[int]], list[list[ImageInput]]]:
+    """SGLang's image_data: each prompt's images loaded and its placeholders expanded."""
+    data = body.image_data
+    if data is None:
+        per_prompt: list = [None] * len(prompts)
+    elif batched:
+        if not isinstance(data, list) or len(data) != len(prompts):
+            raise APIError(400, f"image_data: one entry per prompt ({len(prompts)})", "image_data")
+        per_prompt = data
+    else:
+        per_prompt = [data]
+    expanded, images = [], []
+    for ids, sources in zip(prompts, per_prompt):
+        listed = [sources] if isinstance(sources, str) else list(sources or [])
+        if any(not isinstance(s, str) for s in listed):
+            raise APIError(400, "image_data: an image is a string (a URL or base64)", "image_data")
+        loaded = await load_images(ctx.vision, listed, "image_data")
+        ids, inputs = attach_images(ctx.vision, ids, loaded, "image_data")
+        expanded.append(ids)
+        images.append(inputs)
+    return expanded, images
 
 
 def _sampling(

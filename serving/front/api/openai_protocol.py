@@ -51,9 +51,15 @@ class NamedToolChoice(OpenBody):
     function: FunctionName
 
 
+class ImageURL(OpenBody):
+    url: str
+    detail: str | None = None  # accepted; every image is processed at its own size
+
+
 class ContentPart(OpenBody):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class ChatMessage(OpenBody):

@@ -66,6 +66,9 @@ def usage(seqs: Sequence[Seq], n: int, reasoning_tokens: int | None = None) -> d
             "cached_tokens": sum(seq.cached_tokens for seq in seqs if seq.index % n == 0)
         },
     }
+    images = sum(im.num_tokens for seq in seqs if seq.index % n == 0 for im in seq.request.images)
+    if images:  # the prompt's <|image|> tokens (counted in prompt_tokens too)
+        counts["prompt_tokens_details"]["image_tokens"] = images
     if reasoning_tokens is not None:
         counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return counts
