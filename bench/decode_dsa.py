@@ -32,7 +32,7 @@ from kernels.triton.sparse_mla import sparse_mla_attention
 from serving.config import ModelConfig
 from serving.distributed import ParallelState, set_state
 from serving.forward_batch import ForwardBatch
-from serving.layers.linear import stack_projections
+from serving.layers.stacked_projections import stack_projections
 from serving.memory.cache import DSALayerCache, tail_slots_for
 from serving.models.dsa import K_NORM_EPS, DSAttention
 from serving.models.random_init import init_module

@@ -65,8 +65,8 @@ def _config():
 def _layer(config, fp8: bool, gen: torch.Generator):
     """Rank 0's MoE layer with random weights (routed experts in block FP8 if fp8)."""
     from kernels.fp8 import quantize_weight
-    from serving.layers.linear import stack_projections
     from serving.layers.mlp import MoE
+    from serving.layers.stacked_projections import stack_projections
 
     with torch.device(DEVICE):
         moe = MoE(config, torch.bfloat16)

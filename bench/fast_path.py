@@ -78,7 +78,7 @@ from serving.memory.pool import MemoryPool, PoolPlan
 from serving.models.fp8_choice import POLICIES
 from serving.models.loader import resolve_dtype
 from serving.models.random_init import random_weights
-from serving.protocol import SamplingParams
+from serving.sampling_params import SamplingParams
 from serving.speculative.eagle import Eagle, Proposal, SpecConfig
 from serving.tools.tiny_model import TINY_VOCAB, build_config, random_model
 from serving.tools.tokenizer_build import write_tokenizer_files

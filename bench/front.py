@@ -31,11 +31,11 @@ from serving.front.engine_client import EngineClient
 from serving.protocol import (
     BatchOutput,
     FinishReason,
-    SamplingParams,
     SchedulerReady,
     SchedulerStats,
     SequenceOutput,
 )
+from serving.sampling_params import SamplingParams
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[1] / "serving" / "assets" / "small_model"
 

@@ -41,7 +41,8 @@ import serving.layers.attention.dsa
 import serving.layers.norm
 from serving.engine.build import build_engine
 from serving.engine.scheduler import Scheduler
-from serving.protocol import GenerateRequest, SamplingParams
+from serving.protocol import GenerateRequest
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 
 

@@ -68,7 +68,8 @@ import torch
 from serving.engine.build import build_engine, prepare
 from serving.engine.scheduler import Scheduler
 from serving.engine.step_phases import StepPhases, phase_means
-from serving.protocol import GenerateRequest, SamplingParams
+from serving.protocol import GenerateRequest
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 
 SHARED_DEVICE_FRACTION = 0.4  # per engine or worker, two sharing one GPU

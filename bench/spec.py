@@ -19,7 +19,8 @@ import time
 import torch
 
 from serving.engine.build import build_engine
-from serving.protocol import GenerateRequest, SamplingParams
+from serving.protocol import GenerateRequest
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from training.distill_nextn import training_prompts
 

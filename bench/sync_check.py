@@ -51,7 +51,8 @@ from serving.executor.model_runner import ModelRunner
 from serving.executor.sampler import Sampler
 from serving.executor.streams import use_compute_stream
 from serving.memory.pool import MemoryPool, PoolPlan
-from serving.protocol import GenerateRequest, SamplingParams
+from serving.protocol import GenerateRequest
+from serving.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 DECODE_PROMPT = 48  # tokens of each decode request's prompt

@@ -664,7 +664,7 @@ def test_scheduler_rates_are_over_the_last_window() -> None:
 def test_bootstrap_lists_per_prompt_or_per_sequence(tokenizer: Tokenizer) -> None:
     from serving.front.api.errors import APIError
     from serving.front.api.sequences import make_seqs
-    from serving.protocol import SamplingParams
+    from serving.sampling_params import SamplingParams
 
     def rooms(prompts: int, n: int, room: Any) -> list[int | None]:
         seqs = make_seqs(tokenizer, "r", [[5]] * prompts, [SamplingParams()] * prompts, n,

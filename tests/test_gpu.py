@@ -10,7 +10,8 @@ import torch
 from serving.config import ModelConfig
 from serving.engine.build import build_engine
 from serving.models.loader import load_weights
-from serving.protocol import GenerateRequest, SamplingParams
+from serving.protocol import GenerateRequest
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from serving.tools.generate import StepRunner
 from tests.hf_oracle import build_oracle, text_config

@@ -3,8 +3,9 @@ lower layer to a higher one, the router apart, and the HTTP front free of torch.
 every module is named on docs/ARCHITECTURE.md.
 
 Layers, low to high (a module may import its own layer and the ones below):
-kernels < shared definitions (serving.config, serving.protocol, serving.forward_batch,
-serving.server_args with server_args_checks and cli_flags, serving.distributed) < memory <
+kernels < shared definitions (serving.config, serving.protocol, serving.sampling_params,
+serving.forward_batch, serving.server_args with server_args_checks and cli_flags,
+serving.distributed) < memory <
 layers < models < executor < speculative < engine < workers < front < launch_server < tools <
 training and bench. training and bench are one layer: the evaluation measures EAGLE with
 bench.spec, and bench.spec draws its prompts from training.distill_nextn. bench may import the
@@ -29,6 +30,7 @@ LAYERS = [
     (
         "serving.config",
         "serving.protocol",
+        "serving.sampling_params",
         "serving.forward_batch",
         "serving.server_args",
         "serving.server_args_checks",

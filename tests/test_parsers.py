@@ -31,7 +31,8 @@ from serving.front.api.structured_output import (
 from serving.front.api.tool_calls import merge_tool_call_deltas
 from serving.front.api.tool_schema import typed_value
 from serving.front.chat import ChatTemplate
-from serving.protocol import FinishReason, SamplingParams
+from serving.protocol import FinishReason
+from serving.sampling_params import SamplingParams
 from serving.tools.tokenizer_build import CHAT_TEMPLATE_PATH, write_tokenizer_files
 
 TOOLS = [

@@ -19,7 +19,8 @@ from serving.engine.request import Req
 from serving.engine.role import Role
 from serving.engine.scheduler import Scheduler
 from serving.memory.cache import DSALayerCache, KDALayerCache
-from serving.protocol import GenerateRequest, SamplingParams
+from serving.protocol import GenerateRequest
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from tests.server_proc import eagle_flags
 

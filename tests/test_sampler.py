@@ -7,7 +7,7 @@ import torch
 
 from serving.executor.logits_processing import apply_penalties
 from serving.executor.sampler import Sampler, SamplingState
-from serving.protocol import SamplingParams
+from serving.sampling_params import SamplingParams
 
 EOS = 5
 # chi-square critical values at p = 1e-3 by degrees of freedom

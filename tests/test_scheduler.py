@@ -15,7 +15,8 @@ from serving.config import ModelConfig
 from serving.engine import scheduler as scheduler_mod
 from serving.engine.build import build_engine
 from serving.models.loader import load_weights
-from serving.protocol import FinishReason, GenerateRequest, SamplingParams
+from serving.protocol import FinishReason, GenerateRequest
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from serving.tools.generate import StepRunner
 

@@ -17,7 +17,8 @@ from serving.engine import scheduler as scheduler_mod
 from serving.engine.admission import Admission
 from serving.engine.build import build_engine
 from serving.engine.decode_batch import DecodeManager
-from serving.protocol import GenerateRequest, SamplingParams
+from serving.protocol import GenerateRequest
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from tests.conftest import DISTILL_PROMPT_LEN as PROMPT_LEN
 from tests.server_proc import eagle_flags

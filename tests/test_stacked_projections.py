@@ -1,5 +1,5 @@
-"""serving/layers/linear.py StackedProjections: a layer's projections of one input run as one
-GEMM per run of parts (the dense ones; the block-FP8 ones, scales stacked with them) over their
+"""serving/layers/stacked_projections.py: a layer's projections of one input run as one GEMM
+per run of parts (the dense ones; the block-FP8 ones, scales stacked with them) over their
 stacked weights, with the same outputs as the parts run one by one; the fallbacks (storage
 replaced after stacking, training, row-split parts) run the parts one by one. The FP8 stacks
 on the GPU kernels: tests/test_triton_skinny_gemm.py."""
@@ -12,7 +12,8 @@ from torch import nn
 
 from kernels.fp8 import quantize_weight
 from serving.config import ModelConfig
-from serving.layers.linear import Linear, StackedProjections, _weight, stack_runs, stacked_rows
+from serving.layers.linear import Linear
+from serving.layers.stacked_projections import StackedProjections, _weight, stack_runs, stacked_rows
 from serving.models.loader import load_weights
 
 

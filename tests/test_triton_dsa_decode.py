@@ -349,7 +349,7 @@ def _layer_step(monkeypatch, device, dtype, preset, lengths, tol, tp_size=1, ste
     from serving.config import ModelConfig
     from serving.distributed import ParallelState, set_state
     from serving.forward_batch import ForwardBatch
-    from serving.layers.linear import stack_projections
+    from serving.layers.stacked_projections import stack_projections
     from serving.memory.cache import allocate_model_cache
     from serving.models.dsa import DSAttention
     from serving.models.random_init import init_module

@@ -275,7 +275,8 @@ def test_fp8_stacks_equal_their_parts_gpu(layer):
     stack on torch._scaled_mm, KDA's 8-row b_proj alone on the Triton GEMM)."""
     from torch import nn
 
-    from serving.layers.linear import Linear, StackedProjections
+    from serving.layers.linear import Linear
+    from serving.layers.stacked_projections import StackedProjections
 
     k = 4096
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -22,7 +22,8 @@ from serving.front.images import (
 )
 from serving.models.rank_plan import predict_rank
 from serving.models.vision import VisionTower
-from serving.protocol import GenerateRequest, ImageInput, SamplingParams
+from serving.protocol import GenerateRequest, ImageInput
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from serving.tools.tokenizer_build import SPECIAL_TOKENS, VISION_TOKENS
 from tests.vision_images import IMAGE_A, IMAGE_B, png

@@ -10,9 +10,8 @@ Per room (SGLang's KVPoll, forward only):
 
 Under TP/EP every rank writes its own share (workers/rank_transfer.py); this role runs on rank 0
 only and orders the other ranks' writes through the step fanout. A room reaches Success only
-once every rank has reported its writes done. A simulated rank R (--simulate-rank) is the only
-process: it writes rank R's share to a decode worker simulating the same rank R (checked at the
-handshake).
+once every rank has reported its writes done. A simulated rank R (--simulate-rank), the only
+process, writes rank R's share to a decode worker simulating rank R (checked at the handshake).
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ from serving.engine.request import Req
 from serving.engine.role import Role
 from serving.executor.fanout import Fanout
 from serving.memory.pool import MemoryPool
-from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams, SchedulerStats
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SchedulerStats
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from workers.bootstrap_server import register_rank
 from workers.kv_endpoint import KVEndpoint

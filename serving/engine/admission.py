@@ -7,11 +7,10 @@ The prefix cache's state snapshots sit on a grid G = lcm(page size, index_kpool,
 of kpool, so a hit never needs a compression tail (the open pool is empty there); of the page
 size, so a hit is whole pages; of fla's chunk (64), so a kernel's chunk states line up with it.
 Snapshots are taken
-- in a prefill forward, at the last grid position of each chunk and at the grid position where
-  the request's tokens branch off KV the cache already holds (a shared system prompt followed
-  by a request's own text: the next request with that prompt then hits it, which the chunk's
-  end alone would miss); plan_save, the KDA layers save between passes over the chunk, so no
-  extra forward runs; inserted after the step;
+- in a prefill forward, at the last grid position of each chunk and where the request's tokens
+  branch off KV the cache already holds (a shared system prompt then the request's own text: the
+  next request with that prompt hits it, which the chunk's end alone would miss); plan_save, the
+  KDA layers save between passes over the chunk (no extra forward); inserted after the step;
 - while decoding, whenever a request crosses a grid position (track: one slot per request,
   overwritten; with EAGLE from the verify's per-position history), inserted every
   --mamba-track-interval tokens and, at the end of the request, the last one (release).
@@ -70,10 +69,10 @@ class Admission:
 
     # ---- admit ----
     def admit(self, req: Req, max_tokens: int, running: int) -> int | None:
-        """Give `req` its cached prefix (when the cache has one), a row and the
-        pages for its next chunk of at most `max_tokens` tokens. The reserve policy: one page
-        stays free (or evictable) per request that decodes beside it (`running`), for that
-        request's next decode tokens. Returns the chunk's length, or None with nothing taken."""
+        """Give `req` its cached prefix (when the cache has one), a row and the pages for its
+        next chunk of at most `max_tokens` tokens. The reserve policy: one page stays free (or
+        evictable) per request that decodes beside it (`running`), for that request's next
+        decode tokens. Returns the chunk's length, or None with nothing taken."""
         pool, cache = self.pool, self.cache
         node, hit = None, 0
         if cache is not None:
@@ -117,9 +116,7 @@ class Admission:
         limit = len(req.fill_ids) - 1
         if req.input_scored < len(req.input_ids):
             limit = min(limit, req.input_scored - 1)
-        if req.images:  # keys are token ids: no hit may reach an image's tokens (issue 45.5)
-            limit = min(limit, req.images[0].start)
-        return limit
+        return min(limit, req.images[0].start) if req.images else limit  # keys are token ids
 
     def grow(self, req: Req, num_tokens: int) -> bool:
         """Pages for positions up to num_tokens, evicting cached ones if need be; False

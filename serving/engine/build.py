@@ -41,7 +41,8 @@ from serving.models.random_init import random_vision, random_weights
 from serving.models.rank_plan import vision_peak
 from serving.models.vision import VisionTower
 from serving.models.vision_loader import load_vision
-from serving.protocol import GenerateRequest, SamplingParams, SchedulerReady
+from serving.protocol import GenerateRequest, SchedulerReady
+from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from serving.speculative.eagle import Eagle, SpecConfig
 

@@ -29,7 +29,8 @@ import dataclasses
 import random
 
 from serving.engine.scheduler import Scheduler
-from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, SamplingParams
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest
+from serving.sampling_params import SamplingParams
 
 MAX_STEPS = 100_000  # a warm-up that does not finish is a bug: fail start-up, do not hang
 TOKEN_IDS = 1000  # prompt ids are below this (and the vocabulary)

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from serving.protocol import FinishReason, SamplingParams
+from serving.protocol import FinishReason
+from serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import llguidance

@@ -12,7 +12,7 @@ import torch
 
 from serving.executor.sampling_state import SamplingState
 from serving.forward_batch import to_device, upload
-from serving.protocol import SamplingParams
+from serving.sampling_params import SamplingParams
 
 
 def apply_penalties(

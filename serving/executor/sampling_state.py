@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from serving.executor.constrained import SequenceGrammar
-from serving.protocol import FinishReason, SamplingParams
+from serving.protocol import FinishReason
+from serving.sampling_params import SamplingParams
 
 
 @dataclass

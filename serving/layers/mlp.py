@@ -10,7 +10,8 @@ from kernels import moe as moe_kernels
 from kernels.moe_small import Experts, SharedExpert
 from serving.config import ModelConfig
 from serving.distributed import all_reduce, split, state
-from serving.layers.linear import Linear, StackedProjections, block_scales, fp8_twin, param, shard
+from serving.layers.linear import Linear, block_scales, fp8_twin, param, shard
+from serving.layers.stacked_projections import StackedProjections
 
 
 class DenseMLP(nn.Module):

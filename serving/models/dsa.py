@@ -29,8 +29,9 @@ from serving.layers.attention.dsa import (
     write_latent,
     write_step,
 )
-from serving.layers.linear import Linear, StackedProjections, param
+from serving.layers.linear import Linear, param
 from serving.layers.norm import RMSNorm
+from serving.layers.stacked_projections import StackedProjections
 from serving.memory.cache import DSALayerCache
 
 K_NORM_EPS = 1e-6  # the index key's LayerNorm

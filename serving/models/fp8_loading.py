@@ -14,7 +14,7 @@ from safetensors import safe_open
 from kernels.fp8 import dequantize
 from serving.config import ModelConfig
 from serving.distributed import ParallelState
-from serving.layers.linear import StackedProjections
+from serving.layers.stacked_projections import StackedProjections
 from serving.models.fp8_choice import LinearChoice, choose_linears, linear_shape
 from serving.models.fp8_weights import (
     SCALE_SUFFIX,

@@ -17,7 +17,8 @@ from serving.config import ModelConfig
 from serving.distributed import state
 from serving.forward_batch import ForwardBatch
 from serving.layers.attention.kda import decode_core, extend_core
-from serving.layers.linear import Linear, StackedProjections, param, shard, tp_param
+from serving.layers.linear import Linear, param, shard, tp_param
+from serving.layers.stacked_projections import StackedProjections
 from serving.memory.cache import KDALayerCache
 
 

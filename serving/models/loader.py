@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 from serving.config import ModelConfig
 from serving.distributed import state
-from serving.layers.linear import stack_projections
+from serving.layers.stacked_projections import stack_projections
 from serving.models.checkpoint_reader import CheckpointError, checkpoint_files, iter_slices
 from serving.models.fp8_loading import (
     choose_and_hold,

@@ -21,7 +21,7 @@ from torch import nn
 from kernels.fp8 import quantize_weight
 from serving.config import ModelConfig
 from serving.distributed import state
-from serving.layers.linear import stack_projections
+from serving.layers.stacked_projections import stack_projections
 from serving.models.fp8_loading import choose_and_hold, fp8_modules
 from serving.models.fp8_weights import SCALE_SUFFIX
 from serving.models.glm5_next import Glm5NextForCausalLM

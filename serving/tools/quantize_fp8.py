@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kernels.fp8 import quantize_weight
-from serving.layers.linear import stack_projections
+from serving.layers.stacked_projections import stack_projections
 from serving.models.fp8_choice import linear_shape
 from serving.models.fp8_weights import SCALE_SUFFIX
 from serving.models.loader import checkpoint_files

@@ -18,13 +18,8 @@ from serving.front.api.context import FrontContext
 from serving.front.api.errors import APIError, error_response
 from serving.front.api.native_protocol import ProfileBody
 from serving.front.api.sequences import collect, make_seqs
-from serving.protocol import (
-    FAKE_BOOTSTRAP_HOST,
-    FlushCache,
-    SamplingParams,
-    StartProfile,
-    StopProfile,
-)
+from serving.protocol import FAKE_BOOTSTRAP_HOST, FlushCache, StartProfile, StopProfile
+from serving.sampling_params import SamplingParams
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # Writing a long trace of every rank takes a while (SGLang waits 600 s as well).

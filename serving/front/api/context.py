@@ -25,7 +25,8 @@ from serving.front.api.image_request import VisionSetup
 from serving.front.api.structured_output import GlmTokens
 from serving.front.chat import ChatTemplate, load_chat_template
 from serving.front.engine_client import EngineClient, EngineUnavailable
-from serving.protocol import SamplingParams, SchedulerReady
+from serving.protocol import SchedulerReady
+from serving.sampling_params import SamplingParams
 from serving.server_args import ArgsError, ServerArgs
 
 INLINE_ENCODE_CHARS = 4096  # shorter texts are tokenised on the event loop (a thread costs more)

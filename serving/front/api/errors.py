@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.front.chat import ChatTemplateError
 from serving.front.engine_client import EngineUnavailable, RidInUse
-from serving.protocol import SamplingError
+from serving.sampling_params import SamplingError
 
 log = logging.getLogger(__name__)
 

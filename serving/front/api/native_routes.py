@@ -24,7 +24,8 @@ from serving.front.api.sampling import (
     request_sampling,
 )
 from serving.front.api.sequences import Seq, Update, collect, make_seqs, start_seqs
-from serving.protocol import ImageInput, SamplingParams, SchedulerReady
+from serving.protocol import ImageInput, SchedulerReady
+from serving.sampling_params import SamplingParams
 
 NATIVE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 

@@ -11,7 +11,7 @@ from serving.front.api.errors import APIError
 from serving.front.api.openai_protocol import SamplingRequest
 from serving.front.api.sampling import check_n
 from serving.front.api.structured_output import Constraint
-from serving.protocol import SamplingParams
+from serving.sampling_params import SamplingParams
 
 
 def check_common(ctx: FrontContext, body: SamplingRequest) -> None:

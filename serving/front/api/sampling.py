@@ -10,7 +10,8 @@ from serving.front.api.context_length import input_too_long, request_too_long
 from serving.front.api.errors import APIError
 from serving.front.api.native_protocol import NativeSamplingParams
 from serving.front.api.openai_protocol import SamplingRequest
-from serving.protocol import SamplingParams, SchedulerReady
+from serving.protocol import SchedulerReady
+from serving.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128  # OpenAI's bound on choices per request

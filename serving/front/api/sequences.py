@@ -15,13 +15,8 @@ from serving.front.api.errors import APIError
 from serving.front.api.sampling import for_sequence
 from serving.front.detokenizer import IncrementalDetokenizer, StreamingText
 from serving.front.engine_client import EngineClient
-from serving.protocol import (
-    FinishReason,
-    GenerateRequest,
-    SamplingParams,
-    SequenceOutput,
-    TokenLogprob,
-)
+from serving.protocol import FinishReason, GenerateRequest, SequenceOutput, TokenLogprob
+from serving.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
