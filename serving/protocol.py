@@ -36,6 +36,7 @@ class ImageInput:
     grid_thw: tuple[int, int, int]  # in patches
     start: int
     num_tokens: int
+    content_hash: int  # of the image's bytes (the front's): its positions' prefix-cache key
 
 
 @dataclass

@@ -95,6 +95,7 @@ class ProcessedImage:
     pixel_values: np.ndarray | None  # float32 [t*gh*gw, 3*2*14*14]; None: counted (PD decode)
     grid_thw: tuple[int, int, int]  # (1, gh, gw) in patches
     num_tokens: int  # the <|image|> tokens it takes: t * gh * gw // merge_size**2
+    content_hash: int = 0  # of the bytes it came from (set by the front's image_request)
 
 
 def decode_image(

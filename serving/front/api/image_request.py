@@ -12,6 +12,8 @@ prompt whose <|image|> tokens are not its images' (typed in a message) or that h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,8 +127,17 @@ async def load_images(
 
 def _process(data: bytes, vision: VisionSetup) -> ProcessedImage:
     if vision.counts_only:
-        return _count(data, vision)
-    return preprocess(decode_image(data), vision.processor, vision.max_tokens)
+        image = _count(data, vision)
+    else:
+        image = preprocess(decode_image(data), vision.processor, vision.max_tokens)
+    return dataclasses.replace(image, content_hash=content_hash(data))
+
+
+def content_hash(data: bytes) -> int:
+    """The image's content hash (prefix-cache keys, serving/engine/cache_keys.py): of its bytes,
+    so prefill and decode agree and nothing is decoded for it; the same pixels sent as other
+    bytes only miss."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def _count(data: bytes, vision: VisionSetup) -> ProcessedImage:
@@ -160,6 +171,6 @@ def attach_images(
     except ImageError as e:
         raise APIError(400, str(e), param) from None
     return expanded, [
-        ImageInput(im.pixel_values, im.grid_thw, start, im.num_tokens)
+        ImageInput(im.pixel_values, im.grid_thw, start, im.num_tokens, im.content_hash)
         for im, start in zip(images, starts)
     ]
