@@ -17,7 +17,7 @@ from serving.front.media import MediaPolicy
 from tests.server_proc import Server
 from tests.test_vision import IMAGES
 from tests.test_vision_serving import chat, image_part
-from tests.vision_images import IMAGE_A, IMAGE_B
+from tests.vision_images import IMAGE_A, IMAGE_B, png
 
 FLAGS = ("--context-length", "512", "--chunked-prefill-size", "16")
 
@@ -117,4 +117,38 @@ def test_pd_generate_image_data_equals_the_single_worker(stack, single) -> None:
     alone = {**body, "bootstrap_host": "2.2.2.2", "bootstrap_room": 0}
     r = httpx.post(pair.decode.url + "/generate", json=alone, timeout=60)
     assert r.status_code == 400 and "PD decode prefills no images" in r.text, r.text
+    pair.idle()
+
+
+def test_pd_prefill_hits_the_same_image_past_it(stack, tiny_vision_ckpt) -> None:
+    """Prefill's prefix cache keys images by content: the same image again hits past its run
+    (prefill encodes nothing; decode reports the hit) with the first run's tokens; another
+    image of the same size (the same ids) hits only the text before it."""
+    from transformers import AutoTokenizer
+
+    router, pair = stack
+    tok = AutoTokenizer.from_pretrained(tiny_vision_ckpt)
+    names = ("<|begin_of_image|>", "<|image|>", "<|end_of_image|>")
+    text = [100 + (7 * i) % 900 for i in range(140)]
+    ids = text[:70] + [tok.convert_tokens_to_ids(n) for n in names] + text[70:]
+
+    def generate(image: bytes) -> dict:
+        body = {
+            "input_ids": ids,
+            "image_data": image_part(image)["image_url"]["url"],
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        }
+        r = httpx.post(router.url + "/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    httpx.post(pair.prefill.url + "/flush_cache", timeout=30)
+    first = generate(IMAGE_A)
+    encoded = pair.prefill.stats()["images_encoded_total"]
+    again = generate(IMAGE_A)
+    assert again["meta_info"]["cached_tokens"] == 128  # the image's run is [71, 91)
+    assert again["output_ids"] == first["output_ids"]
+    assert pair.prefill.stats()["images_encoded_total"] == encoded  # served from the cache
+    other = generate(png(90, 120, 7))
+    assert other["meta_info"]["cached_tokens"] == 64
     pair.idle()
