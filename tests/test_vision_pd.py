@@ -2,7 +2,8 @@
 with one image and with two gives the single worker's greedy tokens and prompt token counts.
 Prefill runs the tower; decode's front only counts each image's tokens (from the image's
 header: no pixels decoded, nothing preprocessed) and its scheduler receives KV and states
-only: it encodes no image and holds no embeddings. Nothing leaks on either worker."""
+only: it builds no tower, encodes no image and holds no embeddings. Nothing leaks on either
+worker. The prefill worker's prefix cache keys images by content."""
 
 from __future__ import annotations
 
@@ -152,3 +153,12 @@ def test_pd_prefill_hits_the_same_image_past_it(stack, tiny_vision_ckpt) -> None
     other = generate(png(90, 120, 7))
     assert other["meta_info"]["cached_tokens"] == 64
     pair.idle()
+
+
+def test_decode_builds_no_tower(stack) -> None:
+    """Decode loads no tower weights and keeps no activation reserve: its memory plan has no
+    vision line, and it matches what was built (no warning)."""
+    _, pair = stack
+    prefill, decode = pair.prefill.log_path.read_text(), pair.decode.log_path.read_text()
+    assert "vision activations" in prefill and "vision activations" not in decode
+    assert "the plan predicts" not in decode
