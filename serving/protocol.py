@@ -30,10 +30,13 @@ class ImageInput:
     vision tower takes, and where its embeddings go. Its run is input_ids[start : start +
     num_tokens], all <|image|>; the runs of a request's images ascend and never overlap."""
 
-    pixel_values: Any  # numpy float32 [patches, channels * temporal * patch * patch]
+    # numpy float32 [patches, channels * temporal * patch * patch]; None on a PD decode worker,
+    # whose front only counts the image's tokens (prefill encodes it; decode gets KV and states)
+    pixel_values: Any
     grid_thw: tuple[int, int, int]  # in patches
     start: int
     num_tokens: int
+    content_hash: int  # of the image's bytes (the front's): its positions' prefix-cache key
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 import serving.engine.scheduler as scheduler_mod
 from serving.config import ModelConfig
 from serving.engine.build import build_engine
+from serving.front.api.image_request import content_hash
 from serving.front.images import (
     ImageProcessorConfig,
     decode_image,
@@ -84,7 +85,10 @@ def image_request(
         ids += [specials["<|begin_of_image|>"], config.image_token_id]
         ids += [specials["<|end_of_image|>"], *words]
     ids, starts = expand_image_token_ids(ids, [d.num_tokens for d in done], config.image_token_id)
-    inputs = [ImageInput(d.pixel_values, d.grid_thw, s, d.num_tokens) for d, s in zip(done, starts)]
+    inputs = [
+        ImageInput(d.pixel_values, d.grid_thw, s, d.num_tokens, content_hash(data))
+        for d, s, data in zip(done, starts, images)
+    ]
     params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
     return GenerateRequest(rid, ids, params, images=inputs)
 
@@ -121,11 +125,11 @@ def test_images_encoded_once_and_dropped_when_prefilled_or_ended(tiny_vision_ckp
     sched.check_invariants()
 
 
-def test_the_prefix_cache_never_serves_an_image_token(tiny_vision_ckpt) -> None:
+def test_the_prefix_cache_keys_images_by_content(tiny_vision_ckpt) -> None:
     """Two requests whose ids are equal but whose images differ, 70 text tokens before the
     image and 70 after, in chunks of 64 (the grid: the first request caches states at 64 and 128,
-    past its image): the second's hit stops at the grid position before its image, and its
-    tokens are what it gets alone (images are not keyed by content yet: issue 45 point 5)."""
+    past its image): the second's hit stops at the grid position before its image, with the
+    tokens it gets alone; the first's image again hits past the image, with its cold tokens."""
     sched = engine(tiny_vision_ckpt, "--chunked-prefill-size", "64")
     config = sched.pool.config
     other = png(90, 120, 7)
@@ -134,11 +138,16 @@ def test_the_prefix_cache_never_serves_an_image_token(tiny_vision_ckpt) -> None:
         return image_request(rid, config, [image], text=70)
 
     assert len(request("b", other).input_ids) > 128 and request("b", other).images[0].start < 128
+    assert request("b", other).input_ids == request("a", IMAGE_A).input_ids
     alone = drain_one(sched, request("b", other))
     sched.admission.flush()
-    drain_one(sched, request("a", IMAGE_A))
+    cold = drain_one(sched, request("a", IMAGE_A))
+    assert cold[1] == 0
     tokens, cached = drain_one(sched, request("b", other))
-    assert cached == 64 and tokens == alone[0]
+    assert cached == 64 and tokens == alone[0] != cold[0]
+    tokens, cached = drain_one(sched, request("a2", IMAGE_A))
+    assert cached == 128 and tokens == cold[0]
+    sched.check_invariants()
 
 
 def drain_one(sched, request: GenerateRequest) -> tuple[list[int], int]:

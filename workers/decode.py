@@ -73,6 +73,8 @@ class DecodeRole(Role):
     # ---- intake ----
     def submit(self, request: GenerateRequest) -> None:
         if request.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            if request.images:  # counted by the front, not preprocessed: nothing to encode
+                return self.scheduler.fail_request(request, "PD decode prefills no images", 400)
             self.scheduler.add(request)  # local prefill + decode (health checks)
             return
         room = request.bootstrap_room

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 
+from serving.engine.cache_keys import cache_keys
 from serving.engine.request import Req
 from serving.memory.pool import MemoryPool
 from serving.memory.radix_cache import RadixCache
@@ -110,13 +111,12 @@ class Admission:
         return n
 
     def _match_limit(self, req: Req) -> int:
-        """At least one token is computed (its logits are sampled), no prompt position whose
-        logprob is still to be scored is skipped, and no image token is served from the cache
-        (another image behind the same <|image|> ids would hit)."""
+        """At least one token is computed (its logits are sampled), and no prompt position whose
+        logprob is still to be scored is skipped. Image positions may hit: keyed by content."""
         limit = len(req.fill_ids) - 1
         if req.input_scored < len(req.input_ids):
             limit = min(limit, req.input_scored - 1)
-        return min(limit, req.images[0].start) if req.images else limit  # keys are token ids
+        return limit
 
     def grow(self, req: Req, num_tokens: int) -> bool:
         """Pages for positions up to num_tokens, evicting cached ones if need be; False
@@ -171,22 +171,8 @@ class Admission:
 
     # ---- snapshots ----
     def keys(self, tokens: list[int], req: Req) -> list[int]:
-        """The cache's key per position of `tokens` (req's fill_ids, perhaps plus a token sampled
-        for it); with a draft, the position's token and the next. req keeps the keys built so far
-        (pair_keys of pair_tokens); keys are built only from where `tokens` leave pair_tokens."""
-        if not self.pair_keys:
-            return tokens
-        v = self.vocab
-        keys, seen = req.pair_keys, req.pair_tokens
-        n = min(len(seen), len(tokens))
-        if seen[:n] != tokens[:n]:
-            n = next(i for i, (a, b) in enumerate(zip(seen, tokens)) if a != b)
-        del seen[n:]
-        del keys[max(n - 1, 0) :]  # a key needs both its tokens among the common ones
-        m = len(keys)
-        keys += [a * v + b for a, b in zip(tokens[m:], tokens[m + 1 :])]
-        seen += tokens[n:]
-        return list(keys)
+        """The cache's key per position of `tokens` (serving/engine/cache_keys.py)."""
+        return cache_keys(tokens, req, self.vocab, self.pair_keys)
 
     def plan_save(self, req: Req, n: int) -> list[tuple[int, int]]:
         """Where in the chunk req.cached.. +n to snapshot the KDA state for the cache: (tokens

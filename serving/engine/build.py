@@ -101,8 +101,12 @@ def build_model(args: ServerArgs) -> RankModel:
             keep_bf16=keep,
             fp8_linears=args.fp8_linears,
         )
+    # PD decode receives KV and states only: it builds and plans for no vision tower (the
+    # config itself keeps vision_config: the PD handshake's fingerprint covers it)
+    decode = args.disaggregation_mode == "decode"
+    planned = dataclasses.replace(config, vision=None) if decode else config
     vision = None
-    if config.vision is not None:
+    if planned.vision is not None:
         vision = (
             random_vision(config, dtype, device, args.random_seed)
             if ps.simulated
@@ -120,7 +124,7 @@ def build_model(args: ServerArgs) -> RankModel:
     weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
     # the tower's activations for one step's images are kept free beside the weights
     elem = torch.tensor([], dtype=dtype).element_size()
-    reserved = vision_peak(config, vision_step_tokens(args), elem)
+    reserved = vision_peak(planned, vision_step_tokens(args), elem)
     num_params = sum(p.numel() for m in modules for p in m.parameters())
     kv_dtype = torch.bfloat16 if args.kv_cache_dtype in ("bf16", "bfloat16") else dtype
     context = args.context_window(config)
@@ -166,7 +170,7 @@ def build_model(args: ServerArgs) -> RankModel:
         pool.describe(),
         time.monotonic() - started,
     )
-    log_memory_plan(args, config, dtype, weight_bytes, plan, device, model.fp8_choice)
+    log_memory_plan(args, planned, dtype, weight_bytes, plan, device, model.fp8_choice)
     return RankModel(config, dtype, model, draft, pool, context, vision)
 
 

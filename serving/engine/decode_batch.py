@@ -198,9 +198,12 @@ class DecodeManager:
                 self.admission.checkpoint(req)
 
     def _retract_one(self, keep: Req) -> Req | None:
-        """Free the newest other running request; it is recomputed from its tokens later."""
+        """Free the newest other running request; it is recomputed from its tokens later. A PD
+        decode request with images is never one: decode has their token counts, not their pixels."""
         for victim in reversed(self.running):
             if victim is keep or victim.finish_reason is not None:
+                continue
+            if any(im.pixel_values is None for im in victim.images):
                 continue
             assert not victim.in_flight, "retraction only with no step in flight"
             self.running.remove(victim)

@@ -122,7 +122,8 @@ class Scheduler:
         if self.pool.pages.pages_for(n + 1) > self.pool.plan.pages:
             tokens = self.pool.plan.pages * self.pool.plan.page_size
             return f"prompt ({n} tokens) does not fit in the KV pool ({tokens} tokens)"
-        if request.images and self.prefill.images is None:
+        pixels = any(im.pixel_values is not None for im in request.images)  # None: PD decode's
+        if pixels and self.prefill.images is None:
             return "this worker runs no vision tower (a text-only model, or more than one rank)"
         return None
 

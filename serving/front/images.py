@@ -92,17 +92,26 @@ class ImageProcessorConfig:
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    pixel_values: np.ndarray  # float32 [t * gh * gw, channels * temporal * patch * patch]
+    pixel_values: np.ndarray | None  # float32 [t*gh*gw, 3*2*14*14]; None: counted (PD decode)
     grid_thw: tuple[int, int, int]  # (1, gh, gw) in patches
     num_tokens: int  # the <|image|> tokens it takes: t * gh * gw // merge_size**2
+    content_hash: int = 0  # of the bytes it came from (set by the front's image_request)
 
 
 def decode_image(
     data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS
 ) -> Image.Image:
-    """PNG, JPEG, WebP or GIF bytes -> an RGB image (transformers' load_image). The size limits
-    are checked before any pixel is decoded, and only those four decoders ever parse the bytes
-    (Pillow's others are more attack surface; EPS would run Ghostscript)."""
+    """PNG, JPEG, WebP or GIF bytes -> an RGB image (transformers' load_image)."""
+    image = open_image(data, max_bytes, max_pixels)
+    try:
+        return ImageOps.exif_transpose(image).convert("RGB")
+    except Exception as e:  # truncated or corrupt pixel data, broken EXIF
+        raise ImageError(f"image cannot be decoded: {e}") from None
+
+
+def open_image(data: bytes, max_bytes: int, max_pixels: int) -> Image.Image:
+    """The image opened, its pixels not decoded yet: the limits are checked first, and only
+    those four decoders ever parse the bytes (others are attack surface; EPS runs Ghostscript)."""
     if len(data) > max_bytes:
         raise ImageError(f"image of {len(data)} bytes is over the limit of {max_bytes} bytes")
     try:
@@ -127,10 +136,7 @@ def decode_image(
         )
     if width == 0 or height == 0:
         raise ImageError(f"image of {width}x{height} pixels is empty")
-    try:
-        return ImageOps.exif_transpose(image).convert("RGB")
-    except Exception as e:  # truncated or corrupt pixel data, broken EXIF
-        raise ImageError(f"image cannot be decoded: {e}") from None
+    return image
 
 
 def _sniffed_format(data: bytes) -> str | None:
@@ -243,15 +249,21 @@ def preprocess(
 ) -> ProcessedImage:
     """An RGB image -> what the vision tower takes; an image needing more than `max_tokens`
     tokens is refused before it is resized."""
-    width, height = image.size
-    grid = image_grid(height, width, config)
-    tokens = num_image_tokens(grid, config.merge_size)
+    grid, tokens = image_tokens(*image.size, config, max_tokens)
+    return ProcessedImage(patchify(canvas_pixels(image, config), config), grid, tokens)
+
+
+def image_tokens(
+    width: int, height: int, config: ImageProcessorConfig, max_tokens: int | None = None
+) -> tuple[tuple[int, int, int], int]:
+    """(grid_thw, tokens) of an image of this size; over `max_tokens` tokens is an ImageError."""
+    tokens = num_image_tokens(grid := image_grid(height, width, config), config.merge_size)
     if max_tokens is not None and tokens > max_tokens:
         raise ImageError(
             f"image of {width}x{height} pixels takes {tokens} image tokens, over the limit of "
             f"{max_tokens} per image"
         )
-    return ProcessedImage(patchify(canvas_pixels(image, config), config), grid, tokens)
+    return grid, tokens
 
 
 def _check_count(found: int, counts: list[int]) -> None:

@@ -12,20 +12,28 @@ prompt whose <|image|> tokens are not its images' (typed in a message) or that h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from PIL import ExifTags
+
 from serving.front.api.errors import APIError
 from serving.front.api.openai_protocol import ChatMessage, ImageURL
 from serving.front.images import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
     ImageError,
     ImageProcessorConfig,
     ProcessedImage,
     decode_image,
     expand_image_token_ids,
+    image_tokens,
+    open_image,
     preprocess,
 )
 from serving.front.media import MediaPolicy, image_bytes
@@ -38,7 +46,9 @@ VIDEO_PARTS = ("video_url", "video", "input_video")
 @dataclass(frozen=True)
 class VisionSetup:
     """The image path of a checkpoint with a vision_config: its preprocessing, its token ids,
-    the serving limits (flags) and the media policy."""
+    the serving limits (flags) and the media policy. counts_only: a PD decode worker's front,
+    which needs only each image's token count (its prompt ids): prefill runs the tower, and
+    decode receives KV and states only."""
 
     processor: ImageProcessorConfig
     image_token_id: int
@@ -46,6 +56,7 @@ class VisionSetup:
     max_images: int
     max_tokens: int
     policy: MediaPolicy
+    counts_only: bool = False
 
     @classmethod
     def load(cls, args: ServerArgs, model_config: dict[str, Any]) -> VisionSetup | None:
@@ -64,6 +75,7 @@ class VisionSetup:
             MediaPolicy.of(
                 args.allowed_media_domains, args.allowed_local_media_path, args.media_fetch_timeout
             ),
+            args.disaggregation_mode == "decode",
         )
 
 
@@ -114,7 +126,33 @@ async def load_images(
 
 
 def _process(data: bytes, vision: VisionSetup) -> ProcessedImage:
-    return preprocess(decode_image(data), vision.processor, vision.max_tokens)
+    if vision.counts_only:
+        image = _count(data, vision)
+    else:
+        image = preprocess(decode_image(data), vision.processor, vision.max_tokens)
+    return dataclasses.replace(image, content_hash=content_hash(data))
+
+
+def content_hash(data: bytes) -> int:
+    """The image's content hash (prefix-cache keys, serving/engine/cache_keys.py): of its bytes,
+    so prefill and decode agree and nothing is decoded for it; the same pixels sent as other
+    bytes only miss."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _count(data: bytes, vision: VisionSetup) -> ProcessedImage:
+    """The image's token count from its size as decode_image gives it (EXIF orientation
+    applied), its pixels neither converted, resized nor kept. Hazard: an image whose pixel data
+    is broken passes here; prefill refuses it, and decode's room fails with prefill's reason."""
+    image = open_image(data, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS)
+    width, height = image.size
+    try:
+        if image.getexif().get(ExifTags.Base.Orientation) in (5, 6, 7, 8):  # a quarter turn
+            width, height = height, width
+    except Exception as e:  # broken EXIF, as decode_image words it
+        raise ImageError(f"image cannot be decoded: {e}") from None
+    grid, tokens = image_tokens(width, height, vision.processor, vision.max_tokens)
+    return ProcessedImage(None, grid, tokens)
 
 
 def attach_images(
@@ -133,6 +171,6 @@ def attach_images(
     except ImageError as e:
         raise APIError(400, str(e), param) from None
     return expanded, [
-        ImageInput(im.pixel_values, im.grid_thw, start, im.num_tokens)
+        ImageInput(im.pixel_values, im.grid_thw, start, im.num_tokens, im.content_hash)
         for im, start in zip(images, starts)
     ]
