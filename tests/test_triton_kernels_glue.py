@@ -168,7 +168,7 @@ def _tiny_model():
     return random_model(raw, "cpu")[1]
 
 
-def _unfused_forward(self, batch, cache):
+def _unfused_forward(self, batch, cache, images=None):
     """Glm5NextForCausalLM.forward as it was before the boundaries: every sublayer's input a
     collapse of the streams and its output an expansion, through the references."""
     from serving.models.glm5_next import ForwardOutput
@@ -177,6 +177,7 @@ def _unfused_forward(self, batch, cache):
         args = (hc.fn, hc.base, hc.scale, hc.iters, hc.eps, hc.norm_eps, norm.weight, norm.eps)
         return mhc_ref.mhc_pre_reference(streams, *args)
 
+    assert images is None  # a text-only model
     x = self.embed(batch.input_ids)
     streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
     selected = None
