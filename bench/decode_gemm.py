@@ -68,28 +68,10 @@ RANK0_LINEARS = {
 
 
 def graph_us(fn, operands: list) -> float:
-    """Median device microseconds per fn(*op) over REPLAYS replays of one CUDA graph that calls
-    it once per operand set (compiled and warmed eagerly first, on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*operands[0])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for op in operands:
-            fn(*op)
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2] * 1e3 / len(operands)
+    """Median device microseconds per fn(*op), one CUDA graph calling it once per operand set."""
+    from kernels.triton.fp8 import graph_time_us
+
+    return graph_time_us(lambda op: fn(*op), operands, REPLAYS)
 
 
 def _copies(weight_bytes: int) -> int:

@@ -31,35 +31,17 @@ import triton.language as tl
 from kernels.triton.kda import _conv_silu_step
 
 HBM_BW = 4.23e12  # bytes/s: the H200's measured copy bandwidth (docs/BENCHMARKS.md)
-REPLAYS, WARMUP = 30, 3
+REPLAYS = 30
 HC, HD = 4, 4096  # mHC streams, hidden size
 HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
 
 
 def graph_us(fn, copies: list) -> float:
     """Median device microseconds per fn(copy), every copy's call captured in one graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():  # compile and allocate outside the capture
-        for _ in range(2):
-            fn(copies[0])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        for c in copies:
-            fn(c)
-    for _ in range(WARMUP):
-        graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2] * 1e3 / len(copies)
+    from kernels.triton.fp8 import graph_time_us
+
+    with torch.no_grad():
+        return graph_time_us(fn, copies, REPLAYS)
 
 
 def launches(fn, copy) -> int:

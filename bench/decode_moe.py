@@ -163,28 +163,9 @@ def _launches(fn) -> int:
 
 def _graph_us(calls) -> float:
     """Median device microseconds per call, all calls captured in one graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile, probe and allocate outside the capture
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1e3 / len(calls)
+    from kernels.triton.fp8 import graph_time_us
+
+    return graph_time_us(lambda call: call(), calls, REPLAYS)
 
 
 def _rows(dtype: str, layers, gen: torch.Generator):

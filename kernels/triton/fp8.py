@@ -394,7 +394,7 @@ def time_linear(n: int, k: int, tokens: int, dtype: torch.dtype, device) -> tupl
     return fp8_us, dense_us
 
 
-def graph_time_us(fn, operands: list) -> float:
+def graph_time_us(fn, operands: list, replays: int = TIMING_REPLAYS) -> float:
     """Median device microseconds per fn(op), every call captured in one CUDA graph and
     replayed: no launch overhead, as in the decode graphs. Operands (weight copies) that rotate
     through more bytes than L2 holds are each read from HBM, as successive layers' weights are."""
@@ -410,7 +410,7 @@ def graph_time_us(fn, operands: list) -> float:
     for _ in range(TIMING_WARMUP):
         graph.replay()
     times = []
-    for _ in range(TIMING_REPLAYS):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
