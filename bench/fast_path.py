@@ -347,7 +347,10 @@ def stage_decode_mapped(b: Bench) -> None:
     """One pool for the largest batch and context, graphs captured once, then each (context,
     batch) timed from that context on (pages mapped, no prefill: the module doc)."""
     bs_max, ctx_max = max(b.args.batch_sizes), max(b.args.contexts)
-    runner, rows = engine(b.model, b.device, bs_max, ctx_max + b.args.repeat + 2)
+    # Positions used past a context: timed's warm-up and repeats, then the traced steps; a
+    # step past the mapped pages indexes out of bounds on the device (a device assert).
+    steps = 1 + b.args.repeat + (b.args.trace_steps if b.cuda else 0)
+    runner, rows = engine(b.model, b.device, bs_max, ctx_max + steps + 1)
     if b.cuda:
         started = time.monotonic()
         runner.enable_decode_graphs(bs_max)

@@ -171,7 +171,11 @@ def test_image_prefill_on_cuda_in_bf16(tiny_vision_ckpt) -> None:
     """The worker's image path on CUDA in bf16 (the tower in the model dtype, decode graphs
     on): a two-image request cut into 16-token chunks beside a text request; each image is
     encoded once, nothing is held after, every output token is a real token."""
-    sched = engine(tiny_vision_ckpt, "--device", "cuda", "--dtype", "bfloat16")
+    # --max-total-tokens: the suite's GPU tests share one GPU (xdist); sizing the KV pool
+    # from free memory took 48 GiB beside them and ran out.
+    sched = engine(
+        tiny_vision_ckpt, "--device", "cuda", "--dtype", "bfloat16", "--max-total-tokens", "4096"
+    )
     images = sched.prefill.images
     assert images.tower.merger.proj.weight.dtype == torch.bfloat16
     assert images.tower.merger.proj.weight.is_cuda

@@ -564,7 +564,7 @@ def _head_projection(a, w_ptr, s_ptr, stride_s, n, n_mask, r, r_mask, dt, R: tl.
 @triton.jit
 def _kda_decode_layer_kernel(
     q_ptr, k_ptr, v_ptr, stride_x,  # [B*T, H*D] each (views of one projection), rows stride_x apart
-    fa_ptr, ga_ptr, stride_a,  # [B*T, R] each: f_a_proj's and g_a_proj's outputs
+    fa_ptr, stride_fa, ga_ptr, stride_ga,  # [B*T, R] each: f_a_proj's and g_a_proj's outputs
     fb_ptr, gb_ptr,  # [H*D, R] f_b_proj's and g_b_proj's weights (the model's dtype, or e4m3)
     fbs_ptr, gbs_ptr, stride_ws,  # FP8: their block scales [ceil(H*D/128), ceil(R/128)]
     b_ptr, stride_b,  # [B*T, H] beta logits
@@ -632,7 +632,7 @@ def _kda_decode_layer_kernel(
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         # the forget gate's per-channel log decay (f_b_proj: this head's rows of it), and beta
         # (sigmoid in the logits' dtype)
-        f_a = tl.load(fa_ptr + tok * stride_a + r, mask=rm, other=0.0).to(tl.float32)
+        f_a = tl.load(fa_ptr + tok * stride_fa + r, mask=rm, other=0.0).to(tl.float32)
         f = _head_projection(f_a, fb_ptr, fbs_ptr, stride_ws, ch, dm, r, rm, dt, R, FP8)
         f = f + dt_bias
         if BOUNDED:
@@ -651,7 +651,7 @@ def _kda_decode_layer_kernel(
         o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
         # gated RMSNorm per head
         o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(o_norm_ptr + dv, mask=dv < D)
-        g_a = tl.load(ga_ptr + tok * stride_a + r, mask=rm, other=0.0).to(tl.float32)
+        g_a = tl.load(ga_ptr + tok * stride_ga + r, mask=rm, other=0.0).to(tl.float32)
         gate = _head_projection(g_a, gb_ptr, gbs_ptr, stride_ws, h * D + dv, dv < D, r, rm, dt, R,
                                 FP8)  # fmt: skip
         o = o * tl.sigmoid(gate)
@@ -681,7 +681,9 @@ def kda_decode_layer(
     or block-FP8 weights, W8A8 as the Linear), the forget gate's log decay (+ dt_bias, A_log),
     beta = sigmoid(b), the l2-normed gated delta rule on state[rows] (in place), the per-head
     RMSNorm of its output gated by sigmoid(gate). q, k, v: [B*step_len, H*D] with a contiguous
-    last dim (views of one projection's output, as f_a and g_a may be); b: [B*step_len, H].
+    last dim (views of one projection's output); f_a, g_a: [B*step_len, R] with contiguous last
+    dims, row strides of their own (a stack whose parts run in different precisions hands back
+    separate tensors); b: [B*step_len, H].
     Returns [B*step_len, H*D] in q's dtype. With history, appends what the reference's
     (kda_uniform and causal_conv_uniform's) history holds, for a verify's roll-back: the conv
     inputs [B, 3*H*D, K-1+step_len] (old state ++ the step's inputs) and the state after each
@@ -694,7 +696,7 @@ def kda_decode_layer(
     rank = f_a.shape[1]
     fp8 = weights.f_b_scale is not None
     assert width == heads * dim and k.stride() == v.stride() == q.stride() and q.stride(1) == 1
-    assert f_a.stride() == g_a.stride() and f_a.stride(1) == 1 and b.stride(1) == 1
+    assert f_a.stride(1) == g_a.stride(1) == b.stride(1) == 1
     assert weights.f_b.shape == weights.g_b.shape == (width, rank)
     assert weights.f_b.is_contiguous() and weights.g_b.is_contiguous()
     assert (weights.g_b_scale is not None) == fp8, "f_b and g_b are held alike"
@@ -717,7 +719,7 @@ def kda_decode_layer(
     f_scale = weights.f_b_scale if fp8 else weights.f_b  # unused without FP8
     g_scale = weights.g_b_scale if fp8 else weights.g_b
     _kda_decode_layer_kernel[(num_reqs, heads)](
-        q, k, v, q.stride(0), f_a, g_a, f_a.stride(0), weights.f_b, weights.g_b,
+        q, k, v, q.stride(0), f_a, f_a.stride(0), g_a, g_a.stride(0), weights.f_b, weights.g_b,
         f_scale, g_scale, f_scale.stride(0) if fp8 else 0, b, b.stride(0),
         weights.conv, weights.dt_bias, weights.a_log, weights.o_norm,
         conv_state, conv_state.stride(0), conv_state.stride(1), state, state.stride(0),
