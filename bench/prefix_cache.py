@@ -36,7 +36,9 @@ request shows there. Unpinned by default, as users run.
 a prefill worker (caching), a decode worker and our router (Mooncake over loopback TCP, as
 bench/pd_bench.py starts them), each loaded with the same multi-turn chat over streaming
 /generate (TTFT at the first chunk with tokens); `servers` holds both, `summary`
-pd_over_single_turns_2_plus their ratio. Run from the repository root (it imports deploy/).
+pd_over_single_turns_2_plus their ratio. --pd-only: the servers alone (the in-process rounds
+take ~230 s on the H200, the servers ~200 s more). Run from the repository root (it imports
+deploy/).
 The JSON is rewritten after each part; a summary line per run goes to stdout.
 
 Host speed: the GPU machine's virtual CPUs differ and drift (H200, session 7: a fixed
@@ -101,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pd",
         action="store_true",
         help="then the multi-turn chat over HTTP: one worker, and a PD pair behind the router",
+    )
+    ap.add_argument(
+        "--pd-only",
+        action="store_true",
+        help="--pd's servers alone, without the in-process engines (a device call too short "
+        "for both)",
     )
     ap.add_argument("--server-timeout", type=float, default=300, help="seconds to get healthy")
     ap.add_argument("--vocab", type=int, default=1000, help="prompt token ids are below this")
@@ -545,13 +553,13 @@ def main(argv: list[str] | None = None) -> None:
         report["total_s"] = round(time.perf_counter() - t0, 1)
         a.out.write_text(json.dumps(report, indent=2) + "\n")
 
-    report["variants"] = run_child([x for x in argv if x != "--pd"], a)
+    report["variants"] = {} if a.pd_only else run_child([x for x in argv if x != "--pd"], a)
     write()
     for name, res in report["variants"].items():
         for r, run in enumerate(res["runs"]):
             print(json.dumps({"variant": name, "run": r, "multi_turn": run["multi_turn"]}))
             print(json.dumps({"variant": name, "run": r, "random": run["random"]}), flush=True)
-    if a.pd:
+    if a.pd or a.pd_only:
         logs = a.out.parent / (a.out.stem + "_logs")
         logs.mkdir(parents=True, exist_ok=True)
         report["servers"] = run_servers(a, logs)
