@@ -135,3 +135,30 @@ def test_prefix_cache_hits_with_eagle_on_image_prompts(tiny_vision_ckpt):
     assert other[1] == 64 and run("b2", png(90, 120, 7)) == (other[0], 0)
     assert not sched.prefill.images.held
     sched.check_invariants()
+
+
+@pytest.mark.gpu
+def test_eagle_on_image_prompts_on_cuda_in_bf16(tiny_vision_ckpt):
+    """The image path with EAGLE on CUDA in bf16 (its graphs captured): a two-image request cut
+    into 16-token chunks beside a text request; every image encoded once, the draft extend
+    scattering image rows on the device, speculative steps run, every output token a real
+    token, nothing held after."""
+    from serving.protocol import GenerateRequest
+    from serving.sampling_params import SamplingParams
+
+    sched = engine(
+        tiny_vision_ckpt,
+        "--device", "cuda", "--dtype", "bfloat16", "--max-total-tokens", "4096",
+        *eagle_flags(2),
+    )  # fmt: skip
+    config = sched.pool.config
+    sched.add(image_request("two", config, [IMAGE_A, IMAGE_B], n=12))
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    sched.add(GenerateRequest("text", list(range(5, 45)), params))
+    out = drain(sched)
+    assert sched.prefill.images.encoded_images == 2 and not sched.prefill.images.held
+    for rid in ("two", "text"):
+        tokens, _ = out[rid]
+        assert len(tokens) == 12 and all(0 <= t < config.vocab_size for t in tokens)
+    assert sched.stats.spec_verify_steps > 0
+    sched.check_invariants()
