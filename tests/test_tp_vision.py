@@ -8,6 +8,7 @@ held after."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from tests.server_proc import Server, eagle_flags
@@ -31,8 +32,52 @@ def worker(request, tiny_vision_ckpt, tmp_path_factory):
 def test_image_chat_on_a_tp_worker_equals_one_rank(worker, request, images) -> None:
     messages = conversation(images)
     out = chat(worker.url, messages)
-    prompt_tokens, text = expected(request, messages, images)
+    prompt_tokens, text = expected(request.getfixturevalue("hf"), messages, images)
     assert out["usage"]["prompt_tokens"] == prompt_tokens
     assert out["choices"][0]["message"]["content"] == text
     stats = worker.idle_pool()
     assert stats["image_embeddings_held"] == 0 and stats["images_encoded_total"] > 0
+
+
+def test_tp2_eagle_drafts_accept_as_one_rank(distilled_vision_ckpt, tmp_path) -> None:
+    """With a distilled draft (drafts accepted, so verify steps commit several tokens), a TP2
+    EAGLE worker's greedy tokens, verify steps and committed tokens for /generate with two
+    images equal the one-rank engine's. (Not a sharp check of the followers' draft rows: the
+    proposals after this prompt did not change when a follower's draft took embed(<|image|>)
+    instead; test_tp's fanout round trip checks that the rows arrive.)"""
+    from serving.tools.tokenizer_build import SPECIAL_TOKENS, VISION_TOKENS
+    from tests.test_vision_eagle_serving import SPEC
+    from tests.test_vision_engine import drain, engine, image_request
+    from tests.vision_images import IMAGE_A, IMAGE_B, data_url
+
+    one = engine(distilled_vision_ckpt, "--context-length", "512", *eagle_flags(2))
+    config = one.pool.config
+    want = image_request("r", config, [IMAGE_A, IMAGE_B], n=12, text=20)
+    one.add(want)
+    tokens, _ = drain(one)["r"]
+    counts = tuple(getattr(one.stats, k) for k in SPEC)
+    assert counts[1] > counts[0]  # drafts were accepted
+
+    specials = SPECIAL_TOKENS + VISION_TOKENS
+    first = config.vocab_size - len(specials)  # as image_request: the last ids
+    image = [first + specials.index(t) for t in ("<|begin_of_image|>", "<|end_of_image|>")]
+    image.insert(1, config.image_token_id)
+    words = [5 + i for i in range(20)]
+    ids = words + image + words + image + words
+    srv = Server(distilled_vision_ckpt, *FLAGS, "--tp-size", "2", *eagle_flags(2), log_dir=tmp_path)
+    try:
+        before = srv.idle_pool()  # after the start-up warm-up's requests
+        body = {
+            "input_ids": ids,
+            "image_data": [data_url(IMAGE_A), data_url(IMAGE_B)],
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        }
+        r = httpx.post(srv.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["prompt_tokens"] == len(want.input_ids)
+        assert r.json()["output_ids"] == tokens
+        stats = srv.idle_pool()
+        assert tuple(stats[k] - before[k] for k in SPEC) == counts
+        assert stats["image_embeddings_held"] == 0
+    finally:
+        assert srv.stop() == 0
