@@ -80,3 +80,32 @@ def test_tp2_eagle_drafts_accept_as_one_rank(distilled_vision_ckpt, tmp_path) ->
         assert stats["image_embeddings_held"] == 0
     finally:
         assert srv.stop() == 0
+
+
+def test_image_chat_through_a_tp2_pd_pair(tiny_vision_ckpt, request, tmp_path) -> None:
+    """PD with both workers TP2 (4 rank processes): prefill's rank 0 encodes, decode's ranks
+    build no tower; a two-image chat gives transformers' tokens; nothing is held after."""
+    pytest.importorskip("mooncake.engine")
+    from tests.pd_pair import PDPair
+
+    images = CASES[1]
+    pair = PDPair(
+        tiny_vision_ckpt,
+        tmp_path,
+        prefill_flags=(*FLAGS, "--tp-size", "2"),
+        decode_flags=(*FLAGS, "--tp-size", "2"),
+    )
+    try:
+        messages = conversation(images)
+        body = {"messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        got, _ = pair.dispatch("/v1/chat/completions", body)
+        assert got.status_code == 200, got.text
+        prompt_tokens, text = expected(request.getfixturevalue("hf"), messages, images)
+        assert got.json()["usage"]["prompt_tokens"] == prompt_tokens
+        assert got.json()["choices"][0]["message"]["content"] == text
+        pair.idle()
+        prefill, decode = pair.prefill.stats(), pair.decode.stats()
+        assert prefill["images_encoded_total"] == 2 and decode["images_encoded_total"] == 0
+        assert prefill["image_embeddings_held"] == decode["image_embeddings_held"] == 0
+    finally:
+        pair.stop()
