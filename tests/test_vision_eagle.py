@@ -164,3 +164,25 @@ def test_eagle_on_image_prompts_on_cuda_in_bf16(tiny_vision_ckpt):
         assert len(tokens) == 12 and all(0 <= t < config.vocab_size for t in tokens)
     assert sched.stats.spec_verify_steps > 0
     sched.check_invariants()
+
+
+def test_eagle_retracts_and_recomputes_image_prompts(distilled_vision_ckpt):
+    """Out of KV pages, an EAGLE engine retracts image requests and prefills them again: the
+    images are encoded again (nothing was held across the retraction), the tokens are plain
+    decoding's, nothing is held after."""
+    small = ("--max-total-tokens", "224", "--max-running-requests", "4", "--disable-radix-cache")
+
+    def run(*flags: str):
+        sched = engine(distilled_vision_ckpt, *small, *flags)
+        config = sched.pool.config
+        for i in range(4):
+            sched.add(image_request(f"r{i}", config, [IMAGE_A, IMAGE_B][: 1 + i % 2], n=24))
+        return sched, {rid: tokens for rid, (tokens, _) in drain(sched).items()}
+
+    _, want = run()
+    sched, got = run(*eagle_flags(3))
+    assert got == want
+    assert sched.stats.retractions > 0
+    assert sched.prefill.images.encoded_images > 6  # re-encoded after a retraction
+    assert not sched.prefill.images.held
+    sched.check_invariants()
