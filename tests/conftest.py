@@ -10,11 +10,21 @@ def distilled_ckpt(tiny_ckpt, tmp_path_factory):
     """The tiny checkpoint with its lm_head refitted to a synthetic Markov language
     (training/fit_target_head.py) and its NextN draft distilled on that target's greedy choices
     after random prompts: drafts are accepted on prompts the draft never saw."""
+    return distill(tiny_ckpt, tmp_path_factory.mktemp("distilled"))
+
+
+@pytest.fixture(scope="session")
+def distilled_vision_ckpt(tiny_vision_ckpt, tmp_path_factory):
+    """The tiny --vision checkpoint distilled as distilled_ckpt (text prompts; the tower is
+    kept): drafts are accepted after image prompts too, so EAGLE's steps there accept."""
+    return distill(tiny_vision_ckpt, tmp_path_factory.mktemp("distilled_vision"))
+
+
+def distill(src, out):
     from training.distill_nextn import train
 
-    out = tmp_path_factory.mktemp("distilled")
     summary = train(
-        str(tiny_ckpt),
+        str(src),
         str(out),
         steps=200,
         device="cpu",

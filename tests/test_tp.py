@@ -211,6 +211,10 @@ def test_every_step_rank_zero_sends_runs_on_a_follower(monkeypatch):
     replayed to the follower), and its asks are answered by the follower's role and profiler."""
     from serving.engine import tp_worker
     from serving.engine.tp_worker import Follower, RankFanout
+    from serving.executor.model_runner import ImageRows
+
+    def _rows(images):  # what a follower's program got in place of image tokens' embeddings
+        return None if images is None else (images.positions, images.embeds.tolist())
 
     calls: list[tuple] = []
 
@@ -227,15 +231,17 @@ def test_every_step_rank_zero_sends_runs_on_a_follower(monkeypatch):
     class Runner:
         pool = Pool()
 
-        def forward(self, items, logits):
-            calls.append(("forward", items, logits))
+        def forward(self, items, logits, images=None):
+            calls.append(("forward", items, logits, _rows(images)))
 
         def publish(self, rows, tokens):
             calls.append(("publish", rows, tokens.tolist()))
 
     class Spec:
-        def extend_draft(self, rows, starts, next_tokens, hidden):
-            calls.append(("extend_draft", rows, starts, next_tokens, hidden.tolist()))
+        def extend_draft(self, rows, starts, next_tokens, hidden, images=None):
+            calls.append(
+                ("extend_draft", rows, starts, next_tokens, hidden.tolist(), _rows(images))
+            )
 
         def verify(self, host):
             calls.append(("verify", host.tolist()))
@@ -254,9 +260,11 @@ def test_every_step_rank_zero_sends_runs_on_a_follower(monkeypatch):
     monkeypatch.setattr(tp_worker, "gather_object", lambda _: [None, "follower's"])
     fanout = RankFanout(Runner.pool, followers=1)
     fanout.forward(["item"], "last")
+    fanout.forward(["item"], "last", ImageRows([1, 2], torch.full((2, 4), 3.0)))
     fanout.pool.journal.append(("reset", [3]))
     fanout.publish([3], torch.tensor([7]))
     fanout.extend_draft([3], [0], [[5, 6]], torch.ones(2, 4))
+    fanout.extend_draft([3], [0], [[5, 6]], torch.ones(2, 4), ImageRows([0], torch.ones(1, 4)))
     fanout.verify(torch.tensor([[1], [2], [3]]))
     fanout.roll_back([[1, 2]], [1], [(0, 1, 9)])
     assert fanout.ask_role("orders") == ["follower's"]
@@ -270,9 +278,11 @@ def test_every_step_rank_zero_sends_runs_on_a_follower(monkeypatch):
     Follower(Runner(), Spec(), Answers(), Answers(), 4, torch.float32, False).follow()
     assert not queue and not tensors
     assert [c for c in calls if c[0] != "replay"] == [
-        ("forward", ["item"], "last"),
+        ("forward", ["item"], "last", None),
+        ("forward", ["item"], "last", ([1, 2], [[3.0] * 4] * 2)),
         ("publish", [3], [7]),
-        ("extend_draft", [3], [0], [[5, 6]], [[1.0] * 4] * 2),
+        ("extend_draft", [3], [0], [[5, 6]], [[1.0] * 4] * 2, None),
+        ("extend_draft", [3], [0], [[5, 6]], [[1.0] * 4] * 2, ([0], [[1.0] * 4])),
         ("verify", [[1], [2], [3]]),
         ("roll_back", "pending", [[1, 2]], [1], [(0, 1, 9)]),
     ]

@@ -101,10 +101,12 @@ def build_model(args: ServerArgs) -> RankModel:
             keep_bf16=keep,
             fp8_linears=args.fp8_linears,
         )
-    # PD decode receives KV and states only: it builds and plans for no vision tower (the
-    # config itself keeps vision_config: the PD handshake's fingerprint covers it)
+    # PD decode receives KV and states only, and a TP/EP follower rank receives rank 0's
+    # image embeddings (tp_worker.RankFanout.forward): neither builds or plans for a vision
+    # tower (the config itself keeps vision_config: the PD handshake's fingerprint covers it)
     decode = args.disaggregation_mode == "decode"
-    planned = dataclasses.replace(config, vision=None) if decode else config
+    towerless = decode or (ps.rank > 0 and not ps.simulated)
+    planned = dataclasses.replace(config, vision=None) if towerless else config
     vision = None
     if planned.vision is not None:
         vision = (
@@ -181,10 +183,8 @@ def _sync(device: str) -> None:
 
 def build_runner(args: ServerArgs, built: RankModel, fanout: Fanout = ONE_RANK) -> ModelRunner:
     """The forward's runner, its decode graphs captured (none with EAGLE: decode is Eagle's).
-    The vision tower runs on one rank only for now (image rows are not fanned out): with more
-    ranks the runner has none, and the scheduler refuses images."""
-    vision = built.vision if state().processes == 1 else None
-    runner = ModelRunner(built.model, built.pool, fanout, vision)
+    The vision tower (rank 0's alone under TP/EP) runs in its prefill steps."""
+    runner = ModelRunner(built.model, built.pool, fanout, built.vision)
     if args.use_decode_graphs() and args.speculative_steps == 0:
         started = time.monotonic()
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)

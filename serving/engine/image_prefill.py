@@ -9,6 +9,12 @@ dropped (the forward already read them: stream order keeps the memory alive unti
 A request that ends before that (abort, finish, failure) drops them in `free`; a retracted
 request re-prefilled later encodes again (nothing is held across a retraction).
 
+With an EAGLE draft (`lookahead` 1) the draft's extend over a chunk [cached, cached + n) takes
+the embeddings of positions cached + 1 .. cached + n (each position's next token: nextn.py),
+so a chunk also encodes an image that starts just past it, and the embeddings of an image are
+held until the draft, too, has read its last row (the extend runs in the step that prefills
+that row, before `launched`).
+
 Invariant: `held` has an entry only for a request part-way through an image's run, so it is
 empty whenever no request is prefilling (tests check this after every kind of ending).
 
@@ -28,35 +34,46 @@ from serving.models.vision import VisionTower
 
 
 class ImagePrefill:
-    def __init__(self, tower: VisionTower) -> None:
-        self.tower = tower
+    def __init__(self, tower: VisionTower, lookahead: int = 0) -> None:
+        """lookahead: positions past a chunk whose embeddings its step needs (1 with a draft)."""
+        self.tower, self.lookahead = tower, lookahead
         self.held: dict[Req, dict[int, torch.Tensor]] = {}  # request -> image index -> embeds
         self.encoded_images = 0  # tower work done, for tests and logs
 
     def runs(self, plan: list[tuple[Req, int]]) -> list[ImageRun]:
         """The image rows of this step's chunks (plan: request and chunk length, the chunk
         starting at req.cached), encoding the images first seen here in one batch."""
+        reach = self.lookahead
         missing = [
             (req, i)
             for req, n in plan
             for i, image in enumerate(req.images)
-            if _overlap(req.cached, n, image.start, image.num_tokens) and i not in self._of(req)
+            if _overlap(req.cached, n + reach, image.start, image.num_tokens)
+            and i not in self._of(req)
         ]
         if missing:
             self._encode(missing)
+        return [
+            run
+            for item, (req, n) in enumerate(plan)
+            for run in self.rows(item, req, req.cached, req.cached + n)
+        ]
+
+    def rows(self, item: int, req: Req, lo: int, hi: int) -> list[ImageRun]:
+        """The held image rows of req's prompt positions [lo, hi), as runs of batch item
+        `item` whose first token is position lo (encoded by runs() of this step or before)."""
         out = []
-        for item, (req, n) in enumerate(plan):
-            for i, image in enumerate(req.images):
-                lo = max(req.cached, image.start)
-                hi = min(req.cached + n, image.start + image.num_tokens)
-                if lo < hi:
-                    rows = self.held[req][i][lo - image.start : hi - image.start]
-                    out.append(ImageRun(item, lo - req.cached, rows))
+        for i, image in enumerate(req.images):
+            a, b = max(lo, image.start), min(hi, image.start + image.num_tokens)
+            if a < b:
+                rows = self.held[req][i][a - image.start : b - image.start]
+                out.append(ImageRun(item, a - lo, rows))
         return out
 
     def launched(self, plan: list[tuple[Req, int]]) -> None:
-        """After the step's forward was launched (req.cached already advanced past it): drop
-        the images whose last token is now prefilled."""
+        """After the step's forward and draft extend were launched (req.cached already
+        advanced past it): drop the images whose last token is now prefilled. An image whose
+        last token is at req.cached (the draft's lookahead row) stays for the next chunk."""
         for req, _ in plan:
             held = self.held.get(req)
             if held is None:
@@ -90,10 +107,6 @@ class ImagePrefill:
             # a view would keep the whole batch's rows alive as long as any one is held
             self.held.setdefault(req, {})[i] = part.clone() if len(parts) > 1 else part
         self.encoded_images += len(images)
-
-
-def _end(req: Req, i: int) -> int:
-    return req.images[i].start + req.images[i].num_tokens
 
 
 def _overlap(cached: int, n: int, start: int, length: int) -> bool:

@@ -29,7 +29,7 @@ from serving.engine.commit import Commit, Launched
 from serving.engine.image_prefill import ImagePrefill
 from serving.engine.request import Req, RoleHooks, SchedulerConfig
 from serving.engine.step_phases import StepPhases, forward_watch, timed
-from serving.executor.model_runner import ModelRunner, StepInput
+from serving.executor.model_runner import ImageRun, ModelRunner, StepInput, image_rows
 from serving.executor.sampler import score_tokens
 from serving.forward_batch import to_device, upload
 from serving.protocol import FinishReason
@@ -55,7 +55,8 @@ class PrefillManager:
     ) -> None:
         self.cfg, self.runner, self.admission, self.commit = cfg, runner, admission, commit
         self.hooks, self.spec = hooks, spec
-        self.images = None if runner.vision is None else ImagePrefill(runner.vision)
+        lookahead = int(spec is not None)  # the draft reads each position's next embedding
+        self.images = None if runner.vision is None else ImagePrefill(runner.vision, lookahead)
         self.waiting: deque[Req] = deque()
         self.prefilling: Req | None = None  # the one request part-way through chunked prefill
         # After a retraction, admit nothing new until a running request finishes: re-admitting
@@ -150,6 +151,7 @@ class PrefillManager:
         targets = [req.prompt_targets(n) for req, n in plan]
         every = [bool(t) for t in targets]  # all of a chunk's logits, to score its prompt
         forward_start = time.perf_counter()
+        runs = self.images.runs(plan) if self.images is not None else []
         with forward_watch(record, self.runner.pool.req_to_token.device):
             out = self.runner.forward(
                 [
@@ -159,7 +161,7 @@ class PrefillManager:
                     for (req, n), save in zip(plan, batch.saves)
                 ],
                 every if any(every) else "last",
-                self.images.runs(plan) if self.images is not None else None,
+                image_rows([n for _, n in plan], runs, self.runner.model.dtype),
             )
         forward_s = time.perf_counter() - forward_start
         last_row = self._score_prompts(plan, targets, out.logits)
@@ -168,8 +170,6 @@ class PrefillManager:
             req.in_flight += 1
             if req.uncached == 0 and self.prefilling is req:
                 self.prefilling = None
-        if self.images is not None:
-            self.images.launched(plan)
         # max_tokens 0 with prompt logprobs: scored, nothing to sample (on a PD prefill worker
         # the scores then go to decode without a KV handoff)
         done = [
@@ -185,6 +185,8 @@ class PrefillManager:
         first = {i: tok for i, (tok, _) in zip(done, sampled.host or [])}
         if self.spec is not None:
             self._extend_draft(plan, out.hidden, first)
+        if self.images is not None:  # after the draft's extend: it reads one row further
+            self.images.launched(plan)
         for i, ((req, n), saves) in enumerate(zip(plan, batch.saves)):
             # the cache keys reach the first token only with a draft (pair keys), so the
             # pending first token is never needed here
@@ -249,12 +251,17 @@ class PrefillManager:
     ) -> None:
         """Run the draft over the chunk just prefilled, at every position whose next token is
         known now: the prompt's, or for the last chunk the token just sampled (`first`, by plan
-        index; a request that samples nothing has no next token at its last position)."""
+        index; a request that samples nothing has no next token at its last position). A next
+        token in an image's run enters as that image's row (nextn.py)."""
         rows, starts, tokens, index, offset = [], [], [], [], 0
+        runs: list[ImageRun] = []
         for i, (req, n) in enumerate(plan):
             start = req.cached - n
             nxt = (req.fill_ids + ([first[i]] if i in first else []))[start + 1 : req.cached + 1]
             if nxt:
+                if self.images is not None:
+                    end = start + 1 + len(nxt)
+                    runs += self.images.rows(len(rows), req, start + 1, end)
                 rows.append(req.row)
                 starts.append(start)
                 tokens.append(nxt)
@@ -262,5 +269,9 @@ class PrefillManager:
             offset += n
         if rows:
             self.spec.extend_draft(
-                rows, starts, tokens, hidden[upload(torch.cat(index), hidden.device)]
+                rows,
+                starts,
+                tokens,
+                hidden[upload(torch.cat(index), hidden.device)],
+                image_rows([len(t) for t in tokens], runs, self.runner.model.dtype),
             )

@@ -124,7 +124,7 @@ class Scheduler:
             return f"prompt ({n} tokens) does not fit in the KV pool ({tokens} tokens)"
         pixels = any(im.pixel_values is not None for im in request.images)  # None: PD decode's
         if pixels and self.prefill.images is None:
-            return "this worker runs no vision tower (a text-only model, or more than one rank)"
+            return "this worker runs no vision tower (a text-only model)"
         return None
 
     def add(self, request: GenerateRequest) -> None:

@@ -38,7 +38,7 @@ from serving.distributed import (
 )
 from serving.engine.profiler import RankProfiler
 from serving.executor.fanout import Fanout
-from serving.executor.model_runner import ModelRunner, StepInput
+from serving.executor.model_runner import ImageRows, ModelRunner, StepInput
 from serving.executor.streams import landed_writes
 from serving.memory.pool import MemoryPool
 from serving.server_args import ServerArgs
@@ -62,6 +62,7 @@ class Keepalive:
 class Forward:
     items: list[StepInput]
     logits: str | list[bool]
+    image_positions: list[int] | None = None  # their rows follow as a tensor broadcast
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class ExtendDraft:
     rows: list[int]
     starts: list[int]
     next_tokens: list[list[int]]  # the target hiddens follow as a tensor broadcast
+    image_positions: list[int] | None = None  # then their rows, as Forward's
 
 
 @dataclass(frozen=True)
@@ -119,18 +121,35 @@ class RankFanout(Fanout):
         broadcast_object(Step(self.pool.take_journal(), body))
         self.last = time.monotonic()
 
-    def forward(self, items: list[StepInput], logits: str | list[bool]) -> None:
-        self.send(Forward(items, logits))
+    def forward(
+        self, items: list[StepInput], logits: str | list[bool], images: ImageRows | None = None
+    ) -> None:
+        """Image rows: rank 0 alone runs the vision tower and broadcasts the embeddings it
+        made, rather than every rank running its own replica on the same pixel values. A
+        follower then keeps no per-request image state (ImagePrefill's held embeddings,
+        their frees on abort or retraction: decisions a follower never makes), loads no tower
+        and reserves no activations; the pixel values of an image are about as many bytes as
+        its embeddings, so sending pixels instead would save no traffic, and would send them
+        through the host (a pickled message) rather than device to device. The tower's time
+        is rank 0's either way, since replicas would run side by side."""
+        self.send(Forward(items, logits, _positions(images)))
+        _send_rows(images)
 
     def publish(self, rows: list[int], tokens: torch.Tensor) -> None:
         self.send(Publish(rows))
         broadcast_tensor(tokens.to(torch.int64).contiguous())
 
     def extend_draft(
-        self, rows: list[int], starts: list[int], next_tokens: list[list[int]], hidden: torch.Tensor
+        self,
+        rows: list[int],
+        starts: list[int],
+        next_tokens: list[list[int]],
+        hidden: torch.Tensor,
+        images: ImageRows | None = None,
     ) -> None:
-        self.send(ExtendDraft(rows, starts, next_tokens))
+        self.send(ExtendDraft(rows, starts, next_tokens, _positions(images)))
         broadcast_tensor(hidden)  # followers hold the same hiddens; one copy is simpler
+        _send_rows(images)
 
     def verify(self, host: torch.Tensor) -> None:
         self.send(Verify(host))
@@ -196,17 +215,18 @@ class Follower:
     def run(self, body: Body) -> None:
         device = self.pool.device
         match body:
-            case Forward(items, logits):
+            case Forward(items, logits, positions):
                 if self.decode:
                     landed_writes(device)  # this rank's pool may hold a handoff just adopted
-                self.runner.forward(items, logits)
+                self.runner.forward(items, logits, self._rows(positions))
             case Publish(rows):
                 tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
                 self.runner.publish(rows, broadcast_tensor(tokens))
-            case ExtendDraft(rows, starts, next_tokens):
+            case ExtendDraft(rows, starts, next_tokens, positions):
                 n = sum(len(t) for t in next_tokens)
                 hidden = torch.empty(n, self.hidden_size, dtype=self.dtype, device=device)
-                self.spec.extend_draft(rows, starts, next_tokens, broadcast_tensor(hidden))
+                hidden = broadcast_tensor(hidden)
+                self.spec.extend_draft(rows, starts, next_tokens, hidden, self._rows(positions))
             case Verify(host):
                 self.pending = self.spec.verify(host)
             case RollBack(padded, last, captures):
@@ -216,6 +236,23 @@ class Follower:
                 gather_object(self.role.handle(payload))
             case ProfileOrder(order):
                 gather_object(self.profiler.handle(order))
+
+    def _rows(self, positions: list[int] | None) -> ImageRows | None:
+        """Rank 0's image rows at these batch positions (its broadcast, after the message's)."""
+        if positions is None:
+            return None
+        shape = (len(positions), self.hidden_size)
+        rows = torch.empty(shape, dtype=self.dtype, device=self.pool.device)
+        return ImageRows(positions, broadcast_tensor(rows))
+
+
+def _positions(images: ImageRows | None) -> list[int] | None:
+    return None if images is None else images.positions
+
+
+def _send_rows(images: ImageRows | None) -> None:
+    if images is not None:
+        broadcast_tensor(images.embeds.contiguous())
 
 
 def join_group(args: ServerArgs, rank: int) -> ParallelState:

@@ -21,16 +21,23 @@ if TYPE_CHECKING:  # no torch at run time: the launcher's process imports this (
 class Fanout:
     followers = 0  # rank processes that run what this one runs
 
-    def forward(self, items: list, logits: str | list[bool]) -> None:
-        """Before ModelRunner.forward(items, logits) (items: its StepInputs)."""
+    def forward(self, items: list, logits: str | list[bool], images=None) -> None:
+        """Before ModelRunner.forward(items, logits, images) (items: its StepInputs; images:
+        its ImageRows or None)."""
 
     def publish(self, rows: list[int], tokens: torch.Tensor) -> None:
         """Before ModelRunner.publish: the followers get the tokens too."""
 
     def extend_draft(
-        self, rows: list[int], starts: list[int], next_tokens: list[list[int]], hidden: torch.Tensor
+        self,
+        rows: list[int],
+        starts: list[int],
+        next_tokens: list[list[int]],
+        hidden: torch.Tensor,
+        images=None,
     ) -> None:
-        """Before Eagle.extend_draft: its host inputs, then the target hiddens."""
+        """Before Eagle.extend_draft: its host inputs, then the target hiddens (and the image
+        rows: ImageRows or None)."""
 
     def verify(self, host: torch.Tensor) -> None:
         """Before Eagle.verify(host) of a step that accepts on the host."""

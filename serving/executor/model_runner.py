@@ -44,6 +44,35 @@ class ImageRun:
     embeds: torch.Tensor  # [rows, hidden] on the model's device
 
 
+@dataclass
+class ImageRows:
+    """What a forward (the target's, or the draft's over a prefill chunk) takes in place of some
+    token embeddings: the batch's token indices (host ints, ascending; they travel to TP
+    followers in the step message) and one row each, in the model dtype (followers receive
+    them by a tensor broadcast of that dtype)."""
+
+    positions: list[int]
+    embeds: torch.Tensor  # [len(positions), hidden]
+
+    def on(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_device(self.positions, torch.int64, device), self.embeds
+
+
+def image_rows(lengths: list[int], runs: list[ImageRun], dtype: torch.dtype) -> ImageRows | None:
+    """The runs of a batch whose items hold `lengths` tokens each, as batch token indices."""
+    if not runs:
+        return None
+    first = [0]
+    for n in lengths:
+        first.append(first[-1] + n)
+    positions = [
+        p
+        for run in runs
+        for p in range(first[run.item] + run.offset, first[run.item] + run.offset + len(run.embeds))
+    ]
+    return ImageRows(positions, torch.cat([r.embeds for r in runs]).to(dtype))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -54,8 +83,8 @@ class ModelRunner:
     ) -> None:
         """fanout: TP rank 0's, told every forward first, so the other ranks run the same
         (serving/engine/tp_worker.py). vision: the tower a prefill step's images run through
-        (serving/engine/image_prefill.py); one rank only for now (image rows are not fanned
-        out)."""
+        (serving/engine/image_prefill.py), on rank 0 only: the fanout sends its rows to the
+        followers (tp_worker.RankFanout.forward says why)."""
         self.model, self.pool, self.fanout, self.vision = model, pool, fanout, vision
         self.graphs = None  # set by enable_decode_graphs
         # The last token sampled for each request row, on the device (the overlap scheduler's
@@ -108,14 +137,14 @@ class ModelRunner:
         self,
         items: list[StepInput],
         logits: str | list[bool] = "last",
-        images: list[ImageRun] | None = None,
+        images: ImageRows | None = None,
     ) -> ForwardOutput:
         """images: embeddings that replace some items' token embeddings (a prefill step's)."""
-        self.fanout.forward(items, logits)
+        self.fanout.forward(items, logits, images)
         future = any(FUTURE in item.token_ids for item in items)
         if (
             self.graphs is not None
-            and not images  # a 1-token chunk may be an image token: the graphs take no rows
+            and images is None  # a 1-token chunk may be an image token: the graphs take no rows
             and logits == "last"
             and all(len(item.token_ids) == 1 and not item.saves for item in items)
             and self.graphs.fits(len(items))
@@ -130,7 +159,8 @@ class ModelRunner:
         batch = self.build_batch(items, logits, inside)
         if future:
             resolve_future(batch.input_ids, batch.req_rows[batch.token_req], self.next_tokens)
-        out = self.model(batch, self.pool.target, self._image_rows(items, images))
+        rows = None if images is None else images.on(self.pool.req_to_token.device)
+        out = self.model(batch, self.pool.target, rows)
         after = [
             (item.row, slot) for item, end in zip(items, at_end) if end for _, slot in item.saves
         ]
@@ -138,22 +168,3 @@ class ModelRunner:
             rows, slots = zip(*after)
             save_kda_states(self.pool.target, list(rows), list(slots))
         return out
-
-    def _image_rows(
-        self, items: list[StepInput], images: list[ImageRun] | None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(positions in the batch's tokens [K], embeddings [K, hidden]) of the image runs."""
-        if not images:
-            return None
-        first = [0]
-        for item in items:
-            first.append(first[-1] + len(item.token_ids))
-        positions = [
-            p
-            for run in images
-            for p in range(
-                first[run.item] + run.offset, first[run.item] + run.offset + len(run.embeds)
-            )
-        ]
-        device = self.pool.req_to_token.device
-        return to_device(positions, torch.int64, device), torch.cat([r.embeds for r in images])

@@ -7,6 +7,17 @@ logits = lm_head(shared_head.norm(hidden))       embed and lm_head are the targe
 `target_hidden` is the target's stream mean before its final norm at the same position (for
 later draft steps: the draft's own pre-norm hidden). The layer index is num_hidden_layers, so its
 caches never collide with the target's.
+
+Image prompts: the "embedding of the next token" is the row the target's input embeddings hold
+at position i + 1, so where token i + 1 is one of a prompt's <|image|> tokens it is that
+image's merged embedding (the scattered row), not embed(<|image|>). transformers 5.17 builds no
+MTP layer for glm5_next (it drops the checkpoint's layer num_hidden_layers on load), so the
+definition is the MTP layer's own: it reads the model's input embeddings shifted by one, and in
+a multimodal model those are the scattered ones, which is also what SGLang's and vLLM's
+multimodal MTP drafts are given (the target's input embeddings reused, not the placeholder's).
+Only a prompt has image rows: drafted and committed tokens are text, and an <|image|> the model
+generates stays a token embedding, as in the target. The draft only proposes, so greedy output
+does not depend on this; acceptance does.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from serving.layers.norm import RMSNorm
 from serving.memory.cache import ModelCache
 from serving.models.dsa import DSAttention
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
+from serving.models.vision import scatter_image_embeddings
 
 
 class NextNDraft(nn.Module):
@@ -45,12 +57,25 @@ class NextNDraft(nn.Module):
         batch: ForwardBatch,
         target_hidden: torch.Tensor,
         cache: ModelCache,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ForwardOutput:
-        """batch.input_ids are the *next* tokens; target_hidden [T, Hd] aligns with them."""
-        e = self.enorm(target.embed(batch.input_ids))
+        """batch.input_ids are the *next* tokens; target_hidden [T, Hd] aligns with them.
+        images: (batch positions [K], embeddings [K, Hd]) of the next tokens that are image
+        tokens, the rows the target took there."""
+        e = self.enorm(self.next_embeddings(target, batch, images))
         x = self.eh_proj(torch.cat([e, self.hnorm(target_hidden.to(e.dtype))], dim=-1))
         attn, _ = self.self_attn(self.input_layernorm(x), batch, cache.dsa(self.layer), None)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         logits = target.project(self.shared_head_norm(x[batch.logit_index]))
         return ForwardOutput(logits=logits, hidden=x)
+
+    def next_embeddings(
+        self,
+        target: Glm5NextForCausalLM,
+        batch: ForwardBatch,
+        images: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The next tokens' input embeddings [T, Hd], as the target's forward builds its own."""
+        e = target.embed(batch.input_ids)
+        return e if images is None else scatter_image_embeddings(e, *images)

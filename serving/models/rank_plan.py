@@ -84,7 +84,8 @@ def module_weights(
         modules = {"target": Glm5NextForCausalLM(config, dtype)}
         if draft:
             modules["draft"] = NextNDraft(config, dtype)
-        if config.vision is not None:  # whole on every rank, in the model dtype (never FP8)
+        if config.vision is not None:  # whole, in the model dtype (never FP8), on rank 0 only
+            # (the binding rank: TP/EP followers take its embeddings, tp_worker.py)
             modules["vision"] = VisionTower(config.vision, dtype)
     if fp8 is not None:
         selected = fp8_modules(

@@ -33,13 +33,8 @@ one of its images' (expand_image_token_ids), so the runs are those tokens (hazar
 images after it as video). Nothing else changes for them: the text model is NoPE and its
 positions run 0, 1, 2, ... across them (no M-RoPE), under the same causal mask as any token.
 
-NextN / MTP (EAGLE's draft): transformers builds no MTP layer for glm5_next (it drops the
-checkpoint's layer 45 on load: _keys_to_ignore_on_load_unexpected), so it has nothing to
-compare with there. The layer takes enorm(embedding of token i + 1) beside hnorm(h_i); at an
-image position SGLang's EAGLE draft extend gives it the target's scattered row, inputs_embeds[i
-+ 1] (the image embedding), not embed(<|image|>) (it rotates the target's multimodal input
-embeddings by one). The draft only proposes, so greedy tokens do not depend on this choice;
-acceptance does.
+NextN / MTP (EAGLE's draft): at a position whose next token is an image token the layer takes
+that image's row, as the target did (serving/models/nextn.py says why).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.executor.fanout import ONE_RANK, Fanout
+from serving.executor.model_runner import ImageRows
 from serving.executor.sampler import SampledTokens, Sampler, SamplingState
 from serving.forward_batch import ForwardBatch, resolve_future, to_device, upload
 from serving.memory.cache import request_rows
@@ -123,17 +124,21 @@ class Eagle:
         starts: list[int],
         next_tokens: list[list[int]],
         target_hidden: torch.Tensor,
+        images: ImageRows | None = None,
     ) -> None:
         """Draft positions starts[b].. with inputs (next token, target hidden at the position).
 
-        target_hidden: [sum(len), H], requests back to back. Stores each request's proposal for
-        the position after its last one, and the draft's hidden there, in its aux row."""
-        self.fanout.extend_draft(rows, starts, next_tokens, target_hidden)
+        target_hidden: [sum(len), H], requests back to back. images: the rows of the next
+        tokens that are a prompt's image tokens (the image embeddings the target took there;
+        nextn.py says why). Stores each request's proposal for the position after its last
+        one, and the draft's hidden there, in its aux row."""
+        self.fanout.extend_draft(rows, starts, next_tokens, target_hidden, images)
         ids = [t for toks in next_tokens for t in toks]
         batch = ForwardBatch.build(
             ids, rows, starts, [len(t) for t in next_tokens], self.pool.req_to_token
         )
-        out = self.draft(self.target, batch, target_hidden, self.pool.draft)
+        at = None if images is None else images.on(self.pool.device)
+        out = self.draft(self.target, batch, target_hidden, self.pool.draft, at)
         self._stash(batch.req_rows, out.hidden[batch.logit_index], out.logits)
 
     def _stash(self, rows: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor) -> None:
