@@ -7,6 +7,7 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # torch.rms_norm is x * rsqrt(mean(x^2) + eps), one fused kernel on CUDA (four launches
+    # here, against eight written out: the vision tower runs four norms a block, 24 blocks).
+    normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)

@@ -101,25 +101,38 @@ class VisionAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
 
     def forward(
-        self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)  # each [N, heads, hd]
-        q, k = rotate(self.q_norm(q), cos, sin), rotate(self.k_norm(k), cos, sin)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, hd]
-        out = [
-            F.scaled_dot_product_attention(qs[None], ks[None], vs[None])[0]
-            for qs, ks, vs in zip(q.split(segments, 1), k.split(segments, 1), v.split(segments, 1))
-        ]
-        return self.proj(torch.cat(out, dim=1).transpose(0, 1).reshape(n, -1))
+        qk = rotate(torch.stack((self.q_norm(q), self.k_norm(k)), dim=1), cos, signed_sin)
+        q, k = qk.permute(1, 2, 0, 3).unbind(0)  # [heads, N, hd] each
+        v = v.transpose(0, 1)
+        if len(segments) == 1:  # one frame: no split, no cat
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        else:
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(qs[None], ks[None], vs[None])[0]
+                    for qs, ks, vs in zip(
+                        q.split(segments, 1), k.split(segments, 1), v.split(segments, 1)
+                    )
+                ],
+                dim=1,
+            )
+        return self.proj(out.transpose(0, 1).reshape(n, -1))
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [N, heads, hd] with cos/sin [N, hd], in float32, back in x's dtype."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [N, ..., hd] with cos and signed_sin [N, hd] (VisionTower.rope), in float32,
+    back in x's dtype: x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), written
+    as x's halves swapped times sin with its first half negated (five launches; q and k are
+    stacked into one call)."""
     xf = x.float()
     half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    swapped = xf.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+    return torch.addcmul(xf * cos.view(shape), swapped, signed_sin.view(shape)).to(x.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -150,9 +163,9 @@ class VisionBlock(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), segments, cos, sin)
+        x = x + self.attn(self.norm1(x), segments, cos, signed_sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -198,10 +211,10 @@ class VisionTower(nn.Module):
         """pixel_values [N, C * T * P * P] of the images in order, grids their (t, h, w) on the
         host -> [N / merge^2, out_hidden], image after image (num_tokens(grid) rows each)."""
         x = self.patch_embed(pixel_values)
-        cos, sin = self.rope(grids, x.device)
+        cos, signed_sin = self.rope(grids, x.device)
         segments = [h * w for t, h, w in grids for _ in range(t)]
         for block in self.blocks:
-            x = block(x, segments, cos, sin)
+            x = block(x, segments, cos, signed_sin)
         x = self.post_layernorm(x)
         # each run of m*m patches is one m x m square, the Conv2d's piece: (channel, row, col)
         m, d = self.config.spatial_merge_size, x.shape[-1]
@@ -211,8 +224,8 @@ class VisionTower(nn.Module):
     def rope(
         self, grids: Sequence[Grid], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [N, head_dim] (float32) for the patches of these grids, in the
-        processor's block-major order."""
+        """cos and signed sin [N, head_dim] (float32; rotate's operands: sin with its first
+        half negated) for the patches of these grids, in the processor's block-major order."""
         cfg = self.config
         m, quarter = cfg.spatial_merge_size, cfg.head_dim // 4
         inv_freq = 1.0 / cfg.rope_theta ** (
@@ -227,7 +240,9 @@ class VisionTower(nn.Module):
             positions.append(torch.stack(rc, dim=-1).repeat(t, 1))
         angles = torch.cat(positions)[..., None].float() * inv_freq  # [N, 2, quarter]
         angles = angles.flatten(1).repeat(1, 2)  # rows, cols, rows, cols
-        return angles.cos(), angles.sin()
+        sin = angles.sin()
+        sin[:, : 2 * quarter] *= -1
+        return angles.cos(), sin
 
 
 def activation_bytes(config: VisionConfig, image_tokens: int, elem: int) -> int:
