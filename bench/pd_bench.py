@@ -29,7 +29,9 @@ OUT/results.json (rewritten after every run), OUT/VARIANT/{prefill,decode,router
 prints a table and the decode worker's speculative-decoding metric lines. --vision builds the
 checkpoint with serving.tools.tiny_model --vision; --image-size N makes every run's requests
 chats about one N x N drawn image (bench_serving --image-size: a new image per request, so no
-run hits another's in the prefill worker's prefix cache; --input-len does not apply). Exit 1 if
+run hits another's in the prefill worker's prefix cache; --input-len does not apply), sent to
+/generate as image_data or, --image-api chat, to /v1/chat/completions (whose TTFT is exact only
+where every token decodes to text: not on the bench preset, see bench_serving). Exit 1 if
 any variant failed (the error and its log tail are in results.json and printed).
 """
 
@@ -101,6 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="each request a streaming chat with one N x N PNG and a short text (0: token "
         "prompts of --input-len to /generate)",
     )
+    ap.add_argument("--image-api", choices=("generate", "chat"), default="generate")
     ap.add_argument("--wheels", type=Path, help="install these wheels first (a bare GPU image)")
     ap.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where --wheels go")
     ap.add_argument(
@@ -293,7 +296,7 @@ def run_bench(
     cmd += ["--concurrency", str(concurrency), "--requests", str(requests)]
     cmd += ["--seed", str(next(PROMPT_SEEDS))]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
-    cmd += ["--image-size", str(args.image_size)]
+    cmd += ["--image-size", str(args.image_size), "--image-api", args.image_api]
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if under_load is not None:

@@ -5,12 +5,17 @@
 
 Each request is a streaming POST /generate with random token ids and ignore_eos, so every
 request produces exactly --output-len tokens. With `--image-size N` each request is instead a
-streaming /v1/chat/completions with ignore_eos whose user message is one N x N PNG (a data: URL;
-noise under a few filled shapes, drawn from the request's own seed, so the prefix cache, which
-keys images by content, never hits across requests) and a short text: --input-len does not
-apply, the prompt's size is the image's tokens plus a few, reported as `prompt_tokens_mean` and
-`image_tokens_mean` (from the final usage chunk); tokens are counted from the usage that every
-chunk carries (continuous_usage_stats), and chunks bring no stage times.
+one-image chat: a user message of one N x N PNG (a data: URL; noise under a few filled shapes,
+drawn from the request's own seed, so the prefix cache, which keys images by content, never
+hits across requests) and a short question; --input-len does not apply, the prompt is the
+image's tokens and a few more (`prompt_tokens_mean`). `--image-api generate` (the default)
+sends it to /generate as SGLang's image_data under GLM's chat format, streamed and counted as
+the token prompts are; `--image-api chat` to /v1/chat/completions with the image_url part,
+tokens counted from the usage on every chunk (continuous_usage_stats; `image_tokens_mean` from
+it too), no stage times. A chat chunk is sent only when its token brings text, so the chat's
+TTFT and ITL are exact only where every token decodes to text: not on a tiny_model checkpoint
+whose model vocabulary outgrows its tokenizer (the bench preset: 154,880 ids, a 1,024-token
+tokenizer; the ids past it decode to nothing).
 
 Reports output tokens/s over the whole run, time to first token (TTFT: mean, p50, p99), time
 per output token (TPOT: per request (end - TTFT) / (tokens - 1), then averaged, as SGLang's
@@ -72,13 +77,24 @@ def drawn_png(size: int, seed: tuple[int, ...]) -> bytes:
     return buf.getvalue()
 
 
-def image_chat(png: bytes, n: int) -> dict:
-    """A streaming chat completion of n tokens (ignore_eos) about one image, usage on every
-    chunk."""
+# what GLM's chat template renders for one user message of an image and a text
+GLM_IMAGE_CHAT = (
+    "[gMASK]<sop><|user|><|begin_of_image|><|image|><|end_of_image|>{}<|assistant|><think>"
+)
+IMAGE_QUESTION = "What shapes are in this picture, and what colours?"
+
+
+def image_request(png: bytes, n: int, api: str) -> dict:
+    """A streaming request for n tokens (ignore_eos) about one image: /generate's (SGLang's
+    image_data) or, api "chat", a chat completion's with usage on every chunk."""
     url = "data:image/png;base64," + base64.b64encode(png).decode()
+    if api == "generate":
+        sampling = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+        text = GLM_IMAGE_CHAT.format(IMAGE_QUESTION)
+        return {"text": text, "image_data": [url], "stream": True, "sampling_params": sampling}
     content = [
         {"type": "image_url", "image_url": {"url": url}},
-        {"type": "text", "text": "What shapes are in this picture, and what colours?"},
+        {"type": "text", "text": IMAGE_QUESTION},
     ]
     return {
         "messages": [{"role": "user", "content": content}],
@@ -101,7 +117,7 @@ def token_request(ids: list[int], n: int) -> dict:
 async def one_request(
     client: httpx.AsyncClient, url: str, body: dict, direct: tuple | None = None
 ) -> dict:
-    """`body` is token_request's (/generate) or image_chat's (/v1/chat/completions)."""
+    """`body` is token_request's or image_request's."""
     chat = "messages" in body
     path = "/v1/chat/completions" if chat else "/generate"
     start = time.perf_counter()
@@ -145,7 +161,7 @@ async def one_request(
         "tokens": seen,
         "stages": {k: v for k, v in meta.items() if k.endswith("_time") and v is not None},
         "decode_time": meta.get("decode_time"),
-        "prompt_tokens": usage.get("prompt_tokens"),
+        "prompt_tokens": (usage if chat else meta).get("prompt_tokens"),
         "image_tokens": (usage.get("prompt_tokens_details") or {}).get("image_tokens"),
     }
 
@@ -158,10 +174,10 @@ def pct(values: list[float], q: float) -> float:
 async def run(args: argparse.Namespace) -> dict:
     if args.image_size:  # drawn before the clock starts; the warm-up's image is its own
         bodies = [
-            image_chat(drawn_png(args.image_size, (args.seed, i)), args.output_len)
-            for i in range(args.requests + 1)
+            image_request(drawn_png(args.image_size, (args.seed, i)), n, args.image_api)
+            for i, n in enumerate([args.output_len] * args.requests + [2])
         ]
-        warm_up, bodies = {**bodies[-1], "max_tokens": 2}, bodies[:-1]
+        warm_up, bodies = bodies[-1], bodies[:-1]
     else:
         rng = random.Random(args.seed)
         bodies = [
@@ -220,10 +236,10 @@ async def run(args: argparse.Namespace) -> dict:
         },
     }
     if args.image_size:
-        report["image_size"] = args.image_size
+        report["image_size"], report["image_api"] = args.image_size, args.image_api
         for key in ("prompt_tokens", "image_tokens"):
-            counts = [r[key] or 0 for r in results]
-            report[f"{key}_mean"] = round(statistics.mean(counts), 1)
+            counts = [r[key] for r in results if r[key] is not None]
+            report[f"{key}_mean"] = round(statistics.mean(counts), 1) if counts else None
     return report
 
 
@@ -242,6 +258,12 @@ def main() -> None:
         metavar="N",
         help="image chats: one N x N PNG and a short text per request (see above; 0: token "
         "prompts to /generate)",
+    )
+    ap.add_argument(
+        "--image-api",
+        choices=("generate", "chat"),
+        default="generate",
+        help="with --image-size: the route the image chats go to (see above)",
     )
     ap.add_argument(
         "--seed",
