@@ -12,9 +12,14 @@ router, for one or more sets of worker flags (e.g. without and with EAGLE).
     python bench/pd_bench.py --build-checkpoint /tmp/tinyck --preset tiny --build-device cpu \\
         --variant base= --input-len 32 --output-len 16
     # TTFT of one-image chats: a checkpoint with a vision tower (the bench preset's is
-    # GLM-5.3-Flash's, at the preset's text width), 448x448 PNGs through /v1/chat/completions
+    # GLM-5.3-Flash's, at the preset's text width: 24 blocks of 1024), 448x448 PNGs (256 image
+    # tokens each); graphs up to 16 only, the highest concurrency, to shorten the start-up
     python3 bench/pd_bench.py --wheels .whl --build-checkpoint /tmp/benchv --preset bench \\
-        --vision --image-size 448 --bench 1:8 --bench 16:32 --output-len 64 --out "$OUT"
+        --vision --worker-args="--max-running-requests 16 --cuda-graph-max-bs-decode 16 \\
+            --cuda-graph-backend-decode full --chunked-prefill-size 8192 \\
+            --max-prefill-tokens 8192 --kv-cache-dtype bf16 --skip-server-warmup" \\
+        --variant base= --image-size 448 --bench 1:8 --bench 16:32 --output-len 64 \\
+        --timeout 300 --bench-timeout 120 --out "$OUT/pdimg"
 
 --wheels installs the wheels there into --site (pip --target, no index) and puts it on the
 workers' PYTHONPATH; Debian packages in WHEELS/deb provide the system libraries Mooncake's
