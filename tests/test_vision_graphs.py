@@ -23,34 +23,29 @@ def args_of(path, *flags: str) -> ServerArgs:
 
 
 def test_vision_graph_flags(tiny_vision_ckpt) -> None:
-    default = args_of(tiny_vision_ckpt)
+    """auto: on with CUDA only; full off CUDA and fewer than one shape are refused."""
+    path = tiny_vision_ckpt
+    default = args_of(path)
     assert default.cuda_graph_backend_vision == "auto"
     assert default.cuda_graph_vision_max_shapes == 16
-    on = args_of(tiny_vision_ckpt, "--cuda-graph-backend-vision", "full")
-    assert on.use_vision_graphs()
-    off = args_of(tiny_vision_ckpt, "--device", "cuda", "--cuda-graph-backend-vision", "disabled")
+    assert args_of(path, "--cuda-graph-backend-vision", "full").use_vision_graphs()
+    assert args_of(path, "--device", "cuda").use_vision_graphs()
+    off = args_of(path, "--device", "cuda", "--cuda-graph-backend-vision", "disabled")
     assert not off.use_vision_graphs() and vision_graph_tokens(off) == 0
-    assert args_of(tiny_vision_ckpt, "--device", "cuda").use_vision_graphs()  # auto on CUDA
-    cpu = args_of(tiny_vision_ckpt, "--device", "cpu")
+    cpu = args_of(path, "--device", "cpu")
     assert not cpu.use_vision_graphs() and vision_graph_tokens(cpu) == 0
-    cuda = args_of(tiny_vision_ckpt, "--device", "cuda", "--max-image-tokens", "300")
-    assert vision_graph_tokens(cuda) == 300
-    assert (
-        args_of(
-            tiny_vision_ckpt, "--cuda-graph-vision-max-shapes", "2"
-        ).cuda_graph_vision_max_shapes
-        == 2
-    )
+    cuda = args_of(path, "--device", "cuda", "--max-image-tokens", "300")
+    assert vision_graph_tokens(cuda) == 300  # the plan's largest image: the front's limit
+    two = args_of(path, "--cuda-graph-vision-max-shapes", "2")
+    assert two.cuda_graph_vision_max_shapes == 2
     with pytest.raises(SystemExit):  # argparse's choices
-        args_of(tiny_vision_ckpt, "--cuda-graph-backend-vision", "piecewise")
+        args_of(path, "--cuda-graph-backend-vision", "piecewise")
+    full_on_cpu = args_of(path, "--device", "cpu", "--cuda-graph-backend-vision", "full")
     with pytest.raises(ArgsError, match="--cuda-graph-backend-vision full: needs a CUDA"):
-        args_of(
-            tiny_vision_ckpt, "--device", "cpu", "--cuda-graph-backend-vision", "full"
-        ).validate()
+        full_on_cpu.validate()
+    none = args_of(path, "--device", "cpu", "--cuda-graph-vision-max-shapes", "0")
     with pytest.raises(ArgsError, match="--cuda-graph-vision-max-shapes: must be >= 1"):
-        args_of(
-            tiny_vision_ckpt, "--device", "cpu", "--cuda-graph-vision-max-shapes", "0"
-        ).validate()
+        none.validate()
 
 
 def test_the_plan_holds_what_the_graphs_keep(tiny_vision_ckpt) -> None:
@@ -73,6 +68,54 @@ def test_the_cpu_takes_the_eager_path(tiny_vision_ckpt) -> None:
     """auto on the CPU: no graphs anywhere, the step's images in one tower call (today's)."""
     sched = engine(tiny_vision_ckpt, "--cuda-graph-backend-vision", "auto")
     assert sched.runner.vision_graphs is None and sched.prefill.images.graphs is None
+
+
+class ReplayReruns:
+    """A stand-in for a captured graph on the CPU: replay reruns the captured function (so it
+    reads the static buffers, as a graph's kernels do)."""
+
+    def __init__(self, fn) -> None:
+        self.replay = fn
+
+
+def test_the_bookkeeping_with_the_capture_faked(tiny_vision_ckpt, monkeypatch) -> None:
+    """On the CPU with the capture faked: the LRU, the buffers' growth, fresh copies, and
+    ImagePrefill's image-by-image path giving the eager path's greedy tokens."""
+    import serving.executor.vision_graphs as vision_graphs
+    from tests.test_vision_engine import drain, image_request
+    from tests.vision_images import IMAGE_A, IMAGE_B
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(
+        vision_graphs, "capture", lambda fn, pool, warmups, error_mode: (ReplayReruns(fn), None)
+    )
+    tokens = {}
+    for graphed in (False, True):
+        sched = engine(tiny_vision_ckpt)
+        images, config = sched.prefill.images, sched.pool.config
+        if graphed:
+            images.graphs = vision_graphs.VisionGraphs(images.tower, max_shapes=2)
+        sched.add(image_request("two", config, [IMAGE_A, IMAGE_B], n=6))
+        sched.add(image_request("b", config, [IMAGE_B], n=6, text=5))
+        tokens[graphed] = {rid: t for rid, (t, _) in drain(sched).items()}
+        assert images.encoded_images == 3 and not images.held
+    assert tokens[True] == tokens[False]
+
+    graphs = images.graphs
+    assert graphs.captures == 2  # A's grid, B's
+    tower = images.tower
+    for grid in [(1, 2, 2), (1, 4, 6), (1, 2, 2), (1, 10, 10)]:
+        x = torch.randn(grid[0] * grid[1] * grid[2], graphs.pixel_width)
+        got = graphs.encode(x, grid)
+        with torch.inference_mode():
+            assert torch.equal(got, tower(x, [grid]))
+    assert graphs.captures == 5 and list(graphs.graphs) == [(1, 10, 10)]  # grown: all dropped
+    assert graphs.pixels.shape[0] == 100 and graphs.embeds.shape[0] == 25
+    grid = (1, 10, 10)
+    first = graphs.encode(torch.randn(100, graphs.pixel_width), grid)
+    assert not torch.equal(first, graphs.encode(torch.randn(100, graphs.pixel_width), grid))
+    with pytest.raises(ValueError, match="pixel values"):
+        graphs.encode(torch.randn(99, graphs.pixel_width), grid)
 
 
 # ---- CUDA: the real-size tower ----
