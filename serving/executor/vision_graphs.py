@@ -7,12 +7,13 @@ the first time that grid is seen (one eager warm-up, then capture and instantiat
 an LRU of at most max_shapes grids.
 
 Memory: every graph shares one pool (its own handle, apart from the decode graphs'): the graphs
-replay one at a time on the compute stream, so each capture reuses the blocks the others freed
-and the pool holds about the largest captured grid's activation peak. The graphs read one
-static pixel buffer and write one static embedding buffer, sized for the largest grid seen and
-grown (every graph dropped, recaptured on demand) when a larger one comes. What stays resident
-is counted as held in the memory plan (vision.graph_bytes); the front bounds an image's tokens,
-so the largest grid is bounded too.
+replay one at a time on the compute stream, so each capture reuses the blocks the others freed.
+The graphs read one static pixel buffer and write one static embedding buffer, sized for the
+largest grid seen and grown when a grid with more patches comes; growing drops every graph
+(recaptured on demand), which frees the pool, so a pool's first capture is its largest (as
+DecodeGraphs captures largest first) and the pool holds about that grid's activation peak.
+What stays resident is counted as held in the memory plan (vision.graph_bytes); the front
+bounds an image's tokens, so the largest grid is bounded too.
 
 Hazards: a capture synchronizes the device and empties the allocator's cache (torch.cuda.graph
 does both), so a new image size stalls the step that meets it once; it captures in
