@@ -66,7 +66,7 @@ def test_the_plan_holds_what_the_graphs_keep(tiny_vision_ckpt) -> None:
 
 def test_the_cpu_takes_the_eager_path(tiny_vision_ckpt) -> None:
     """auto on the CPU: no graphs anywhere, the step's images in one tower call (today's)."""
-    sched = engine(tiny_vision_ckpt, "--cuda-graph-backend-vision", "auto")
+    sched = engine(tiny_vision_ckpt, "--device", "cpu", "--cuda-graph-backend-vision", "auto")
     assert sched.runner.vision_graphs is None and sched.prefill.images.graphs is None
 
 
@@ -91,7 +91,7 @@ def test_the_bookkeeping_with_the_capture_faked(tiny_vision_ckpt, monkeypatch) -
     )
     tokens = {}
     for graphed in (False, True):
-        sched = engine(tiny_vision_ckpt)
+        sched = engine(tiny_vision_ckpt, "--device", "cpu")
         images, config = sched.prefill.images, sched.pool.config
         if graphed:
             images.graphs = vision_graphs.VisionGraphs(images.tower, max_shapes=2)
