@@ -172,6 +172,23 @@ class ServerArgs(ArgsChecks):
         metadata={"choices": ["auto", "disabled", "full"], "help": "auto: full on CUDA"},
     )
     cuda_graph_max_bs_decode: int = 32
+    cuda_graph_backend_vision: str = field(
+        default="auto",
+        metadata={
+            "choices": ["auto", "disabled", "full"],
+            "help": "the vision tower, one image at a time through a CUDA graph per image size "
+            "(its launches dominate an eager run); auto: full on CUDA. The trade: an image size "
+            "not seen yet pays one capture (about one eager run plus instantiation) and stalls "
+            "its step for it",
+        },
+    )
+    cuda_graph_vision_max_shapes: int = field(
+        default=16,
+        metadata={
+            "help": "image sizes (grids) whose vision graphs are kept, least recently used "
+            "evicted: one shared memory pool holds the largest's activations either way"
+        },
+    )
     disable_overlap_schedule: bool = field(
         default=False,
         metadata={
@@ -322,7 +339,12 @@ class ServerArgs(ArgsChecks):
         return (self.speculative_num_steps or 0) if self.speculative_algorithm else 0
 
     def use_decode_graphs(self) -> bool:
-        mode = self.cuda_graph_backend_decode
+        return self._graphs_on(self.cuda_graph_backend_decode)
+
+    def use_vision_graphs(self) -> bool:
+        return self._graphs_on(self.cuda_graph_backend_vision)
+
+    def _graphs_on(self, mode: str) -> bool:
         return mode == "full" or (mode == "auto" and self.resolved_device() == "cuda")
 
     # ---- argparse ----

@@ -26,6 +26,12 @@ def vision_step_tokens(args: ServerArgs) -> int:
     return step_image_tokens(args.chunked_prefill_size, args.max_image_tokens or 8000)
 
 
+def vision_graph_tokens(args: ServerArgs) -> int:
+    """With the tower's CUDA graphs, the most tokens of one image (the front refuses larger
+    ones, so no captured grid is larger); 0 when the tower runs eagerly."""
+    return (args.max_image_tokens or 8000) if args.use_vision_graphs() else 0
+
+
 def log_memory_plan(
     args: ServerArgs,
     config: ModelConfig,
@@ -67,6 +73,7 @@ def log_memory_plan(
         if args.radix_cache and args.max_mamba_cache_size is None
         else 0.0,
         vision_tokens=vision_step_tokens(args),
+        vision_graph_tokens=vision_graph_tokens(args),
     )
     for line in predicted.lines(args.model_path):
         log.info("memory plan (serving.tools.plan): %s", line)
