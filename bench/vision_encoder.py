@@ -15,12 +15,13 @@ encoder alone: pixel values already on the device, one warm-up call, then --repe
 between two device synchronisations, timed on the host clock (what a prefill step waits for;
 launches included). A record: {"image", "impl", "ms" (median), "runs", "patches",
 "image_tokens"}; ours_graphed's adds "capture_ms" (its first call: a capture, timed alike) and
-the device memory the graphs hold so far (reserved after the capture less before the first,
-the allocator's cache emptied) beside vision.graph_bytes' estimate for the largest image so
-far (the memory plan's). Then per image the speed-up of ours and of ours_graphed over each
-transformers variant and the largest difference of the outputs relative to their largest
-magnitude (the same weights must give the same embeddings to bf16's rounding: a wrong tower's
-speed means nothing), and whether the graphed output is torch.equal to the eager one.
+the device memory the graphs hold so far (reserved after the capture less before the
+graphs' buffers were made, the allocator's cache emptied) beside vision.graph_bytes' estimate
+for the largest image here (the memory plan's, for the front's largest). Then per image the
+speed-up of ours and of ours_graphed over each transformers variant, the largest difference
+of the outputs relative to their largest magnitude (the same weights must give the same
+embeddings to bf16's rounding: a wrong tower's speed means nothing), and whether the graphed
+output is torch.equal to the eager one.
 Targets: 448x448 <= 3 ms, 1280x720 <= 20 ms, >= 1.5x transformers in both.
 """
 
@@ -119,16 +120,28 @@ def main(argv: list[str] | None = None) -> None:
     ours, theirs = towers(a.tiny, device, dtype)
     processor = ImageProcessorConfig(min_image_tokens=4) if a.tiny else ImageProcessorConfig()
     records: list[dict] = []
-    graphs, base, largest = None, 0, 0
-    if device.type == "cuda":
-        graphs = VisionGraphs(ours, max_shapes=len(IMAGES))
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_reserved(device)
+    images = {}  # label -> (preprocessed, host ms)
     for label, (width, height) in (TINY_IMAGES if a.tiny else IMAGES).items():
         data = drawn_png(width, height)
         t0 = time.perf_counter()
         done = preprocess(decode_image(data), processor)
-        host_ms = round(1000 * (time.perf_counter() - t0), 3)
+        images[label] = done, round(1000 * (time.perf_counter() - t0), 3)
+    graphs, base = None, 0
+    largest = max(done.num_tokens for done, _ in images.values())
+    if device.type == "cuda":
+        # a worker captures its decode graphs first, so the capture stream's cuBLAS workspace
+        # (made by the first matmul ever captured on it, in that capture's pool) lives in the
+        # decode pool, not the tower's: the same here, or the tower's pool would hold it
+        probe = torch.randn(64, 64, device=device, dtype=dtype)
+        probe @ probe  # cuBLAS's handle, made outside any capture
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            probe @ probe
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved(device)
+        # buffers for the largest image here, as a worker's for the front's largest
+        graphs = VisionGraphs(ours, max_shapes=len(IMAGES), max_tokens=largest)
+    for label, (done, host_ms) in images.items():
         pixels = torch.from_numpy(done.pixel_values).to(device, dtype)
         grids = [tuple(done.grid_thw)]
         grid_t = torch.tensor(grids, device=device)
@@ -136,7 +149,6 @@ def main(argv: list[str] | None = None) -> None:
         graphed = {}
         if graphs is not None:
             calls["ours_graphed"] = lambda x=pixels, g=grids[0]: graphs.encode(x, g)
-            largest = max(largest, done.num_tokens)
             capture_ms = timed_ms(calls["ours_graphed"], 1, device, warm_up=False)[0]
             torch.cuda.empty_cache()
             graphed = {

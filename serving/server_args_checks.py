@@ -91,8 +91,8 @@ class ArgsChecks:
             raise ArgsError("--cuda-graph-backend-prefill full: prefill graphs are not built")
         if self.cuda_graph_max_bs_decode < 1:
             raise ArgsError("--cuda-graph-max-bs-decode: must be >= 1")
-        if self.cuda_graph_vision_max_shapes < 1:
-            raise ArgsError("--cuda-graph-vision-max-shapes: must be >= 1")
+        if self.cuda_graph_vision_max_shapes < 2:
+            raise ArgsError("--cuda-graph-vision-max-shapes: must be >= 2 (eviction keeps one)")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ArgsError(f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1)")
         if self.running_limit < 1:

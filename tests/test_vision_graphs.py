@@ -23,7 +23,7 @@ def args_of(path, *flags: str) -> ServerArgs:
 
 
 def test_vision_graph_flags(tiny_vision_ckpt) -> None:
-    """auto: on with CUDA only; full off CUDA and fewer than one shape are refused."""
+    """auto: on with CUDA only; full off CUDA and fewer than two shapes are refused."""
     path = tiny_vision_ckpt
     default = args_of(path)
     assert default.cuda_graph_backend_vision == "auto"
@@ -34,8 +34,14 @@ def test_vision_graph_flags(tiny_vision_ckpt) -> None:
     assert not off.use_vision_graphs() and vision_graph_tokens(off) == 0
     cpu = args_of(path, "--device", "cpu")
     assert not cpu.use_vision_graphs() and vision_graph_tokens(cpu) == 0
-    cuda = args_of(path, "--device", "cuda", "--max-image-tokens", "300")
-    assert vision_graph_tokens(cuda) == 300  # the plan's largest image: the front's limit
+    # the plan's largest image is the front's limit: the flag, capped by the checkpoint's
+    # preprocessor_config.json max_image_tokens (64 on this tiny checkpoint)
+    cuda = args_of(path, "--device", "cuda", "--max-image-tokens", "20")
+    assert vision_graph_tokens(cuda) == 20 == cuda.image_token_limit()
+    above = args_of(path, "--device", "cuda", "--max-image-tokens", "300")
+    assert (
+        vision_graph_tokens(above) == 64 == vision_graph_tokens(args_of(path, "--device", "cuda"))
+    )
     two = args_of(path, "--cuda-graph-vision-max-shapes", "2")
     assert two.cuda_graph_vision_max_shapes == 2
     with pytest.raises(SystemExit):  # argparse's choices
@@ -43,9 +49,9 @@ def test_vision_graph_flags(tiny_vision_ckpt) -> None:
     full_on_cpu = args_of(path, "--device", "cpu", "--cuda-graph-backend-vision", "full")
     with pytest.raises(ArgsError, match="--cuda-graph-backend-vision full: needs a CUDA"):
         full_on_cpu.validate()
-    none = args_of(path, "--device", "cpu", "--cuda-graph-vision-max-shapes", "0")
-    with pytest.raises(ArgsError, match="--cuda-graph-vision-max-shapes: must be >= 1"):
-        none.validate()
+    one = args_of(path, "--device", "cpu", "--cuda-graph-vision-max-shapes", "1")
+    with pytest.raises(ArgsError, match="--cuda-graph-vision-max-shapes: must be >= 2"):
+        one.validate()
 
 
 def test_the_plan_holds_what_the_graphs_keep(tiny_vision_ckpt) -> None:
@@ -85,7 +91,8 @@ def test_the_bookkeeping_with_the_capture_faked(tiny_vision_ckpt, monkeypatch) -
     from tests.test_vision_engine import drain, image_request
     from tests.vision_images import IMAGE_A, IMAGE_B
 
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
     monkeypatch.setattr(
         vision_graphs, "capture", lambda fn, pool, warmups, error_mode: (ReplayReruns(fn), None)
     )
@@ -94,7 +101,7 @@ def test_the_bookkeeping_with_the_capture_faked(tiny_vision_ckpt, monkeypatch) -
         sched = engine(tiny_vision_ckpt, "--device", "cpu")
         images, config = sched.prefill.images, sched.pool.config
         if graphed:
-            images.graphs = vision_graphs.VisionGraphs(images.tower, max_shapes=2)
+            images.graphs = vision_graphs.VisionGraphs(images.tower, max_shapes=2, max_tokens=25)
         sched.add(image_request("two", config, [IMAGE_A, IMAGE_B], n=6))
         sched.add(image_request("b", config, [IMAGE_B], n=6, text=5))
         tokens[graphed] = {rid: t for rid, (t, _) in drain(sched).items()}
@@ -109,11 +116,14 @@ def test_the_bookkeeping_with_the_capture_faked(tiny_vision_ckpt, monkeypatch) -
         got = graphs.encode(x, grid)
         with torch.inference_mode():
             assert torch.equal(got, tower(x, [grid]))
-    assert graphs.captures == 5 and list(graphs.graphs) == [(1, 10, 10)]  # grown: all dropped
-    assert graphs.pixels.shape[0] == 100 and graphs.embeds.shape[0] == 25
+    # two grids held at most, the least recently used evicted, never the last one
+    assert graphs.captures == 5 and list(graphs.graphs) == [(1, 2, 2), (1, 10, 10)]
+    assert graphs.pixels.shape[0] == 100 and graphs.embeds.shape[0] == 25  # made up front
     grid = (1, 10, 10)
     first = graphs.encode(torch.randn(100, graphs.pixel_width), grid)
     assert not torch.equal(first, graphs.encode(torch.randn(100, graphs.pixel_width), grid))
+    with pytest.raises(ValueError, match="more than the 25"):
+        graphs.encode(torch.randn(144, graphs.pixel_width), (1, 12, 12))
     with pytest.raises(ValueError, match="pixel values"):
         graphs.encode(torch.randn(99, graphs.pixel_width), grid)
 
@@ -158,7 +168,7 @@ def test_graphed_images_equal_the_eager_tower(real_tower) -> None:
     buffer writes every row, and the first image's copy survives the second's replay."""
     from serving.executor.vision_graphs import VisionGraphs
 
-    graphs = VisionGraphs(real_tower, max_shapes=16)
+    graphs = VisionGraphs(real_tower, max_shapes=16, max_tokens=256)
     big, small = pixels(G448, 1), pixels(G224x336, 2)
     first = graphs.encode(big, G448)
     second = graphs.encode(small, G224x336)
@@ -177,7 +187,7 @@ def test_graphed_images_equal_the_eager_tower(real_tower) -> None:
 def test_a_replay_reads_new_pixels(real_tower) -> None:
     from serving.executor.vision_graphs import VisionGraphs
 
-    graphs = VisionGraphs(real_tower, max_shapes=16)
+    graphs = VisionGraphs(real_tower, max_shapes=16, max_tokens=256)
     a, b = pixels(G448, 3), pixels(G448, 4)
     out_a = graphs.encode(a, G448)
     out_b = graphs.encode(b, G448)
@@ -188,21 +198,19 @@ def test_a_replay_reads_new_pixels(real_tower) -> None:
 
 
 @pytest.mark.gpu
-def test_lru_eviction_and_growth_keep_outputs_equal(real_tower) -> None:
+def test_lru_eviction_keeps_outputs_equal(real_tower) -> None:
     """max_shapes 2 over three grids: the least recently used graph goes and comes back
-    recaptured, every output equal to the eager tower's; a grid larger than the buffers grows
-    them and drops the graphs that wrote the old ones."""
+    recaptured into the same pool, every output equal to the eager tower's; an image larger
+    than the buffers (the front's limit) is refused."""
     from serving.executor.vision_graphs import VisionGraphs
 
-    graphs = VisionGraphs(real_tower, max_shapes=2)
+    graphs = VisionGraphs(real_tower, max_shapes=2, max_tokens=256)
     for step, grid in enumerate([G448, G224x336, G112, G448, G112]):
         x = pixels(grid, 10 + step)
         assert_equal(graphs.encode(x, grid), eager(real_tower, x, grid))
     assert graphs.captures == 4 and list(graphs.graphs) == [G448, G112]
 
-    growing = VisionGraphs(real_tower, max_shapes=2)
-    growing.encode(pixels(G112, 20), G112)
-    x = pixels(G448, 21)
-    assert_equal(growing.encode(x, G448), eager(real_tower, x, G448))
-    assert growing.captures == 2 and list(growing.graphs) == [G448]
-    assert growing.pixels.shape[0] == 1024 and growing.embeds.shape == (256, 4096)
+    with pytest.raises(ValueError, match="more than the 256"):  # the buffers' size
+        graphs.encode(pixels((1, 34, 34), 20), (1, 34, 34))
+    x = pixels(G448, 21)  # the graphs still serve after a refusal
+    assert_equal(graphs.encode(x, G448), eager(real_tower, x, G448))

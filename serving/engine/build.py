@@ -188,7 +188,7 @@ def build_runner(args: ServerArgs, built: RankModel, fanout: Fanout = ONE_RANK) 
     graphs captured as image sizes come when --cuda-graph-backend-vision is on."""
     runner = ModelRunner(built.model, built.pool, fanout, built.vision)
     if built.vision is not None and args.use_vision_graphs():  # captured per image size later
-        runner.enable_vision_graphs(args.cuda_graph_vision_max_shapes)
+        runner.enable_vision_graphs(args.cuda_graph_vision_max_shapes, vision_graph_tokens(args))
     if args.use_decode_graphs() and args.speculative_steps == 0:
         started = time.monotonic()
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)

@@ -21,15 +21,17 @@ log = logging.getLogger(__name__)
 
 
 def vision_step_tokens(args: ServerArgs) -> int:
-    """The image tokens one prefill step encodes at most, by the flags (8,000 per image, the
-    processor's default, unless --max-image-tokens says less)."""
-    return step_image_tokens(args.chunked_prefill_size, args.max_image_tokens or 8000)
+    """The image tokens one prefill step encodes at most (images of the front's limit)."""
+    limit = args.image_token_limit()
+    return step_image_tokens(args.chunked_prefill_size, limit)
 
 
 def vision_graph_tokens(args: ServerArgs) -> int:
     """With the tower's CUDA graphs, the most tokens of one image (the front refuses larger
     ones, so no captured grid is larger); 0 when the tower runs eagerly."""
-    return (args.max_image_tokens or 8000) if args.use_vision_graphs() else 0
+    if not args.use_vision_graphs():
+        return 0
+    return args.image_token_limit()
 
 
 def log_memory_plan(

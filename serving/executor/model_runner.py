@@ -119,12 +119,13 @@ class ModelRunner:
 
         self.graphs = DecodeGraphs(self.model, self.pool, max_bs)
 
-    def enable_vision_graphs(self, max_shapes: int) -> None:
-        """The tower's images through CUDA graphs, one per image grid, captured on first use."""
+    def enable_vision_graphs(self, max_shapes: int, max_tokens: int) -> None:
+        """The tower's images through CUDA graphs, one per image grid, captured on first use
+        (max_tokens: one image's most tokens, which sizes the graphs' buffers)."""
         from serving.executor.vision_graphs import VisionGraphs
 
         assert self.vision is not None, "no vision tower on this rank"
-        self.vision_graphs = VisionGraphs(self.vision, max_shapes)
+        self.vision_graphs = VisionGraphs(self.vision, max_shapes, max_tokens)
 
     def build_batch(
         self, items: list[StepInput], logits: str | list[bool], saves: list[list[tuple[int, int]]]

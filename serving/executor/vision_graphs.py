@@ -6,18 +6,20 @@ its grid (t, h, w) alone. VisionGraphs.encode runs one image through its grid's 
 the first time that grid is seen (one eager warm-up, then capture and instantiate) and kept in
 an LRU of at most max_shapes grids.
 
-Memory: every graph shares one pool (its own handle, apart from the decode graphs'): the graphs
-replay one at a time on the compute stream, so each capture reuses the blocks the others freed.
-The graphs read one static pixel buffer and write one static embedding buffer, sized for the
-largest grid seen and grown when a grid with more patches comes; growing drops every graph
-(recaptured on demand), which frees the pool, so a pool's first capture is its largest (as
-DecodeGraphs captures largest first) and the pool holds about that grid's activation peak.
-What stays resident is counted as held in the memory plan (vision.graph_bytes); the front
-bounds an image's tokens, so the largest grid is bounded too.
+Memory: every graph shares one pool (its own handle, apart from the decode graphs'), taken
+once and kept for the server's life: the graphs replay one at a time on the compute stream, so
+each capture reuses the blocks the others freed. The graphs read one static pixel buffer and
+write one static embedding buffer, both allocated up front for the largest image the front
+admits (max_tokens: the plan's vision_graph_tokens), so no graph ever has to be dropped for a
+larger one. What stays resident is counted as held in the memory plan (vision.graph_bytes).
 
 Hazards: a capture synchronizes the device and empties the allocator's cache (torch.cuda.graph
 does both), so a new image size stalls the step that meets it once; it captures in
-"thread_local" mode because the server's other threads may call CUDA meanwhile.
+"thread_local" mode because the server's other threads may call CUDA meanwhile. A pool whose
+graphs have all been destroyed cannot be captured into again while it still holds a block
+(torch asserts its use count; the H200 hit it when growing buffers dropped every graph: a
+library workspace made under the first capture stays in the pool), so eviction keeps at least
+one graph: max_shapes >= 2.
 """
 
 from __future__ import annotations
@@ -35,19 +37,21 @@ log = logging.getLogger(__name__)
 
 
 class VisionGraphs:
-    def __init__(self, tower: VisionTower, max_shapes: int) -> None:
-        if max_shapes < 1:
-            raise ValueError(f"max_shapes {max_shapes}: must be >= 1")
+    def __init__(self, tower: VisionTower, max_shapes: int, max_tokens: int) -> None:
+        """max_tokens: the most merged tokens of one image (the front refuses larger images)."""
+        if max_shapes < 2:
+            raise ValueError(f"max_shapes {max_shapes}: must be >= 2 (the module says why)")
         self.tower, self.max_shapes = tower, max_shapes
         cfg = tower.config
         self.merge = cfg.spatial_merge_size
         weight = tower.patch_embed.proj.weight
         self.pixel_width = weight[0].numel()  # C * T * P * P
-        self.pixels = weight.new_empty(0, self.pixel_width)  # in the tower's dtype
-        self.embeds = weight.new_empty(0, cfg.out_hidden_size)
+        # in the tower's dtype; the largest image's rows, for good
+        self.pixels = weight.new_empty(max_tokens * self.merge**2, self.pixel_width)
+        self.embeds = weight.new_empty(max_tokens, cfg.out_hidden_size)
         self.pool_handle = torch.cuda.graph_pool_handle()
         self.graphs: OrderedDict[Grid, torch.cuda.CUDAGraph] = OrderedDict()  # oldest use first
-        self.captures = 0  # graphs captured so far (evictions and growth recapture), for tests
+        self.captures = 0  # graphs captured so far (evictions recapture), for tests
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -63,7 +67,11 @@ class VisionGraphs:
                 f"grid {grid}: pixel values {tuple(pixel_values.shape)}, expected "
                 f"({patches}, {self.pixel_width})"
             )
-        self._fit(patches, rows)
+        if rows > self.embeds.shape[0]:
+            raise ValueError(
+                f"grid {grid}: {rows} image tokens, more than the {self.embeds.shape[0]} the "
+                "vision graphs were sized for (the front's --max-image-tokens)"
+            )
         self.pixels[:patches].copy_(pixel_values)  # before a capture: its warm-up reads them
         graph = self.graphs.get(grid)
         if graph is None:
@@ -73,18 +81,9 @@ class VisionGraphs:
         graph.replay()
         return self.embeds[:rows].clone()
 
-    def _fit(self, patches: int, rows: int) -> None:
-        """Static buffers large enough for this grid; growing them drops every graph (each
-        reads and writes the old ones)."""
-        if patches <= self.pixels.shape[0]:
-            return
-        self.graphs.clear()
-        self.pixels = self.pixels.new_empty(patches, self.pixel_width)
-        self.embeds = self.embeds.new_empty(rows, self.embeds.shape[1])
-
     def _capture(self, grid: Grid, patches: int, rows: int) -> torch.cuda.CUDAGraph:
         if len(self.graphs) >= self.max_shapes:
-            self.graphs.popitem(last=False)  # its pool blocks go to the next capture
+            self.graphs.popitem(last=False)  # its blocks go to the next capture; >= 1 stays
         pixels, embeds = self.pixels[:patches], self.embeds[:rows]
 
         def run() -> None:
