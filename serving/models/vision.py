@@ -98,7 +98,7 @@ class VisionPatchEmbed(nn.Module):
 class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        d, self.heads = config.hidden_size, config.num_heads
+        d = config.hidden_size
         self.qkv = VisionLinear(d, 3 * d, config.attention_bias, dtype)
         self.proj = VisionLinear(d, d, config.attention_bias, dtype)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
