@@ -143,7 +143,8 @@ def test_add_rms_norm_interp(dtype, d) -> None:
 def test_mlp_stack_follows_moves_and_loads() -> None:
     """gate/up run as one GEMM over the stacked weights after construction, a dtype change and
     a load into the parameters; a load that replaces them runs the two GEMMs apart (the stale
-    stack is never read). Either way the output is the unstacked computation's."""
+    stack is never read), and so does autograd over parts requiring grad. Either way the
+    output is the unstacked computation's."""
     torch.manual_seed(0)
     mlp = VisionMLP(8, 12, True, 1.5, torch.float32)
     src = VisionMLP(8, 12, True, 1.5, torch.float32)
@@ -167,6 +168,10 @@ def test_mlp_stack_follows_moves_and_loads() -> None:
     assert not mlp._stacked()
     assert torch.allclose(mlp(x.double()), apart(mlp), atol=1e-12)
     assert set(mlp.state_dict()) == set(src.state_dict())  # the checkpoint's names only
+    src.requires_grad_(True)
+    assert not src._stacked()  # training: the parts' GEMMs, so their gradients flow
+    src(x).sum().backward()
+    assert src.gate_proj.weight.grad is not None and src.up_proj.bias.grad is not None
 
 
 # ---- CUDA: the real shapes ----

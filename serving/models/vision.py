@@ -139,7 +139,8 @@ class VisionMLP(nn.Module):
     _apply (to(), to_empty(), cuda(): each replaces the parts' storage one by one), so loads
     that copy into the parameters (load_state_dict, the loaders) fill the stack. Hazard: a
     part's storage replaced otherwise (a new Parameter, load_state_dict(assign=True)) leaves
-    the stack stale; forward then runs the two GEMMs apart (a check of host pointers). The
+    the stack stale; forward then runs the two GEMMs apart (a check of host pointers), as it
+    does under autograd with the parts requiring grad. The
     two parts' state_dict tensors share that storage: safetensors' save_file refuses them
     uncopied."""
 
@@ -165,6 +166,8 @@ class VisionMLP(nn.Module):
         return self
 
     def _stacked(self) -> bool:
+        if torch.is_grad_enabled() and self.gate_proj.weight.requires_grad:
+            return False  # the stack is no leaf: gradients would not reach the parts
         pairs = [(self.gate_up_weight, self.gate_proj.weight, self.up_proj.weight)]
         if self.gate_up_bias is not None:
             pairs.append((self.gate_up_bias, self.gate_proj.bias, self.up_proj.bias))
