@@ -11,6 +11,15 @@ router, for one or more sets of worker flags (e.g. without and with EAGLE).
     # any machine with the project installed (CPU: the tiny checkpoint):
     python bench/pd_bench.py --build-checkpoint /tmp/tinyck --preset tiny --build-device cpu \\
         --variant base= --input-len 32 --output-len 16
+    # TTFT of one-image chats: a checkpoint with a vision tower (the bench preset's is
+    # GLM-5.3-Flash's, at the preset's text width: 24 blocks of 1024), 448x448 PNGs (256 image
+    # tokens each); graphs up to 16 only, the highest concurrency, to shorten the start-up
+    python3 bench/pd_bench.py --wheels .whl --build-checkpoint /tmp/benchv --preset bench \\
+        --vision --worker-args="--max-running-requests 16 --cuda-graph-max-bs-decode 16 \\
+            --cuda-graph-backend-decode full --chunked-prefill-size 8192 \\
+            --max-prefill-tokens 8192 --kv-cache-dtype bf16 --skip-server-warmup" \\
+        --variant base= --image-size 448 --bench 1:8 --bench 16:32 --output-len 64 \\
+        --timeout 300 --bench-timeout 120 --out "$OUT/pdimg"
 
 --wheels installs the wheels there into --site (pip --target, no index) and puts it on the
 workers' PYTHONPATH; Debian packages in WHEELS/deb provide the system libraries Mooncake's
@@ -22,8 +31,13 @@ request rows (peak held at once), stop the
 stack (router, decode, prefill; process groups killed when they do not exit). Writes
 OUT/results.json (rewritten after every run), OUT/VARIANT/{prefill,decode,router}.log and, with
 --profile-steps, OUT/VARIANT/profile_summary.json (the workers' traces summarised), then
-prints a table and the decode worker's speculative-decoding metric lines. Exit 1 if any variant
-failed (the error and its log tail are in results.json and printed).
+prints a table and the decode worker's speculative-decoding metric lines. --vision builds the
+checkpoint with serving.tools.tiny_model --vision; --image-size N makes every run's requests
+chats about one N x N drawn image (bench_serving --image-size: a new image per request, so no
+run hits another's in the prefill worker's prefix cache; --input-len does not apply), sent to
+/generate as image_data or, --image-api chat, to /v1/chat/completions (whose TTFT is exact only
+where every token decodes to text: not on the bench preset, see bench_serving). Exit 1 if
+any variant failed (the error and its log tail are in results.json and printed).
 """
 
 from __future__ import annotations
@@ -83,6 +97,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--preset", default="bench", help="for --build-checkpoint (tiny | bench)")
     ap.add_argument("--build-device", default="cuda", help="for --build-checkpoint")
+    ap.add_argument(
+        "--vision", action="store_true", help="for --build-checkpoint: with a vision tower"
+    )
+    ap.add_argument(
+        "--image-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each request a streaming chat with one N x N PNG and a short text (0: token "
+        "prompts of --input-len to /generate)",
+    )
+    ap.add_argument("--image-api", choices=("generate", "chat"), default="generate")
     ap.add_argument("--wheels", type=Path, help="install these wheels first (a bare GPU image)")
     ap.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where --wheels go")
     ap.add_argument(
@@ -242,8 +268,11 @@ def checkpoint(args: argparse.Namespace) -> Path:
     if not (out / "config.json").is_file():
         t0 = time.monotonic()
         cmd = [sys.executable, "-m", "serving.tools.tiny_model", str(out), "--preset", args.preset]
-        subprocess.run([*cmd, "--device", args.build_device], check=True)
+        cmd += ["--device", args.build_device] + (["--vision"] if args.vision else [])
+        subprocess.run(cmd, check=True)
         print(f"checkpoint written in {time.monotonic() - t0:.1f} s", flush=True)
+    elif args.vision and "vision_config" not in json.loads((out / "config.json").read_text()):
+        raise StackError(f"--vision: the checkpoint kept in {out} has no vision tower")
     return out
 
 
@@ -272,6 +301,7 @@ def run_bench(
     cmd += ["--concurrency", str(concurrency), "--requests", str(requests)]
     cmd += ["--seed", str(next(PROMPT_SEEDS))]
     cmd += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    cmd += ["--image-size", str(args.image_size), "--image-api", args.image_api]
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if under_load is not None:
@@ -462,7 +492,8 @@ def write_report(args: argparse.Namespace, report: dict) -> None:
 
 
 def summary(report: dict) -> None:
-    cols = ("concurrency", "requests", "output_tok_per_s", "ttft_ms_mean", "tpot_ms")
+    cols = ("concurrency", "requests", "output_tok_per_s", "ttft_ms_mean", "ttft_ms_p50")
+    cols += ("ttft_ms_p99", "tpot_ms", "image_tokens_mean")
     cols += ("tpot_ms_p50", "decode_tok_per_s_per_req", "itl_ms_mean", "itl_ms_p50")
     print("\n" + " | ".join(("variant", *cols)), flush=True)
     for run in report["runs"]:
