@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -172,6 +173,24 @@ class ServerArgs(ArgsChecks):
         metadata={"choices": ["auto", "disabled", "full"], "help": "auto: full on CUDA"},
     )
     cuda_graph_max_bs_decode: int = 32
+    cuda_graph_backend_vision: str = field(
+        default="auto",
+        metadata={
+            "choices": ["auto", "disabled", "full"],
+            "help": "the vision tower, one image at a time through a CUDA graph per image size "
+            "(its launches dominate an eager run); auto: full on CUDA. The trade: an image size "
+            "not seen yet pays one capture (about one eager run plus instantiation) and stalls "
+            "its step for it",
+        },
+    )
+    cuda_graph_vision_max_shapes: int = field(
+        default=16,
+        metadata={
+            "help": "image sizes (grids) whose vision graphs are kept, least recently used "
+            "evicted (at least 2: eviction keeps one, so their shared memory pool stays "
+            "capturable); the pool holds the largest's activations either way"
+        },
+    )
     disable_overlap_schedule: bool = field(
         default=False,
         metadata={
@@ -322,7 +341,25 @@ class ServerArgs(ArgsChecks):
         return (self.speculative_num_steps or 0) if self.speculative_algorithm else 0
 
     def use_decode_graphs(self) -> bool:
-        mode = self.cuda_graph_backend_decode
+        return self._graphs_on(self.cuda_graph_backend_decode)
+
+    def use_vision_graphs(self) -> bool:
+        return self._graphs_on(self.cuda_graph_backend_vision)
+
+    def image_token_limit(self) -> int:
+        """The most tokens of one image the front admits: --max-image-tokens, capped by the
+        checkpoint's preprocessor_config.json max_image_tokens (8,000, the processor's
+        default, where absent). The memory plan and the tower's CUDA graphs are sized by this
+        same number, so no admitted image is larger than what they hold."""
+        path = os.path.join(self.model_path, "preprocessor_config.json")
+        raw = {}
+        if os.path.isfile(path):
+            with open(path) as f:
+                raw = json.load(f)
+        processor_max = int(raw.get("max_image_tokens", 8000))
+        return min(self.max_image_tokens or processor_max, processor_max)
+
+    def _graphs_on(self, mode: str) -> bool:
         return mode == "full" or (mode == "auto" and self.resolved_device() == "cuda")
 
     # ---- argparse ----

@@ -84,14 +84,15 @@ class ArgsChecks:
             _require_backend(flag, getattr(self, flag), device)
         for flag in ("moe_runner_backend", "speculative_moe_runner_backend"):
             _require_backend(flag, getattr(self, flag), device)
-        if self.cuda_graph_backend_decode == "full" and device != "cuda":
-            raise ArgsError(
-                f"--cuda-graph-backend-decode full: needs a CUDA device (this is {device})"
-            )
+        for flag in ("cuda_graph_backend_decode", "cuda_graph_backend_vision"):
+            if getattr(self, flag) == "full" and device != "cuda":
+                raise ArgsError(f"--{dash(flag)} full: needs a CUDA device (this is {device})")
         if self.cuda_graph_backend_prefill != "disabled":
             raise ArgsError("--cuda-graph-backend-prefill full: prefill graphs are not built")
         if self.cuda_graph_max_bs_decode < 1:
             raise ArgsError("--cuda-graph-max-bs-decode: must be >= 1")
+        if self.cuda_graph_vision_max_shapes < 2:
+            raise ArgsError("--cuda-graph-vision-max-shapes: must be >= 2 (eviction keeps one)")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ArgsError(f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1)")
         if self.running_limit < 1:

@@ -193,3 +193,40 @@ def test_image_prefill_on_cuda_in_bf16(tiny_vision_ckpt) -> None:
         tokens, _ = out[rid]
         assert len(tokens) == 8 and all(0 <= t < config.vocab_size for t in tokens)
     sched.check_invariants()
+
+
+@pytest.mark.gpu
+def test_vision_graphs_keep_the_greedy_tokens(tiny_vision_ckpt) -> None:
+    """The engine on CUDA in bf16 with the tower's CUDA graphs on and off: the same greedy
+    tokens for three one-image requests run one after the other (one image a step, so the eager
+    path's batched call is the per-image call the graphs replay, bit for bit), each image size
+    captured once."""
+    import gc
+
+    from tests.vision_images import png
+
+    image_c = png(120, 90, 2)  # IMAGE_A's size turned: another grid
+    tokens = {}
+    for mode in ("full", "disabled"):
+        sched = engine(
+            tiny_vision_ckpt,
+            *("--device", "cuda", "--dtype", "bfloat16", "--max-total-tokens", "4096"),
+            *("--cuda-graph-backend-vision", mode, "--cuda-graph-max-bs-decode", "4"),
+        )
+        images, config = sched.prefill.images, sched.pool.config
+        assert (images.graphs is not None) == (mode == "full")
+        got = []
+        # a2: A's grid replayed; one more text token first, so no prefix-cache hit skips it
+        for rid, image, text in (("a", IMAGE_A, 3), ("c", image_c, 3), ("a2", IMAGE_A, 4)):
+            sched.add(image_request(rid, config, [image], n=8, text=text))
+            got.append(drain(sched)[rid][0])
+        assert images.encoded_images == 3 and not images.held
+        if mode == "full":
+            assert images.graphs.captures == 2 and len(images.graphs.graphs) == 2
+        assert all(len(t) == 8 and all(0 <= x < config.vocab_size for x in t) for t in got)
+        tokens[mode] = got
+        sched.check_invariants()
+        del sched, images
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens["full"] == tokens["disabled"]

@@ -23,7 +23,7 @@ from kernels import fast_path
 from serving.config import ModelConfig, parse_fp8_kinds
 from serving.distributed import min_over_ranks, state
 from serving.engine.kernel_warmup import prepare_kernels
-from serving.engine.memory_report import log_memory_plan, vision_step_tokens
+from serving.engine.memory_report import log_memory_plan, vision_graph_tokens, vision_step_tokens
 from serving.engine.request import SchedulerConfig
 from serving.engine.role import Role
 from serving.engine.scheduler import Scheduler
@@ -124,9 +124,10 @@ def build_model(args: ServerArgs) -> RankModel:
     )
     modules = [m for m in (model, draft, vision) if m is not None]
     weight_bytes = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-    # the tower's activations for one step's images are kept free beside the weights
+    # the tower's activations (one step's images, or what its CUDA graphs hold) are kept free
+    # beside the weights
     elem = torch.tensor([], dtype=dtype).element_size()
-    reserved = vision_peak(planned, vision_step_tokens(args), elem)
+    reserved = vision_peak(planned, vision_step_tokens(args), elem, vision_graph_tokens(args))
     num_params = sum(p.numel() for m in modules for p in m.parameters())
     kv_dtype = torch.bfloat16 if args.kv_cache_dtype in ("bf16", "bfloat16") else dtype
     context = args.context_window(config)
@@ -183,8 +184,11 @@ def _sync(device: str) -> None:
 
 def build_runner(args: ServerArgs, built: RankModel, fanout: Fanout = ONE_RANK) -> ModelRunner:
     """The forward's runner, its decode graphs captured (none with EAGLE: decode is Eagle's).
-    The vision tower (rank 0's alone under TP/EP) runs in its prefill steps."""
+    The vision tower (rank 0's alone under TP/EP) runs in its prefill steps, through CUDA
+    graphs captured as image sizes come when --cuda-graph-backend-vision is on."""
     runner = ModelRunner(built.model, built.pool, fanout, built.vision)
+    if built.vision is not None and args.use_vision_graphs():  # captured per image size later
+        runner.enable_vision_graphs(args.cuda_graph_vision_max_shapes, vision_graph_tokens(args))
     if args.use_decode_graphs() and args.speculative_steps == 0:
         started = time.monotonic()
         runner.enable_decode_graphs(args.cuda_graph_max_bs_decode)

@@ -18,9 +18,12 @@ that row, before `launched`).
 Invariant: `held` has an entry only for a request part-way through an image's run, so it is
 empty whenever no request is prefilling (tests check this after every kind of ending).
 
-The images of one step are encoded by one tower call (patches concatenated; attention stays
-within each image), on the compute stream, before the text model's forward. A PD prefill
-worker runs this same engine, so it encodes the same way; decode never sees images.
+The images of one step are encoded on the compute stream, before the text model's forward:
+with the tower's CUDA graphs (serving/executor/vision_graphs.py; CUDA only) image by image,
+each replaying its grid's graph; without them (the CPU, or the graphs off) by one tower call
+(patches concatenated; attention stays within each image). A PD prefill worker runs this same
+engine, so it encodes the same way; decode never sees images. Under TP/EP only rank 0 encodes
+(its fanout sends the rows).
 """
 
 from __future__ import annotations
@@ -30,13 +33,17 @@ import torch
 
 from serving.engine.request import Req
 from serving.executor.model_runner import ImageRun
-from serving.models.vision import VisionTower
+from serving.executor.vision_graphs import VisionGraphs
+from serving.models.vision import Grid, VisionTower, num_tokens
 
 
 class ImagePrefill:
-    def __init__(self, tower: VisionTower, lookahead: int = 0) -> None:
-        """lookahead: positions past a chunk whose embeddings its step needs (1 with a draft)."""
-        self.tower, self.lookahead = tower, lookahead
+    def __init__(
+        self, tower: VisionTower, lookahead: int = 0, graphs: VisionGraphs | None = None
+    ) -> None:
+        """lookahead: positions past a chunk whose embeddings its step needs (1 with a draft).
+        graphs: the tower's CUDA graphs (None: the tower runs eagerly, one call a step)."""
+        self.tower, self.lookahead, self.graphs = tower, lookahead, graphs
         self.held: dict[Req, dict[int, torch.Tensor]] = {}  # request -> image index -> embeds
         self.encoded_images = 0  # tower work done, for tests and logs
 
@@ -94,19 +101,34 @@ class ImagePrefill:
 
     @torch.inference_mode()
     def _encode(self, images: list[tuple[Req, int]]) -> None:
-        tower = self.tower
-        device = tower.post_layernorm.weight.device
-        pixels = np.concatenate([req.images[i].pixel_values for req, i in images])
-        grids = [req.images[i].grid_thw for req, i in images]
-        embeds = tower(torch.from_numpy(pixels).to(device, non_blocking=True), grids)
-        rows = [req.images[i].num_tokens for req, i in images]
-        if embeds.shape[0] != sum(rows):
-            raise ValueError(f"the tower made {embeds.shape[0]} rows for {sum(rows)} image tokens")
-        parts = embeds.split(rows)
+        device = self.tower.post_layernorm.weight.device
+        inputs = [req.images[i] for req, i in images]
+        pixels = np.concatenate([image.pixel_values for image in inputs])
+        pixels = torch.from_numpy(pixels).to(device, non_blocking=True)
+        grids = [tuple(image.grid_thw) for image in inputs]
+        if self.graphs is not None:
+            # Attention never crosses images, so each image's rows are the same function of its
+            # pixels as in the batched call; but per-image and batched GEMMs (other row counts,
+            # other kernels) may round differently in bf16. Each result is a fresh tensor.
+            patches = [image.pixel_values.shape[0] for image in inputs]
+            parts = [self.graphs.encode(x, g) for x, g in zip(pixels.split(patches), grids)]
+        else:
+            parts = self._batched(pixels, grids)
+        made, rows = [p.shape[0] for p in parts], [image.num_tokens for image in inputs]
+        if made != rows:
+            raise ValueError(f"the tower made {made} rows for images of {rows} tokens")
         for (req, i), part in zip(images, parts):
-            # a view would keep the whole batch's rows alive as long as any one is held
-            self.held.setdefault(req, {})[i] = part.clone() if len(parts) > 1 else part
+            self.held.setdefault(req, {})[i] = part
         self.encoded_images += len(images)
+
+    def _batched(self, pixels: torch.Tensor, grids: list[Grid]) -> list[torch.Tensor]:
+        """One tower call over the images' patches concatenated, split image by image."""
+        embeds = self.tower(pixels, grids)
+        if len(grids) == 1:
+            return [embeds]
+        m = self.tower.config.spatial_merge_size
+        # a view would keep the whole batch's rows alive as long as any one is held
+        return [p.clone() for p in embeds.split([num_tokens(g, m) for g in grids])]
 
 
 def _overlap(cached: int, n: int, start: int, length: int) -> bool:

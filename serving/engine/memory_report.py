@@ -21,9 +21,17 @@ log = logging.getLogger(__name__)
 
 
 def vision_step_tokens(args: ServerArgs) -> int:
-    """The image tokens one prefill step encodes at most, by the flags (8,000 per image, the
-    processor's default, unless --max-image-tokens says less)."""
-    return step_image_tokens(args.chunked_prefill_size, args.max_image_tokens or 8000)
+    """The image tokens one prefill step encodes at most (images of the front's limit)."""
+    limit = args.image_token_limit()
+    return step_image_tokens(args.chunked_prefill_size, limit)
+
+
+def vision_graph_tokens(args: ServerArgs) -> int:
+    """With the tower's CUDA graphs, the most tokens of one image (the front refuses larger
+    ones, so no captured grid is larger); 0 when the tower runs eagerly."""
+    if not args.use_vision_graphs():
+        return 0
+    return args.image_token_limit()
 
 
 def log_memory_plan(
@@ -67,6 +75,7 @@ def log_memory_plan(
         if args.radix_cache and args.max_mamba_cache_size is None
         else 0.0,
         vision_tokens=vision_step_tokens(args),
+        vision_graph_tokens=vision_graph_tokens(args),
     )
     for line in predicted.lines(args.model_path):
         log.info("memory plan (serving.tools.plan): %s", line)

@@ -56,7 +56,11 @@ class PrefillManager:
         self.cfg, self.runner, self.admission, self.commit = cfg, runner, admission, commit
         self.hooks, self.spec = hooks, spec
         lookahead = int(spec is not None)  # the draft reads each position's next embedding
-        self.images = None if runner.vision is None else ImagePrefill(runner.vision, lookahead)
+        self.images = (
+            None
+            if runner.vision is None
+            else ImagePrefill(runner.vision, lookahead, runner.vision_graphs)
+        )
         self.waiting: deque[Req] = deque()
         self.prefilling: Req | None = None  # the one request part-way through chunked prefill
         # After a retraction, admit nothing new until a running request finishes: re-admitting

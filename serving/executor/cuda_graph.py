@@ -29,16 +29,20 @@ def batch_ladder(max_bs: int, device: torch.device, tokens_per_req: int = 1) -> 
     return sorted({s for s in sizes if s <= max_bs} | {max_bs})
 
 
-def capture(fn, pool_handle):
-    """Warm fn up twice on a side stream, then capture it; returns (graph, fn's outputs)."""
+def capture(fn, pool_handle, warmups: int = 2, error_mode: str = "global"):
+    """Warm fn up on a side stream, then capture it; returns (graph, fn's outputs).
+    torch.cuda.graph synchronizes the device and empties the allocator's cache before it
+    captures (the warm-ups' blocks go back). error_mode: its capture_error_mode; "thread_local"
+    for a capture while the server runs, when other threads (Mooncake's) may call CUDA: under
+    "global" their unsafe calls would fail and invalidate the capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(2):  # warm up allocator and kernels outside the graph
+        for _ in range(warmups):  # warm up allocator and kernels outside the graph
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool_handle):
+    with torch.cuda.graph(graph, pool=pool_handle, capture_error_mode=error_mode):
         out = fn()
     return graph, out
 

@@ -87,6 +87,7 @@ class ModelRunner:
         followers (tp_worker.RankFanout.forward says why)."""
         self.model, self.pool, self.fanout, self.vision = model, pool, fanout, vision
         self.graphs = None  # set by enable_decode_graphs
+        self.vision_graphs = None  # set by enable_vision_graphs
         # The last token sampled for each request row, on the device (the overlap scheduler's
         # futures). Hazard: a row's entry is valid only until its request's next step samples
         # again; the scheduler keeps at most one step in flight, so a FUTURE always refers to
@@ -117,6 +118,14 @@ class ModelRunner:
         from serving.executor.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self.model, self.pool, max_bs)
+
+    def enable_vision_graphs(self, max_shapes: int, max_tokens: int) -> None:
+        """The tower's images through CUDA graphs, one per image grid, captured on first use
+        (max_tokens: one image's most tokens, which sizes the graphs' buffers)."""
+        from serving.executor.vision_graphs import VisionGraphs
+
+        assert self.vision is not None, "no vision tower on this rank"
+        self.vision_graphs = VisionGraphs(self.vision, max_shapes, max_tokens)
 
     def build_batch(
         self, items: list[StepInput], logits: str | list[bool], saves: list[list[tuple[int, int]]]

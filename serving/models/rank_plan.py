@@ -35,7 +35,7 @@ from serving.models.fp8_loading import fp8_modules, hold_fp8_modules
 from serving.models.fp8_weights import TensorInfo, fp8_weights, read_header
 from serving.models.glm5_next import Glm5NextForCausalLM
 from serving.models.nextn import NextNDraft
-from serving.models.vision import VisionTower, activation_bytes
+from serving.models.vision import VisionTower, activation_bytes, graph_bytes
 
 GIB = 2**30
 
@@ -119,8 +119,9 @@ class RankPlan:
     # the prefix cache's KDA snapshots: this share of the KV pool's bytes again (plan_pool's
     # rule, --mamba-full-memory-ratio; 0: no cache, as on PD decode)
     snapshot_ratio: float = 0.0
-    vision_peak: int = 0  # bytes kept free for the vision tower's activations (one step)
+    vision_peak: int = 0  # bytes kept free for the vision tower (vision_peak below)
     vision_tokens: int = 0  # the image tokens one step encodes at most
+    vision_graph_tokens: int = 0  # with the tower's CUDA graphs: one image's most tokens
 
     @property
     def rows(self) -> int:
@@ -180,9 +181,15 @@ class RankPlan:
             "replicated)",
         ]
         if self.vision_peak:
+            what = (
+                f"CUDA graphs holding an image of {self.vision_graph_tokens} tokens, and a "
+                "capture's warm-up"
+                if self.vision_graph_tokens
+                else f"a step of {self.vision_tokens} image tokens"
+            )
             out.append(
-                f"vision activations      {self.vision_peak / GIB:8.2f} GiB (a step of "
-                f"{self.vision_tokens} image tokens; the tower's weights are in the weights)"
+                f"vision activations      {self.vision_peak / GIB:8.2f} GiB ({what}; the "
+                "tower's weights are in the weights)"
             )
         if self.fp8 is not None and self.fp8.dense_shapes is None:
             out.append(
@@ -225,9 +232,11 @@ def predict_rank(
     fp8: Fp8Plan | None = None,
     snapshot_ratio: float = 0.0,
     vision_tokens: int = 0,
+    vision_graph_tokens: int = 0,
 ) -> RankPlan:
     """The plan of rank `rank` (ValueError when the sizes do not split the checkpoint).
-    vision_tokens: image tokens one prefill step encodes at most (step_image_tokens)."""
+    vision_tokens: image tokens one prefill step encodes at most (step_image_tokens).
+    vision_graph_tokens: with the tower's CUDA graphs, one image's most tokens (0: eager)."""
     check_sizes(config, tp_size, ep_size)
     elem = torch.tensor([], dtype=dtype).element_size()
     draft = speculative_steps > 0
@@ -260,13 +269,23 @@ def predict_rank(
         total_memory=total_memory,
         fp8=fp8,
         snapshot_ratio=snapshot_ratio,
-        vision_peak=vision_peak(config, vision_tokens, elem),
+        vision_peak=vision_peak(config, vision_tokens, elem, vision_graph_tokens),
         vision_tokens=vision_tokens if config.vision is not None else 0,
+        vision_graph_tokens=vision_graph_tokens if config.vision is not None else 0,
     )
 
 
-def vision_peak(config: ModelConfig, vision_tokens: int, elem: int) -> int:
-    """Bytes the vision tower's activations need in one step (0: a text-only model)."""
+def vision_peak(config: ModelConfig, vision_tokens: int, elem: int, graph_tokens: int = 0) -> int:
+    """Bytes kept free for the vision tower beside the weights, out of the KV pool's budget
+    (0: a text-only model), so the text prefill's activations never count on them. Eager
+    (graph_tokens 0): one step's activation peak. With the tower's CUDA graphs (graph_tokens:
+    the most tokens of one image, which the front enforces, so no captured grid is larger):
+    what the graphs hold for good (graph_bytes) plus a capture's eager warm-up; the tower then
+    runs image by image, so no step-wide eager peak occurs."""
     if config.vision is None:
         return 0
-    return activation_bytes(config.vision, vision_tokens, elem)
+    vision = config.vision
+    if graph_tokens:
+        warm_up = activation_bytes(vision, graph_tokens, elem)
+        return graph_bytes(vision, graph_tokens, elem) + warm_up
+    return activation_bytes(vision, vision_tokens, elem)

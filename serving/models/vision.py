@@ -257,6 +257,23 @@ def activation_bytes(config: VisionConfig, image_tokens: int, elem: int) -> int:
     return patches * per_patch
 
 
+# Library workspaces made under a pool's first capture and kept in it (cuBLASLt's for the biased
+# projections, the attention kernels'): on the H200 the tower's pool held 39-43 MB above
+# activation_bytes at both 448x448 and 1280x720 (docs/BENCHMARKS.md, "Vision encoder").
+CAPTURE_WORKSPACE_BYTES = 64 << 20
+
+
+def graph_bytes(config: VisionConfig, image_tokens: int, elem: int) -> int:
+    """What the tower's CUDA graphs (serving/executor/vision_graphs.py) keep resident once the
+    largest image, of `image_tokens` merged tokens, was captured: their shared pool (that
+    image's activation peak; the graphs replay one at a time, so their blocks are shared) and
+    the static pixel and embedding buffers sized for it."""
+    patches = image_tokens * config.spatial_merge_size**2
+    pixel_width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    buffers = elem * (patches * pixel_width + image_tokens * config.out_hidden_size)
+    return activation_bytes(config, image_tokens, elem) + buffers + CAPTURE_WORKSPACE_BYTES
+
+
 def step_image_tokens(chunked_prefill_size: int, max_image_tokens: int) -> int:
     """The most image tokens one prefill step encodes: the images its chunk touches lie inside
     it but the last, which may run past it by up to one image."""

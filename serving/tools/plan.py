@@ -5,9 +5,11 @@
         --disaggregation-decode-extra-slots 64 --gpu-memory-gib 141 [--speculative-num-steps 1]
 
 The plan itself is serving/models/rank_plan.py (a worker logs the same plan at start-up beside
-what it built). A checkpoint with a vision tower: its weights and one step's activation peak
-(--chunked-prefill-size + --max-image-tokens image tokens) are counted. Block-FP8 checkpoints
-are read from their headers, as a CUDA rank holds them (--fp8-keep-bf16 as the server's flag).
+what it built). A checkpoint with a vision tower: its weights and its activations are counted:
+with the tower's CUDA graphs (the server's default on CUDA) what they hold for the largest
+image (--max-image-tokens) and a capture's warm-up, else one step's eager peak
+(--chunked-prefill-size + --max-image-tokens image tokens). Block-FP8 checkpoints are read from
+their headers, as a CUDA rank holds them (--fp8-keep-bf16 as the server's flag).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def plan(args: argparse.Namespace) -> list[str]:
         fp8=fp8_plan(args.model_path, config, parse_fp8_kinds(args.fp8_keep_bf16)),
         snapshot_ratio=args.mamba_full_memory_ratio,
         vision_tokens=step_image_tokens(args.chunked_prefill_size, args.max_image_tokens),
+        vision_graph_tokens=0
+        if args.cuda_graph_backend_vision == "disabled"
+        else args.max_image_tokens,
     )
     return rank.lines(args.model_path)
 
@@ -64,6 +69,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunked-prefill-size", type=int, default=8192, help="as the server's")
     ap.add_argument(
         "--max-image-tokens", type=int, default=8000, help="a vision checkpoint: as the server's"
+    )
+    ap.add_argument(
+        "--cuda-graph-backend-vision",
+        choices=["auto", "disabled", "full"],
+        default="auto",
+        help="as the server's (a GPU plan: auto is full); its graphs' memory is held for good",
     )
     args = ap.parse_args(argv)
     try:

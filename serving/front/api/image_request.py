@@ -65,13 +65,12 @@ class VisionSetup:
         path = Path(args.model_path) / "preprocessor_config.json"
         raw = json.loads(path.read_text()) if path.is_file() else {}
         processor = ImageProcessorConfig.from_dict(raw)
-        limit = args.max_image_tokens or processor.max_image_tokens
         return cls(
             processor,
             int(model_config.get("image_token_id", 154854)),
             model_config.get("video_start_token_id", 154832),
             args.max_images_per_request,
-            min(limit, processor.max_image_tokens),
+            args.image_token_limit(),
             MediaPolicy.of(
                 args.allowed_media_domains, args.allowed_local_media_path, args.media_fetch_timeout
             ),
