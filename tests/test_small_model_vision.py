@@ -13,18 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serving.config import ModelConfig
 from tests.server_proc import Server, eagle_flags
 from training import vision_data
 
 SMALL = Path(__file__).resolve().parents[1] / "serving" / "assets" / "small_model"
-
-# Until training/train_vision.py's tower ships (docs/SMALL_MODEL.md, "Seeing"), the checkpoint
-# is text only and there is nothing to ask.
-pytestmark = pytest.mark.skipif(
-    ModelConfig.from_pretrained(SMALL).vision is None,
-    reason="the shipped small model has no vision tower yet (issue 45 point 10)",
-)
 
 
 def square_png(colour: str, seed: int) -> str:

@@ -5,19 +5,27 @@ transformers saves it (model.visual.*), with config.json's vision_config, prepro
 and the tokenizer's <|image|> token, then checks that transformers loads it with no missing or
 unexpected weights.
 
-    python -m training.train_vision --steps 600 --out serving/assets/small_model
+    python -m training.train_vision --device cuda --out CKPT --tower-out tower.safetensors
     python -m training.train_vision --eval-only --out serving/assets/small_model
+    python -m training.train_vision --tower-in tower.safetensors --out serving/assets/small_model
+
+The shipped tower was trained on an H200 (docs/SMALL_MODEL.md has the run): CKPT a copy of
+serving/assets/small_model, the tower alone brought back (--tower-out) and spliced into the
+shipped checkpoint here (--tower-in: writes the same config, tokenizer and preprocessor files
+as training does, then the tensors, then evaluates).
 
 <|image|> reuses the id of [sMASK] (8172), a special token no chat or corpus text contains: the
 vocabulary, and so the embedding and lm_head shapes, stay as they are. Its embedding row is never
 read at image positions (the tower's output replaces it).
-Hazard: CPU training runs on ONE thread (the machine is shared).
+Hazard: CPU training runs on ONE thread (the machine is shared); on CUDA the batches are drawn
+by --workers processes while the GPU steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -33,11 +41,11 @@ IMAGE_TOKEN = "<|image|>"
 REUSED_TOKEN = "[sMASK]"
 VISION_CONFIG = dict(
     model_type="glm5_next_vision",
-    depth=2,
-    hidden_size=96,
+    depth=3,
+    hidden_size=128,
     num_heads=2,
-    intermediate_size=192,
-    projection_intermediate_size=256,
+    intermediate_size=384,
+    projection_intermediate_size=512,
 )
 # 112 x 112 images are 4 x 4 merged tokens; the limits keep any image small on this model.
 IMAGE_TOKEN_BUDGET = (4, 256)
@@ -123,10 +131,10 @@ def load(out: Path) -> Glm5NextForConditionalGeneration:
 @torch.no_grad()
 def answer(model, b: Batcher, s: vision_data.Sample, max_new: int = 16) -> str:
     pixels, grids = b.images([s])
-    ids = torch.tensor([b.prompt_ids(s, grids[0])])
+    ids = torch.tensor([b.prompt_ids(s, grids[0])], device=model.device)
     out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
-        image_grid_thw=grids, max_new_tokens=max_new, do_sample=False,
+        input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels.to(ids.device),
+        image_grid_thw=grids.to(ids.device), max_new_tokens=max_new, do_sample=False,
     )  # fmt: skip
     return b.tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
@@ -152,52 +160,86 @@ def evaluate(model, b: Batcher, n: int = 100) -> float:
     return right / n
 
 
-def train(out: Path, steps: int, batch: int, lr: float, seed: int) -> None:
-    torch.set_num_threads(1)
+class Batches(torch.utils.data.IterableDataset):
+    """Training batches drawn from consecutive seeds; worker w of n takes every n-th batch."""
+
+    def __init__(self, out: Path, batch: int, first_seed: int) -> None:
+        self.out, self.batch, self.first_seed = out, batch, first_seed
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, n = (info.id, info.num_workers) if info else (0, 1)
+        b = Batcher(self.out)
+        k = w
+        while True:
+            seed = self.first_seed + k * self.batch
+            yield b.batch([vision_data.sample(seed + i) for i in range(self.batch)])
+            k += n
+
+
+def train(
+    out: Path,
+    steps: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    device: str,
+    workers: int,
+    minutes: float,
+    init: Path | None = None,
+) -> dict[str, torch.Tensor]:
+    """Trains a fresh tower; returns its tensors named as transformers saves them."""  # fmt: skip
     torch.manual_seed(seed)
     text_hidden = json.loads((out / "config.json").read_text())["text_config"]["hidden_size"]
     write_config(out, text_hidden)
     model = Glm5NextForConditionalGeneration.from_pretrained(
         out, dtype=torch.float32, ignore_mismatched_sizes=True
-    )
+    ).to(device)
     visual = model.model.visual
     for name, p in model.named_parameters():
         p.requires_grad = name.startswith("model.visual.")
-    visual.apply(model._init_weights)  # the shapes changed: a fresh tower
+    if init is None:
+        visual.apply(model._init_weights)  # the shapes changed: a fresh tower
+    else:  # go on from a tower trained before (its tensors as --tower-out wrote them)
+        prefix = "model.visual."
+        visual.load_state_dict({k[len(prefix) :]: v for k, v in load_file(init).items()})
     opt = torch.optim.AdamW(visual.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.05)
-    b = Batcher(out)
+    loader = torch.utils.data.DataLoader(
+        Batches(out, batch, seed * 10_000_000), batch_size=None, num_workers=workers,
+        prefetch_factor=4 if workers else None,
+    )  # fmt: skip
     model.train()
-    t0, next_seed = time.time(), seed * 10_000_000
-    for step in range(steps):
-        samples = [vision_data.sample(next_seed + i) for i in range(batch)]
-        next_seed += batch
-        ids, lab, mask, pixels, grids = b.batch(samples)
+    t0 = time.time()
+    for step, (ids, lab, mask, pixels, grids) in enumerate(loader):
         loss = model(
-            input_ids=ids, attention_mask=mask, labels=lab, pixel_values=pixels,
-            image_grid_thw=grids,
+            input_ids=ids.to(device), attention_mask=mask.to(device), labels=lab.to(device),
+            pixel_values=pixels.to(device), image_grid_thw=grids.to(device),
         ).loss  # fmt: skip
+        # warm-up, then a cosine over the larger of the steps and the minutes spent
+        done = max(step / steps, (time.time() - t0) / (minutes * 60))
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * done))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(visual.parameters(), 1.0)
         opt.step()
-        sched.step()
-        if step % 25 == 0 or step == steps - 1:
+        last = step == steps - 1 or done >= 1.0
+        if step % 50 == 0 or last:
             print(f"step {step} loss {loss.item():.4f} {time.time() - t0:.0f}s", flush=True)
-    save_tower(out, visual)
+        if last:
+            break
+    return {f"model.visual.{k}": v.detach().cpu() for k, v in visual.state_dict().items()}
 
 
-def save_tower(out: Path, visual: torch.nn.Module) -> None:
-    """Replaces model.visual.* in the shard that holds them; other tensors stay byte-equal."""
+def save_tower(out: Path, tower: dict[str, torch.Tensor]) -> None:
+    """Replaces model.visual.* in the shard that holds them (in that shard's dtype); other
+    tensors stay byte-equal."""
     index_path = out / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     shard = next(f for k, f in index["weight_map"].items() if k.startswith("model.visual."))
     tensors = {k: v for k, v in load_file(out / shard).items() if not k.startswith("model.visual.")}
     dtype = next(iter(tensors.values())).dtype
-    tower = {
-        f"model.visual.{k}": v.detach().to(dtype).contiguous()
-        for k, v in visual.state_dict().items()
-    }
+    tower = {k: v.to(dtype).contiguous() for k, v in tower.items()}
     tensors.update(tower)
     save_file(tensors, str(out / shard), metadata={"format": "pt"})
     index["weight_map"] = {
@@ -211,17 +253,37 @@ def save_tower(out: Path, visual: torch.nn.Module) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("serving/assets/small_model"))
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--minutes", type=float, default=6.0, help="stop training after this long")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=6, help="batch-drawing processes (CUDA)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--tower-out", type=Path, help="also write the trained tower alone here")
+    ap.add_argument("--tower-init", type=Path, help="train on from this tower, not a fresh one")
+    ap.add_argument("--tower-in", type=Path, help="splice this trained tower in; no training")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--eval-n", type=int, default=100)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    if not args.eval_only:
-        train(args.out, args.steps, args.batch, args.lr, args.seed)
-    model = load(args.out)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if args.tower_in:
+        text_hidden = json.loads((args.out / "config.json").read_text())["text_config"]
+        write_config(args.out, text_hidden["hidden_size"])
+        save_tower(args.out, load_file(args.tower_in))
+    elif not args.eval_only:
+        workers = args.workers if args.device != "cpu" else 0
+        tower = train(
+            args.out, args.steps, args.batch, args.lr, args.seed, args.device, workers,
+            args.minutes, args.tower_init,
+        )  # fmt: skip
+        save_tower(args.out, tower)
+        if args.tower_out:
+            save_file({k: v.contiguous() for k, v in tower.items()}, str(args.tower_out))
+    model = load(args.out).to(args.device)
     print(f"colour and shape named: {evaluate(model, Batcher(args.out), args.eval_n):.1%}")
 
 
