@@ -269,3 +269,64 @@ def test_abort_mid_transfer_with_a_locked_prefix_frees_after_the_ack(cached_pair
     cached_pair.prefill.idle_pool()
     after = flushed(cached_pair)
     assert after["cached_pages"] == 0 and after["used_pages"] == 0 and after["used_rows"] == 0
+
+
+def test_preallocation_under_memory_pressure_evicts_unlocked_cached_pages_lru(pool):
+    cache = RadixCache(pool, PAGE, snapshots=False)
+    admission = Admission(pool, SchedulerStats(), cache)
+    old, recent = [1] * 8 * PAGE, [2] * 8 * PAGE
+    cache.insert(old, pool.pages.alloc(8))
+    cache.insert(recent, pool.pages.alloc(8))
+    cache.match_pages(recent)  # used last: evicted last
+    hit = request(recent + [3] * 40)
+    assert admission.admit(hit, len(hit.input_ids), 0, prefilled_elsewhere=True) == 40
+    big = request([4] * 14 * PAGE)  # 14 + 1 reserve pages; 32 - 8 - 8 - 3 = 13 free
+    assert admission.admit(big, 14 * PAGE, 0, prefilled_elsewhere=True) == 14 * PAGE
+    assert cache.match_pages(old).node is None and cache.match_pages(recent).length == 8 * PAGE
+    assert admission.admit(request([5] * 20 * PAGE), 20 * PAGE, 0, True) is None  # locked
+    assert cache.match_pages(recent).length == 8 * PAGE
+    for r in (hit, big):
+        admission.release(r)
+    cache.flush()
+    assert all_back(pool)
+
+
+def test_multi_turn_with_eagle_keys_pages_by_pairs_and_equals_greedy(distilled_ckpt, tmp_path):
+    """EAGLE on both sides: decode's tree is keyed by (token, next token) pairs, its pages hold
+    the draft's KV too, and the draft's rows still come from prefill. Greedy tokens equal the
+    target's (float32 oracle), decode's hit is the last turn's whole pages, drafts are accepted."""
+    pytest.importorskip("mooncake.engine")
+    from serving.config import ModelConfig
+    from serving.models.loader import load_weights
+    from serving.tools.generate import StepRunner
+
+    spec = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1")
+    spec += ("--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2")
+    config = ModelConfig.from_pretrained(distilled_ckpt)
+    model, _ = load_weights(distilled_ckpt, config, torch.float32)
+    pd = PDPair(
+        distilled_ckpt,
+        tmp_path,
+        prefill_flags=spec,
+        decode_flags=(*spec, "--disaggregation-decode-enable-radix-cache"),
+    )
+    try:
+        g = torch.Generator().manual_seed(12)
+        ids = torch.randint(0, 1000, (37,), generator=g).tolist()
+        n, held = 16, 0
+        for new in (9, 25, None):
+            decode, _ = pd.dispatch("/generate", greedy_body(ids, n))
+            assert decode.status_code == 200, decode.text
+            out = decode.json()["output_ids"]
+            assert out == StepRunner(model, 1, 512).greedy([ids], n)[0]
+            assert decode.json()["meta_info"]["decode_cached_tokens"] == held
+            if new is None:
+                break
+            held = (len(ids) + n - 1) // PAGE * PAGE
+            ids = ids + out + torch.randint(0, 1000, (new,), generator=g).tolist()
+        stats = pd.decode.idle_pool()
+        assert stats["spec_committed_tokens"] > stats["spec_verify_steps"]  # drafts accepted
+        after = flushed(pd)
+        assert after["cached_pages"] == 0 and after["used_pages"] == 0 and after["used_rows"] == 0
+    finally:
+        pd.stop()
