@@ -222,7 +222,7 @@ def test_multi_turn_ships_only_the_pages_decode_lacks_and_equals_greedy(cached_p
     model, _ = load_weights(tiny_ckpt, ModelConfig.from_pretrained(tiny_ckpt), torch.float32)
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 1000, (37,), generator=g).tolist()
-    n, held, shipped = 12, 0, []
+    n, held, shipped, hits = 12, 0, [], 0
     for new in (9, 25, None):
         decode, prefill = cached_pair.dispatch("/generate", greedy_body(ids, n))
         assert decode.status_code == 200, decode.text
@@ -233,6 +233,7 @@ def test_multi_turn_ships_only_the_pages_decode_lacks_and_equals_greedy(cached_p
         assert meta["cached_tokens"] == prefill.json()["meta_info"]["cached_tokens"]
         pages = -(-len(ids) // PAGE) - held // PAGE
         shipped.append((pages, shipped_bytes(cached_pair)))
+        hits += held
         if new is None:
             break
         held = (len(ids) + n - 1) // PAGE * PAGE
@@ -244,6 +245,7 @@ def test_multi_turn_ships_only_the_pages_decode_lacks_and_equals_greedy(cached_p
     assert b2 == pytest.approx(2 * page_bytes + row_bytes, rel=1e-6)
     stats = cached_pair.decode.idle_pool()
     assert stats["cached_pages"] > 0 and stats["used_pages"] == 0  # cached pages are not used
+    assert stats["cache_hit_tokens_total"] == hits > 0  # decode's /metrics cache_hit_rate
     after = flushed(cached_pair)
     assert after["cached_pages"] == 0 and after["used_pages"] == 0 and after["used_rows"] == 0
 
