@@ -81,9 +81,11 @@ def test_the_tower_is_never_fp8_and_must_be_whole(tiny_vision_ckpt, tmp_path) ->
     with pytest.raises(CheckpointError, match="lacks model.visual.merger.proj.weight"):
         load_vision(fp8, config, torch.float32, "cpu")
 
-    # a tower that cannot feed the text model is not served: text only, as the shipped small
-    # model (trained text-only by transformers, which saved its default tower) is
+    # a tower that cannot feed the text model is not served: text only (as the shipped small
+    # model was before its tower was trained: transformers had saved its default tower); the
+    # shipped model's tower now feeds its text width (training/train_vision.py)
     raw = json.loads((tiny_vision_ckpt / "config.json").read_text())
     raw["vision_config"]["out_hidden_size"] = 32
     assert ModelConfig.from_dict(raw).vision is None
-    assert ModelConfig.from_pretrained(SMALL_MODEL).vision is None
+    small = ModelConfig.from_pretrained(SMALL_MODEL)
+    assert small.vision is not None and small.vision.out_hidden_size == small.hidden_size
