@@ -11,3 +11,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # here, against eight written out: the vision tower runs four norms a block, 24 blocks).
     normed = torch.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the next sublayer's RMSNorm of its result: (x + delta rounded to x's
+    dtype, rms_norm of that sum). kernels/triton/norm.py does both in one pass."""
+    total = x + delta
+    return total, rms_norm(total, weight, eps)

@@ -1,8 +1,9 @@
 """CUDA graphs for the vision tower: one captured program per image grid.
 
-An image's tower run is launch-bound (~30 ops a block x 24 blocks for ~1 TFLOP at 448x448), and
-everything it launches (the shapes, the RoPE tables, the attention segments) is a function of
-its grid (t, h, w) alone. VisionGraphs.encode runs one image through its grid's graph, captured
+An image's tower run is launch-bound eagerly (~9 kernels a block with the fused elementwise
+kernels, ~30 on the torch path, x 24 blocks, for ~1 TFLOP at 448x448), and everything it
+launches (the shapes, the RoPE tables, the attention segments) is a function of its grid
+(t, h, w) alone. VisionGraphs.encode runs one image through its grid's graph, captured
 the first time that grid is seen (one eager warm-up, then capture and instantiate) and kept in
 an LRU of at most max_shapes grids.
 

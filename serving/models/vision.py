@@ -45,6 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fast_path
+from kernels import moe as moe_kernels
+from kernels import norm as norm_kernels
+from kernels import vision as vision_kernels
 from serving.config import VisionConfig
 from serving.layers.linear import param
 from serving.layers.norm import RMSNorm
@@ -94,7 +98,7 @@ class VisionPatchEmbed(nn.Module):
 class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        d, self.heads = config.hidden_size, config.num_heads
+        d = config.hidden_size
         self.qkv = VisionLinear(d, 3 * d, config.attention_bias, dtype)
         self.proj = VisionLinear(d, d, config.attention_bias, dtype)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
@@ -104,10 +108,13 @@ class VisionAttention(nn.Module):
         self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)  # each [N, heads, hd]
-        qk = rotate(torch.stack((self.q_norm(q), self.k_norm(k)), dim=1), cos, signed_sin)
-        q, k = qk.permute(1, 2, 0, 3).unbind(0)  # [heads, N, hd] each
-        v = v.transpose(0, 1)
+        qkv_heads = vision_kernels.qkv_heads
+        if fast_path(x):
+            from kernels.triton.vision import qkv_heads
+        # q_norm's eps is k_norm's (the config's rms_norm_eps)
+        q, k, v = qkv_heads(  # each [heads, N, hd]
+            self.qkv(x), self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, signed_sin
+        )
         if len(segments) == 1:  # one frame: no split, no cat
             out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
         else:
@@ -123,20 +130,19 @@ class VisionAttention(nn.Module):
         return self.proj(out.transpose(0, 1).reshape(n, -1))
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [N, ..., hd] with cos and signed_sin [N, hd] (VisionTower.rope), in float32,
-    back in x's dtype: x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), written
-    as x's halves swapped times sin with its first half negated (five launches; q and k are
-    stacked into one call)."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    swapped = xf.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
-    return torch.addcmul(xf * cos.view(shape), swapped, signed_sin.view(shape)).to(x.dtype)
-
-
 class VisionMLP(nn.Module):
-    """down(silu(min(gate, L)) * clamp(up, -L, L)): SwiGLU with clamped inputs."""
+    """down(silu(min(gate, L)) * clamp(up, -L, L)): SwiGLU with clamped inputs, gate and up as
+    one GEMM over their weights (and biases) stacked.
+
+    The stack: gate_proj's and up_proj's parameters (the checkpoint's names) are views of one
+    [2 * inner, dim] weight (and one bias), made at construction and again after every
+    _apply (to(), to_empty(), cuda(): each replaces the parts' storage one by one), so loads
+    that copy into the parameters (load_state_dict, the loaders) fill the stack. Hazard: a
+    part's storage replaced otherwise (a new Parameter, load_state_dict(assign=True)) leaves
+    the stack stale; forward then runs the two GEMMs apart (a check of host pointers), as it
+    does under autograd with the parts requiring grad. The
+    two parts' state_dict tensors share that storage: safetensors' save_file refuses them
+    uncopied."""
 
     def __init__(self, dim: int, inner: int, bias: bool, limit: float, dtype: torch.dtype):
         super().__init__()
@@ -144,11 +150,49 @@ class VisionMLP(nn.Module):
         self.up_proj = VisionLinear(dim, inner, bias, dtype)
         self.down_proj = VisionLinear(inner, dim, bias, dtype)
         self.limit = limit
+        self._stack()
+
+    def _stack(self) -> None:
+        # plain attributes, not parameters or buffers: no checkpoint name, and _apply leaves
+        # them to _stack
+        self.gate_up_weight = _stack_parts(self.gate_proj.weight, self.up_proj.weight)
+        self.gate_up_bias = None
+        if self.gate_proj.bias is not None:
+            self.gate_up_bias = _stack_parts(self.gate_proj.bias, self.up_proj.bias)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._stack()
+        return self
+
+    def _stacked(self) -> bool:
+        if torch.is_grad_enabled() and self.gate_proj.weight.requires_grad:
+            return False  # the stack is no leaf: gradients would not reach the parts
+        pairs = [(self.gate_up_weight, self.gate_proj.weight, self.up_proj.weight)]
+        if self.gate_up_bias is not None:
+            pairs.append((self.gate_up_bias, self.gate_proj.bias, self.up_proj.bias))
+        return all(
+            gate.data_ptr() == both.data_ptr() and up.data_ptr() == both[gate.shape[0] :].data_ptr()
+            for both, gate, up in pairs
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x).clamp(max=self.limit)
-        up = self.up_proj(x).clamp(-self.limit, self.limit)
-        return self.down_proj(F.silu(gate) * up)
+        if self._stacked():
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        swiglu = moe_kernels.swiglu
+        if fast_path(x):
+            from kernels.triton.vision import swiglu
+        return self.down_proj(swiglu(gate, up, self.limit))
+
+
+def _stack_parts(first: nn.Parameter, second: nn.Parameter) -> torch.Tensor:
+    """first's and second's rows in one new tensor, the two parameters becoming views of it."""
+    with torch.no_grad():
+        both = torch.cat([first.data, second.data])
+    first.data, second.data = both.split(first.shape[0])
+    return both
 
 
 class VisionBlock(nn.Module):
@@ -163,10 +207,28 @@ class VisionBlock(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, segments: list[int], cos: torch.Tensor, signed_sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), segments, cos, signed_sin)
-        return x + self.mlp(self.norm2(x))
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        next_norm: RMSNorm,
+        segments: list[int],
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x and normed = norm1(x) -> (x + attn + mlp, next_norm of it): each residual add
+        and the norm after it are one op (add_rms_norm)."""
+        x, normed = add_rms_norm(x, self.attn(normed, segments, cos, signed_sin), self.norm2)
+        return add_rms_norm(x, self.mlp(normed), next_norm)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, norm(x + delta)), in one pass on the fast path."""
+    fused = norm_kernels.add_rms_norm
+    if fast_path(x):
+        from kernels.triton.norm import add_rms_norm as fused
+    return fused(x, delta, norm.weight, norm.eps)
 
 
 class LayerNorm(nn.Module):
@@ -213,9 +275,11 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         cos, signed_sin = self.rope(grids, x.device)
         segments = [h * w for t, h, w in grids for _ in range(t)]
-        for block in self.blocks:
-            x = block(x, segments, cos, signed_sin)
-        x = self.post_layernorm(x)
+        normed = self.blocks[0].norm1(x)
+        next_norms = [b.norm1 for b in self.blocks[1:]] + [self.post_layernorm]
+        for block, next_norm in zip(self.blocks, next_norms):
+            x, normed = block(x, normed, next_norm, segments, cos, signed_sin)
+        x = normed  # post_layernorm's
         # each run of m*m patches is one m x m square, the Conv2d's piece: (channel, row, col)
         m, d = self.config.spatial_merge_size, x.shape[-1]
         x = self.downsample(x.view(-1, m, m, d).permute(0, 3, 1, 2).reshape(-1, d * m * m))
@@ -224,8 +288,9 @@ class VisionTower(nn.Module):
     def rope(
         self, grids: Sequence[Grid], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [N, head_dim] (float32; rotate's operands: sin with its first
-        half negated) for the patches of these grids, in the processor's block-major order."""
+        """cos and signed sin [N, head_dim] (float32; kernels.vision.rotate's operands: sin
+        with its first half negated) for the patches of these grids, in the processor's
+        block-major order."""
         cfg = self.config
         m, quarter = cfg.spatial_merge_size, cfg.head_dim // 4
         inv_freq = 1.0 / cfg.rope_theta ** (

@@ -309,8 +309,12 @@ def write_checkpoint(
     tensors = export_checkpoint(config, target, draft)
     if vision:  # quantize_checkpoint leaves model.visual.* as they are
         tower = random_vision(config, target.dtype, device, seed)
+        # copies: each MLP's gate and up share one storage (VisionMLP), which save_file refuses
         tensors.update(
-            {f"model.visual.{k}": v.detach().cpu() for k, v in tower.state_dict().items()}
+            {
+                f"model.visual.{k}": v.detach().to("cpu", copy=True)
+                for k, v in tower.state_dict().items()
+            }
         )
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return quantize_checkpoint(out, out) if fp8 else out
