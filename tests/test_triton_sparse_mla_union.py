@@ -42,22 +42,22 @@ class Case:
     """A ragged extend: requests (start, n) in rows 3, 5, ... of a paged table (shuffled pages,
     row 0 padding), queries in batch order, and a selection per query as positions [N, W]."""
 
-    def __init__(self, requests, heads, rank, dtype, device, seed=0):
+    def __init__(self, requests, heads, rank, dtype, device, seed=0, page=PAGE):
         gen = torch.Generator().manual_seed(seed)
         self.starts = [s for s, _ in requests]
         self.lens = [n for _, n in requests]
         self.ends = [s + n for s, n in requests]
         self.rows = [3 + 2 * b for b in range(len(requests))]
-        max_ctx = -(-max(self.ends) // PAGE) * PAGE
-        per_row = max_ctx // PAGE
+        max_ctx = -(-max(self.ends) // page) * page
+        per_row = max_ctx // page
         num_pages = 1 + self.rows[-1] * per_row + 7
         ids = torch.randperm(num_pages - 1, generator=gen) + 1
         table = torch.zeros(self.rows[-1] + 2, max_ctx, dtype=torch.int64)
         for i, r in enumerate(self.rows):
             pages = ids[i * per_row : (i + 1) * per_row]
-            table[r] = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
+            table[r] = (pages[:, None] * page + torch.arange(page)).flatten()
         self.table = table.to(device)
-        self.num_slots = num_pages * PAGE
+        self.num_slots = num_pages * page
         n = sum(self.lens)
         self.positions = torch.cat([torch.arange(s, s + m) for s, m in requests]).to(device)
         self.query_rows = torch.tensor(
@@ -220,6 +220,10 @@ def test_dsa_sparse_mla_picks_and_agrees(monkeypatch, requests):
     took_union = union.union_pays(4, slots.shape[1], case.starts, case.lens)
     assert took_union == (requests is REQUESTS)
     assert any(k[0] == "sparse_mla_union" for k in batch.derived) == took_union
+    if took_union:  # a shared layer's call on the same selection reuses its mask
+        mask = batch.derived["sparse_mla_union_mask"][1]
+        assert torch.equal(dsa.sparse_mla(case.q, slots, batch, cache, 0.3), out)
+        assert batch.derived["sparse_mla_union_mask"][1] is mask
 
 
 # --------------------------------------------------------------------------- GPU, real shape
@@ -227,13 +231,8 @@ def test_dsa_sparse_mla_picks_and_agrees(monkeypatch, requests):
 
 def _gpu_case(start: int, dtype: torch.dtype):
     """Rank 0 of TP8: 8 heads, R 512, W = 2048 + 15 (kpool 16, 128 pools, tail), one request
-    with an 8,192-token chunk at `start`, pages of 64 shuffled over a large cache."""
-    global PAGE
-    saved, PAGE = PAGE, 64
-    try:
-        case = Case([(start, 8192)], heads=8, rank=512, dtype=dtype, device="cuda", seed=5)
-    finally:
-        PAGE = saved
+    with an 8,192-token chunk at `start`, pages of 64 shuffled over the cache."""
+    case = Case([(start, 8192)], heads=8, rank=512, dtype=dtype, device="cuda", seed=5, page=64)
     pos = case.indexer_selection(kpool=16, select_pools=128)
     return case, case.slots(pos)
 
@@ -261,3 +260,22 @@ def test_union_gpu_fp32_real_shape_skip_empty():
     tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], out=out, skip_empty=True)
     assert not out.isnan().any()
     assert _rel(out, exact) < 1e-5
+
+
+@gpu
+def test_dsa_sparse_mla_gpu_takes_the_union():
+    """dsa.sparse_mla on an 8k chunk with no prefix at 8 heads: union_pays, and the result
+    equals the gather kernel's; a second call on the same selection (a shared layer) reuses
+    the mask."""
+    from serving.forward_batch import ForwardBatch
+    from serving.layers.attention import dsa
+    from serving.memory.cache import DSALayerCache
+
+    case, slots = _gpu_case(0, torch.bfloat16)
+    batch = ForwardBatch.build([1] * 8192, case.rows, case.starts, case.lens, case.table)
+    cache = DSALayerCache(case.latent, None, None, None)
+    out = dsa.sparse_mla(case.q, slots, batch, cache, 576**-0.5)
+    again = dsa.sparse_mla(case.q, slots, batch, cache, 576**-0.5)
+    exact = tri_gather(case.q.float(), case.latent.float(), slots, 576**-0.5)
+    assert any(k[0] == "sparse_mla_union" for k in batch.derived)
+    assert _rel(out, exact) < 1e-2 and torch.equal(out, again)

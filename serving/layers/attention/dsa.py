@@ -181,7 +181,12 @@ def sparse_mla(
         from kernels.triton.sparse_mla_union import sparse_mla_union
 
         positions_of, tiles, query_rows, ctx_len = _union_layout(q_abs, batch, cache)
-        mask = union_kernels.selection_mask(slots, positions_of, ctx_len)
+        # a shared layer attends its full layer's selection: the same tensor, the same mask
+        held = batch.derived.get("sparse_mla_union_mask")
+        if held is None or held[0] is not slots:
+            mask = union_kernels.selection_mask(slots, positions_of, ctx_len)
+            batch.derived["sparse_mla_union_mask"] = held = (slots, mask)
+        mask = held[1]
         return sparse_mla_union(
             q_abs, cache.latent, mask, scale, batch.req_to_token, query_rows, tiles
         )
