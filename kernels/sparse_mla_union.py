@@ -11,7 +11,8 @@ out[n, h] = sum_p softmax_p(scale * q[n,h] . c_p) * c_p over the marked p, c_p =
 latent[req_to_token[query_rows[n], p]]: the same sum as kernels.sparse_mla.sparse_mla_attention
 over the same selection given as slots (selection_mask converts).
 Invariants: every query marks at least one position, all below its tile's key end; a tile's
-queries share one request row.
+queries share one request row; the latent rows of its request's positions below the key end are
+written (finite): every one of them is gathered, marked or not, and an unmarked one weighs 0.
 
 Why. At 8 heads per rank the gather kernel (one query per program) pads its head block and
 gathers 2,048 latent rows per query; here block_queries(heads, dtype) queries share one gathered key

@@ -6,22 +6,31 @@
 Same signature and semantics as kernels.sparse_mla_union.sparse_mla_union (tiles from its
 union_tiles with block_queries(H, dtype) queries a tile; mask from its selection_mask).
 
-Design. One program per tile: QB = block_queries(H, dtype) consecutive queries of one request, their
-QB x H (query, head) rows stacked into one [64, R] query tile (8 heads x 8 queries at TP8; no
-head padding when H is a power of two). The program walks its request's positions 0..key_end in
-blocks of BLOCK_N, gathers the block's latent rows once for all its queries (only the columns some
-query marks: unmarked columns read nothing), computes S = Q K^T on the tensor cores, masks each
-row with its query's mask bytes and keeps an online softmax per row (fp32 m, l and the [64, R]
-accumulator), as kernels/triton/sparse_mla.py does per query. Rows of queries past a short
-tile's end are masked throughout and never stored.
-skip_empty: skip a key block no query of the tile marks (a branch per block; Triton may not
-pipeline the loads under it, so it pays only on selections that leave whole blocks unmarked).
+Design. One program per tile: QB = block_queries(H, dtype) consecutive queries of one
+request, their QB x H (query, head) rows stacked into one [64, R] query tile (8 queries x 8 heads
+at TP8; no head padding when H is a power of two). The program walks its request's positions
+0..key_end in blocks of BLOCK_N, gathers each block's latent rows once for all its queries,
+computes S = Q K^T on the tensor cores, masks each row with its query's mask bytes and keeps an
+online softmax per row (fp32 m, l and the [64, R] accumulator), as kernels/triton/sparse_mla.py
+does per query. Rows of queries past a short tile's end are masked throughout, never stored.
+Every in-range row of a block is gathered, marked or not (the blocks of an 8k chunk without
+prefix are nearly all marked by some query of a tile). skip_empty skips a block no query of the
+tile marks (a branch per block: it pays only on selections that leave whole blocks unmarked).
 
-Registers / shared memory (R = 512, bf16): as the gather kernel at BLOCK_H = 64: the fp32
-accumulator 64 x 512 (128 registers a thread over 8 warps), the query tile 64 KiB and 64 KiB per
-key stage in shared memory, so 2 stages. fp32 inputs (tests) use 32-row tiles (block_queries
-of the dtype), BLOCK_N = 16 and IEEE dots; bf16 inputs use bf16 dots with fp32 accumulation and
-round P to bf16 before P @ V, like the reference.
+Registers / shared memory (R = 512, bf16), as the gather kernel at BLOCK_H = 64: the fp32
+accumulator 64 x 512 (128 registers a thread over 8 warps), the query tile 64 KiB and the key
+block 64 KiB in shared memory; 2 stages. fp32 inputs (tests) use 32-row tiles (block_queries of
+the dtype), BLOCK_N = 16, 1 stage and IEEE dots; bf16 inputs use bf16 dots with fp32
+accumulation and round P to bf16 before P @ V, like the reference.
+
+Built offline for sm_90a (triton.compile + ptxas -v; not yet timed on a GPU): the bf16 default
+takes wgmma, 128 KiB of shared memory, 255 registers and ~0.4 KB of spills a thread (the gather
+kernel at BLOCK_H = 64: ~0.7 KB); BLOCK_N = 32 spills nothing (bench --sweep weighs the two);
+skip_empty adds ~0.8 KB. Why the loop is as it is: masking the gather to the columns some query
+marks holds a per-column predicate through the dots (~1.2 KB of spills); prefetching the next
+block's slots and mask by hand doubles that again. Triton pipelines neither the slot nor the
+latent loads of this loop (no async copies in the TTGIR); the gather kernel pipelines its slot
+loads.
 """
 
 from __future__ import annotations
@@ -39,15 +48,16 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _key_block(
-    q, kv_ptr, r2t_ptr, row, stride_kv, stride_r2t, offs_n, offs_r, r_mask, marked, col,
+    q, kv_ptr, r2t_ptr, row, stride_kv, stride_r2t, offs_n, offs_r, r_mask, in_range, marked,
     m_i, l_i, acc, qk_scale_log2, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """One key block: gather the marked columns' latent rows once, fold them into every row's
-    online softmax (rows that mark none of them keep their state)."""
-    slot = tl.load(r2t_ptr + row * stride_r2t + offs_n, mask=col, other=0)
+    """One key block: gather its latent rows once (every position of the request's context in
+    it), fold them into every row's online softmax; rows that mark none of them keep their
+    state."""
+    slot = tl.load(r2t_ptr + row * stride_r2t + offs_n, mask=in_range, other=0)
     kv = tl.load(
         kv_ptr + slot[:, None] * stride_kv + offs_r[None, :],
-        mask=col[:, None] & r_mask[None, :],
+        mask=in_range[:, None] & r_mask[None, :],
         other=0.0,
     )
     s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale_log2
@@ -108,25 +118,30 @@ def _union_kernel(
     m_i = tl.full([QB * HP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([QB * HP], dtype=tl.float32)
     acc = tl.zeros([QB * HP, BLOCK_R], dtype=tl.float32)
+    q_ids = first + tl.arange(0, QB)
     for kb in range(0, key_end, BLOCK_N):
         offs_n = kb + tl.arange(0, BLOCK_N)
-        marked = tl.load(
-            mask_ptr + qi[:, None] * stride_mn + offs_n[None, :],
-            mask=m_ok[:, None] & (offs_n < key_end)[None, :],
+        in_range = offs_n < key_end
+        # one mask row per query (not per head: fewer 64-bit pointers held), spread to its rows
+        marked_q = tl.load(
+            mask_ptr + q_ids[:, None] * stride_mn + offs_n[None, :],
+            mask=(q_ids < end)[:, None] & in_range[None, :],
             other=0,
+        ).to(tl.int32)
+        marked = tl.reshape(
+            tl.broadcast_to(marked_q[:, None, :], (QB, HP, BLOCK_N)), (QB * HP, BLOCK_N)
         )
         marked = marked != 0
-        col = tl.max(marked.to(tl.int32), axis=0) > 0  # some query of the tile attends it
         if SKIP_EMPTY:
-            if tl.max(col.to(tl.int32), axis=0) > 0:
+            if tl.max(tl.max(marked_q, axis=1), axis=0) > 0:
                 m_i, l_i, acc = _key_block(
                     q, kv_ptr, r2t_ptr, row, stride_kv, stride_r2t, offs_n, offs_r, r_mask,
-                    marked, col, m_i, l_i, acc, qk_scale_log2, DOT_PREC,
+                    in_range, marked, m_i, l_i, acc, qk_scale_log2, DOT_PREC,
                 )  # fmt: skip
         else:
             m_i, l_i, acc = _key_block(
                 q, kv_ptr, r2t_ptr, row, stride_kv, stride_r2t, offs_n, offs_r, r_mask,
-                marked, col, m_i, l_i, acc, qk_scale_log2, DOT_PREC,
+                in_range, marked, m_i, l_i, acc, qk_scale_log2, DOT_PREC,
             )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -171,6 +186,7 @@ def sparse_mla_union(
     hp = triton.next_power_of_2(heads)
     qb = block_queries(heads, q.dtype)
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    # ptxas -v, sm_90a, 8 warps: fp32 spills nothing at 1 stage and ~0.4 KB at 2
     stages = {} if interp else {"num_stages": num_stages or (1 if fp32 else 2)}
     _union_kernel[(tiles.shape[0],)](
         q,
