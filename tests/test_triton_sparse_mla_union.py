@@ -238,13 +238,13 @@ def _gpu_case(start: int, dtype: torch.dtype):
 
 
 @gpu
-@pytest.mark.parametrize("start", [0, 8192])
-def test_union_gpu_bf16_real_shape(start):
+@pytest.mark.parametrize("start, skip_empty", [(0, False), (0, True), (8192, False)])
+def test_union_gpu_bf16_real_shape(start, skip_empty):
     case, slots = _gpu_case(start, torch.bfloat16)
     args = case.union_inputs(slots, torch.bfloat16)
     exact = tri_gather(case.q.float(), case.latent.float(), slots, 576**-0.5)
     out = torch.full_like(case.q, float("nan"))
-    tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], out=out)
+    tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], out=out, skip_empty=skip_empty)
     gathered = tri_gather(case.q, case.latent, slots, 576**-0.5)
     assert not out.isnan().any()
     assert _rel(out, exact) < 1e-2
@@ -252,12 +252,12 @@ def test_union_gpu_bf16_real_shape(start):
 
 
 @gpu
-def test_union_gpu_fp32_real_shape_skip_empty():
+def test_union_gpu_fp32_real_shape():
     case, slots = _gpu_case(0, torch.float32)
     args = case.union_inputs(slots, torch.float32)
     exact = tri_gather(case.q, case.latent, slots, 576**-0.5)
     out = torch.full_like(case.q, float("nan"))
-    tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], out=out, skip_empty=True)
+    tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], out=out)
     assert not out.isnan().any()
     assert _rel(out, exact) < 1e-5
 

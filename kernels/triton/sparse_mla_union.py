@@ -26,7 +26,8 @@ accumulation and round P to bf16 before P @ V, like the reference.
 Built offline for sm_90a (triton.compile + ptxas -v; not yet timed on a GPU): the bf16 default
 takes wgmma, 128 KiB of shared memory, 255 registers and ~0.4 KB of spills a thread (the gather
 kernel at BLOCK_H = 64: ~0.7 KB); BLOCK_N = 32 spills nothing (bench --sweep weighs the two);
-skip_empty adds ~0.8 KB. Why the loop is as it is: masking the gather to the columns some query
+skip_empty adds ~0.8 KB in bf16, and in fp32 (tests only) its branch around the FMA dots spills
+~15 KB: slow, not wrong. Why the loop is as it is: masking the gather to the columns some query
 marks holds a per-column predicate through the dots (~1.2 KB of spills); prefetching the next
 block's slots and mask by hand doubles that again. Triton pipelines neither the slot nor the
 latent loads of this loop (no async copies in the TTGIR); the gather kernel pipelines its slot
