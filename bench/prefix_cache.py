@@ -37,7 +37,9 @@ a prefill worker (caching), a decode worker and our router (Mooncake over loopba
 bench/pd_bench.py starts them), each loaded with the same multi-turn chat over streaming
 /generate (TTFT at the first chunk with tokens); `servers` holds both, `summary`
 pd_over_single_turns_2_plus their ratio. --pd-only: the servers alone (the in-process rounds
-take ~230 s on the H200, the servers ~200 s more). Run from the repository root (it imports
+take ~230 s on the H200, the servers ~200 s more). --pd-decode-cache: then the PD pair again
+with --disaggregation-decode-enable-radix-cache on decode (`servers.pd_decode_cache`, summary
+pd_decode_cache_over_single_turns_2_plus). Run from the repository root (it imports
 deploy/).
 The JSON is rewritten after each part; a summary line per run goes to stdout.
 
@@ -109,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="--pd's servers alone, without the in-process engines (a device call too short "
         "for both)",
+    )
+    ap.add_argument(
+        "--pd-decode-cache",
+        action="store_true",
+        help="with --pd/--pd-only: the PD pair again, decode keeping its prefix cache",
     )
     ap.add_argument("--server-timeout", type=float, default=300, help="seconds to get healthy")
     ap.add_argument("--vocab", type=int, default=1000, help="prompt token ids are below this")
@@ -462,6 +469,11 @@ def run_servers(a: argparse.Namespace, out_dir: Path) -> dict:
         prefill_args=worker, decode_args=worker,
     )  # fmt: skip
     stacks["pd"] = build(ns, model, model.name, out_dir)
+    if a.pd_decode_cache:
+        cached = out_dir / "pd_decode_cache"
+        cached.mkdir(exist_ok=True)
+        ns.decode_args = f"{worker} --disaggregation-decode-enable-radix-cache"
+        stacks["pd_decode_cache"] = build(ns, model, model.name, cached)
     for name, procs in stacks.items():
         t0 = time.monotonic()
         try:
@@ -531,6 +543,9 @@ def summarise(report: dict) -> dict:
     pd = servers.get("pd", {}).get("ttft_ms_turns_2_plus", {}).get("mean")
     if single and pd:
         out["pd_over_single_turns_2_plus"] = round(pd / single, 2)
+    cached = servers.get("pd_decode_cache", {}).get("ttft_ms_turns_2_plus", {}).get("mean")
+    if single and cached:
+        out["pd_decode_cache_over_single_turns_2_plus"] = round(cached / single, 2)
     return out
 
 

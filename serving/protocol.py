@@ -149,6 +149,9 @@ class SequenceOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # PD decode with its page cache: prompt tokens whose KV it held, which prefill did not send
+    # (meta_info.decode_cached_tokens; not part of cached_tokens, which is prefill's hit)
+    decode_cached_tokens: int | None = None
     logprobs: list[TokenLogprob] | None = None
     # the scored prompt tokens (logprob_start_len on), once, with the sequence's first output
     input_logprobs: list[TokenLogprob] | None = None

@@ -215,6 +215,14 @@ class ServerArgs(ArgsChecks):
     disaggregation_decode_extra_slots: int | None = field(
         default=None, metadata={"help": "default: 2 x max_running_requests when that is <= 32"}
     )
+    disaggregation_decode_enable_radix_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "decode only: keep a prefix cache of KV pages (no KDA snapshots): the "
+            "prompt's whole pages it holds are not sent again by prefill, only the pages past "
+            "them and the request's state rows (off by default while it is measured)"
+        },
+    )
     # API
     reasoning_parser: str | None = field(default=None, metadata={"choices": [None, "glm45"]})
     tool_call_parser: str | None = field(default=None, metadata={"choices": [None, "glm47"]})
@@ -302,8 +310,15 @@ class ServerArgs(ArgsChecks):
     @property
     def radix_cache(self) -> bool:
         """The prefix cache is on by default (as in SGLang), except on a PD decode worker: its
-        KV and state arrive whole from prefill."""
+        state arrives from prefill (it may keep KV pages only: decode_page_cache)."""
         return not self.disable_radix_cache and self.disaggregation_mode != "decode"
+
+    @property
+    def decode_page_cache(self) -> bool:
+        """PD decode's prefix cache: KV pages only (the state after a prompt is prefill's)."""
+        return (
+            self.disaggregation_mode == "decode" and self.disaggregation_decode_enable_radix_cache
+        )
 
     @property
     def world_size(self) -> int:

@@ -97,6 +97,11 @@ class ArgsChecks:
             raise ArgsError(f"--mem-fraction-static {self.mem_fraction_static}: must be in (0, 1)")
         if self.running_limit < 1:
             raise ArgsError("--max-running-requests: must be >= 1")
+        if self.disaggregation_decode_enable_radix_cache and self.disaggregation_mode != "decode":
+            raise ArgsError(
+                "--disaggregation-decode-enable-radix-cache: only for --disaggregation-mode "
+                "decode (prefill and a single worker keep their own cache)"
+            )
         if self.decode_log_interval < 1:
             raise ArgsError("--decode-log-interval: must be >= 1")
         if self.page_size < 1 or self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:

@@ -53,6 +53,10 @@ def test_every_seed_flag_parses(tiny_ckpt):
         (["--cuda-graph-backend-decode", "full"], "--cuda-graph-backend-decode full: needs a CUDA"),
         (["--chunked-prefill-size", "10"], "--chunked-prefill-size 10: must be a multiple"),
         (["--context-length", "99999999"], "--context-length 99999999"),
+        (
+            ["--disaggregation-decode-enable-radix-cache"],
+            "--disaggregation-decode-enable-radix-cache: only for --disaggregation-mode decode",
+        ),
     ],
 )
 def test_impossible_flags_fail_in_one_line(tiny_ckpt, flags, message):
@@ -76,7 +80,12 @@ def test_help_lists_sglang_flags():
         timeout=60,
     )
     assert out.returncode == 0
-    for flag in ("--mem-fraction-static", "--disaggregation-mode", "--cuda-graph-max-bs-decode"):
+    for flag in (
+        "--mem-fraction-static",
+        "--disaggregation-mode",
+        "--cuda-graph-max-bs-decode",
+        "--disaggregation-decode-enable-radix-cache",
+    ):
         assert flag in out.stdout
 
 

@@ -3,7 +3,8 @@ float32), every rank writing its own share over the real Mooncake engine on loop
 
 One set of four workers serves every test: prefill TP2 and decode TP2, both with EAGLE (2 draft
 steps, the NextN draft sharded like the target: its pages, state rows, draft token and draft
-hidden travel with the target's), prefill EP2, decode TP1 (both plain). The checkpoint is the
+hidden travel with the target's; decode TP2 keeps its prefix cache of KV pages, whose page maps
+its follower replays), prefill EP2, decode TP1 (both plain). The checkpoint is the
 distilled one (tests/conftest.py), whose draft is accepted on new prompts, so a draft state that
 arrived wrong would show as drafts no longer accepted (greedy tokens alone would not show it).
 Greedy tokens of the TP2 EAGLE pair (and of our router in front of it), and of an EP2 prefill
@@ -65,7 +66,10 @@ class Workers:
         self.ports = {"p_tp2": free_port(), "p_ep2": free_port()}
         flags = {
             "p_tp2": ("--tp-size", "2", "--chunked-prefill-size", "16", *eagle_flags(2)),
-            "d_tp2": ("--tp-size", "2", "--max-running-requests", "3", *eagle_flags(2)),
+            "d_tp2": (
+                *("--tp-size", "2", "--max-running-requests", "3", *eagle_flags(2)),
+                "--disaggregation-decode-enable-radix-cache",
+            ),
             "p_ep2": ("--ep-size", "2", "--chunked-prefill-size", "16"),
             "d_tp1": ("--max-running-requests", "3"),
         }
@@ -150,6 +154,25 @@ def test_tp2_eagle_pair_equals_one_rank(workers, reference):
     # 1 token per verify step would mean no draft accepted: decode's first draft token and
     # draft hidden state come from prefill's ranks (38 tokens in 16 verify steps, 2026-12-01)
     assert stats["spec_committed_tokens"] > 1.5 * stats["spec_verify_steps"], stats
+    workers.idle()
+
+
+def test_tp2_decode_cache_keeps_the_last_turn_and_equals_one_rank(workers, reference):
+    """Decode TP2 with its page cache: the second turn (the first, its answer, new text) maps
+    the first turn's whole computed pages on both ranks (the follower replays rank 0's page
+    map) and prefill's ranks ship only the rest; tokens equal one rank's, drafts accepted."""
+    pair = workers.pair("p_tp2", "d_tp2")
+    ids, held = prompt(40, 38), 0
+    for _ in range(2):
+        decode, prefill = pair.dispatch("/generate", greedy_body(ids), timeout=120)
+        assert decode.status_code == 200 and prefill.status_code == 200, decode.text
+        out = decode.json()["output_ids"]
+        assert out == reference(ids)
+        assert decode.json()["meta_info"]["decode_cached_tokens"] == held
+        held = (len(ids) + NEW_TOKENS - 1) // 16 * 16
+        ids = ids + out + prompt(41, 20)
+    stats = workers.servers["d_tp2"].stats()
+    assert stats["cached_pages"] > 0, stats
     workers.idle()
 
 

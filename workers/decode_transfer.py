@@ -50,6 +50,7 @@ class Transfer:
             pages=req.pages,
             row=NO_ROW if self.scores_only else req.row,
             prompt_len=len(req.input_ids),
+            decode_prefix_len=req.decode_cached_tokens or 0,
         )
 
     def succeeded(self, msg: Status) -> None:
@@ -94,7 +95,9 @@ class Quarantined:
 class Quarantine:
     """Rows and pages of failed rooms whose destinations went out: prefill may still write into
     them, so they are reused only after its AbortAck, once it is known dead, or after
-    `timeout` seconds (a late write must never land in another request's memory)."""
+    `timeout` seconds (a late write must never land in another request's memory). The holder
+    keeps the request's lock on its cached prefix (decode's page cache) until then, and the
+    prefix's pages stay the tree's: prefill writes none of them, and none is freed here."""
 
     def __init__(self, free: Callable[[Req], None], timeout: float) -> None:
         self.free, self.timeout = free, timeout
@@ -103,9 +106,17 @@ class Quarantine:
     def hold(self, t: Transfer) -> None:
         """Take t's memory from its request (which fails without it)."""
         req = t.req
-        holder = Req(f"{req.rid}#quarantined", [], req.sampling, row=req.row, pages=list(req.pages))
+        holder = Req(
+            f"{req.rid}#quarantined",
+            [],
+            req.sampling,
+            row=req.row,
+            pages=list(req.pages),
+            prefix=req.prefix,
+            shared_pages=req.shared_pages,
+        )
         self.rooms[t.room] = Quarantined(holder, t.rank, time.monotonic() + self.timeout)
-        req.row, req.pages = None, []
+        req.row, req.pages, req.prefix, req.shared_pages = None, [], None, set()
 
     def acked(self, room: int) -> None:
         q = self.rooms.pop(room, None)

@@ -3,7 +3,8 @@
 decode -> prefill   Register     once per prefill worker: its TP size and, per decode rank, that
                                  rank's Mooncake session and buffer addresses; the layout
 decode -> prefill   Destination  per request: where its pages, state rows and aux row go (none
-                                 for a scoring-only request: NO_ROW)
+                                 for a scoring-only request: NO_ROW), and how much of the
+                                 prompt's KV decode's prefix cache holds already (not sent)
 decode -> prefill   Abort        the request ended at decode (with a reason when decode refused
                                  the handoff); prefill answers AbortAck
 decode -> prefill   Waiting      rooms still queued at decode for memory (a keepalive)
@@ -72,6 +73,10 @@ class Destination:
     pages: list[int]
     row: int  # NO_ROW: a scoring-only request
     prompt_len: int
+    # prompt tokens (whole pages) whose KV decode's prefix cache holds, in pages[:that / page
+    # size] (SGLang's decode_prefix_len): prefill writes none of those pages; the rest of the
+    # pages, the state rows and the aux row always (the state after the prompt is prefill's)
+    decode_prefix_len: int = 0
 
 
 @dataclass(frozen=True)

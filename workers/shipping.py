@@ -1,6 +1,7 @@
 """Prefill's KV shipping: a room's prompt KV goes to decode's destinations as it is computed:
 its full pages after every chunk, then the rest of its pages, its request's state rows and its
-aux row after the last one.
+aux row after the last one. Pages decode's prefix cache holds already (the destination's
+decode_prefix_len) are never sent: only the delta past them moves.
 
 The scheduler's hooks only record what to ship (record(): the step's device work is complete
 when they run); the role's poll() then turns the records into orders (order()) and hands them
@@ -125,7 +126,14 @@ class Shipping:
                 f"prompt length differs: prefill has {n} tokens, decode "
                 f"{msg.prompt_len} (different tokenizer or chat template?)"
             )
-        if (msg.row == NO_ROW) != room.scores_only or (msg.row == NO_ROW and msg.pages):
+        page = self.pool.plan.page_size
+        held = msg.decode_prefix_len
+        if held < 0 or held % page or held > n or held // page > len(msg.pages):
+            return (
+                f"decode_prefix_len {held} is not whole pages of the prompt ({n} tokens, "
+                f"{len(msg.pages)} destination pages of {page})"
+            )
+        if (msg.row == NO_ROW) != room.scores_only or (msg.row == NO_ROW and (msg.pages or held)):
             return (
                 "prefill and decode disagree on max_new_tokens: a scoring-only request "
                 "(max_new_tokens 0) has no destination memory, any other one has"
@@ -141,19 +149,23 @@ class Shipping:
         return bool(self.to_ship)
 
     def order(self, rooms: dict[int, Room]) -> None:
-        """Turn the records into Ship orders: each room's pages not sent yet (after the last
-        chunk with its rows, the aux row written first)."""
+        """Turn the records into Ship orders: each room's pages not sent yet and not held by
+        decode's cache (after the last chunk with its rows, the aux row written first; a last
+        order may have no pages)."""
         pending, self.to_ship = self.to_ship, []
+        page = self.pool.plan.page_size
         for room_id, final in pending:
             room = rooms.get(room_id)
             if room is None or room.failure is not None:
                 continue
             req = room.req
-            end = len(req.pages) if final else room.computed // self.pool.plan.page_size
-            if end <= room.sent_pages and not final:
+            # decode's cache holds the first pages already (destination_problem: whole pages)
+            start = max(room.sent_pages, room.dest.decode_prefix_len // page)
+            end = len(req.pages) if final else room.computed // page
+            if end <= start and not final:
                 continue
-            src, dst = req.pages[room.sent_pages : end], room.dest.pages[room.sent_pages : end]
-            room.sent_pages = end
+            src, dst = req.pages[start:end], room.dest.pages[start:end]
+            room.sent_pages = max(start, end)
             if final:
                 self._write_aux(req, room)
             rows = (req.row, room.dest.row) if final else None

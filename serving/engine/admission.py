@@ -17,6 +17,15 @@ Snapshots are taken
 Pages are inserted with the snapshot that ends them, never beyond it: KV past the last state
 could never be matched.
 
+PD decode's page cache (a tree without snapshots, --disaggregation-decode-enable-radix-cache):
+only a request another worker prefills matches it (preallocate: prefilled_elsewhere), taking
+whole pages of KV and no state (prefill writes the row's state after the whole prompt, and the
+pages past the match); a local prefill there (a health check, a retracted request's re-prefill)
+takes no hit, since it would need a state. An adopted request's KV goes into the tree at its
+release, through its last whole page whose KV is known computed. Hazard: the pages of tokens
+decode generated hold decode's KV, not what prefill would compute (bf16 rounding may differ),
+so through PD a later turn's prompt may see decode's KV for its earlier answer.
+
 Invariant: a request owns its row and the pages in req.pages but not in req.shared_pages from
 admit() until release(); the tree owns the shared ones, and the request's KV lock on req.prefix
 keeps them. No other code hands rows, pages or state slots to a request or takes them back.
@@ -58,7 +67,8 @@ class Admission:
         """cache None: no prefix cache. With a draft in the pool, cache keys are (token, next
         token) pairs: the draft's KV at a position depends on the next token."""
         self.pool, self.stats, self.cache = pool, stats, cache
-        self.grid = cache.grid if cache is not None else 0
+        self.snapshots = cache is not None and cache.snapshots  # else: no cache or pages only
+        self.grid = cache.grid if self.snapshots else 0
         self.track_interval, self.vocab = track_interval, vocab
         self.pair_keys = pool.draft is not None
         self.deferred: list[Req] = []  # released while in flight; freed by settle()
@@ -69,45 +79,60 @@ class Admission:
         return self.pool.batched()
 
     # ---- admit ----
-    def admit(self, req: Req, max_tokens: int, running: int) -> int | None:
+    def admit(
+        self, req: Req, max_tokens: int, running: int, prefilled_elsewhere: bool = False
+    ) -> int | None:
         """Give `req` its cached prefix (when the cache has one), a row and the pages for its
         next chunk of at most `max_tokens` tokens. The reserve policy: one page stays free (or
         evictable) per request that decodes beside it (`running`), for that request's next
-        decode tokens. Returns the chunk's length, or None with nothing taken."""
+        decode tokens. Returns the chunk's length, or None with nothing taken.
+        prefilled_elsewhere: PD decode's preallocation (another worker writes the prompt's KV
+        and state); only it matches a page cache, and its hit is decode_cached_tokens."""
         pool, cache = self.pool, self.cache
+        looked_up = self.snapshots or (cache is not None and prefilled_elsewhere)
         node, hit = None, 0
-        if cache is not None:
+        if looked_up:
             started = time.perf_counter()
-            match = cache.match(self.keys(req.fill_ids, req), self._match_limit(req))
+            keys = self.keys(req.fill_ids, req)
+            if self.snapshots:
+                match = cache.match(keys, self._match_limit(req))
+                req.branch = match.kv_length // self.grid * self.grid
+            else:
+                match = cache.match_pages(keys)
             self.match_s += time.perf_counter() - started
             node, hit = match.node, match.length
-            req.branch = match.kv_length // self.grid * self.grid
         n = min(len(req.fill_ids) - hit, max_tokens)
         if node is not None:
             cache.lock(node)  # before any eviction below: the prefix must survive it
-            cache.lock_state(node)
+            if self.snapshots:
+                cache.lock_state(node)
         row = None
         if self._make_free(pool.pages.pages_for(n + 1) + running):
             row = pool.alloc_row()
         if row is None:
             if node is not None:
-                cache.unlock_state(node)
+                if self.snapshots:
+                    cache.unlock_state(node)
                 cache.unlock(node)
             return None
         if node is not None:
             prefix = node.path_pages()
             pool.map_pages(row, 0, prefix)
-            pool.load_states([node.slot], [row])
-            cache.unlock_state(node)
+            if self.snapshots:
+                pool.load_states([node.slot], [row])
+                cache.unlock_state(node)
             req.pages, req.shared_pages, req.prefix = list(prefix), set(prefix), node
         grown = pool.grow(row, req.pages, hit + n)
         assert grown, "the pages were made free above"
         req.row, req.cached = row, hit
+        if prefilled_elsewhere and looked_up:
+            req.decode_cached_tokens = hit
         if req.cached_tokens is None:  # the first admission's hit is the one reported
-            req.cached_tokens = min(hit, len(req.input_ids))
-            if cache is not None:
+            if not prefilled_elsewhere:  # else adopt() sets prefill's
+                req.cached_tokens = min(hit, len(req.input_ids))
+            if looked_up:
                 self.stats.cache_lookup_tokens_total += len(req.input_ids)
-                self.stats.cache_hit_tokens_total += req.cached_tokens
+                self.stats.cache_hit_tokens_total += min(hit, len(req.input_ids))
         return n
 
     def _match_limit(self, req: Req) -> int:
@@ -139,6 +164,8 @@ class Admission:
             if req not in self.deferred:
                 self.deferred.append(req)
             return
+        if req.adopted and self.cache is not None and not self.snapshots:
+            self._insert_pages(req)
         if req.track_slot is not None:
             slot, req.track_slot = req.track_slot, None
             if req.track_pos > self._prefix_len(req):
@@ -157,6 +184,23 @@ class Admission:
         if req.row is not None:
             self.pool.free_row(req.row)
             req.row = None
+
+    def _insert_pages(self, req: Req) -> None:
+        """PD decode's page cache: the adopted request's KV, through its last whole page whose
+        positions were all computed (req.cached; never the last token, which no step has fed),
+        joins the tree; the request then locks it as its prefix until its pages are freed."""
+        page = self.pool.plan.page_size
+        tokens = req.fill_ids
+        keys = self.keys(tokens, req)  # with a draft: one short (the pairs' last token)
+        end = min(req.cached, len(tokens) - 1, len(keys), len(req.pages) * page) // page * page
+        if end <= self._prefix_len(req):
+            return
+        node, adopted = self.cache.insert(keys[:end], req.pages[: end // page])
+        req.shared_pages.update(adopted)
+        self.cache.lock(node)
+        if req.prefix is not None:
+            self.cache.unlock(req.prefix)
+        req.prefix = node
 
     def settle(self) -> None:
         """Release the deferred requests whose last step has completed."""
@@ -178,7 +222,7 @@ class Admission:
         """Where in the chunk req.cached.. +n to snapshot the KDA state for the cache: (tokens
         into the chunk, slot) at the branch point and at the chunk's last grid position, when
         inside the chunk and not cached yet."""
-        if self.cache is None:
+        if not self.snapshots:
             return []
         start, end = req.cached, req.cached + n
         points = sorted({p for p in (req.branch, end // self.grid * self.grid) if start < p <= end})
@@ -208,7 +252,7 @@ class Admission:
     def offer(self, req: Req, steps: int) -> tuple[int, int] | None:
         """EAGLE, before a verify of steps + 1 positions: (verify position, slot) at which to
         snapshot req's state if the step's accepted run reaches the next grid position."""
-        if self.cache is None:
+        if not self.snapshots:
             return None
         j = (req.cached // self.grid + 1) * self.grid - req.cached - 1
         if j > steps:
@@ -218,7 +262,7 @@ class Admission:
 
     def may_cross_grid(self, req: Req, end: int) -> bool:
         """Whether req's state at a snapshot grid position in (req.cached, end] may be due."""
-        return self.cache is not None and end // self.grid > req.cached // self.grid
+        return self.snapshots and end // self.grid > req.cached // self.grid
 
     def tracked(self, req: Req, before: int) -> None:
         """EAGLE, after a step whose offer was made: the snapshot was taken iff the accepted
@@ -228,7 +272,7 @@ class Admission:
 
     def _crossed(self, req: Req, before: int) -> int:
         """The grid position req.cached reached since `before`, or 0."""
-        if self.cache is None:
+        if not self.snapshots:
             return 0
         pos = req.cached // self.grid * self.grid
         return pos if pos > before else 0

@@ -183,6 +183,7 @@ class Commit:
             prompt_tokens=len(req.input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens or 0,
+            decode_cached_tokens=req.decode_cached_tokens,
             logprobs=logprobs,
             stage_times=dict(req.stages) if req.finish_reason is not None else None,
         )

@@ -58,6 +58,9 @@ class SchedulerConfig:
     context_length: int
     max_queued_requests: int | None = None  # None: no bound
     prefix_cache: bool = False  # the radix cache (needs state slots in the pool)
+    # PD decode's prefix cache: a tree of KV pages without snapshots, matched only by requests
+    # another worker prefills (prefix_cache is off there)
+    page_cache: bool = False
     track_interval: int = 256  # decode hands the cache a snapshot every this many tokens
     overlap: bool = True  # launch step N+1 before committing step N (scheduler.py)
     # observability (serving/engine/batch_log.py)
@@ -90,6 +93,10 @@ class Req:
     pair_keys: list[int] = field(default_factory=list)
     pair_tokens: list[int] = field(default_factory=list)
     cached_tokens: int | None = None  # prompt tokens the cache served at its first admission
+    # PD decode with its page cache: prompt tokens (whole pages) whose KV decode's own tree held
+    # at preallocation, so prefill did not send them (cached_tokens stays prefill's hit); None:
+    # no page cache looked up
+    decode_cached_tokens: int | None = None
     finish_reason: FinishReason | None = None
     # The overlap scheduler (scheduler.py). in_flight: launched steps holding this request whose
     # results are not processed yet; its row and pages are freed only at 0 (admission.release

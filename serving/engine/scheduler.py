@@ -92,6 +92,8 @@ class Scheduler:
         cache = None
         if config.prefix_cache:
             cache = RadixCache(pool, snapshot_grid(pool.plan.page_size, pool.config.index_kpool))
+        elif config.page_cache:  # PD decode: pages only, states come from prefill
+            cache = RadixCache(pool, pool.plan.page_size, snapshots=False)
         self.admission = Admission(
             pool, self.stats, cache, config.track_interval, pool.config.vocab_size
         )
@@ -157,13 +159,18 @@ class Scheduler:
     def preallocate(self, reqs: list[Req]) -> int:
         """Admit requests from intake(), FIFO: each a row and the pages of its whole prompt,
         which another worker writes (admit's reserve policy holds); returns how many were (the
-        first that does not fit now, and those behind it, take nothing). Their row resets and
-        page maps launch as one batch (admission.batched). The role holds them
-        (RoleHooks.owned) until adopt() or free()."""
+        first that does not fit now, and those behind it, take nothing). With a page cache, the
+        prompt's cached whole pages are mapped (locked; req.decode_cached_tokens) and only the
+        rest is new. Their row resets and page maps launch as one batch (admission.batched).
+        The role holds them (RoleHooks.owned) until adopt() or free()."""
         done = 0
         with self.admission.batched():
             for req in reqs:
-                if self.admission.admit(req, len(req.input_ids), len(self.running)) is None:
+                n = len(req.input_ids)
+                if (
+                    self.admission.admit(req, n, len(self.running), prefilled_elsewhere=True)
+                    is None
+                ):
                     break
                 done += 1
         return done

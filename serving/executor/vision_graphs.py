@@ -12,6 +12,8 @@ each capture reuses the blocks the others freed. The graphs read one static pixe
 write one static embedding buffer, both allocated up front for the largest image the front
 admits (max_tokens: the plan's vision_graph_tokens), so no graph ever has to be dropped for a
 larger one. What stays resident is counted as held in the memory plan (vision.graph_bytes).
+Hazard: captures of growing sizes may leave the pool's segments fragmented above the largest
+image's peak (the allocator splits but never merges segments); not measured yet.
 
 Hazards: a capture synchronizes the device and empties the allocator's cache (torch.cuda.graph
 does both), so a new image size stalls the step that meets it once; it captures in

@@ -21,6 +21,11 @@ MambaRadixCache):
   when that lock goes).
 A match ends at the deepest node that holds both KV and a state.
 
+Without snapshots (snapshots=False: PD decode, whose request states come from prefill) the tree
+holds KV pages only: match_pages ends at the deepest whole page the tree holds (splitting a
+node there), and a leaf without a state is content, not a tombstone (nothing prunes it; only
+evict_pages and flush drop nodes).
+
 Invariant: every page and state slot the tree holds came from the pool's free lists and goes
 back there exactly once (eviction or flush); a locked node, or an ancestor of one, is never
 evicted.
@@ -72,10 +77,11 @@ class Match:
 
 
 class RadixCache:
-    def __init__(self, pool: MemoryPool, grid: int) -> None:
+    def __init__(self, pool: MemoryPool, grid: int, snapshots: bool = True) -> None:
         if grid % pool.plan.page_size:
             raise ValueError(f"snapshot grid {grid} is not a multiple of the page size")
         self.pool, self.page, self.grid = pool, pool.plan.page_size, grid
+        self.snapshots = snapshots
         self.root = Node([], [], None)
         self.clock = itertools.count(1)
         self.pages_held = 0
@@ -114,6 +120,29 @@ class RadixCache:
                 n.kv_used = now
                 n = n.parent
         return best
+
+    def match_pages(self, keys: list[int]) -> Match:
+        """Without snapshots: the node ending at the deepest whole page of `keys` whose KV the
+        tree holds (a node that holds more is split there, so locking the match pins no page
+        past it); length == kv_length."""
+        node, depth, p = self.root, 0, self.page
+        while depth + p <= len(keys):
+            child = node.children.get(tuple(keys[depth : depth + p]))
+            if child is None:
+                break
+            same = self._common(child.key, keys, depth, len(keys))  # >= p: its first page
+            partial = same < len(child.key)
+            node, depth = self._split(child, same) if partial else child, depth + same
+            if partial:
+                break
+        if node is self.root:
+            return Match(None)
+        now = next(self.clock)
+        n: Node | None = node
+        while n is not None:
+            n.kv_used = now
+            n = n.parent
+        return Match(node, depth, depth)
 
     def has_state(self, keys: list[int], end: int | None = None) -> bool:
         """Whether a node ends exactly at `end` (default len(keys)) on this path with a state."""
@@ -258,8 +287,14 @@ class RadixCache:
         self._free_node(node)
 
     def _prune(self, node: Node) -> None:
-        """Remove tombstone leaves (no state, no lock, no child) from `node` upwards."""
-        while node is not self.root and self._evictable_leaf(node) and node.slot is None:
+        """Remove tombstone leaves (no state, no lock, no child) from `node` upwards (with
+        snapshots: without them a stateless leaf is the cache's content)."""
+        while (
+            self.snapshots
+            and node is not self.root
+            and self._evictable_leaf(node)
+            and node.slot is None
+        ):
             parent = node.parent
             self._remove(node)
             node = parent

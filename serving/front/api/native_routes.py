@@ -200,6 +200,8 @@ def _result(
         "cached_tokens": seq.cached_tokens,
         **seq.stage_times,  # where the time to first token went (docs/PROTOCOL.md)
     }
+    if seq.decode_cached_tokens is not None:  # PD decode's page cache; cached_tokens: prefill's
+        meta["decode_cached_tokens"] = seq.decode_cached_tokens
     if think_end is not None:
         ids = seq.output_ids
         meta["reasoning_tokens"] = ids.index(think_end) + 1 if think_end in ids else len(ids)

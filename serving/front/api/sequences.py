@@ -35,6 +35,7 @@ class Seq:
     input_logprobs: list[TokenLogprob] = field(default_factory=list)  # the scored prompt
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
+    decode_cached_tokens: int | None = None  # PD decode's own hit (SequenceOutput's)
     stage_times: dict[str, float] = field(default_factory=dict)  # with the finished output
 
     @property
@@ -52,6 +53,7 @@ class Seq:
         self.logprobs.extend(out.logprobs or [])
         self.input_logprobs.extend(out.input_logprobs or [])
         self.cached_tokens = out.cached_tokens
+        self.decode_cached_tokens = out.decode_cached_tokens
         self.stage_times = out.stage_times or self.stage_times
         self.finish_reason = reason
         return Update(self, text, out.logprobs or [], out.input_logprobs or [])
