@@ -203,7 +203,7 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
     positions_of = union.slot_positions(table, [0], [ctx], latent.shape[0])
     mask = union.selection_mask(slots, positions_of, ctx)
     block_q = union.block_queries(H_RANK, q.dtype)
-    tiles = union.union_tiles([start], [n], block_q, q.device)
+    tiles = union.union_tiles([start], [n], block_q).to(q.device)
     rows = torch.zeros(n, dtype=torch.int64, device="cuda")
     u_args = (q, latent, mask, scale, table, rows, tiles)
 

@@ -41,12 +41,12 @@ def block_queries(heads: int, dtype: torch.dtype) -> int:
     return max(1, rows // padded)
 
 
-def union_tiles(
-    starts: Sequence[int], lens: Sequence[int], block_q: int, device: torch.device
-) -> torch.Tensor:
-    """Tiles [NT, 3] int64 (first query, end query, key end) of a ragged extend whose request b
-    has lens[b] new tokens at positions starts[b].. (queries in batch order). A tile never
-    straddles two requests; its key end is its last query's position + 1 (causal bound)."""
+def union_tiles(starts: Sequence[int], lens: Sequence[int], block_q: int) -> torch.Tensor:
+    """Tiles [NT, 3] int64 on the host (first query, end query, key end) of a ragged extend whose
+    request b has lens[b] new tokens at positions starts[b].. (queries in batch order). A tile
+    never straddles two requests; its key end is its last query's position + 1 (causal bound).
+    Hazard: the caller uploads them without waiting for the device (a pageable .to(cuda) waits
+    for the step in flight: serving.forward_batch.upload)."""
     tiles, offset = [], 0
     for start, n in zip(starts, lens):
         for first in range(0, n, block_q):
@@ -55,7 +55,7 @@ def union_tiles(
         offset += n
     # longest key walks first: a tail of short tiles balances the last wave
     tiles.sort(key=lambda tile: -tile[2])
-    return torch.tensor(tiles, dtype=torch.int64).reshape(-1, 3).to(device)
+    return torch.tensor(tiles, dtype=torch.int64).reshape(-1, 3)
 
 
 def slot_positions(

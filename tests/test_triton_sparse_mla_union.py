@@ -83,7 +83,7 @@ class Case:
         inv = union.slot_positions(self.table, self.rows, self.ends, self.num_slots)
         mask = union.selection_mask(slots, inv, max(self.ends))
         block_q = union.block_queries(self.q.shape[1], dtype)
-        tiles = union.union_tiles(self.starts, self.lens, block_q, slots.device)
+        tiles = union.union_tiles(self.starts, self.lens, block_q).to(slots.device)
         return mask, self.table, self.query_rows, tiles
 
 
@@ -173,7 +173,7 @@ def test_union_interp_bf16():
 
 
 def test_union_tiles_and_rule():
-    tiles = union.union_tiles([0, 13], [5, 3], 2, torch.device("cpu")).tolist()
+    tiles = union.union_tiles([0, 13], [5, 3], 2).tolist()
     assert sorted(tiles) == [[0, 2, 2], [2, 4, 4], [4, 5, 5], [5, 7, 15], [7, 8, 16]]
     assert [t[2] for t in tiles] == sorted((t[2] for t in tiles), reverse=True)
     assert union.block_queries(8, torch.bfloat16) == 8

@@ -31,7 +31,7 @@ from kernels import indexer as idx_kernels
 from kernels import sparse_mla as mla_kernels
 from kernels import sparse_mla_union as union_kernels
 from kernels.dsa_decode import IndexQuery, IndexWrite, StepLayout
-from serving.forward_batch import ForwardBatch
+from serving.forward_batch import ForwardBatch, upload
 from serving.layers.attention.dsa_extend_index import ExtendIndex
 from serving.layers.norm import RMSNorm
 from serving.memory.cache import DSALayerCache
@@ -208,7 +208,7 @@ def _union_layout(q_abs: torch.Tensor, batch: ForwardBatch, cache: DSALayerCache
             batch.req_to_token, batch.rows_cpu, ends, slots_total
         )
         block_q = union_kernels.block_queries(heads, q_abs.dtype)
-        tiles = union_kernels.union_tiles(batch.starts_cpu, batch.lens_cpu, block_q, q_abs.device)
+        tiles = upload(union_kernels.union_tiles(batch.starts_cpu, batch.lens_cpu, block_q), q_abs.device)
         query_rows = batch.req_rows[batch.token_req]
         layout = batch.derived[key] = (positions_of, tiles, query_rows, max(ends))
     return layout
