@@ -3,6 +3,7 @@ GLM-5.3-Flash shapes (MLA 64 heads x kv_lora 512, W = index_topk + kpool - 1 = 2
 32 heads x 128, kpool 16, top 128 pools).
 
     python -m bench.kernels_dsa [--out results.json] [--quick] [--sweep]
+        [--only decode|extend|rank_prefill|indexer]
 
 Rows:
 - sparse MLA decode, batch 1/32/128, contexts 8k..64k: achieved GB/s (latent rows gathered +
@@ -10,6 +11,11 @@ Rows:
   against the 4.23 TB/s copy ceiling; eager time beside it (includes launch overhead).
 - sparse MLA extend, 8,192 queries (a prefill chunk at the start of a request, and one at the
   end of a 64k context): TFLOP/s counted on valid slots only (4 * H * R per slot).
+- sparse MLA prefill at rank 0 of TP8 (8 heads), an 8,192-token chunk with no prefix and after
+  8k and 24k cached (--quick: no prefix only): the gather kernel against the union kernel
+  (kernels/triton/sparse_mla_union.py) alone, with skip_empty, and with the selection mask it
+  needs per layer (what dsa.sparse_mla runs); useful TFLOP/s on valid slots, the union's dense
+  rate, 11 layers' total, and which one union_pays picks.
 - indexer scoring at contexts 8k..64k (decode batches, and an 8,192-query extend chunk): GB/s
   (pooled keys read) and TFLOP/s; top-k selection; scoring + selection against the reference
   pipeline (gather + score_pools + select_tokens).
@@ -30,6 +36,8 @@ import torch
 
 COPY_TBPS = 4.23  # H200 device-to-device copy, measured (read + write) on the lent machines
 H, R, TOPK, KPOOL = 64, 512, 2048, 16
+H_RANK = 8  # rank 0 of TP8
+CHUNK = 8192  # a prefill chunk
 W = TOPK + KPOOL - 1
 HI, DI = 32, 128
 PAGE = 64
@@ -177,6 +185,76 @@ def bench_mla_extend(results, quick: bool, sweep: bool) -> None:
         results.append(_mla_extend_case("8k chunk at 56k..64k", 65536, 65536 - 8192, False, gen))
 
 
+def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
+    """Rank 0 of TP8 (8 heads): an 8,192-token chunk after `start` cached tokens, the gather
+    kernel (head block padded to 16) against the union kernel, alone and with the per-layer
+    selection mask it needs (what dsa.sparse_mla pays). Useful TFLOP/s count valid slots."""
+    from kernels import sparse_mla_union as union
+    from kernels.triton.sparse_mla import sparse_mla_attention as gather
+    from kernels.triton.sparse_mla_union import sparse_mla_union as tri_union
+
+    n, ctx = CHUNK, start + CHUNK
+    table = _table(1, ctx, gen)
+    latent = torch.randn(ctx + PAGE, R, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(start, ctx, device="cuda")
+    slots = _decode_slots(table, positions, gen)
+    q = torch.randn(n, H_RANK, R, generator=gen).cuda().bfloat16()
+    scale = 192**-0.5
+    positions_of = union.slot_positions(table, [0], [ctx], latent.shape[0])
+    mask = union.selection_mask(slots, positions_of, ctx)
+    block_q = union.block_queries(H_RANK, q.dtype)
+    tiles = union.union_tiles([start], [n], block_q).to(q.device)
+    rows = torch.zeros(n, dtype=torch.int64, device="cuda")
+    u_args = (q, latent, mask, scale, table, rows, tiles)
+
+    def with_mask():
+        m = union.selection_mask(slots, positions_of, ctx)
+        return tri_union(q, latent, m, scale, table, rows, tiles)
+
+    useful = 4.0 * H_RANK * R * int((slots >= 0).sum())
+    dense = (
+        4.0 * H_RANK * R * sum(key_end * (end - first) for first, end, key_end in tiles.tolist())
+    )
+    picks = "union" if union.union_pays(H_RANK, W, [start], [n]) else "gather"
+    case = f"8k chunk after {start // 1024}k cached (rule: {picks})"
+    t_gather = _bench(lambda: gather(q, latent, slots, scale))
+    t_union = _bench(lambda: tri_union(*u_args))
+    t_skip = _bench(lambda: tri_union(*u_args, skip_empty=True))
+    t_full = _bench(with_mask)
+    rows_out = [
+        dict(kernel="sparse_mla 8 heads, gather", case=case, ms=t_gather, x11_ms=11 * t_gather),
+        dict(kernel="sparse_mla 8 heads, union", case=case, ms=t_union, vs=t_gather / t_union,
+             dense_tflops=dense / t_union / 1e9),
+        dict(kernel="sparse_mla 8 heads, union skip_empty", case=case, ms=t_skip,
+             vs=t_gather / t_skip),
+        dict(kernel="sparse_mla 8 heads, mask + union", case=case, ms=t_full,
+             vs=t_gather / t_full, x11_ms=11 * t_full),
+    ]  # fmt: skip
+    for r in rows_out:
+        r["torch_ms"] = None
+        r["tflops"] = useful / r["ms"] / 1e9
+    if sweep:
+        configs = [
+            (f"BN{bn} w{nw} st{st} skip{int(sk)}",
+             dict(block_n=bn, num_warps=nw, num_stages=st, skip_empty=sk))
+            for bn in (32, 64)
+            for nw in (4, 8)
+            for st in (1, 2, 3)
+            for sk in (False, True)
+        ]  # fmt: skip
+        best = _sweep(lambda **kw: tri_union(*u_args, **kw), configs)
+        if best:
+            rows_out[1]["sweep_best"] = f"{best[1]}: {best[0]:.3f} ms"
+    return rows_out
+
+
+def bench_rank_prefill(results, quick: bool, sweep: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for start in (0,) if quick else (0, 8192, 24576):
+        results.extend(_rank_prefill_case(start, sweep, gen))
+        torch.cuda.empty_cache()
+
+
 def _indexer_case(results, batch: int, ctx: int, chunk: int | None, sweep: bool, gen):
     from kernels import indexer as ref
     from kernels.triton import indexer as tri
@@ -286,11 +364,19 @@ def _markdown(results) -> str:
     for r in results:
         gbps = r.get("gbps")
         pct = None if gbps is None else 100 * gbps / (COPY_TBPS * 1e3)
-        note = " ; ".join(x for x in (r.get("plan"), r.get("sweep_best")) if x)
+        notes = [r.get("plan"), r.get("sweep_best")]
+        if r.get("vs") is not None:
+            notes.append(f"{r['vs']:.2f}x the gather kernel")
+        if r.get("dense_tflops") is not None:
+            notes.append(f"{r['dense_tflops']:.0f} TFLOP/s counted densely")
+        if r.get("x11_ms") is not None:
+            notes.append(f"11 DSA layers: {r['x11_ms']:.1f} ms")
+        note = " ; ".join(x for x in notes if x)
+        speedup = None if r["torch_ms"] is None else r["torch_ms"] / r["ms"]
         lines.append(
             f"| {r['kernel']} | {r['case']} | {f(r['ms'], '{:.4f}')} | "
             f"{f(r.get('graph_ms'), '{:.4f}')} | {f(r['torch_ms'], '{:.3f}')} | "
-            f"{f(r['torch_ms'] / r['ms'], '{:.1f}x')} | {f(gbps, '{:.0f}')} | "
+            f"{f(speedup, '{:.1f}x')} | {f(gbps, '{:.0f}')} | "
             f"{f(pct, '{:.0f}%')} | {f(r.get('tflops'), '{:.1f}')} | {note} |"
         )
     return "\n".join(lines)
@@ -301,18 +387,22 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer batches and contexts")
     ap.add_argument("--sweep", action="store_true", help="also sweep launch parameters (slow)")
-    ap.add_argument("--only", choices=["decode", "extend", "indexer"], action="append")
+    ap.add_argument(
+        "--only", choices=["decode", "extend", "rank_prefill", "indexer"], action="append"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)  # large tensors are drawn on the GPU
     results: list[dict] = []
-    only = set(args.only or ["decode", "extend", "indexer"])
+    only = set(args.only or ["decode", "extend", "rank_prefill", "indexer"])
     if "decode" in only:
         bench_mla_decode(results, args.quick, args.sweep)
     if "extend" in only:
         bench_mla_extend(results, args.quick, args.sweep)
+    if "rank_prefill" in only:
+        bench_rank_prefill(results, args.quick, args.sweep)
     if "indexer" in only:
         bench_indexer(results, args.quick, args.sweep)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -151,7 +151,7 @@ class DSAttention(nn.Module):
         selection = None if idx is None else idx(tuple(indexer_in), qi[0], batch, cache)
         selection = _shared(selection, shared_selection)
         q_abs = torch.einsum("thd,hdr->thr", q.view(-1, self.heads, self.nope), kv_b_nope)
-        o_lat = sparse_mla(q_abs, selection, cache, self.scale)
+        o_lat = sparse_mla(q_abs, selection, batch, cache, self.scale)
         o = torch.einsum("thr,hvr->thv", o_lat, kv_b_v)
         return self.o_proj(o.flatten(1)), selection
 

@@ -10,7 +10,8 @@ req_to_token[row, P*kpool] // kpool; the ring keeps the last tail_slots position
 Two paths. A step (decode, or a uniform batch of step_len tokens per request: EAGLE's verify and
 catch-up, the draft) runs write_step, query_step and attend_step (kernels/dsa_decode.py; on
 CUDA kernels/triton/dsa_decode.py, four launches); anything else (prefill chunks, ragged
-batches) runs write_latent, select_slots and sparse_mla.
+batches) runs write_latent, select_slots and sparse_mla (on CUDA, a chunk with little cached
+prefix at few heads per rank takes the union kernel: kernels/triton/sparse_mla_union.py).
 The selection a layer hands a later shared layer is the cache slots [T, W] (-1 = empty) its
 tokens attend, as a set: the step path lists them in another order than the extend path, and
 on CUDA in another order than on the CPU.
@@ -28,8 +29,9 @@ from kernels import dsa_decode as step_kernels
 from kernels import fast_path
 from kernels import indexer as idx_kernels
 from kernels import sparse_mla as mla_kernels
+from kernels import sparse_mla_union as union_kernels
 from kernels.dsa_decode import IndexQuery, IndexWrite, StepLayout
-from serving.forward_batch import ForwardBatch
+from serving.forward_batch import ForwardBatch, upload
 from serving.layers.attention.dsa_extend_index import ExtendIndex
 from serving.layers.norm import RMSNorm
 from serving.memory.cache import DSALayerCache
@@ -162,14 +164,54 @@ def select_slots(
 
 
 def sparse_mla(
-    q_abs: torch.Tensor, slots: torch.Tensor, cache: DSALayerCache, scale: float
+    q_abs: torch.Tensor,
+    slots: torch.Tensor,
+    batch: ForwardBatch,
+    cache: DSALayerCache,
+    scale: float,
 ) -> torch.Tensor:
-    """Absorbed MLA [T, H, R] over the latents at the selected slots."""
-    if fast_path(q_abs):
-        from kernels.triton import sparse_mla as mla_kernels_fast
+    """Absorbed MLA [T, H, R] over the latents at the selected slots. On CUDA, when union_pays
+    (few heads per rank, the keys up to each query a small multiple of its selection: a chunk
+    with little cached prefix; host ints only) the union kernel walks tiles of queries over
+    their request's positions; otherwise the gather kernel runs one query per program."""
+    if not fast_path(q_abs):
+        return mla_kernels.sparse_mla_attention(q_abs, cache.latent, slots, scale)
+    heads, width = q_abs.shape[1], slots.shape[1]
+    if union_kernels.union_pays(heads, width, batch.starts_cpu, batch.lens_cpu):
+        from kernels.triton.sparse_mla_union import sparse_mla_union
 
-        return mla_kernels_fast.sparse_mla_attention(q_abs, cache.latent, slots, scale)
-    return mla_kernels.sparse_mla_attention(q_abs, cache.latent, slots, scale)
+        positions_of, tiles, query_rows, ctx_len = _union_layout(q_abs, batch, cache)
+        # a shared layer attends its full layer's selection: the same tensor, the same mask
+        held = batch.derived.get("sparse_mla_union_mask")
+        if held is None or held[0] is not slots:
+            mask = union_kernels.selection_mask(slots, positions_of, ctx_len)
+            batch.derived["sparse_mla_union_mask"] = held = (slots, mask)
+        mask = held[1]
+        return sparse_mla_union(
+            q_abs, cache.latent, mask, scale, batch.req_to_token, query_rows, tiles
+        )
+    from kernels.triton import sparse_mla as mla_kernels_fast
+
+    return mla_kernels_fast.sparse_mla_attention(q_abs, cache.latent, slots, scale)
+
+
+def _union_layout(q_abs: torch.Tensor, batch: ForwardBatch, cache: DSALayerCache):
+    """(slot -> position map, tiles, each query's request row, context bound) of the union
+    kernel: once per forward (every DSA layer shares the page table and the latent cache's
+    size)."""
+    heads, slots_total = q_abs.shape[1], cache.latent.shape[0]
+    key = ("sparse_mla_union", heads, q_abs.dtype, slots_total)
+    layout = batch.derived.get(key)
+    if layout is None:
+        ends = [s + n for s, n in zip(batch.starts_cpu, batch.lens_cpu)]
+        positions_of = union_kernels.slot_positions(
+            batch.req_to_token, batch.rows_cpu, ends, slots_total
+        )
+        block_q = union_kernels.block_queries(heads, q_abs.dtype)
+        tiles = upload(union_kernels.union_tiles(batch.starts_cpu, batch.lens_cpu, block_q), q_abs.device)
+        query_rows = batch.req_rows[batch.token_req]
+        layout = batch.derived[key] = (positions_of, tiles, query_rows, max(ends))
+    return layout
 
 
 def _indexer_ops(t: torch.Tensor):
