@@ -13,8 +13,9 @@ each capture reuses the blocks the others freed. The graphs read one static pixe
 write one static embedding buffer, both allocated up front for the largest image the front
 admits (max_tokens: the plan's vision_graph_tokens), so no graph ever has to be dropped for a
 larger one. What stays resident is counted as held in the memory plan (vision.graph_bytes).
-Hazard: captures of growing sizes may leave the pool's segments fragmented above the largest
-image's peak (the allocator splits but never merges segments); not measured yet.
+Hazard: captures of growing sizes leave the pool above the largest image's peak (a smaller
+image's segments are not reused whole by a larger one's capture): 106 MB over that peak and the
+buffers at 1280x720 after 448x448 on the H200, which the plan's CAPTURE_WORKSPACE_BYTES covers.
 
 Hazards: a capture synchronizes the device and empties the allocator's cache (torch.cuda.graph
 does both), so a new image size stalls the step that meets it once; it captures in

@@ -322,10 +322,14 @@ def activation_bytes(config: VisionConfig, image_tokens: int, elem: int) -> int:
     return patches * per_patch
 
 
-# Library workspaces made under a pool's first capture and kept in it (cuBLASLt's for the biased
-# projections, the attention kernels'): on the H200 the tower's pool held 39-43 MB above
-# activation_bytes at both 448x448 and 1280x720 (docs/BENCHMARKS.md, "Vision encoder").
-CAPTURE_WORKSPACE_BYTES = 64 << 20
+# What the pool holds past one image's activation peak and the buffers: library workspaces made
+# under its captures (cuBLASLt's for the biased projections, the attention kernels'), and the
+# segments an earlier, smaller image's capture mapped that a larger one cannot reuse whole. On
+# the H200 (fused tower, 2026-12-04): 448x448 alone 39-43 MB, 1280x720 captured after 448x448
+# 106 MB (docs/BENCHMARKS.md, "Vision encoder"). Hazard: an estimate from those two orders; more
+# grids of growing sizes may fragment further. Capturing a strip of the largest image first made
+# it worse (146 MB), so the graphs capture on first use.
+CAPTURE_WORKSPACE_BYTES = 128 << 20
 
 
 def graph_bytes(config: VisionConfig, image_tokens: int, elem: int) -> int:
