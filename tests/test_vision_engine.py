@@ -150,6 +150,38 @@ def test_the_prefix_cache_keys_images_by_content(tiny_vision_ckpt) -> None:
     sched.check_invariants()
 
 
+def test_the_kernel_warmup_encodes_images_and_leaves_nothing(tiny_vision_ckpt, monkeypatch):
+    """With a vision tower, the start-up warm-up (engine/kernel_warmup.py, on CUDA: the tower's
+    kernels built and its graphs captured before a user's image) runs one image per grid, then
+    both in one request, under the front's image token limit; it leaves no row, page, held
+    embedding or counter behind, and an image served after it gets a fresh engine's tokens."""
+    from serving.engine.kernel_warmup import prepare_kernels
+
+    flags = ("--max-prefill-tokens", "64", "--max-running-requests", "4")
+    fresh = engine(tiny_vision_ckpt, *flags)
+    served = drain_one(fresh, image_request("a", fresh.pool.config, [IMAGE_A]))
+    sched = engine(tiny_vision_ckpt, *flags)
+    images = sched.prefill.images
+    grids: list[list] = []
+    encode = VisionTower.forward
+
+    def recording(self, pixel_values, grid_thw):
+        grids.append([tuple(g) for g in grid_thw])
+        return encode(self, pixel_values, grid_thw)
+
+    monkeypatch.setattr(VisionTower, "forward", recording)
+    assert prepare_kernels(sched, image_tokens=64) > 3
+    assert sorted({g for call in grids for g in call}) == [(1, 6, 10), (1, 16, 16)]
+    assert images.encoded_images == 0 and not images.held
+    assert sched.stats.prompt_tokens_total == 0 and sched.stats.images_encoded_total == 0
+    pool = sched.pool
+    assert not pool.rows.used and not pool.pages.used and not pool.state_slots.used
+    assert drain_one(sched, image_request("a", sched.pool.config, [IMAGE_A])) == served
+    sched.check_invariants()
+    before = len(grids)
+    assert prepare_kernels(sched, image_tokens=0) > 0 and len(grids) == before  # no images
+
+
 def drain_one(sched, request: GenerateRequest) -> tuple[list[int], int]:
     sched.add(request)
     return drain(sched)[request.rid]

@@ -110,7 +110,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
 
         role = make_role(args)
         scheduler, ready = build_engine(args, role)
-        prepare(scheduler)
+        prepare(scheduler, args.image_token_limit())
         if not args.skip_server_warmup:
             warm = time.monotonic()
             warmup(scheduler)
