@@ -262,3 +262,29 @@ def test_vision_graphs_keep_the_greedy_tokens(tiny_vision_ckpt) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     assert tokens["full"] == tokens["disabled"]
+
+
+@pytest.mark.gpu
+def test_the_kernel_warmup_captures_the_common_grids_on_cuda(tiny_vision_ckpt) -> None:
+    """On CUDA with the tower's graphs, the start-up warm-up captures its two grids (448x448's
+    and an odd one) with the front's limit, and an image of that grid served next replays the
+    graph (no capture under the request) with nothing held after."""
+    from serving.engine.kernel_warmup import prepare_kernels
+
+    sched = engine(
+        tiny_vision_ckpt,
+        *("--device", "cuda", "--dtype", "bfloat16", "--max-total-tokens", "4096"),
+        *("--cuda-graph-backend-vision", "full", "--cuda-graph-max-bs-decode", "4"),
+    )
+    graphs = sched.prefill.images.graphs
+    assert prepare_kernels(sched, image_tokens=64) > 3
+    assert set(graphs.graphs) == {(1, 16, 16), (1, 6, 10)} and graphs.captures == 2
+    assert not sched.pool.rows.used and not sched.pool.pages.used
+    config = sched.pool.config
+    pixels = np.random.default_rng(5).standard_normal((256, graphs.pixel_width), np.float32)
+    image = ImageInput(pixels, (1, 16, 16), 3, 64, 12345)
+    ids = [5, 6, 7] + [config.image_token_id] * 64 + [8, 9]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    tokens, _ = drain_one(sched, GenerateRequest("r", ids, params, images=[image]))
+    assert graphs.captures == 2 and len(tokens) == 4 and not sched.prefill.images.held
+    sched.check_invariants()
