@@ -81,10 +81,8 @@ class Server:
         last: dict = {}
 
         def idle() -> dict | None:
-            last.update(self.stats())  # {} until the scheduler's first stats reach the front
+            last.update(self.stats())
             busy = ("running", "queued", "used_rows", "used_pages")
-            if not all(k in last for k in busy):
-                return None
             return None if any(last[k] for k in busy) else dict(last)
 
         return wait_until(idle, timeout, 0.1, lambda: f"pool not idle: {last}")
