@@ -112,13 +112,19 @@ def kda_extend(
     rows: torch.Tensor,
     lens: list[int],
     history: list[torch.Tensor] | None = None,
+    *,
+    gate: ForgetGate | None = None,
 ) -> torch.Tensor:
     """KDA over a ragged batch starting from `state[rows]` (updated in place).
 
     q, k: [T, H, Dk] (l2-normalised here); v: [T, H, Dv]; g: [T, H, Dk] log-decay;
     beta: [T, H]. Returns [T, H, Dv] in q's dtype. history: if given, receives the state after
     every position, [B, max_len, H, Dk, Dv] float32 (for speculative rollback).
+    gate: if given, g holds the forget gate's logits f (f_b_proj's output, [T, H, Dk]) and the
+    log decay is forget_gate(f, *gate) (the fast path applies it inside fla's chunk kernel).
     """
+    if gate is not None:
+        g = forget_gate(g.flatten(1), *gate, q.shape[1])
     out_dtype = q.dtype
     heads, dk = q.shape[1], q.shape[2]
     q = _l2norm(q.float()) * dk**-0.5
@@ -223,6 +229,14 @@ def gated_norm(
     of = o.float()
     of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * o_norm
     return (of * torch.sigmoid(gate.view(o.shape).float())).to(o.dtype).flatten(1)
+
+
+class ForgetGate(NamedTuple):
+    """forget_gate's parameters past its logits: kda_extend(gate=) applies them."""
+
+    dt_bias: torch.Tensor  # [H*Dk] float32
+    a_log: torch.Tensor  # [H] float32
+    lower_bound: float | None
 
 
 class KDAWeights(NamedTuple):

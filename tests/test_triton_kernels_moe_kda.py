@@ -384,6 +384,115 @@ def test_conv_gpu(dtype):
     _run_conv("decode", [1] * 8, chans, dtype, "cuda", False)
 
 
+def _run_conv_strided(lens, chans, dtype, device):
+    """The extend conv on a column view of a wider tensor (q | k | v as the first columns of the
+    stacked input projection's output, rows wider than the conv's channels)."""
+    from kernels.triton import kda as tkda
+
+    kernel, num_rows = 4, 16
+    wide, weight, state = _conv_inputs(sum(lens), chans + 40, kernel, num_rows, dtype, device)
+    x, weight, state = wide[:, :chans], weight[:chans].contiguous(), state[:, :chans].contiguous()
+    rows = _rows(len(lens), num_rows, device)
+    state_ref = state.clone()
+    _poison(device)
+    out = tkda.causal_conv_extend(x, weight, state, rows, lens)
+    ref = kda_ref.causal_conv_extend(x.contiguous(), weight, state_ref, rows, lens)
+    _check_close(out, ref, 1e-5 if dtype == torch.float32 else 1e-2, "strided conv out")
+    assert out.is_contiguous() and torch.equal(state, state_ref), "conv state (every row)"
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_interpreter_strided_input(dtype):
+    _run_conv_strided([1, 15, 16, 2], 24, dtype, "cpu")
+
+
+@pytest.mark.gpu
+def test_conv_gpu_strided_input():
+    _run_conv_strided([1, 15, 53, 4001], 3 * 8 * 128, torch.bfloat16, "cuda")  # rank 0 of TP8
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: the extend core's pieces around fla (l2norm of a strided view, the gated norm, the
+# joined q | k | v view)
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_l2norm_strided(tokens, heads, dim, dtype, device):
+    from kernels.triton import kda as tkda
+
+    gen = torch.Generator().manual_seed(3)
+    wide = (torch.randn(tokens, 3 * heads * dim + 8, generator=gen) * 2).to(device, dtype)
+    x = wide[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)  # k: the middle third
+    _poison(device)
+    out = tkda._l2norm(x)
+    xf = x.float()
+    ref = (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert out.is_contiguous() and out.shape == x.shape
+    _check_close(out, ref, 1e-6 if dtype == torch.float32 else 8e-3, "strided l2norm")
+
+
+def _run_gated_norm(tokens, heads, dim, dtype, device):
+    from kernels.triton import kda as tkda
+
+    gen = torch.Generator().manual_seed(4)
+    o = (torch.randn(tokens, heads, dim, generator=gen) * 3).to(device, dtype)
+    gate = (torch.randn(tokens, heads * dim, generator=gen) * 2).to(device, dtype)
+    o_norm = (torch.rand(dim, generator=gen) + 0.5).to(device)
+    _poison(device)
+    out = tkda.gated_norm(o, gate, o_norm, 1e-5)
+    ref = kda_ref.gated_norm(o, gate, o_norm, 1e-5)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    # float32: the sums' order; bf16: one rounding of the same float32 value, at most an ulp
+    _check_close(out, ref, 1e-5 if dtype == torch.float32 else 8e-3, "gated norm")
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_pieces_interpreter(dtype):
+    _run_l2norm_strided(19, 3, 16, dtype, "cpu")
+    _run_gated_norm(19, 3, 16, dtype, "cpu")
+    _run_gated_norm(5, 2, 24, dtype, "cpu")  # D not a power of two: masked columns
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_pieces_gpu(dtype):
+    _run_l2norm_strided(8192, 8, 128, dtype, "cuda")  # rank 0 of TP8: 8 heads x 128
+    _run_gated_norm(8192, 8, 128, dtype, "cuda")
+
+
+def test_joined_columns_is_a_view_of_adjacent_parts():
+    from serving.layers.attention.kda import joined_columns
+
+    y = torch.randn(7, 3 * 16 + 10)
+    q, k, v, rest = y.split([16, 16, 16, 10], dim=-1)
+    joined = joined_columns(q, k, v)
+    assert joined.data_ptr() == y.data_ptr() and joined.stride() == y.stride()
+    assert torch.equal(joined, torch.cat([q, k, v], dim=-1))
+    for parts in ((q, v, k), (q, k, rest), (q.contiguous(), k, v)):  # not side by side
+        joined = joined_columns(*parts)
+        assert joined.is_contiguous() and torch.equal(joined, torch.cat(parts, dim=-1))
+
+
+def test_kda_extend_gate_applies_forget_gate():
+    """kda_extend(gate=) on the forget gate's logits is kda_extend on forget_gate's decay."""
+    gen = torch.Generator().manual_seed(6)
+    heads, dim, lens = 2, 8, [3, 5]
+    q, k, v, f = (torch.randn(sum(lens), heads, dim, generator=gen) for _ in range(4))
+    beta = torch.rand(sum(lens), heads, generator=gen)
+    state = torch.randn(4, heads, dim, dim, generator=gen) * 0.1
+    rows = torch.tensor([3, 1])
+    for lower_bound in (-5.0, None):
+        gate = kda_ref.ForgetGate(torch.randn(heads * dim, generator=gen), torch.randn(heads),
+                                  lower_bound)  # fmt: skip
+        g = kda_ref.forget_gate(f.flatten(1), *gate, heads)
+        s1, s2 = state.clone(), state.clone()
+        out = kda_ref.kda_extend(q, k, v, f, beta, s1, rows, lens, gate=gate)
+        ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+        assert torch.equal(out, ref) and torch.equal(s1, s2)
+
+
 # ---------------------------------------------------------------------------------------------
 # KDA: a layer's decode core in one kernel, against the layer's unfused torch path
 # ---------------------------------------------------------------------------------------------
@@ -678,6 +787,69 @@ def test_kda_gpu_extend(dtype, safe_gate):
     pytest.importorskip("fla")
     tol, rel = (5e-3, 4e-3) if dtype == torch.float32 else (4e-2, 1e-2)
     _run_kda("extend", [1, 15, 16, 53, 4001], 64, 128, dtype, "cuda", False, tol, safe_gate, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_kda_gpu_extend_gate_in_kernel(lower_bound, with_history):
+    """kda_extend(gate=) at rank 0 of TP8's 8 heads x 128, bf16 logits: fla applies the gate in
+    its chunk-cumsum kernel (the recurrent path, with history, applies forget_gate first)."""
+    pytest.importorskip("fla")
+    from kernels.triton import kda as tkda
+
+    heads, dim, num_rows = 8, 128, 16
+    lens = [1, 3, 4, 2] if with_history else [1, 15, 16, 53, 2001]
+    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, torch.bfloat16, "cuda")
+    gen = torch.Generator(device="cpu").manual_seed(9)
+    f = torch.randn(sum(lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
+    dt_bias = (torch.randn(heads * dim, generator=gen) * 0.5).cuda()
+    a_log = (torch.randn(heads, generator=gen) * 0.3).cuda()
+    gate = kda_ref.ForgetGate(dt_bias, a_log, lower_bound)
+    rows = _rows(len(lens), num_rows, "cuda")
+    state_ref = state.clone()
+    hist, hist_ref = ([], []) if with_history else (None, None)
+    _poison("cuda")
+    out = tkda.kda_extend(q, k, v, f, beta, state, rows, lens, hist, gate=gate)
+    ref = kda_ref.kda_extend(q, k, v, f, beta, state_ref, rows, lens, hist_ref, gate=gate)
+    tol, rel = (2e-2, None) if with_history else (4e-2, 1e-2)  # as test_kda_gpu_extend's bf16
+    _check_close(out, ref, tol, "gated extend out", rel)
+    _check_close(state[rows], state_ref[rows], tol, "gated extend state", rel)
+    if with_history:
+        _check_close(hist[0], hist_ref[0], tol, "gated extend history")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_layer_extend_gpu_matches_torch_path(lower_bound):
+    """A ragged prefill through KDAttention at rank 0 of TP8's heads (8 x 128), bf16, its input
+    projections stacked (q | k | v reach the conv as one view): the fast path (strided conv,
+    fla with the gate in its kernel, the fused gated norm) against kernels.torch_path()."""
+    pytest.importorskip("fla")
+    import kernels
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+
+    heads, dim, num_rows, lens = 8, 128, 16, [1, 15, 53, 1500]
+    config, layer = _kda_layer(heads, dim, torch.bfloat16, lower_bound, False, 0)
+    layer = layer.to("cuda")  # its float32 parameters (conv, gates, norm) stay float32
+    assert layer.in_proj.stack()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(lens), config.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen).to("cuda", torch.bfloat16)
+    state = (torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1).cuda()
+    rows = _rows(len(lens), num_rows, "cuda").tolist()
+    req_to_token = torch.zeros(num_rows, max(lens) + 8, dtype=torch.int64, device="cuda")
+    fb = ForwardBatch.build([0] * sum(lens), rows, [0] * len(lens), lens, req_to_token)
+    fast, ref = KDALayerCache(conv.clone(), state.clone()), KDALayerCache(conv, state)
+    _poison("cuda")
+    with torch.no_grad():
+        out = layer(x, fb, fast)
+        with kernels.torch_path():
+            out_ref = layer(x, fb, ref)
+    _check_close(out, out_ref, 4e-2, "layer extend out", 2e-2)
+    _check_close(fast.state, ref.state, 4e-2, "layer extend state", 1e-2)
+    assert torch.equal(fast.conv, ref.conv), "conv state"
 
 
 @pytest.mark.gpu

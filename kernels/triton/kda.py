@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import BLOCK as FP8_BLOCK
-from kernels.kda import KDAWeights
+from kernels.kda import ForgetGate, KDAWeights, forget_gate
 from kernels.triton.e4m3 import quant_rows
 from kernels.triton.pdl import LAUNCH, grid_dependency
 
@@ -48,7 +48,8 @@ EXTEND_BLOCK_T = 32
 
 @triton.jit
 def _conv_kernel(
-    x_ptr,  # [T, C] inputs of all requests back to back
+    x_ptr,  # [T, C] inputs of all requests back to back, rows stride_x apart
+    stride_x,
     w_ptr,  # [C, K] float32
     state_ptr,  # [R, C, K-1] conv state (read only here)
     rows_ptr,  # [B] state row of each request
@@ -78,7 +79,7 @@ def _conv_kernel(
         w = tl.load(w_ptr + c * K + j, mask=c_mask, other=0.0).to(tl.float32)
         p = t + j - (K - 1)  # input position inside the request; < 0 reads the old state
         from_x = tl.load(
-            x_ptr + (start + p)[:, None].to(tl.int64) * C + c[None, :],
+            x_ptr + (start + p)[:, None].to(tl.int64) * stride_x + c[None, :],
             mask=(t_mask & (p >= 0))[:, None] & c_mask[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -99,6 +100,7 @@ def _conv_kernel(
 @triton.jit
 def _conv_state_kernel(
     x_ptr,
+    stride_x,
     state_ptr,
     rows_ptr,
     cu_ptr,
@@ -121,7 +123,7 @@ def _conv_state_kernel(
     i_mask = i < KM1
     p = n - KM1 + i  # input position of new state slot i; < 0 keeps an old state slot
     from_x = tl.load(
-        x_ptr + (start + p)[None, :].to(tl.int64) * C + c[:, None],
+        x_ptr + (start + p)[None, :].to(tl.int64) * stride_x + c[:, None],
         mask=c_mask[:, None] & (i_mask & (p >= 0))[None, :],
         other=0.0,
     )
@@ -148,16 +150,20 @@ def _conv_run(
     max_len: int,
     block_t: int,
 ) -> torch.Tensor:
-    """block_t: tokens per program, a constexpr: each value is its own compiled kernel."""
+    """block_t: tokens per program, a constexpr: each value is its own compiled kernel. x may
+    be a view with a row stride of its own (q | k | v as columns of the stacked projection's
+    output): only its last dim must be contiguous."""
     chans, kernel = weight.shape
-    x = x.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     weight = weight.contiguous()
     assert conv_state.stride(2) == 1, "conv_state's last dim must be contiguous"
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     block_c = min(128, triton.next_power_of_2(chans))
     grid = (num_reqs, triton.cdiv(max_len, block_t), triton.cdiv(chans, block_c))
     _conv_kernel[grid](
         x,
+        x.stride(0),
         weight,
         conv_state,
         rows,
@@ -174,6 +180,7 @@ def _conv_run(
     if kernel > 1:
         _conv_state_kernel[(num_reqs, triton.cdiv(chans, block_c))](
             x,
+            x.stride(0),
             conv_state,
             rows,
             cu,
@@ -303,30 +310,80 @@ L2NORM_ROWS = 16  # rows per program of _l2norm: fixed, so it is one compiled ke
 
 @triton.jit(do_not_specialize=["rows"])
 def _l2norm_kernel(
-    x_ptr, y_ptr, rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
-):
+    x_ptr, stride_x, y_ptr, rows, H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Row r of y [rows, D] (contiguous) from row r % H of x's row r // H: x [rows / H, H, D]
+    with heads D apart and rows stride_x apart."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mask = (r < rows)[:, None] & (d < D)[None, :]
-    offs = r[:, None].to(tl.int64) * D + d[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    r = r.to(tl.int64)
+    x_offs = ((r // H) * stride_x + (r % H) * D)[:, None] + d[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1 / tl.sqrt(tl.sum(x * x, 1) + 1e-6)
-    tl.store(y_ptr + offs, (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+    y_offs = r[:, None] * D + d[None, :]
+    tl.store(y_ptr + y_offs, (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(sum(x^2) + 1e-6) over the last dim, computed in float32, in x's dtype: fla's
-    l2norm_fwd's arithmetic without its size-keyed autotuning."""
-    x = x.contiguous()
-    dim = x.shape[-1]
-    y = torch.empty_like(x)
-    rows = x.numel() // dim
+    l2norm_fwd's arithmetic without its size-keyed autotuning. x [T, H, D] may be a view with
+    a row stride of its own (q or k, a third of the conv's output): read in place, the result
+    contiguous."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    tokens, heads, dim = x.shape
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    rows = tokens * heads
     if rows:
         _l2norm_kernel[(triton.cdiv(rows, L2NORM_ROWS),)](
-            x, y, rows, D=dim, BLOCK_R=L2NORM_ROWS, BLOCK_D=triton.next_power_of_2(dim),
-            num_warps=4,
+            x, x.stride(0), y, rows, H=heads, D=dim, BLOCK_R=L2NORM_ROWS,
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
         )  # fmt: skip
     return y
+
+
+GATED_NORM_ROWS = 16  # (token, head) rows per program of _gated_norm_kernel: one variant per D
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _gated_norm_kernel(
+    o_ptr, gate_ptr, w_ptr, out_ptr, rows, eps, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out = o * rsqrt(mean(o^2) + eps) * w * sigmoid(gate) per row of D, in float32, rounded
+    once to out's dtype, in kernels.kda.gated_norm's order of operations."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    mask = (r < rows)[:, None] & dm[None, :]
+    offs = r[:, None].to(tl.int64) * D + d[None, :]
+    o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(o * o, 1) / D + eps)
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = o * rstd[:, None] * w[None, :] * tl.sigmoid(gate)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_norm(
+    o: torch.Tensor, gate: torch.Tensor, o_norm: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """kernels.kda.gated_norm in one pass (o [T, H, Dv], gate [T, H*Dv]; [T, H*Dv] in o's
+    dtype): the reference's float32 temporaries (some 60 bytes an element through HBM in about
+    ten launches) become 6 bytes in one."""
+    tokens, heads, dim = o.shape
+    o, gate = o.contiguous(), gate.contiguous()
+    assert gate.shape == (tokens, heads * dim)
+    out = torch.empty(tokens, heads * dim, device=o.device, dtype=o.dtype)
+    rows = tokens * heads
+    if rows:
+        _gated_norm_kernel[(triton.cdiv(rows, GATED_NORM_ROWS),)](
+            o, gate, o_norm, out, rows, eps, D=dim, BLOCK_R=GATED_NORM_ROWS,
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def _check_state(state: torch.Tensor) -> None:
@@ -384,6 +441,7 @@ def kda_extend(
     lens: list[int],
     history: list[torch.Tensor] | None = None,
     *,
+    gate: ForgetGate | None = None,
     safe_gate: bool = False,
 ) -> torch.Tensor:
     """KDA over a ragged batch starting from `state[rows]` (updated in place).
@@ -393,10 +451,16 @@ def kda_extend(
     back. With history (speculative verify): fla's fused recurrent kernel writing the state
     after every token into a [T, H, Dk, Dv] buffer, cut into [B, max_len, H, Dk, Dv] (positions
     past a request's length repeat its last state, as the reference does).
+    gate: g holds the forget gate's logits (kernels.kda.kda_extend's contract); the chunked
+    path hands them to fla with use_gate_in_kernel, whose chunk-cumsum kernel applies the gate
+    in float32 as forget_gate does (no [T, H, Dk] float32 decay through HBM), the recurrent path
+    applies forget_gate first.
     safe_gate: pass True only when every g lies in [-5, 0) (the model's lower_bound gate with
     lower_bound >= -5): fla then uses tensor-core sub-chunks.
     """
     _check_state(state)
+    if gate is not None and history is not None:
+        g, gate = forget_gate(g.flatten(1), *gate, q.shape[1]), None
     max_len, total = max(lens), q.shape[0]
     dev = q.device
     meta = varlen(lens, dev)
@@ -429,12 +493,20 @@ def kda_extend(
     # sigmoid stay outside the kernel; the inputs must be contiguous (chunk_kda's input_guard)
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
+    in_kernel = {}
+    if gate is not None:  # fla's kda_gate_chunk_cumsum: tuned on (H, Dk, chunk), not T
+        g, in_kernel = g.contiguous(), dict(
+            use_gate_in_kernel=True, A_log=gate.a_log, dt_bias=gate.dt_bias,
+            lower_bound=gate.lower_bound,
+        )  # fmt: skip
+    else:
+        g = g.float().contiguous()
     with torch.no_grad(), torch.cuda.device(dev):
         o, final = chunk_kda_fwd(
             q=_l2norm(q).unsqueeze(0),  # our l2norm: no autotuning keyed on T
             k=_l2norm(k).unsqueeze(0),
             v=v.contiguous().unsqueeze(0),
-            g=g.float().contiguous().unsqueeze(0),
+            g=g.unsqueeze(0),
             beta=beta.float().contiguous().unsqueeze(0),
             scale=q.shape[-1] ** -0.5,
             initial_state=state[rows].contiguous(),
@@ -444,6 +516,7 @@ def kda_extend(
             chunk_indices=meta.chunk_indices,
             chunk_size=FLA_CHUNK,
             safe_gate=safe_gate,
+            **in_kernel,
         )[:2]
     state[rows] = final
     return o[0].to(q.dtype)

@@ -18,7 +18,7 @@ import torch
 
 from kernels import fast_path
 from kernels import kda as kda_kernels
-from kernels.kda import KDAWeights
+from kernels.kda import ForgetGate, KDAWeights
 from serving.forward_batch import ForwardBatch, KDASaves
 from serving.memory.cache import KDALayerCache
 
@@ -65,15 +65,31 @@ def extend_core(
     cache: KDALayerCache,
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """A ragged extend's core: the conv, the forget gate from f (f_b_proj's output), the
-    recurrence, the gated norm with gate (g_b_proj's); [T, H*D]."""
+    """A ragged extend's core: the conv, the recurrence with the forget gate from f (f_b_proj's
+    output; applied inside the recurrence's op), the gated norm with gate (g_b_proj's);
+    [T, H*D]."""
     heads, dim = cache.state.shape[1], cache.state.shape[2]
-    mixed = short_conv(torch.cat([q, k, v], dim=-1), weights.conv, batch, cache, history)
+    mixed = short_conv(joined_columns(q, k, v), weights.conv, batch, cache, history)
     q, k, v = (t.view(-1, heads, dim) for t in mixed.chunk(3, dim=-1))
-    g = kda_kernels.forget_gate(f, weights.dt_bias, weights.a_log, weights.lower_bound, heads)
+    forget = ForgetGate(weights.dt_bias, weights.a_log, weights.lower_bound)
     beta = torch.sigmoid(b).float()
-    o = delta_rule(q, k, v, g, beta, batch, cache, history)
-    return kda_kernels.gated_norm(o, gate, weights.o_norm, weights.eps)
+    o = delta_rule(q, k, v, f.view(-1, heads, dim), beta, forget, batch, cache, history)
+    return _ops(o).gated_norm(o, gate, weights.o_norm, weights.eps)
+
+
+def joined_columns(*parts: torch.Tensor) -> torch.Tensor:
+    """The parts [T, n_i] side by side as [T, sum n_i]: a view when they already lie so in one
+    tensor (q, k, v: the first columns of the stacked input projection's output), else a copy
+    (torch.cat)."""
+    first, width = parts[0], sum(p.shape[1] for p in parts)
+    at, size = first.data_ptr(), first.element_size()
+    for p in parts:
+        if p.stride() != first.stride() or p.stride(1) != 1 or p.data_ptr() != at:
+            return torch.cat(parts, dim=-1)
+        at += p.shape[1] * size
+    if first.shape[0] > 1 and first.stride(0) < width:
+        return torch.cat(parts, dim=-1)
+    return first.as_strided((first.shape[0], width), (first.stride(0), 1))
 
 
 def short_conv(
@@ -106,14 +122,15 @@ def delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    f: torch.Tensor,
     beta: torch.Tensor,
+    forget: ForgetGate,
     batch: ForwardBatch,
     cache: KDALayerCache,
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
     """The gated delta-rule recurrence over a ragged extend, from each request's state (updated
-    in place)."""
+    in place); f: the forget gate's logits [T, H, Dk], forget its parameters."""
     ops = _ops(q)
     rows = batch.req_rows
     if batch.kda_saves is not None:
@@ -122,12 +139,12 @@ def delta_rule(
             cache.saved_state[slots] = cache.state[rows]
 
         return _in_passes(
-            (q, k, v, g, beta),
+            (q, k, v, f, beta),
             batch.kda_saves,
-            lambda xs, rows, lens: ops.kda_extend(*xs, cache.state, rows, lens),
+            lambda xs, rows, lens: ops.kda_extend(*xs, cache.state, rows, lens, gate=forget),
             save,
         )
-    return ops.kda_extend(q, k, v, g, beta, cache.state, rows, batch.lens_cpu, history)
+    return ops.kda_extend(q, k, v, f, beta, cache.state, rows, batch.lens_cpu, history, gate=forget)
 
 
 def _in_passes(
