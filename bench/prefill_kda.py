@@ -10,18 +10,21 @@ input projections stacked as serving stacks them), o_proj without its all-reduce
 written to --out as it ends; a stage is skipped once --budget-s has passed (fla autotunes its
 kernels at every new head count on a fresh machine, tens of seconds each):
 1. layer: the forward (CUDA events, median of REPS after warm-up), and the same forward as it
-   ran before issue 44 point 5 ("before": torch.cat of q|k|v, the forget gate and the gated
-   norm as float32 torch ops, contiguous copies of q and k);
+   ran before issue 44 point 5 ("before": torch.cat of q|k|v, the conv, contiguous copies of
+   q and k and our l2norm of them, a copy of v, the forget gate and the gated norm as float32
+   torch ops);
 2. pieces: kernel time per piece of the forward, median over PROFILED forwards (torch.profiler,
    each kernel charged to the innermost labelled call that launched it,
    bench.step_costs.kernel_time_by_range): in_proj (q, k, v, f_a, g_a, b: one GEMM), the f_b
-   and g_b GEMMs, the conv + SiLU, our l2norm of q and k, fla's chunk_kda_fwd (its gate,
-   cumsum, intra-chunk, state pass and output kernels), the rest of the recurrence (v's copy,
-   the state rows gathered and written back), the gated RMSNorm, o_proj, and "rest" (beta's
-   sigmoid, what no label covers); TFLOP/s for the GEMMs and fla's kernel;
+   and g_b GEMMs, the conv + SiLU with q's and k's l2norm (one kernel, and the conv state's),
+   fla's chunk_kda_fwd (its gate + cumsum, intra-chunk, state pass and output kernels), the
+   rest of the recurrence (the state rows gathered and written back, beta's copy), the gated
+   RMSNorm, o_proj, and "rest" (beta's sigmoid, what no label covers); TFLOP/s for the GEMMs
+   and fla's kernel;
 3. fla: fla's chunk kernel alone (triton.testing.do_bench medians), as serving calls it
-   (fla_ours: kernels.triton.kda.kda_extend, one request, varlen, state rows in and out, our
-   l2norm, the bounded gate in fla's kernel) at our shape T8192 H8 D128 and at H96, and fla's
+   (fla_ours: kernels.triton.kda.kda_extend, one request, varlen, state rows in and out, q and
+   k l2-normed already, the bounded gate in fla's kernel) at our shape T8192 H8 D128 and at
+   H96, and fla's
    public chunk_kda the way fla's own benchmark calls it (flash-linear-attention
    benchmarks/ops/registry.py, op chunk_kda: q, k, v ~ randn bf16, g = logsigmoid(randn) bf16,
    beta = sigmoid(randn) bf16, use_qk_l2norm_in_kernel, safe_gate, lower_bound -5; forward only
@@ -64,8 +67,7 @@ FLA_CHUNK = 64
 PIECES = (
     "in_proj",
     "f_b/g_b GEMMs",
-    "conv + SiLU",
-    "l2norm q, k",
+    "conv + SiLU + l2norm",
     "fla chunk_kda_fwd",
     "recurrence rest",
     "gated RMSNorm",
@@ -217,9 +219,8 @@ def labelled_pieces(layer):
     import serving.layers.attention.kda as attention
 
     patched = [
-        (attention, "short_conv", "conv + SiLU"),
+        (attention, "short_conv", "conv + SiLU + l2norm"),
         (attention, "delta_rule", "recurrence rest"),
-        (tkda, "_l2norm", "l2norm q, k"),
         (fla_chunk, "chunk_kda_fwd", "fla chunk_kda_fwd"),
         (tkda, "gated_norm", "gated RMSNorm"),
         (layer.f_b_proj, "forward", "f_b/g_b GEMMs"),
@@ -293,8 +294,8 @@ def stage_pieces(s: Setup) -> dict:
 
 
 def fla_ours(tokens: int, heads: int, dim: int) -> dict:
-    """kda_extend as extend_core calls it (one request, varlen, state rows in and out, our l2norm
-    of q and k, the bounded gate in fla's kernel), on random inputs of the model's ranges."""
+    """kda_extend as extend_core calls it (one request, varlen, state rows in and out, q and k
+    l2-normed by the conv, the bounded gate in fla's kernel), on random inputs."""
     from kernels.kda import ForgetGate
     from kernels.triton import kda as tkda
 
@@ -304,13 +305,18 @@ def fla_ours(tokens: int, heads: int, dim: int) -> dict:
         return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
 
     q, k, v, f = (randn(tokens, heads, dim) for _ in range(4))
+    q, k = (t / t.float().norm(dim=-1, keepdim=True).to(t.dtype) for t in (q, k))
     beta = randn(tokens, heads, dtype=torch.float32).sigmoid()
     gate = ForgetGate(randn(heads * dim, dtype=torch.float32), randn(heads, dtype=torch.float32)
                       * 0.3, -5.0)  # fmt: skip
     state = randn(2, heads, dim, dim, dtype=torch.float32) * 0.1
     rows = torch.tensor([1], device="cuda")
     with torch.no_grad():
-        ms = bench_ms(lambda: tkda.kda_extend(q, k, v, f, beta, state, rows, [tokens], gate=gate))
+        ms = bench_ms(
+            lambda: tkda.kda_extend(
+                q, k, v, f, beta, state, rows, [tokens], gate=gate, qk_normed=True
+            )
+        )
     return {"shape": f"T{tokens} H{heads} D{dim} varlen, state in/out",
             **rates(ms, chunk_flops(tokens, heads, dim, dim),
                     chunk_bytes(tokens, heads, dim, dim, 1))}  # fmt: skip

@@ -51,6 +51,23 @@ def causal_conv_extend(
     return torch.cat(pieces).to(x.dtype)
 
 
+def conv_qkv_extend(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+    heads: int,
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """causal_conv_extend of q | k | v (x [T, 3*H*D]) as [3, T, H, D]: q, k, v, with q's and
+    k's heads l2-normed (in float32 from the conv's rounded output, rounded to x's dtype), for
+    kda_extend(qk_normed=True)."""
+    out = causal_conv_extend(x, weight, conv_state, rows, lens, history)
+    q, k, v = (t.reshape(x.shape[0], heads, -1) for t in out.chunk(3, dim=-1))
+    return torch.stack([_l2norm(q.float()).to(x.dtype), _l2norm(k.float()).to(x.dtype), v])
+
+
 def causal_conv_uniform(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -114,6 +131,7 @@ def kda_extend(
     history: list[torch.Tensor] | None = None,
     *,
     gate: ForgetGate | None = None,
+    qk_normed: bool = False,
 ) -> torch.Tensor:
     """KDA over a ragged batch starting from `state[rows]` (updated in place).
 
@@ -122,13 +140,14 @@ def kda_extend(
     every position, [B, max_len, H, Dk, Dv] float32 (for speculative rollback).
     gate: if given, g holds the forget gate's logits f (f_b_proj's output, [T, H, Dk]) and the
     log decay is forget_gate(f, *gate) (the fast path applies it inside fla's chunk kernel).
+    qk_normed: q and k come l2-normed (conv_qkv_extend's), only scaled here.
     """
     if gate is not None:
         g = forget_gate(g.flatten(1), *gate, q.shape[1])
     out_dtype = q.dtype
     heads, dk = q.shape[1], q.shape[2]
-    q = _l2norm(q.float()) * dk**-0.5
-    k = _l2norm(k.float())
+    q, k = (q.float(), k.float()) if qk_normed else (_l2norm(q.float()), _l2norm(k.float()))
+    q = q * dk**-0.5
     v, g, beta = v.float(), g.float(), beta.float()
     num_reqs, max_len = len(lens), max(lens)
     starts = torch.tensor([0] + lens[:-1], device=q.device).cumsum(0)

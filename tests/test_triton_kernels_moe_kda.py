@@ -412,24 +412,65 @@ def test_conv_gpu_strided_input():
     _run_conv_strided([1, 15, 53, 4001], 3 * 8 * 128, torch.bfloat16, "cuda")  # rank 0 of TP8
 
 
-# ---------------------------------------------------------------------------------------------
-# KDA: the extend core's pieces around fla (l2norm of a strided view, the gated norm, the
-# joined q | k | v view)
-# ---------------------------------------------------------------------------------------------
-
-
-def _run_l2norm_strided(tokens, heads, dim, dtype, device):
+def _run_conv_qkv(lens, heads, dim, dtype, device, with_history):
+    """conv_qkv_extend (the conv writing q, k, v apart, q and k l2-normed) on a column view of
+    the stacked projection's output, against the reference's conv + l2norm."""
     from kernels.triton import kda as tkda
 
-    gen = torch.Generator().manual_seed(3)
-    wide = (torch.randn(tokens, 3 * heads * dim + 8, generator=gen) * 2).to(device, dtype)
-    x = wide[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)  # k: the middle third
+    kernel, num_rows, chans = 4, 16, 3 * heads * dim
+    wide, weight, state = _conv_inputs(sum(lens), chans + 24, kernel, num_rows, dtype, device)
+    x, weight, state = wide[:, :chans], weight[:chans].contiguous(), state[:, :chans].contiguous()
+    rows = _rows(len(lens), num_rows, device)
+    state_ref = state.clone()
+    hist, hist_ref = ([], []) if with_history else (None, None)
     _poison(device)
-    out = tkda._l2norm(x)
-    xf = x.float()
-    ref = (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(dtype)
-    assert out.is_contiguous() and out.shape == x.shape
-    _check_close(out, ref, 1e-6 if dtype == torch.float32 else 8e-3, "strided l2norm")
+    out = tkda.conv_qkv_extend(x, weight, state, rows, lens, heads, hist)
+    ref = kda_ref.conv_qkv_extend(x, weight, state_ref, rows, lens, heads, hist_ref)
+    assert out.shape == ref.shape == (3, sum(lens), heads, dim) and out.dtype == ref.dtype
+    assert out[0].is_contiguous() and out[2].is_contiguous()
+    # float32: the sums' order; bf16: the same rounded conv output, normed: an ulp or two
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, name in enumerate("qkv"):
+        _check_close(out[i], ref[i], tol, f"conv {name}")
+    assert torch.equal(state, state_ref), "conv state (every row)"
+    if with_history:
+        _check_close(hist[0], hist_ref[0], 0, "conv history")
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_qkv_interpreter(dtype):
+    _run_conv_qkv([1, 15, 16, 53, 2], 2, 16, dtype, "cpu", False)
+    _run_conv_qkv([1, 3, 2], 3, 8, dtype, "cpu", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_qkv_gpu(dtype):
+    _run_conv_qkv([1, 15, 16, 53, 8192], 8, 128, dtype, "cuda", False)  # rank 0 of TP8
+    _run_conv_qkv([1, 15, 4], 8, 128, dtype, "cuda", True)
+
+
+def test_kda_extend_qk_normed_skips_only_the_norm():
+    """kda_extend(qk_normed=True) on l2-normed q, k is kda_extend on the raw ones (float32)."""
+    gen = torch.Generator().manual_seed(7)
+    heads, dim, lens = 2, 8, [3, 5]
+    q, k, v = (torch.randn(sum(lens), heads, dim, generator=gen) for _ in range(3))
+    g = -torch.rand(sum(lens), heads, dim, generator=gen)
+    beta = torch.rand(sum(lens), heads, generator=gen)
+    state = torch.randn(4, heads, dim, dim, generator=gen) * 0.1
+    rows = torch.tensor([3, 1])
+    s1, s2 = state.clone(), state.clone()
+    norm = lambda t: t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    out = kda_ref.kda_extend(norm(q), norm(k), v, g, beta, s1, rows, lens, qk_normed=True)
+    ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: the extend core's pieces around fla (the gated norm, the joined q | k | v view)
+# ---------------------------------------------------------------------------------------------
 
 
 def _run_gated_norm(tokens, heads, dim, dtype, device):
@@ -450,7 +491,6 @@ def _run_gated_norm(tokens, heads, dim, dtype, device):
 @cpu_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_pieces_interpreter(dtype):
-    _run_l2norm_strided(19, 3, 16, dtype, "cpu")
     _run_gated_norm(19, 3, 16, dtype, "cpu")
     _run_gated_norm(5, 2, 24, dtype, "cpu")  # D not a power of two: masked columns
 
@@ -458,8 +498,7 @@ def test_extend_pieces_interpreter(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extend_pieces_gpu(dtype):
-    _run_l2norm_strided(8192, 8, 128, dtype, "cuda")  # rank 0 of TP8: 8 heads x 128
-    _run_gated_norm(8192, 8, 128, dtype, "cuda")
+    _run_gated_norm(8192, 8, 128, dtype, "cuda")  # rank 0 of TP8: 8 heads x 128
 
 
 def test_joined_columns_is_a_view_of_adjacent_parts():
@@ -712,6 +751,42 @@ def test_kda_decode_core_follows_fast_path(monkeypatch):
         with torch.no_grad():
             layer.forward(x, fb, cache)
     assert calls == (["torch", "triton"] if INTERPRET else ["torch"]), calls
+
+
+@cpu_interp
+@pytest.mark.parametrize("with_saves", [False, True])
+def test_kda_extend_core_interpreter_matches_torch_path(monkeypatch, with_saves):
+    """A ragged prefill through KDAttention (in_proj stacked) with the fast path's conv
+    (conv_qkv_extend on the joined q | k | v view) and gated norm under the interpreter, against
+    the torch path; the recurrence is the reference's on both (fla needs CUDA). with_saves: the
+    prefix cache's snapshot passes (their conv results reassembled along the token dim)."""
+    import kernels.triton.kda as tkda
+    import serving.layers.attention.kda as attention
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+
+    heads, dim, num_rows, lens = 2, 16, 16, [5, 1, 12]
+    config, layer = _kda_layer(heads, dim, torch.float32, -5.0, False, 0)
+    assert layer.in_proj.stack()
+    monkeypatch.setattr(tkda, "kda_extend", kda_ref.kda_extend)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(sum(lens), config.hidden_size, generator=gen)
+    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen)
+    state = torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1
+    rows = _rows(len(lens), num_rows, "cpu").tolist()
+    req_to_token = torch.zeros(num_rows, 16, dtype=torch.int64)
+    saves = [[(2, 1)], [], [(4, 2), (9, 3)]] if with_saves else None
+    fb = ForwardBatch.build([0] * sum(lens), rows, [0] * 3, lens, req_to_token, saves=saves)
+    outs, caches = [], []
+    for fast in (True, False):
+        monkeypatch.setattr(attention, "fast_path", lambda t, _fast=fast: _fast)
+        cache = KDALayerCache(conv.clone(), state.clone(), conv.clone(), state.clone())
+        with torch.no_grad():
+            outs.append(layer(x, fb, cache))
+        caches.append(cache)
+    _check_close(outs[0], outs[1], 1e-5, "extend out")
+    for name in ("conv", "state", "saved_conv", "saved_state"):
+        _check_close(getattr(caches[0], name), getattr(caches[1], name), 1e-5, name)
 
 
 # ---------------------------------------------------------------------------------------------

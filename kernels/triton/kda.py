@@ -46,7 +46,7 @@ EXTEND_BLOCK_T = 32
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total"])
 def _conv_kernel(
     x_ptr,  # [T, C] inputs of all requests back to back, rows stride_x apart
     stride_x,
@@ -54,13 +54,15 @@ def _conv_kernel(
     state_ptr,  # [R, C, K-1] conv state (read only here)
     rows_ptr,  # [B] state row of each request
     cu_ptr,  # [B+1] token offsets
-    out_ptr,  # [T, C]
+    out_ptr,  # [T, C], or with SPLIT_QKV [3, T, C/3]
     stride_sr,
     stride_sc,
+    total,  # T
     C: tl.constexpr,
     K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SPLIT_QKV: tl.constexpr,  # BLOCK_C is one head: each third apart, q's and k's l2-normed
 ):
     b = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -90,11 +92,18 @@ def _conv_kernel(
         ).to(tl.float32)
         acc += (from_x + from_s) * w[None, :]
     out = acc * tl.sigmoid(acc)
-    tl.store(
-        out_ptr + (start + t)[:, None].to(tl.int64) * C + c[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=t_mask[:, None] & c_mask[None, :],
-    )
+    if SPLIT_QKV:
+        width = C // 3
+        third = (pid_c * BLOCK_C) // width
+        # rounded as the unfused conv's output, then normed as _l2norm norms it
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        if third < 2:
+            out = out * (1 / tl.sqrt(tl.sum(out * out, 1) + 1e-6))[:, None]
+        dst = out_ptr + (third.to(tl.int64) * total + start + t)[:, None] * width
+        dst += (c - third * width)[None, :]
+    else:
+        dst = out_ptr + (start + t)[:, None].to(tl.int64) * C + c[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & c_mask[None, :])
 
 
 @triton.jit
@@ -149,17 +158,24 @@ def _conv_run(
     num_reqs: int,
     max_len: int,
     block_t: int,
+    heads: int | None = None,
 ) -> torch.Tensor:
     """block_t: tokens per program, a constexpr: each value is its own compiled kernel. x may
     be a view with a row stride of its own (q | k | v as columns of the stacked projection's
-    output): only its last dim must be contiguous."""
+    output): only its last dim must be contiguous. heads: x is q | k | v of this many heads
+    each; the result is [3, T, heads, D] (conv_qkv_extend's)."""
     chans, kernel = weight.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     weight = weight.contiguous()
     assert conv_state.stride(2) == 1, "conv_state's last dim must be contiguous"
-    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    block_c = min(128, triton.next_power_of_2(chans))
+    if heads is None:
+        out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        block_c = min(128, triton.next_power_of_2(chans))
+    else:
+        block_c = chans // 3 // heads  # one program's channels: one head
+        assert block_c * 3 * heads == chans and block_c == triton.next_power_of_2(block_c)
+        out = torch.empty(3, x.shape[0], heads, block_c, device=x.device, dtype=x.dtype)
     grid = (num_reqs, triton.cdiv(max_len, block_t), triton.cdiv(chans, block_c))
     _conv_kernel[grid](
         x,
@@ -171,10 +187,12 @@ def _conv_run(
         out,
         conv_state.stride(0),
         conv_state.stride(1),
+        x.shape[0],
         C=chans,
         K=kernel,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
+        SPLIT_QKV=heads is not None,
         num_warps=4,
     )
     if kernel > 1:
@@ -276,6 +294,24 @@ def causal_conv_extend(
     return _conv_run(x, weight, conv_state, rows, cu, len(lens), max(lens), EXTEND_BLOCK_T)
 
 
+def conv_qkv_extend(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+    heads: int,
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """kernels.kda.conv_qkv_extend in one kernel (and the conv state's): each program one head
+    of q, k or v, written to its third of [3, T, H, D], q's and k's rows l2-normed (so neither
+    an l2norm pass nor a copy of v runs before fla's chunk kernel)."""
+    if history is not None:
+        history.append(_conv_history(x, weight, conv_state, rows, lens))
+    cu = varlen(lens, x.device).cu
+    return _conv_run(x, weight, conv_state, rows, cu, len(lens), max(lens), EXTEND_BLOCK_T, heads)
+
+
 def causal_conv_uniform(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -310,36 +346,28 @@ L2NORM_ROWS = 16  # rows per program of _l2norm: fixed, so it is one compiled ke
 
 @triton.jit(do_not_specialize=["rows"])
 def _l2norm_kernel(
-    x_ptr, stride_x, y_ptr, rows, H: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Row r of y [rows, D] (contiguous) from row r % H of x's row r // H: x [rows / H, H, D]
-    with heads D apart and rows stride_x apart."""
+    x_ptr, y_ptr, rows, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mask = (r < rows)[:, None] & (d < D)[None, :]
-    r = r.to(tl.int64)
-    x_offs = ((r // H) * stride_x + (r % H) * D)[:, None] + d[None, :]
-    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    offs = r[:, None].to(tl.int64) * D + d[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1 / tl.sqrt(tl.sum(x * x, 1) + 1e-6)
-    y_offs = r[:, None] * D + d[None, :]
-    tl.store(y_ptr + y_offs, (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, (x * rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(sum(x^2) + 1e-6) over the last dim, computed in float32, in x's dtype: fla's
-    l2norm_fwd's arithmetic without its size-keyed autotuning. x [T, H, D] may be a view with
-    a row stride of its own (q or k, a third of the conv's output): read in place, the result
-    contiguous."""
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        x = x.contiguous()
-    tokens, heads, dim = x.shape
-    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    rows = tokens * heads
+    l2norm_fwd's arithmetic without its size-keyed autotuning."""
+    x = x.contiguous()
+    dim = x.shape[-1]
+    y = torch.empty_like(x)
+    rows = x.numel() // dim
     if rows:
         _l2norm_kernel[(triton.cdiv(rows, L2NORM_ROWS),)](
-            x, x.stride(0), y, rows, H=heads, D=dim, BLOCK_R=L2NORM_ROWS,
-            BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
+            x, y, rows, D=dim, BLOCK_R=L2NORM_ROWS, BLOCK_D=triton.next_power_of_2(dim),
+            num_warps=4,
         )  # fmt: skip
     return y
 
@@ -401,9 +429,11 @@ def _recurrent(
     states: torch.Tensor,
     indices: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
+    qk_normed: bool = False,
 ) -> torch.Tensor:
     """fla's fused recurrent KDA, in place on `states`: each sequence n starts from
-    states[indices[n, 0]] and writes its state after token t to states[indices[n, t]].
+    states[indices[n, 0]] and writes its state after token t to states[indices[n, t]];
+    qk_normed: q and k come l2-normed (the kernel's l2norm off).
 
     q, k, v, g: [N, L, H, D] (or [1, T, H, D] with cu_seqlens); beta [N, L, H].
     Returns o shaped like v, in q's dtype.
@@ -422,7 +452,7 @@ def _recurrent(
         inplace_final_state=True,
         cu_seqlens=cu_seqlens,
         ssm_state_indices=indices,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=not qk_normed,
         use_gate_in_kernel=False,
         use_beta_sigmoid_in_kernel=False,
         out=out,
@@ -442,6 +472,7 @@ def kda_extend(
     history: list[torch.Tensor] | None = None,
     *,
     gate: ForgetGate | None = None,
+    qk_normed: bool = False,
     safe_gate: bool = False,
 ) -> torch.Tensor:
     """KDA over a ragged batch starting from `state[rows]` (updated in place).
@@ -454,7 +485,7 @@ def kda_extend(
     gate: g holds the forget gate's logits (kernels.kda.kda_extend's contract); the chunked
     path hands them to fla with use_gate_in_kernel, whose chunk-cumsum kernel applies the gate
     in float32 as forget_gate does (no [T, H, Dk] float32 decay through HBM), the recurrent path
-    applies forget_gate first.
+    applies forget_gate first. qk_normed: q and k come l2-normed (conv_qkv_extend's).
     safe_gate: pass True only when every g lies in [-5, 0) (the model's lower_bound gate with
     lower_bound >= -5): fla then uses tensor-core sub-chunks.
     """
@@ -480,6 +511,7 @@ def kda_extend(
             per_token,
             indices,
             cu,
+            qk_normed,
         )[0]
         lens_t = cu[1:] - starts
         last = starts[:, None] + torch.minimum(steps[None, :], lens_t[:, None] - 1)
@@ -503,8 +535,8 @@ def kda_extend(
         g = g.float().contiguous()
     with torch.no_grad(), torch.cuda.device(dev):
         o, final = chunk_kda_fwd(
-            q=_l2norm(q).unsqueeze(0),  # our l2norm: no autotuning keyed on T
-            k=_l2norm(k).unsqueeze(0),
+            q=(q.contiguous() if qk_normed else _l2norm(q)).unsqueeze(0),  # ours: not tuned on T
+            k=(k.contiguous() if qk_normed else _l2norm(k)).unsqueeze(0),
             v=v.contiguous().unsqueeze(0),
             g=g.unsqueeze(0),
             beta=beta.float().contiguous().unsqueeze(0),
