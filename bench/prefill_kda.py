@@ -20,7 +20,8 @@ kernels at every new head count on a fresh machine, tens of seconds each):
    fla's chunk_kda_fwd (its gate + cumsum, intra-chunk, state pass and output kernels), the
    rest of the recurrence (the state rows gathered and written back, beta's copy), the gated
    RMSNorm, o_proj, and "rest" (beta's sigmoid, what no label covers); TFLOP/s for the GEMMs
-   and fla's kernel;
+   and fla's kernel; and fla's kernels one by one (which of them the 8 heads leave
+   latency-bound: the state pass, chunk_gated_delta_rule_fwd_h, walks the 128 chunks in order);
 3. fla: fla's chunk kernel alone (triton.testing.do_bench medians), as serving calls it
    (fla_ours: kernels.triton.kda.kda_extend, one request, varlen, state rows in and out, q and
    k l2-normed already, the bounded gate in fla's kernel) at our shape T8192 H8 D128 and at
@@ -285,7 +286,40 @@ def stage_pieces(s: Setup) -> dict:
         rows.append(row)
     kernels_step = kernels["kda_layer_0"]
     rows[-1]["kernels"] = kernels_step - sum(kernels[p] for p in PIECES)
-    return {"kernel_ms": round(med["step"], 4), "kernels": kernels_step, "rows": rows}
+    fla = kernels_under(trace, "fla chunk_kda_fwd", "kda_layer_0")
+    return {"kernel_ms": round(med["step"], 4), "kernels": kernels_step, "rows": rows,
+            "fla_kernels": fla}  # fmt: skip
+
+
+def kernels_under(trace: dict, label: str, step_label: str) -> list[dict]:
+    """The device kernels launched inside `label` within `step_label` (innermost labels as
+    kernel_time_by_range charges them), by name in launch order: calls and us."""
+    from serving.tools.trace_summary import GPU_CATS, HOST_CATS, nest
+
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    host = [e for e in events if e.get("cat") in HOST_CATS]
+    parent, _ = nest(host)
+    launch_at = {
+        e["args"]["correlation"]: i
+        for i, e in enumerate(host)
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    found: dict[str, dict] = {}
+    for e in sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"]):
+        i, inside, innermost = launch_at.get(e.get("args", {}).get("correlation")), False, None
+        while i is not None:
+            name = host[i].get("name")
+            if innermost is None and name in PIECES:
+                innermost = name
+            inside |= name == step_label
+            i = parent[i]
+        if inside and innermost == label:
+            row = found.setdefault(
+                e["name"][:80], {"kernel": e["name"][:80], "calls": 0, "us": 0.0}
+            )
+            row["calls"] += 1
+            row["us"] = round(row["us"] + float(e["dur"]), 1)
+    return list(found.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,6 +395,8 @@ def table(doc: dict) -> str:
         for r in p["rows"]:
             lines.append(f"| {r['piece']} | {r['ms']:.4f} | {100 * r['share']:.1f}% | "
                          f"{r['kernels']} | {r.get('tflops', '')} |")  # fmt: skip
+        lines += ["", "| inside fla chunk_kda_fwd (one forward) | calls | us |", "|---|---|---|"]
+        lines += [f"| {k['kernel']} | {k['calls']} | {k['us']} |" for k in p["fla_kernels"]]
     names = ("fla_ours", "fla_rank_shape", "fla_ours_h96", "fla_h96", "fla_h16")
     fla = [(k, doc[k]) for k in names if k in doc]
     if fla:
