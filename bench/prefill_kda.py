@@ -88,16 +88,15 @@ class Stages:
         if time.monotonic() - self.started > self.budget_s:
             self.doc["skipped"].append(name)
             print(f"skipped {name}: past --budget-s", flush=True)
-            return
-        begun = time.monotonic()
-        try:
-            self.doc[name] = fn()
-        except Exception as e:  # one stage's failure leaves the others' rows
-            traceback.print_exc()
-            self.doc.setdefault("failed", {})[name] = repr(e)
-            return
-        self.doc.setdefault("stage_s", {})[name] = round(time.monotonic() - begun, 1)
-        print(json.dumps({name: self.doc[name]}), flush=True)
+        else:
+            begun = time.monotonic()
+            try:
+                self.doc[name] = fn()
+                print(json.dumps({name: self.doc[name]}), flush=True)
+            except Exception as e:  # one stage's failure leaves the others' rows
+                traceback.print_exc()
+                self.doc.setdefault("failed", {})[name] = repr(e)
+            self.doc.setdefault("stage_s", {})[name] = round(time.monotonic() - begun, 1)
         if self.out is not None:
             self.out.write_text(json.dumps(self.doc, indent=1) + "\n")
 
