@@ -898,8 +898,9 @@ def test_kda_gpu_extend_gate_in_kernel(lower_bound, with_history):
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_kda_layer_extend_gpu_matches_torch_path(lower_bound):
     """A ragged prefill through KDAttention at rank 0 of TP8's heads (8 x 128), bf16, its input
-    projections stacked (q | k | v reach the conv as one view): the fast path (strided conv,
-    fla with the gate in its kernel, the fused gated norm) against kernels.torch_path()."""
+    projections stacked (q | k | v reach the conv as one view): the fast path (the conv writing
+    q, k, v apart with q's and k's l2norm, fla with the gate in its kernel, the one-pass gated
+    norm) against kernels.torch_path()."""
     pytest.importorskip("fla")
     import kernels
     from serving.forward_batch import ForwardBatch
