@@ -962,3 +962,254 @@ def test_kda_decode_cuda_graph():
     graph.replay()
     ref = kda_ref.kda_decode(nq, nk, nv, ng, nbeta, nstate, rows)
     _check_close(out, ref, 2e-2, "graph decode")
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: a long request's recurrence in parallel segments (kda_extend_segmented)
+# ---------------------------------------------------------------------------------------------
+
+
+def _segment_inputs(lens, heads, dim, num_rows, dtype, device, seed=11):
+    """Random q, k, v (raw), beta, states, and log decays whose channels keep a memory from a
+    token to 10^4 tokens (g = -exp(u), u per channel uniform over log 1e-4 .. log 3, a little
+    noise per token): a segment's transition P is far from 0, so the chain carries weight."""
+    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, torch.float64, "cpu",
+                                          seed)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed + 1)
+    rate = torch.empty(heads, dim, dtype=torch.float64).uniform_(-9.2, 1.1, generator=gen)
+    g = -(rate + 0.3 * torch.randn(sum(lens), heads, dim, generator=gen, dtype=torch.float64)).exp()
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), cast(g), cast(beta), cast(state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kda_extend_segmented_reference_matches_kda_extend(dtype):
+    """The segmented form (torch twin) against the plain recurrence: ragged requests (one
+    shorter than a segment, ones not a multiple of it or of 64), an initial state per request,
+    several requests in one batch; float64 checks the algebra, float32 its rounding."""
+    heads, dim, num_rows, lens = 2, 16, 8, [150, 5, 64, 201, 1]
+    q, k, v, g, beta, state = _segment_inputs(lens, heads, dim, num_rows, dtype, "cpu")
+    rows = torch.tensor([6, 1, 3, 0, 7])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for segment in (64, 48, 1000):
+        s1, s2 = state.clone(), state.clone()
+        out = kda_ref.kda_extend_segmented(q, k, v, g, beta, s1, rows, lens, segment)
+        ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+        assert out.dtype == ref.dtype == dtype
+        _check_close(out, ref, tol, f"segmented out, segment {segment}")
+        _check_close(s1, s2, tol, f"segmented state, segment {segment}")
+        assert torch.equal(s1[[2, 4, 5]], state[[2, 4, 5]]), "rows outside `rows` changed"
+
+
+def test_kda_extend_segmented_reference_gate_and_normed():
+    """The same with the forget gate's logits (gate=) and q, k l2-normed first (qk_normed), as
+    the layer calls it, float32."""
+    gen = torch.Generator().manual_seed(12)
+    heads, dim, lens = 2, 8, [70, 9, 130]
+    q, k, v, f = (torch.randn(sum(lens), heads, dim, generator=gen) for _ in range(4))
+    norm = lambda t: t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    q, k = norm(q), norm(k)
+    beta = torch.rand(sum(lens), heads, generator=gen)
+    state = torch.randn(4, heads, dim, dim, generator=gen) * 0.1
+    rows = torch.tensor([3, 0, 2])
+    for lower_bound in (-5.0, None):
+        dt_bias = torch.rand(heads * dim, generator=gen) * 12 - 10  # decays ~1e-4 .. ~5
+        gate = kda_ref.ForgetGate(dt_bias, torch.randn(heads, generator=gen) * 0.3, lower_bound)
+        s1, s2 = state.clone(), state.clone()
+        kw = dict(gate=gate, qk_normed=True)
+        out = kda_ref.kda_extend_segmented(q, k, v, f, beta, s1, rows, lens, 32, **kw)
+        ref = kda_ref.kda_extend(q, k, v, f, beta, s2, rows, lens, **kw)
+        _check_close(out, ref, 1e-5, "gated segmented out")
+        _check_close(s1, s2, 1e-5, "gated segmented state")
+
+
+def test_segment_plan():
+    plan = kda_ref.segment_plan([150, 5, 64, 128], 64)
+    assert plan.lens == [64, 64, 22, 5, 64, 64, 64]
+    assert plan.firsts == [0, 3, 4, 5] and plan.counts == [3, 1, 1, 2]
+
+
+def _fla_by_reference(monkeypatch):
+    """kernels.triton.kda's fla call (_chunk) replaced by the reference over the same varlen
+    batch (fla needs CUDA): the segmented path's plan, chain and output kernel run as on CUDA."""
+    from kernels.triton import kda as tkda
+
+    def chunk(q, k, v, g, beta, initial, meta, gate, qk_normed, safe_gate):
+        lens = (meta.cu_cpu[1:] - meta.cu_cpu[:-1]).tolist()
+        final = initial.clone()
+        seqs = torch.arange(len(lens), device=q.device)
+        o = kda_ref.kda_extend(q, k, v, g, beta, final, seqs, lens, gate=gate, qk_normed=qk_normed)
+        return o.to(v.dtype), final
+
+    monkeypatch.setattr(tkda, "_chunk", chunk)
+    return tkda
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_extend_segmented_interpreter(monkeypatch, dtype):
+    """kernels.triton.kda.kda_extend_segmented (plan, the baddbmm chain, _segment_output_kernel)
+    under the interpreter, fla's call by the reference, against the plain reference."""
+    tkda = _fla_by_reference(monkeypatch)
+    heads, dim, num_rows, lens = 2, 16, 8, [150, 5, 64, 201]
+    q, k, v, g, beta, state = _segment_inputs(lens, heads, dim, num_rows, dtype, "cpu")
+    state = state.float()
+    rows = torch.tensor([6, 1, 3, 0])
+    s1, s2 = state.clone(), state.clone()
+    out = tkda.kda_extend_segmented(q, k, v, g, beta, s1, rows, lens, 64)
+    ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    # bf16: o_A and o_B rounded to bf16 before the fix-up adds them, then once more
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _check_close(out, ref, tol, "segmented out")
+    _check_close(s1, s2, 1e-5 if dtype == torch.float32 else 1e-2, "segmented state")
+    assert torch.equal(s1[[2, 4, 5, 7]], state[[2, 4, 5, 7]]), "rows outside `rows` changed"
+
+
+@cpu_interp
+def test_kda_extend_dispatches_long_batches_to_segments(monkeypatch):
+    """kda_extend runs segmented once the batch's longest request reaches SEGMENT_MIN_TOKENS,
+    plain below it and with history."""
+    tkda = _fla_by_reference(monkeypatch)
+    calls = []
+    segmented = tkda.kda_extend_segmented
+    monkeypatch.setattr(tkda, "kda_extend_segmented",
+                        lambda *a, **kw: calls.append(a[8]) or segmented(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(tkda, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", 100)
+    heads, dim, num_rows = 2, 16, 8
+    for lens in ([99, 3], [100, 3]):
+        q, k, v, g, beta, state = _segment_inputs(lens, heads, dim, num_rows, torch.float32, "cpu")
+        state = state.float()
+        rows = torch.tensor([5, 2])
+        s1, s2 = state.clone(), state.clone()
+        out = tkda.kda_extend(q, k, v, g, beta, s1, rows, lens)
+        ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+        _check_close(out, ref, 1e-5, f"dispatched out {lens}")
+        _check_close(s1, s2, 1e-5, f"dispatched state {lens}")
+    assert calls == [64], calls
+
+
+@cpu_interp
+def test_kda_extend_core_segmented_with_saves(monkeypatch):
+    """The prefix cache's snapshot passes through the segmented path: each pass (the chunk cut
+    at the snapshot positions) runs segmented alone when long enough, so the snapshots and the
+    outputs match the torch path's."""
+    import serving.layers.attention.kda as attention
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+
+    tkda = _fla_by_reference(monkeypatch)
+    monkeypatch.setattr(tkda, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", 65)
+    heads, dim, num_rows, lens = 2, 16, 16, [150, 3, 200]
+    config, layer = _kda_layer(heads, dim, torch.float32, -5.0, False, 0)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(sum(lens), config.hidden_size, generator=gen)
+    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen)
+    state = torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1
+    rows = _rows(len(lens), num_rows, "cpu").tolist()
+    req_to_token = torch.zeros(num_rows, 256, dtype=torch.int64)
+    saves = [[(70, 1)], [], [(10, 2), (130, 3)]]  # inside segments and across them
+    fb = ForwardBatch.build([0] * sum(lens), rows, [0] * 3, lens, req_to_token, saves=saves)
+    outs, caches = [], []
+    for fast in (True, False):
+        monkeypatch.setattr(attention, "fast_path", lambda t, _fast=fast: _fast)
+        cache = KDALayerCache(conv.clone(), state.clone(), conv.clone(), state.clone())
+        with torch.no_grad():
+            outs.append(layer(x, fb, cache))
+        caches.append(cache)
+    _check_close(outs[0], outs[1], 1e-5, "extend out")
+    for name in ("conv", "state", "saved_conv", "saved_state"):
+        _check_close(getattr(caches[0], name), getattr(caches[1], name), 1e-5, name)
+
+
+def _rel(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _gated_inputs(lens, heads, dim, num_rows, dtype, seed):
+    """The layer's call on CUDA: q, k l2-normed (the conv's), v, the forget gate's logits f in
+    dtype, its bounded gate's parameters (dt_bias uniform over -10 .. 2: channels whose decay
+    runs from ~1e-4 a token, a memory of thousands of tokens, to ~5), beta, float32 states."""
+    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, dtype, "cuda", seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    f = torch.randn(sum(lens), heads, dim, generator=gen).to("cuda", dtype)
+    gate = kda_ref.ForgetGate((torch.rand(heads * dim, generator=gen) * 12 - 10).cuda(),
+                              (torch.randn(heads, generator=gen) * 0.3).cuda(), -5.0)  # fmt: skip
+    q, k = (t.float() / t.float().square().sum(-1, keepdim=True).add(1e-6).sqrt() for t in (q, k))
+    return q.to(dtype), k.to(dtype), v, f, beta, gate, state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segment", [512, 1024, 2048])
+def test_kda_gpu_extend_segmented_rank_shape(segment):
+    """One 8,192-token request at rank 0 of TP8 (8 heads x 128, bf16, the gate in fla's
+    kernel, q and k normed by the conv): segmented against the plain fla path (both fla's
+    chunk kernel, bf16 chunk states; they differ by where bf16 rounds: o_B, the segments'
+    local states) and both against the torch reference; the segmented error within 1.5x the
+    plain path's relative error + 1e-3; bit-identical on a second run."""
+    pytest.importorskip("fla")
+    from kernels.triton import kda as tkda
+
+    heads, dim, num_rows, lens = 8, 128, 16, [8192]
+    q, k, v, f, beta, gate, state = _gated_inputs(lens, heads, dim, num_rows, torch.bfloat16, 21)
+    rows = torch.tensor([9], device="cuda")
+    s_seg, s_plain, s_ref = state.clone(), state.clone(), state.clone()
+    args, kw = (q, k, v, f, beta), dict(gate=gate, qk_normed=True)
+    _poison("cuda")
+    out = tkda.kda_extend_segmented(*args, s_seg, rows, lens, segment, **kw)
+    plain = tkda.kda_extend(*args, s_plain, rows, lens, **kw)
+    ref = kda_ref.kda_extend(*args, s_ref, rows, lens, **kw)
+    assert out.shape == plain.shape and out.dtype == plain.dtype == torch.bfloat16
+    _check_close(out, plain, 4e-2, "segmented vs plain out", 1e-2)
+    _check_close(s_seg[rows], s_plain[rows], 4e-2, "segmented vs plain state", 1e-2)
+    _check_close(out, ref, 4e-2, "segmented out", 1e-2)
+    _check_close(s_seg[rows], s_ref[rows], 4e-2, "segmented state", 1e-2)
+    assert _rel(out, ref) <= 1.5 * _rel(plain, ref) + 1e-3, (_rel(out, ref), _rel(plain, ref))
+    assert _rel(s_seg[rows], s_ref[rows]) <= 1.5 * _rel(s_plain[rows], s_ref[rows]) + 1e-3
+    untouched = torch.ones(num_rows, dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    assert torch.equal(s_seg[untouched], state[untouched]), "rows outside `rows` changed"
+    again = state.clone()
+    assert torch.equal(tkda.kda_extend_segmented(*args, again, rows, lens, segment, **kw), out)
+    assert torch.equal(again, s_seg), "deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gpu_extend_segmented_ragged(dtype):
+    """A ragged batch (requests shorter than a segment, one segment long, several segments
+    with a short tail) against the torch reference, as test_kda_gpu_extend's tolerances (fp32:
+    TF32 dots inside fla and in the fix-up's o_B h_in)."""
+    pytest.importorskip("fla")
+    from kernels.triton import kda as tkda
+
+    heads, dim, num_rows, lens = 8, 128, 16, [1, 15, 53, 256, 1100, 2049]
+    q, k, v, f, beta, gate, state = _gated_inputs(lens, heads, dim, num_rows, dtype, 22)
+    rows = _rows(len(lens), num_rows, "cuda")
+    s_seg, s_ref = state.clone(), state.clone()
+    args, kw = (q, k, v, f, beta), dict(gate=gate, qk_normed=True)
+    _poison("cuda")
+    out = tkda.kda_extend_segmented(*args, s_seg, rows, lens, 256, **kw)
+    ref = kda_ref.kda_extend(*args, s_ref, rows, lens, **kw)
+    tol, rel = (5e-3, 4e-3) if dtype == torch.float32 else (4e-2, 1e-2)
+    assert out.dtype == ref.dtype
+    _check_close(out, ref, tol, "segmented ragged out", rel)
+    _check_close(s_seg, s_ref, tol, "segmented ragged state", rel)
+
+
+@pytest.mark.gpu
+def test_kda_layer_extend_gpu_segmented(monkeypatch):
+    """test_kda_layer_extend_gpu_matches_torch_path with the segmented path on (segments of
+    512 from 1,024 tokens: the 1,500-token request runs in three)."""
+    from kernels.triton import kda as tkda
+
+    monkeypatch.setattr(tkda, "SEGMENT_TOKENS", 512)
+    monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", 1024)
+    calls = []
+    segmented = tkda.kda_extend_segmented
+    monkeypatch.setattr(tkda, "kda_extend_segmented",
+                        lambda *a, **kw: calls.append(a[7]) or segmented(*a, **kw))  # fmt: skip
+    test_kda_layer_extend_gpu_matches_torch_path(-5.0)
+    assert calls == [[1, 15, 53, 1500]], calls
