@@ -1147,8 +1147,8 @@ def test_kda_gpu_extend_segmented_rank_shape(segment):
     """One 8,192-token request at rank 0 of TP8 (8 heads x 128, bf16, the gate in fla's
     kernel, q and k normed by the conv): segmented against the plain fla path (both fla's
     chunk kernel, bf16 chunk states; they differ by where bf16 rounds: o_B, the segments'
-    local states) and both against the torch reference; the segmented error within 1.5x the
-    plain path's relative error + 1e-3; bit-identical on a second run."""
+    local states) and both against the torch reference; the segmented relative error within
+    twice the plain path's + 1e-3; bit-identical on a second run."""
     pytest.importorskip("fla")
     from kernels.triton import kda as tkda
 
@@ -1166,8 +1166,9 @@ def test_kda_gpu_extend_segmented_rank_shape(segment):
     _check_close(s_seg[rows], s_plain[rows], 4e-2, "segmented vs plain state", 1e-2)
     _check_close(out, ref, 4e-2, "segmented out", 1e-2)
     _check_close(s_seg[rows], s_ref[rows], 4e-2, "segmented state", 1e-2)
-    assert _rel(out, ref) <= 1.5 * _rel(plain, ref) + 1e-3, (_rel(out, ref), _rel(plain, ref))
-    assert _rel(s_seg[rows], s_ref[rows]) <= 1.5 * _rel(s_plain[rows], s_ref[rows]) + 1e-3
+    assert _rel(out, ref) <= 2 * _rel(plain, ref) + 1e-3, (_rel(out, ref), _rel(plain, ref))
+    errs = _rel(s_seg[rows], s_ref[rows]), _rel(s_plain[rows], s_ref[rows])
+    assert errs[0] <= 2 * errs[1] + 1e-3, errs
     untouched = torch.ones(num_rows, dtype=torch.bool, device="cuda")
     untouched[rows] = False
     assert torch.equal(s_seg[untouched], state[untouched]), "rows outside `rows` changed"

@@ -656,8 +656,8 @@ def _segment_output_kernel(
     BV: tl.constexpr,
 ):  # fmt: skip
     """out = o_A + o_B h_in for one chunk of one segment, one head, BV of the value columns;
-    the product in TF32 (o_B's bf16 values exactly, h_in to 10 bits: below o_B's own
-    rounding), skipped for a request's first segment (h_in = 0)."""
+    the product in TF32 (bf16 o_B exactly, h_in to 10 bits, finer than o_B's own rounding),
+    skipped for a request's first segment (h_in = 0)."""
     seg = tl.load(chunks_ptr + 2 * tl.program_id(0))
     i = tl.load(chunks_ptr + 2 * tl.program_id(0) + 1)
     h = tl.program_id(1)
@@ -674,9 +674,8 @@ def _segment_output_kernel(
         km = kk < DK
         o_b = tl.load(o_ptr + base[:, None] + DV + kk[None, :], mask=tm[:, None] & km[None, :],
                       other=0.0).to(tl.float32)  # fmt: skip
-        h_in = h_ptr + (slot * H + h) * (DK * DV)
-        h_in = tl.load(h_in + kk[:, None] * DV + c[None, :], mask=km[:, None] & cm[None, :],
-                       other=0.0)  # fmt: skip
+        h_ptrs = h_ptr + (slot * H + h) * (DK * DV) + kk[:, None] * DV + c[None, :]
+        h_in = tl.load(h_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
         acc += tl.dot(o_b, h_in)
     out = out_ptr + (t.to(tl.int64) * H + h)[:, None] * DV + c[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
@@ -714,6 +713,7 @@ def kda_extend_segmented(
     o_ext, final = _chunk(
         q, k, v_ext, g, beta, init[:num_segs], seg.meta, gate, qk_normed, safe_gate
     )
+    assert o_ext.is_contiguous()
     # the chain: h[j + 1] = P h[j] + F over each request's j-th segment ([F | P]: its final
     # state); float32 products (torch's default: no TF32)
     links = torch.cat([final, init[num_segs:]])[seg.chain]  # [steps, B, H, Dk, Dv + Dk]
