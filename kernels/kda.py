@@ -156,7 +156,7 @@ def kda_extend(
     out_dtype = q.dtype
     heads, dk = q.shape[1], q.shape[2]
     wide = _compute_dtype(q)
-    q, k = (q.to(wide), k.to(wide))
+    q, k = q.to(wide), k.to(wide)
     q, k = (q, k) if qk_normed else (_l2norm(q), _l2norm(k))
     q = q * dk**-0.5
     v, g, beta = v.to(wide), g.to(wide), beta.to(wide)
@@ -254,7 +254,7 @@ def kda_extend_segmented(
     seg_rows = torch.arange(len(plan.lens), device=q.device)
     o_ext = kda_extend(
         q, k, v_ext, g, beta, init, seg_rows, plan.lens, gate=gate, qk_normed=qk_normed
-    ).to(wide)
+    ).to(wide)  # and init[:N] now holds each segment's final state [F | P]
     out = o_ext[..., :dv].clone()
     starts = [0, *accumulate(plan.lens)]
     for b, (first, count) in enumerate(zip(plan.firsts, plan.counts)):
