@@ -18,7 +18,15 @@
   mostly padding, and the fn tile is read once per block of tokens anyway); the last program of
   a token block to arrive (an atomic counter per block, "the last program finishes") sums the
   partials in a fixed order and does what mhc_pre's finish kernel does, for each token of its
-  block, with the collapse held in registers (one read of the new streams).
+  block, with the collapse held in registers (one read of the new streams);
+- mhc_boundary above BOUNDARY_MAX_TOKENS (prefill, large decode and verify batches) in two
+  launches: (1) programs of (channel slice, block of 16 or 64 tokens) expand their channels of
+  every stream (rounded as mhc_post), store them and dot them with fn's columns (LOGIT_DOT,
+  the tensor cores) into the split-K partials of mhc_pre's layout; (2) mhc_pre's finish kernel.
+  The old streams and `out` are read once and the new streams written once; the finish re-reads
+  the new streams (from HBM at prefill sizes: one program per token block looping over every
+  channel would keep them L2-hot only with a few thousand tokens in flight on the whole GPU, and
+  then each program would read fn's 1.5 MB from L2 for its few tokens: 0.8-3 GB at 8,192).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from kernels.triton.pdl import LAUNCH, grid_dependency
 # float32's accuracy; IEEE float32 on CUDA cores made the prefill's collapse compute-bound
 # (1.3 ms per call at 8,192 tokens of the real size, a third of the chunk).
 LOGIT_DOT = "tf32x3"
+# Split-K launches aim at about this many programs however few the tokens: two per SM of the H200
+SPREAD_PROGRAMS = 264
 
 
 @triton.jit
@@ -210,7 +220,9 @@ def _mhc_pre_partial_kernel(
     tl.store(part_ptr + (s * T + t) * (MP + 1) + MP, sq, mask=t_mask)
 
 
-@triton.jit
+# T and splits not specialized (== 1, divisible by 16): a prefill boundary's splits vary with its
+# token count (mhc_boundary_prefill), so the start-up warm-up's sizes could not meet every variant
+@triton.jit(do_not_specialize=["T", "splits"])
 def _mhc_pre_finish_kernel(
     part_ptr,
     x_ptr,  # [T, HC, HD] streams
@@ -303,8 +315,7 @@ def mhc_pre(
     block_t = 16 if tokens <= 16 else 64
     block_k = 128 if block_t == 16 else 64
     t_blocks = triton.cdiv(tokens, block_t)
-    # about two programs per SM (132 on the H200) however few the tokens
-    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(264, t_blocks)))
+    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(SPREAD_PROGRAMS, t_blocks)))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
@@ -323,9 +334,19 @@ def mhc_pre(
         num_warps=4,
         **LAUNCH,
     )
+    _pre_finish(part, x, base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out)
+    return post, comb, out
+
+
+def _pre_finish(part, streams, base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out):
+    """The collapse's second launch: part [splits, T, MP + 1] (the logits' split-K partials, then
+    the sum of squares) and the streams [T, hc, Hd] -> post, comb and the normed collapse, written
+    into the given outputs."""
+    splits, tokens = part.shape[:2]
+    _, hc, hidden = streams.shape
     _mhc_pre_finish_kernel[(tokens,)](
         part,
-        x,
+        streams,
         base.contiguous().float(),
         scale.contiguous().float(),
         weight.contiguous(),
@@ -340,14 +361,13 @@ def mhc_pre(
         rms_eps,
         HC=hc,
         P=triton.next_power_of_2(hc),
-        MP=mp,
+        MP=part.shape[2] - 1,
         HD=hidden,
         BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
         SPLITS=min(64, triton.next_power_of_2(splits)),
         num_warps=4,
         **LAUNCH,
     )
-    return post, comb, out
 
 
 @triton.jit
@@ -405,11 +425,12 @@ def mhc_post(
 
 
 # The fused boundary: batches of up to this many tokens (decode, EAGLE verify, short chunks);
-# larger ones run mhc_post + mhc_pre (three launches, but each tile of fn serves a block of
+# larger ones run mhc_boundary_prefill (two launches, but each tile of fn serves a block of
 # tokens there, through tf32x3 tensor-core dots): the fused kernel reads fn once per block of at
 # most 8 tokens and multiplies on the CUDA cores, which at prefill sizes is T/8 reads of 1.5 MB.
 # Measured on the H200 (bench.decode_mhc_kda, rank 0 of TP8): 10.3 against post + pre's 16.6 us
-# at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more.
+# at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more (measured
+# against mhc_post + mhc_pre, before mhc_boundary_prefill).
 BOUNDARY_MAX_TOKENS = 16
 BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token block
 BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
@@ -548,6 +569,149 @@ def _mhc_boundary_kernel(
             )
 
 
+# The prefill boundary's blocks: 16 tokens (the smallest MMA tile) up to PREFILL_SMALL_TOKENS,
+# then 64 (a tile of fn's columns then serves 64 tokens: 196 MB of L2 reads at 8,192 tokens);
+# BLOCK_H channels of every stream per step of a program's loop.
+PREFILL_SMALL_TOKENS = 64
+PREFILL_BLOCK_H = 64
+
+
+def prefill_block_t(tokens: int) -> int:
+    return 16 if tokens <= PREFILL_SMALL_TOKENS else 64
+
+
+# T and h_per_split not specialized: they vary with the token count, and the compiled variants
+# are then BLOCK_T's two (and the dtype's), which the start-up warm-up's prefills of 17 to 64 and
+# of 65+ tokens both meet (serving/engine/kernel_warmup.py)
+@triton.jit(do_not_specialize=["T", "h_per_split"])
+def _mhc_boundary_expand_kernel(
+    out_ptr,  # [T, HD] the sublayer's output
+    res_ptr,  # [T, HC, HD] the streams its input was collapsed from
+    post_ptr,  # [T, HC] float32: that collapse's post
+    comb_ptr,  # [T, HC, HC] float32: and comb
+    fn_ptr,  # [MIX, HC * HD] float32: the next collapse's mixing projection
+    new_ptr,  # [T, HC, HD] out: the new streams
+    part_ptr,  # [S, T, MP + 1] float32 out: logits partials, then the sum of squares
+    T,
+    h_per_split,  # channels per split (a multiple of BLOCK_H)
+    HC: tl.constexpr,
+    MIX: tl.constexpr,
+    MP: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Programs of (split s: a channel slice of every stream, token block): the expansion of
+    _mhc_post_kernel (the same ops in the same order: each term rounded to the streams' dtype),
+    stored, and the next collapse's partial logits (its rounded values dotted with fn's columns
+    i * HD + h) and sum of squares, as _mhc_pre_partial_kernel's for the K slice {i * HD + h}.
+    Token blocks run last first, so that the finish kernel's first programs (the first tokens)
+    re-read the new streams written last, which L2 may still hold."""
+    grid_dependency()  # first: kernels/triton/pdl.py
+    s = tl.program_id(0)
+    tb = tl.num_programs(1) - 1 - tl.program_id(1)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    tv = t.to(tl.int64)
+    m = tl.arange(0, MP)
+    m_mask = m < MIX
+    dt = new_ptr.dtype.element_ty
+    K = HC * HD
+    acc = tl.zeros([BLOCK_T, MP], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    h_start = s * h_per_split
+    for h0 in range(h_start, h_start + h_per_split, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = h < HD
+        th = t_mask[:, None] & h_mask[None, :]
+        o = tl.load(out_ptr + tv[:, None] * HD + h[None, :], mask=th, other=0.0).to(tl.float32)
+        rows = tv[:, None] * K + h[None, :]
+        for i in tl.static_range(HC):
+            p = tl.load(post_ptr + tv * HC + i, mask=t_mask, other=0.0).to(dt).to(tl.float32)
+            mixed = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for j in tl.static_range(HC):  # the streams re-read per i hit L1
+                cji = tl.load(comb_ptr + tv * (HC * HC) + j * HC + i, mask=t_mask, other=0.0)
+                rj = tl.load(res_ptr + rows + j * HD, mask=th, other=0.0).to(tl.float32)
+                mixed += cji.to(dt).to(tl.float32)[:, None] * rj
+            a = (p[:, None] * o).to(dt).to(tl.float32)
+            b = mixed.to(dt).to(tl.float32)
+            new = (a + b).to(dt)
+            tl.store(new_ptr + rows + i * HD, new, mask=th)
+            x = new.to(tl.float32)  # 0 off the mask
+            w = tl.load(
+                fn_ptr + m[None, :] * K + (i * HD + h)[:, None],
+                mask=m_mask[None, :] & h_mask[:, None],
+                other=0.0,
+            )
+            sq += tl.sum(x * x, axis=1)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    row = part_ptr + (s * T + tv) * (MP + 1)
+    tl.store(row[:, None] + m[None, :], acc, mask=t_mask[:, None])
+    tl.store(row + MP, sq, mask=t_mask)
+
+
+def mhc_boundary_prefill(
+    out: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    weight: torch.Tensor,
+    rms_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.mhc.mhc_boundary_reference in two launches for a batch of any size (the module
+    docstring): the expansion with the collapse's split-K partials, then mhc_pre's finish. The
+    mixing logits are LOGIT_DOT sums of the rounded new streams in another order than mhc_pre's
+    (float32's accuracy either way)."""
+    tokens, hc, hidden = residual.shape
+    mix = fn.shape[0]
+    assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
+    assert weight.dtype == residual.dtype, "the RMSNorm weight is held in the streams' dtype"
+    dev = residual.device
+    new = torch.empty(tokens, hc, hidden, device=dev, dtype=residual.dtype)
+    post2 = torch.empty(tokens, hc, device=dev, dtype=torch.float32)
+    comb2 = torch.empty(tokens, hc, hc, device=dev, dtype=torch.float32)
+    x = torch.empty(tokens, hidden, device=dev, dtype=residual.dtype)
+    if tokens == 0:
+        return new, post2, comb2, x
+    mp = triton.next_power_of_2(mix)
+    block_t = prefill_block_t(tokens)
+    t_blocks = triton.cdiv(tokens, block_t)
+    h_blocks = triton.cdiv(hidden, PREFILL_BLOCK_H)
+    splits = max(1, min(h_blocks, triton.cdiv(SPREAD_PROGRAMS, t_blocks)))
+    h_per_split = triton.cdiv(h_blocks, splits) * PREFILL_BLOCK_H
+    splits = triton.cdiv(hidden, h_per_split)
+    part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
+    _mhc_boundary_expand_kernel[(splits, t_blocks)](
+        out.contiguous(),
+        residual.contiguous(),
+        post.contiguous().float(),
+        comb.contiguous().float(),
+        fn.contiguous().float(),
+        new,
+        part,
+        tokens,
+        h_per_split,
+        HC=hc,
+        MIX=mix,
+        MP=mp,
+        HD=hidden,
+        BLOCK_T=block_t,
+        BLOCK_H=PREFILL_BLOCK_H,
+        PRECISION=LOGIT_DOT,
+        num_warps=4 if block_t == 16 else 8,
+        **LAUNCH,
+    )
+    _pre_finish(part, new, base, scale, iters, eps, norm_eps, weight, rms_eps, post2, comb2, x)
+    return new, post2, comb2, x
+
+
 def mhc_boundary(
     out: torch.Tensor,
     residual: torch.Tensor,
@@ -569,11 +733,11 @@ def mhc_boundary(
     partial logits and sums of squares; the last program of a token block to arrive (counter:
     the call site's int32 buffer, at least cdiv(T, boundary_block_t(T)) zeros, which the kernel
     leaves zero) sums them in a fixed order, runs the Sinkhorn and collapses + normalises.
-    Larger batches: mhc_post, then mhc_pre."""
+    Larger batches: mhc_boundary_prefill (two launches, no counters)."""
     tokens, hc, hidden = residual.shape
     if tokens > BOUNDARY_MAX_TOKENS:
-        new = mhc_post(out, residual, post, comb)
-        return new, *mhc_pre(new, fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
+        args = (fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
+        return mhc_boundary_prefill(out, residual, post, comb, *args)
     mix = fn.shape[0]
     assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
     assert weight.dtype == residual.dtype, "the RMSNorm weight is held in the streams' dtype"
