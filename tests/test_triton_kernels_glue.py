@@ -58,11 +58,14 @@ def _mhc_inputs(tokens, hc, hidden, dtype, device, seed=0):
     )
 
 
-def _poison(device) -> None:
-    """Fill recently freed allocator memory with NaN so that torch.empty outputs start as NaN."""
+def _poison(device, nbytes=256 << 20) -> None:
+    """Fill recently freed allocator memory with NaN so that torch.empty outputs start as NaN:
+    one cached block, which later large allocations up to nbytes in all are split from, and
+    64 MiB of the small pool (1 MiB and less: a few tokens' streams, post and comb)."""
     if torch.device(device).type == "cuda":
-        junk = torch.full((64 << 20,), float("nan"), device=device)  # 256 MiB
-        del junk
+        junk = torch.full((nbytes // 4,), float("nan"), device=device)
+        small = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(64)]
+        del junk, small
 
 
 def _close(got, ref, dtype):
@@ -127,7 +130,8 @@ def _check_boundary(tokens, hc, hidden, dtype, device):
 
     args = _boundary_inputs(tokens, hc, hidden, dtype, device)
     counter = torch.zeros(BOUNDARY_MAX_TOKENS, dtype=torch.int32, device=device)
-    _poison(device)
+    # the outputs and scratch (new streams, x, partials) fit in the poisoned block twice over
+    _poison(device, max(256 << 20, 2 * tokens * hidden * (hc + 1) * 4 + (64 << 20)))
     _boundary_close(mhc_boundary(*args, counter), args, dtype)
     assert not counter.any(), "the counters must be left zero (the next call, a graph replay)"
 
@@ -159,6 +163,34 @@ def test_mhc_boundary_interpreter(tokens, dtype):
 def test_mhc_boundary_interpreter_odd_hc_and_prefill():
     _check_boundary(3, 3, 64, torch.float32, "cpu")  # hc 3: masked streams, 15 mixing logits
     _check_boundary(130, 4, 64, torch.bfloat16, "cpu")  # past BOUNDARY_MAX_TOKENS: post + pre
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden", [(17, 64), (40, 128), (70, 96)])
+def test_mhc_boundary_prefill_interpreter(tokens, hidden, dtype, monkeypatch):
+    """Past BOUNDARY_MAX_TOKENS mhc_boundary runs mhc_boundary_prefill: 17 and 40 tokens in
+    blocks of 16, 70 in blocks of 64 (ragged last blocks); Hd 96: a masked last channel block."""
+    from kernels.triton import mhc as tmhc
+
+    calls = []
+    real = tmhc.mhc_boundary_prefill
+    monkeypatch.setattr(tmhc, "mhc_boundary_prefill", lambda *a: calls.append(1) or real(*a))
+    _check_boundary(tokens, 4, hidden, dtype, "cpu")
+    assert calls == [1]
+
+
+@cpu_interp
+@pytest.mark.parametrize("programs", [1, 6])
+def test_mhc_boundary_prefill_interpreter_split_loops(programs, monkeypatch):
+    """Fewer programs than channel blocks: each split loops over several blocks of channels. Hd
+    300 is 5 blocks of 64: one split of all 5 (1 program), or splits of 2, 2 and 1 whose last
+    block is masked (6 programs over 2 token blocks); hc 3: 15 mixing logits, masked streams."""
+    from kernels.triton import mhc as tmhc
+
+    monkeypatch.setattr(tmhc, "SPREAD_PROGRAMS", programs)
+    _check_boundary(20, 4, 300, torch.float32, "cpu")
+    _check_boundary(20, 3, 300, torch.bfloat16, "cpu")
 
 
 def _tiny_model():
@@ -301,6 +333,23 @@ def test_mhc_boundary_gpu(tokens):
     _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, BENCH_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, REAL_HD, torch.float32, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("tokens", [17, 1000, 8192])
+def test_mhc_boundary_prefill_gpu(tokens, dtype):
+    """The prefill boundary (mhc_boundary past BOUNDARY_MAX_TOKENS: two launches) at rank 0 of
+    TP8's shapes: blocks of 16 tokens (17), of 64 with a ragged last one (1000), a full chunk
+    (8192). Outputs poisoned with NaN; the module docstring's tolerances; a second call on the
+    same inputs is bitwise equal (fixed summation order, no atomics)."""
+    from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary
+
+    _check_boundary(tokens, 4, REAL_HD, dtype, "cuda")
+    args = _boundary_inputs(tokens, 4, REAL_HD, dtype, "cuda", seed=3)
+    counter = torch.zeros(BOUNDARY_MAX_TOKENS, dtype=torch.int32, device="cuda")
+    first, second = mhc_boundary(*args, counter), mhc_boundary(*args, counter)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,99 @@
+"""The mHC boundary at prefill sizes (issue 44 point 4), rank 0 of TP8 on one GPU:
+
+    python -m bench.prefill_mhc [--tokens 1024,8192] [--programs 264]
+
+One boundary, bf16 streams hc 4 x Hd 4096, fn [24, 16384] float32, 20 Sinkhorn iterations: the
+old path (mhc_post, then mhc_pre: the streams read three times, written once) against
+mhc_boundary (past BOUNDARY_MAX_TOKENS: mhc_boundary_prefill, two launches). Each path captured
+in one CUDA graph over copies of the inputs adding up to twice the L2 (bench.decode_mhc_kda's
+timing); us_* per call. floor_us: the boundary's HBM floor, the old streams and `out` read and
+the new streams and x written (fn stays in L2), at HBM_BW; ratio: us_new / floor_us (issue 44's
+target: 1.5). --programs: SPREAD_PROGRAMS values to sweep (the split count of the expansion's
+channels follows it). One JSON line per (tokens, programs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.decode_mhc_kda import HBM_BW, HC, HD, graph_us, n_copies
+
+ITERS, EPS, NORM_EPS, RMS_EPS = 20, 1e-6, 1e-5, 1e-5
+
+
+def inputs(tokens: int, gen: torch.Generator) -> dict:
+    dev, dt = "cuda", torch.bfloat16
+    mix = (2 + HC) * HC
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device=dev, generator=gen) * scale
+
+    return dict(
+        out=rand(tokens, HD).to(dt),
+        streams=rand(tokens, HC, HD, scale=3.0).to(dt),
+        post=torch.rand(tokens, HC, device=dev, generator=gen) * 2,
+        comb=torch.rand(tokens, HC, HC, device=dev, generator=gen) * 0.5,
+        fn=rand(mix, HC * HD, scale=(HC * HD) ** -0.5),
+        base=rand(mix, scale=0.5),
+        scale=torch.rand(3, device=dev, generator=gen) + 0.5,
+        weight=(torch.rand(HD, device=dev, generator=gen) + 0.5).to(dt),
+    )
+
+
+def bench(tokens: int, programs: list[int]) -> None:
+    from kernels.triton import mhc as tmhc
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    floor_bytes = tokens * HD * 2 * (2 * HC + 2)  # streams in and out, out, x (bf16)
+    copies = [inputs(tokens, gen) for _ in range(n_copies(floor_bytes))]
+    counter = torch.zeros(tmhc.BOUNDARY_MAX_TOKENS, dtype=torch.int32, device="cuda")
+
+    def old(c):
+        new = tmhc.mhc_post(c["out"], c["streams"], c["post"], c["comb"])
+        args = (c["fn"], c["base"], c["scale"], ITERS, EPS, NORM_EPS, c["weight"], RMS_EPS)
+        return tmhc.mhc_pre(new, *args)
+
+    def new(c):
+        args = (c["out"], c["streams"], c["post"], c["comb"], c["fn"], c["base"], c["scale"])
+        return tmhc.mhc_boundary(*args, ITERS, EPS, NORM_EPS, c["weight"], RMS_EPS, counter)
+
+    us_old = graph_us(old, copies)
+    floor_us = floor_bytes / HBM_BW * 1e6
+    default = tmhc.SPREAD_PROGRAMS
+    try:
+        for p in programs:
+            tmhc.SPREAD_PROGRAMS = p
+            us_new = graph_us(new, copies)
+            print(
+                json.dumps(
+                    dict(
+                        tokens=tokens,
+                        programs=p,
+                        us_old=round(us_old, 2),
+                        us_new=round(us_new, 2),
+                        floor_us=round(floor_us, 2),
+                        ratio=round(us_new / floor_us, 3),
+                    )
+                ),
+                flush=True,
+            )
+    finally:
+        tmhc.SPREAD_PROGRAMS = default
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1024,8192")
+    parser.add_argument("--programs", default="264")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.prefill_mhc needs a CUDA device")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        bench(tokens, [int(p) for p in args.programs.split(",")])
+
+
+if __name__ == "__main__":
+    main()
