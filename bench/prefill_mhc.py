@@ -1,6 +1,6 @@
 """The mHC boundary at prefill sizes (issue 44 point 4), rank 0 of TP8 on one GPU:
 
-    python -m bench.prefill_mhc [--tokens 1024,8192] [--programs 264]
+    python -m bench.prefill_mhc [--tokens 1024,8192] [--programs 264,528,1056,2112]
 
 One boundary, bf16 streams hc 4 x Hd 4096, fn [24, 16384] float32, 20 Sinkhorn iterations: the
 old path (mhc_post, then mhc_pre: the streams read three times, written once) against
@@ -8,8 +8,8 @@ mhc_boundary (past BOUNDARY_MAX_TOKENS: mhc_boundary_prefill, two launches). Eac
 in one CUDA graph over copies of the inputs adding up to twice the L2 (bench.decode_mhc_kda's
 timing); us_* per call. floor_us: the boundary's HBM floor, the old streams and `out` read and
 the new streams and x written (fn stays in L2), at HBM_BW; ratio: us_new / floor_us (issue 44's
-target: 1.5). --programs: SPREAD_PROGRAMS values to sweep (the split count of the expansion's
-channels follows it). One JSON line per (tokens, programs).
+target: 1.5). --programs: kernels.triton.mhc.PREFILL_PROGRAMS values to sweep (the split count
+of the expansion's channels follows it). One JSON line per (tokens, programs).
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def bench(tokens: int, programs: list[int]) -> None:
 
     us_old = graph_us(old, copies)
     floor_us = floor_bytes / HBM_BW * 1e6
-    default = tmhc.SPREAD_PROGRAMS
+    default = tmhc.PREFILL_PROGRAMS
     try:
         for p in programs:
-            tmhc.SPREAD_PROGRAMS = p
+            tmhc.PREFILL_PROGRAMS = p
             us_new = graph_us(new, copies)
             print(
                 json.dumps(
@@ -81,13 +81,13 @@ def bench(tokens: int, programs: list[int]) -> None:
                 flush=True,
             )
     finally:
-        tmhc.SPREAD_PROGRAMS = default
+        tmhc.PREFILL_PROGRAMS = default
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1024,8192")
-    parser.add_argument("--programs", default="264")
+    parser.add_argument("--programs", default="264,528,1056,2112")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill_mhc needs a CUDA device")

@@ -188,7 +188,7 @@ def test_mhc_boundary_prefill_interpreter_split_loops(programs, monkeypatch):
     block is masked (6 programs over 2 token blocks); hc 3: 15 mixing logits, masked streams."""
     from kernels.triton import mhc as tmhc
 
-    monkeypatch.setattr(tmhc, "SPREAD_PROGRAMS", programs)
+    monkeypatch.setattr(tmhc, "PREFILL_PROGRAMS", programs)
     _check_boundary(20, 4, 300, torch.float32, "cpu")
     _check_boundary(20, 3, 300, torch.bfloat16, "cpu")
 

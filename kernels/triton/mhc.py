@@ -41,7 +41,8 @@ from kernels.triton.pdl import LAUNCH, grid_dependency
 # float32's accuracy; IEEE float32 on CUDA cores made the prefill's collapse compute-bound
 # (1.3 ms per call at 8,192 tokens of the real size, a third of the chunk).
 LOGIT_DOT = "tf32x3"
-# Split-K launches aim at about this many programs however few the tokens: two per SM of the H200
+# mhc_pre's split-K launch aims at about this many programs however few the tokens: two per SM
+# of the H200
 SPREAD_PROGRAMS = 264
 
 
@@ -571,9 +572,14 @@ def _mhc_boundary_kernel(
 
 # The prefill boundary's blocks: 16 tokens (the smallest MMA tile) up to PREFILL_SMALL_TOKENS,
 # then 64 (a tile of fn's columns then serves 64 tokens: 196 MB of L2 reads at 8,192 tokens);
-# BLOCK_H channels of every stream per step of a program's loop.
+# BLOCK_H channels of every stream per step of a program's loop. The channels are split so that
+# the expansion runs about PREFILL_PROGRAMS programs: eight per SM of the H200, of which a few
+# are resident at once, so that the last wave is a small part of the time (a chunk of 8,192
+# tokens: 128 token blocks x 8 splits of 512 channels; the partials 8.6 MB). Not yet measured:
+# bench.prefill_mhc --programs sweeps it.
 PREFILL_SMALL_TOKENS = 64
 PREFILL_BLOCK_H = 64
+PREFILL_PROGRAMS = 1056
 
 
 def prefill_block_t(tokens: int) -> int:
@@ -684,7 +690,7 @@ def mhc_boundary_prefill(
     block_t = prefill_block_t(tokens)
     t_blocks = triton.cdiv(tokens, block_t)
     h_blocks = triton.cdiv(hidden, PREFILL_BLOCK_H)
-    splits = max(1, min(h_blocks, triton.cdiv(SPREAD_PROGRAMS, t_blocks)))
+    splits = max(1, min(h_blocks, triton.cdiv(PREFILL_PROGRAMS, t_blocks)))
     h_per_split = triton.cdiv(h_blocks, splits) * PREFILL_BLOCK_H
     splits = triton.cdiv(hidden, h_per_split)
     part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
