@@ -262,8 +262,9 @@ def test_model_boundaries_equal_the_unfused_loop():
 @cpu_interp
 def test_model_fused_boundaries_interpreter(monkeypatch):
     """The tiny model (float32) with its mHC on the Triton kernels (the first collapse, the
-    fused boundaries, the last expansion; the rest on the torch path) against the unfused loop
-    of references: a prefill of 21 tokens, then decode steps of 3."""
+    boundaries: the prefill's two-launch one at 21 tokens, the fused one at 3; the last
+    expansion; the rest on the torch path) against the unfused loop of references: a prefill of
+    21 tokens, then decode steps of 3. The greedy tokens are equal."""
     import serving.layers.mhc as mhc_layer
 
     model = _tiny_model()
@@ -276,6 +277,7 @@ def test_model_fused_boundaries_interpreter(monkeypatch):
     assert not logits.isnan().any()
     err = (logits - ref_logits).abs().max().item()
     assert err <= 1e-4 * ref_logits.abs().max().item(), err
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
 
 
 def _route_inputs(tokens, hidden, experts, dtype, device, seed=0):
