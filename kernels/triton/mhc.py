@@ -335,14 +335,18 @@ def mhc_pre(
         num_warps=4,
         **LAUNCH,
     )
-    _pre_finish(part, x, base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out)
+    args = (base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out)
+    _pre_finish(part, x, *args, block_h=min(1024, triton.next_power_of_2(hidden)))
     return post, comb, out
 
 
-def _pre_finish(part, streams, base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out):
+def _pre_finish(
+    part, streams, base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out, block_h
+):
     """The collapse's second launch: part [splits, T, MP + 1] (the logits' split-K partials, then
     the sum of squares) and the streams [T, hc, Hd] -> post, comb and the normed collapse, written
-    into the given outputs."""
+    into the given outputs. block_h: channels per step of the collapse (the whole row: the
+    streams read once; less: read twice, the second time from L2 if it still holds them)."""
     splits, tokens = part.shape[:2]
     _, hc, hidden = streams.shape
     _mhc_pre_finish_kernel[(tokens,)](
@@ -364,9 +368,9 @@ def _pre_finish(part, streams, base, scale, iters, eps, norm_eps, weight, rms_ep
         P=triton.next_power_of_2(hc),
         MP=part.shape[2] - 1,
         HD=hidden,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        BLOCK_H=block_h,
         SPLITS=min(64, triton.next_power_of_2(splits)),
-        num_warps=4,
+        num_warps=4 if block_h <= 1024 else 8,
         **LAUNCH,
     )
 
@@ -580,6 +584,7 @@ def _mhc_boundary_kernel(
 PREFILL_SMALL_TOKENS = 64
 PREFILL_BLOCK_H = 64
 PREFILL_PROGRAMS = 1056
+PREFILL_FINISH_BLOCK_H = 4096  # channels per step of the finish's collapse (8 warps past 1024)
 
 
 def prefill_block_t(tokens: int) -> int:
@@ -714,7 +719,12 @@ def mhc_boundary_prefill(
         num_warps=4 if block_t == 16 else 8,
         **LAUNCH,
     )
-    _pre_finish(part, new, base, scale, iters, eps, norm_eps, weight, rms_eps, post2, comb2, x)
+    # the whole row of a real-size rank (Hd 4096) in registers: thousands of tokens' finishes in
+    # flight touch more than L2 holds between the two passes of 1024 channels
+    args = (base, scale, iters, eps, norm_eps, weight, rms_eps, post2, comb2, x)
+    _pre_finish(
+        part, new, *args, block_h=min(PREFILL_FINISH_BLOCK_H, triton.next_power_of_2(hidden))
+    )
     return new, post2, comb2, x
 
 
