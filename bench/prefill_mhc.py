@@ -1,7 +1,7 @@
 """The mHC boundary at prefill sizes (issue 44 point 4), rank 0 of TP8 on one GPU:
 
     python -m bench.prefill_mhc [--tokens 1024,8192] [--programs 264,528,1056,2112]
-        [--finish-block-h 1024,4096]
+        [--finish-row 0,16384]
 
 One boundary, bf16 streams hc 4 x Hd 4096, fn [24, 16384] float32, 20 Sinkhorn iterations: the
 old path (mhc_post, then mhc_pre: the streams read three times, written once) against
@@ -9,10 +9,10 @@ mhc_boundary (past BOUNDARY_MAX_TOKENS: mhc_boundary_prefill, two launches). Eac
 in one CUDA graph over copies of the inputs adding up to twice the L2 (bench.decode_mhc_kda's
 timing); us_* per call. floor_us: the boundary's HBM floor, the old streams and `out` read and
 the new streams and x written (fn stays in L2), at HBM_BW; ratio: us_new / floor_us (issue 44's
-target: 1.5). --programs, --finish-block-h: values of kernels.triton.mhc's PREFILL_PROGRAMS (the
-split count of the expansion's channels follows it) and PREFILL_FINISH_BLOCK_H (the finish's
-collapse: the whole row in registers, or two passes of 1024 channels) to sweep. One JSON line
-per (tokens, programs, finish_block_h).
+target: 1.5). --programs, --finish-row: values of kernels.triton.mhc's PREFILL_PROGRAMS (the
+split count of the expansion's channels follows it) and PREFILL_FINISH_ROW (16384: the finish
+loads a token's whole row first; 0: two passes of 1024 channels after the Sinkhorn, as mhc_pre's)
+to sweep. One JSON line per (tokens, programs, finish_row).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def inputs(tokens: int, gen: torch.Generator) -> dict:
     )
 
 
-def bench(tokens: int, programs: list[int], finish_block_h: list[int]) -> None:
+def bench(tokens: int, programs: list[int], finish_row: list[int]) -> None:
     from kernels.triton import mhc as tmhc
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -66,17 +66,17 @@ def bench(tokens: int, programs: list[int], finish_block_h: list[int]) -> None:
 
     us_old = graph_us(old, copies)
     floor_us = floor_bytes / HBM_BW * 1e6
-    defaults = tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_BLOCK_H
+    defaults = tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW
     try:
-        for p, fb in itertools.product(programs, finish_block_h):
-            tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_BLOCK_H = p, fb
+        for p, fr in itertools.product(programs, finish_row):
+            tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW = p, fr
             us_new = graph_us(new, copies)
             print(
                 json.dumps(
                     dict(
                         tokens=tokens,
                         programs=p,
-                        finish_block_h=fb,
+                        finish_row=fr,
                         us_old=round(us_old, 2),
                         us_new=round(us_new, 2),
                         floor_us=round(floor_us, 2),
@@ -86,20 +86,20 @@ def bench(tokens: int, programs: list[int], finish_block_h: list[int]) -> None:
                 flush=True,
             )
     finally:
-        tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_BLOCK_H = defaults
+        tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW = defaults
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1024,8192")
     parser.add_argument("--programs", default="264,528,1056,2112")
-    parser.add_argument("--finish-block-h", default="1024,4096")
+    parser.add_argument("--finish-row", default="0,16384")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill_mhc needs a CUDA device")
     for tokens in (int(t) for t in args.tokens.split(",")):
         programs = [int(p) for p in args.programs.split(",")]
-        bench(tokens, programs, [int(b) for b in args.finish_block_h.split(",")])
+        bench(tokens, programs, [int(b) for b in args.finish_row.split(",")])
 
 
 if __name__ == "__main__":

@@ -183,14 +183,16 @@ def test_mhc_boundary_prefill_interpreter(tokens, hidden, dtype, monkeypatch):
 
 
 @cpu_interp
-@pytest.mark.parametrize("programs", [1, 6])
-def test_mhc_boundary_prefill_interpreter_split_loops(programs, monkeypatch):
+@pytest.mark.parametrize("programs,finish_row", [(1, 16384), (6, 0)])
+def test_mhc_boundary_prefill_interpreter_split_loops(programs, finish_row, monkeypatch):
     """Fewer programs than channel blocks: each split loops over several blocks of channels. Hd
     300 is 5 blocks of 64: one split of all 5 (1 program), or splits of 2, 2 and 1 whose last
-    block is masked (6 programs over 2 token blocks); hc 3: 15 mixing logits, masked streams."""
+    block is masked (6 programs over 2 token blocks); hc 3: 15 mixing logits, masked streams.
+    finish_row 0: the finish's collapse after the Sinkhorn (as mhc_pre's) instead of row first."""
     from kernels.triton import mhc as tmhc
 
     monkeypatch.setattr(tmhc, "PREFILL_PROGRAMS", programs)
+    monkeypatch.setattr(tmhc, "PREFILL_FINISH_ROW", finish_row)
     _check_boundary(20, 4, 300, torch.float32, "cpu")
     _check_boundary(20, 3, 300, torch.bfloat16, "cpu")
 

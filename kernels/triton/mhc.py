@@ -22,7 +22,8 @@
 - mhc_boundary above BOUNDARY_MAX_TOKENS (prefill, large decode and verify batches) in two
   launches: (1) programs of (channel slice, block of 16 or 64 tokens) expand their channels of
   every stream (rounded as mhc_post), store them and dot them with fn's columns (LOGIT_DOT,
-  the tensor cores) into the split-K partials of mhc_pre's layout; (2) mhc_pre's finish kernel.
+  the tensor cores) into the split-K partials of mhc_pre's layout; (2) mhc_pre's finish kernel,
+  each token's whole row loaded before its Sinkhorn (ROW_FIRST, up to PREFILL_FINISH_ROW).
   The old streams and `out` are read once and the new streams written once; the finish re-reads
   the new streams (from HBM at prefill sizes: one program per token block looping over every
   channel would keep them L2-hot only with a few thousand tokens in flight on the whole GPU, and
@@ -245,11 +246,24 @@ def _mhc_pre_finish_kernel(
     HD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
+    ROW_FIRST: tl.constexpr,
 ):
+    """ROW_FIRST (BLOCK_H >= HD): the token's streams are loaded as one [P, BLOCK_H] tile before
+    anything else, so that their latency passes behind the partials' sums and the Sinkhorn, and
+    collapsed as a sum over the tile's stream axis (another float32 order than _collapse's).
+    Otherwise _collapse_norm loads them after the Sinkhorn."""
     grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0)
     i = tl.arange(0, P)
     vec_mask = i < HC
+    base = x_ptr + t.to(tl.int64) * (HC * HD)
+    if ROW_FIRST:
+        h = tl.arange(0, BLOCK_H)
+        rows = tl.load(
+            base + i[:, None] * HD + h[None, :],
+            mask=vec_mask[:, None] & (h < HD)[None, :],
+            other=0.0,
+        )  # [P, BLOCK_H]: 0 off the streams, so pre's padding adds nothing below
     r = tl.arange(0, P)[:, None]
     c = tl.arange(0, P)[None, :]
     m = (r < HC) & (c < HC)
@@ -283,9 +297,14 @@ def _mhc_pre_finish_kernel(
     comb = _sinkhorn(logits, m, iters, eps)
     tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=m)
 
-    base = x_ptr + t.to(tl.int64) * (HC * HD)
     out_row = out_ptr + t.to(tl.int64) * HD
-    _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
+    if ROW_FIRST:
+        dt = out_row.dtype.element_ty
+        col = tl.sum(pre[:, None] * rows.to(tl.float32), axis=0).to(dt).to(tl.float32)
+        rms = 1.0 / tl.sqrt(tl.sum(col * col) / HD + rms_eps)
+        _norm_store(col, rms, nw_ptr, out_row, h, h < HD, dt)
+    else:
+        _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
 
 
 def mhc_pre(
@@ -336,17 +355,18 @@ def mhc_pre(
         **LAUNCH,
     )
     args = (base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out)
-    _pre_finish(part, x, *args, block_h=min(1024, triton.next_power_of_2(hidden)))
+    _pre_finish(part, x, *args, row_first=False)
     return post, comb, out
 
 
 def _pre_finish(
-    part, streams, base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out, block_h
+    part, streams, base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out, row_first
 ):
     """The collapse's second launch: part [splits, T, MP + 1] (the logits' split-K partials, then
     the sum of squares) and the streams [T, hc, Hd] -> post, comb and the normed collapse, written
-    into the given outputs. block_h: channels per step of the collapse (the whole row: the
-    streams read once; less: read twice, the second time from L2 if it still holds them)."""
+    into the given outputs. row_first: the token's whole row loaded first, in one tile (the
+    kernel's ROW_FIRST); else in blocks of up to 1024 channels after the Sinkhorn, twice when Hd
+    is larger (the second time from L2 if it still holds them)."""
     splits, tokens = part.shape[:2]
     _, hc, hidden = streams.shape
     _mhc_pre_finish_kernel[(tokens,)](
@@ -368,9 +388,12 @@ def _pre_finish(
         P=triton.next_power_of_2(hc),
         MP=part.shape[2] - 1,
         HD=hidden,
-        BLOCK_H=block_h,
+        BLOCK_H=triton.next_power_of_2(hidden)
+        if row_first
+        else min(1024, triton.next_power_of_2(hidden)),
         SPLITS=min(64, triton.next_power_of_2(splits)),
-        num_warps=4 if block_h <= 1024 else 8,
+        ROW_FIRST=row_first,
+        num_warps=8 if row_first else 4,
         **LAUNCH,
     )
 
@@ -584,7 +607,9 @@ def _mhc_boundary_kernel(
 PREFILL_SMALL_TOKENS = 64
 PREFILL_BLOCK_H = 64
 PREFILL_PROGRAMS = 1056
-PREFILL_FINISH_BLOCK_H = 4096  # channels per step of the finish's collapse (8 warps past 1024)
+# The finish loads a token's whole row first (ROW_FIRST) where its P x Hd tile has at most this
+# many elements (Hd 4096 at hc 4: 64 per thread of 8 warps); larger rows, two passes of 1024
+PREFILL_FINISH_ROW = 16384
 
 
 def prefill_block_t(tokens: int) -> int:
@@ -719,12 +744,13 @@ def mhc_boundary_prefill(
         num_warps=4 if block_t == 16 else 8,
         **LAUNCH,
     )
-    # the whole row of a real-size rank (Hd 4096) in registers: thousands of tokens' finishes in
-    # flight touch more than L2 holds between the two passes of 1024 channels
+    # the whole row first: mhc_pre's finish (the same kernel, two passes of 1024 channels after
+    # the Sinkhorn) took 139 us per call at 8,192 tokens in an H200 profile (12.5 ms in 90 calls,
+    # docs/notebook/2026-11-29_2026-12-03.md): 57% of the HBM's bandwidth for one read of the
+    # streams and the write of x, its loads waiting for the Sinkhorn
+    row_first = triton.next_power_of_2(hc) * triton.next_power_of_2(hidden) <= PREFILL_FINISH_ROW
     args = (base, scale, iters, eps, norm_eps, weight, rms_eps, post2, comb2, x)
-    _pre_finish(
-        part, new, *args, block_h=min(PREFILL_FINISH_BLOCK_H, triton.next_power_of_2(hidden))
-    )
+    _pre_finish(part, new, *args, row_first=row_first)
     return new, post2, comb2, x
 
 
