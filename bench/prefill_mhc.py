@@ -1,7 +1,7 @@
 """The mHC boundary at prefill sizes (issue 44 point 4), rank 0 of TP8 on one GPU:
 
-    python -m bench.prefill_mhc [--tokens 1024,8192] [--programs 264,528,1056,2112]
-        [--finish-row 0,16384]
+    python -m bench.prefill_mhc [--tokens 1024,8192] [--programs 528,1056,2112]
+        [--finish-row 0,16384] [--stages 1,3]
 
 One boundary, bf16 streams hc 4 x Hd 4096, fn [24, 16384] float32, 20 Sinkhorn iterations: the
 old path (mhc_post, then mhc_pre: the streams read three times, written once) against
@@ -9,10 +9,11 @@ mhc_boundary (past BOUNDARY_MAX_TOKENS: mhc_boundary_prefill, two launches). Eac
 in one CUDA graph over copies of the inputs adding up to twice the L2 (bench.decode_mhc_kda's
 timing); us_* per call. floor_us: the boundary's HBM floor, the old streams and `out` read and
 the new streams and x written (fn stays in L2), at HBM_BW; ratio: us_new / floor_us (issue 44's
-target: 1.5). --programs, --finish-row: values of kernels.triton.mhc's PREFILL_PROGRAMS (the
-split count of the expansion's channels follows it) and PREFILL_FINISH_ROW (16384: the finish
+target: 1.5). --programs, --finish-row, --stages: values of kernels.triton.mhc's PREFILL_PROGRAMS
+(the split count of the expansion's channels follows it), PREFILL_FINISH_ROW (16384: the finish
 loads a token's whole row first; 0: two passes of 1024 channels after the Sinkhorn, as mhc_pre's)
-to sweep. One JSON line per (tokens, programs, finish_row).
+and PREFILL_STAGES (the expansion's software pipelining) to sweep, every combination. One JSON
+line per (tokens, programs, finish_row, stages).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def inputs(tokens: int, gen: torch.Generator) -> dict:
     )
 
 
-def bench(tokens: int, programs: list[int], finish_row: list[int]) -> None:
+def bench(tokens: int, programs: list[int], finish_row: list[int], stages: list[int]) -> None:
     from kernels.triton import mhc as tmhc
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -66,10 +67,10 @@ def bench(tokens: int, programs: list[int], finish_row: list[int]) -> None:
 
     us_old = graph_us(old, copies)
     floor_us = floor_bytes / HBM_BW * 1e6
-    defaults = tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW
+    defaults = tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW, tmhc.PREFILL_STAGES
     try:
-        for p, fr in itertools.product(programs, finish_row):
-            tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW = p, fr
+        for p, fr, st in itertools.product(programs, finish_row, stages):
+            tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW, tmhc.PREFILL_STAGES = p, fr, st
             us_new = graph_us(new, copies)
             print(
                 json.dumps(
@@ -77,6 +78,7 @@ def bench(tokens: int, programs: list[int], finish_row: list[int]) -> None:
                         tokens=tokens,
                         programs=p,
                         finish_row=fr,
+                        stages=st,
                         us_old=round(us_old, 2),
                         us_new=round(us_new, 2),
                         floor_us=round(floor_us, 2),
@@ -86,20 +88,23 @@ def bench(tokens: int, programs: list[int], finish_row: list[int]) -> None:
                 flush=True,
             )
     finally:
-        tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW = defaults
+        tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW, tmhc.PREFILL_STAGES = defaults
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1024,8192")
-    parser.add_argument("--programs", default="264,528,1056,2112")
+    parser.add_argument("--programs", default="528,1056,2112")
     parser.add_argument("--finish-row", default="0,16384")
+    parser.add_argument("--stages", default="1,3")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.prefill_mhc needs a CUDA device")
     for tokens in (int(t) for t in args.tokens.split(",")):
-        programs = [int(p) for p in args.programs.split(",")]
-        bench(tokens, programs, [int(b) for b in args.finish_row.split(",")])
+        ints = [
+            [int(v) for v in a.split(",")] for a in (args.programs, args.finish_row, args.stages)
+        ]
+        bench(tokens, *ints)
 
 
 if __name__ == "__main__":

@@ -607,6 +607,10 @@ def _mhc_boundary_kernel(
 PREFILL_SMALL_TOKENS = 64
 PREFILL_BLOCK_H = 64
 PREFILL_PROGRAMS = 1056
+# Software pipelining of the expansion's loop: off, so that fn's tiles take no multi-buffered
+# shared memory from the L1 that the streams' re-reads per output stream hit (_mhc_post_kernel's
+# pattern: 90% of the HBM's bandwidth at 8,192 tokens in the H200 profile); unmeasured here
+PREFILL_STAGES = 1
 # The finish loads a token's whole row first (ROW_FIRST) where its P x Hd tile has at most this
 # many elements (Hd 4096 at hc 4: 64 per thread of 8 warps); larger rows, two passes of 1024
 PREFILL_FINISH_ROW = 16384
@@ -664,6 +668,13 @@ def _mhc_boundary_expand_kernel(
         o = tl.load(out_ptr + tv[:, None] * HD + h[None, :], mask=th, other=0.0).to(tl.float32)
         rows = tv[:, None] * K + h[None, :]
         for i in tl.static_range(HC):
+            # fn's columns of stream i first: their L2 latency passes behind the expansion (no
+            # load moves above the previous stream's store, which might alias it)
+            w = tl.load(
+                fn_ptr + m[None, :] * K + (i * HD + h)[:, None],
+                mask=m_mask[None, :] & h_mask[:, None],
+                other=0.0,
+            )
             p = tl.load(post_ptr + tv * HC + i, mask=t_mask, other=0.0).to(dt).to(tl.float32)
             mixed = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             for j in tl.static_range(HC):  # the streams re-read per i hit L1
@@ -673,15 +684,10 @@ def _mhc_boundary_expand_kernel(
             a = (p[:, None] * o).to(dt).to(tl.float32)
             b = mixed.to(dt).to(tl.float32)
             new = (a + b).to(dt)
-            tl.store(new_ptr + rows + i * HD, new, mask=th)
             x = new.to(tl.float32)  # 0 off the mask
-            w = tl.load(
-                fn_ptr + m[None, :] * K + (i * HD + h)[:, None],
-                mask=m_mask[None, :] & h_mask[:, None],
-                other=0.0,
-            )
             sq += tl.sum(x * x, axis=1)
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            tl.store(new_ptr + rows + i * HD, new, mask=th)
     row = part_ptr + (s * T + tv) * (MP + 1)
     tl.store(row[:, None] + m[None, :], acc, mask=t_mask[:, None])
     tl.store(row + MP, sq, mask=t_mask)
@@ -742,6 +748,7 @@ def mhc_boundary_prefill(
         BLOCK_H=PREFILL_BLOCK_H,
         PRECISION=LOGIT_DOT,
         num_warps=4 if block_t == 16 else 8,
+        num_stages=PREFILL_STAGES,
         **LAUNCH,
     )
     # the whole row first: mhc_pre's finish (the same kernel, two passes of 1024 channels after
