@@ -5,15 +5,19 @@
 
 One boundary, bf16 streams hc 4 x Hd 4096, fn [24, 16384] float32, 20 Sinkhorn iterations: the
 old path (mhc_post, then mhc_pre: the streams read three times, written once) against
-mhc_boundary (past BOUNDARY_MAX_TOKENS: mhc_boundary_prefill, two launches). Each path captured
-in one CUDA graph over copies of the inputs adding up to twice the L2 (bench.decode_mhc_kda's
-timing); us_* per call. floor_us: the boundary's HBM floor, the old streams and `out` read and
-the new streams and x written (fn stays in L2), at HBM_BW; ratio: us_new / floor_us (issue 44's
-target: 1.5). --programs, --finish-row, --stages: values of kernels.triton.mhc's PREFILL_PROGRAMS
-(the split count of the expansion's channels follows it), PREFILL_FINISH_ROW (16384: the finish
-loads a token's whole row first; 0: two passes of 1024 channels after the Sinkhorn, as mhc_pre's)
-and PREFILL_STAGES (the expansion's software pipelining) to sweep, every combination. One JSON
-line per (tokens, programs, finish_row, stages).
+mhc_boundary_prefill (two launches; what mhc_boundary runs past BOUNDARY_MAX_TOKENS), and at
+batches of up to BOUNDARY_MAX_TOKENS the fused one-launch boundary too (us_fused: where the
+threshold between them belongs, `--tokens 4,8,16,32`). Each path captured in one CUDA graph over
+copies of the inputs (fn included) adding up to twice the L2 (bench.decode_mhc_kda's timing);
+us_* per call. floor_us: the boundary's HBM floor at prefill sizes, the old streams and `out`
+read and the new streams and x written (fn's 1.5 MB left out), at HBM_BW; ratio: us_new /
+floor_us (issue 44's target: 1.5).
+
+--programs, --finish-row, --stages: values of kernels.triton.mhc's PREFILL_PROGRAMS (the split
+count of the expansion's channels follows it), PREFILL_FINISH_ROW (16384: the finish loads a
+token's whole row first; 0: two passes of 1024 channels after the Sinkhorn, as mhc_pre's) and
+PREFILL_STAGES (the expansion's software pipelining) to sweep, every combination. One JSON line
+per (tokens, programs, finish_row, stages).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def bench(tokens: int, programs: list[int], finish_row: list[int], stages: list[
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     floor_bytes = tokens * HD * 2 * (2 * HC + 2)  # streams in and out, out, x (bf16)
-    copies = [inputs(tokens, gen) for _ in range(n_copies(floor_bytes))]
+    fn_bytes = (2 + HC) * HC * HC * HD * 4
+    copies = [inputs(tokens, gen) for _ in range(n_copies(floor_bytes + fn_bytes))]
     counter = torch.zeros(tmhc.BOUNDARY_MAX_TOKENS, dtype=torch.int32, device="cuda")
 
     def old(c):
@@ -63,9 +68,14 @@ def bench(tokens: int, programs: list[int], finish_row: list[int], stages: list[
 
     def new(c):
         args = (c["out"], c["streams"], c["post"], c["comb"], c["fn"], c["base"], c["scale"])
+        return tmhc.mhc_boundary_prefill(*args, ITERS, EPS, NORM_EPS, c["weight"], RMS_EPS)
+
+    def fused(c):
+        args = (c["out"], c["streams"], c["post"], c["comb"], c["fn"], c["base"], c["scale"])
         return tmhc.mhc_boundary(*args, ITERS, EPS, NORM_EPS, c["weight"], RMS_EPS, counter)
 
     us_old = graph_us(old, copies)
+    us_fused = graph_us(fused, copies) if tokens <= tmhc.BOUNDARY_MAX_TOKENS else None
     floor_us = floor_bytes / HBM_BW * 1e6
     defaults = tmhc.PREFILL_PROGRAMS, tmhc.PREFILL_FINISH_ROW, tmhc.PREFILL_STAGES
     try:
@@ -81,6 +91,7 @@ def bench(tokens: int, programs: list[int], finish_row: list[int], stages: list[
                         stages=st,
                         us_old=round(us_old, 2),
                         us_new=round(us_new, 2),
+                        us_fused=us_fused and round(us_fused, 2),
                         floor_us=round(floor_us, 2),
                         ratio=round(us_new / floor_us, 3),
                     )

@@ -164,7 +164,7 @@ def test_mhc_boundary_interpreter(tokens, dtype):
 @cpu_interp
 def test_mhc_boundary_interpreter_odd_hc_and_prefill():
     _check_boundary(3, 3, 64, torch.float32, "cpu")  # hc 3: masked streams, 15 mixing logits
-    _check_boundary(130, 4, 64, torch.bfloat16, "cpu")  # past BOUNDARY_MAX_TOKENS: post + pre
+    _check_boundary(130, 4, 64, torch.bfloat16, "cpu")  # past BOUNDARY_MAX_TOKENS: two launches
 
 
 @cpu_interp
@@ -180,6 +180,17 @@ def test_mhc_boundary_prefill_interpreter(tokens, hidden, dtype, monkeypatch):
     monkeypatch.setattr(tmhc, "mhc_boundary_prefill", lambda *a: calls.append(1) or real(*a))
     _check_boundary(tokens, 4, hidden, dtype, "cpu")
     assert calls == [1]
+
+
+@cpu_interp
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_mhc_boundary_prefill_interpreter_any_size(tokens, monkeypatch):
+    """mhc_boundary_prefill holds for decode-sized batches too (bench.prefill_mhc times it there
+    against the fused kernel): one partial block of 16 tokens."""
+    from kernels.triton import mhc as tmhc
+
+    monkeypatch.setattr(tmhc, "BOUNDARY_MAX_TOKENS", 0)
+    _check_boundary(tokens, 4, 200, torch.bfloat16, "cpu")
 
 
 @cpu_interp
