@@ -25,9 +25,10 @@
   the tensor cores) into the split-K partials of mhc_pre's layout; (2) mhc_pre's finish kernel,
   each token's whole row loaded before its Sinkhorn (ROW_FIRST, up to PREFILL_FINISH_ROW).
   The old streams and `out` are read once and the new streams written once; the finish re-reads
-  the new streams (from HBM at prefill sizes: one program per token block looping over every
-  channel would keep them L2-hot only with a few thousand tokens in flight on the whole GPU, and
-  then each program would read fn's 1.5 MB from L2 for its few tokens: 0.8-3 GB at 8,192).
+  the new streams, from HBM at prefill sizes. One program per token block looping over every
+  channel would keep them L2-hot only with at most a few hundred tokens in flight on the whole
+  GPU (72 KB of traffic each against L2's 50 MB), and each program would then read fn's 1.5 MB
+  from L2 for its few tokens: 0.8-3 GB at 8,192 tokens.
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ from kernels.triton.pdl import LAUNCH, grid_dependency
 # float32's accuracy; IEEE float32 on CUDA cores made the prefill's collapse compute-bound
 # (1.3 ms per call at 8,192 tokens of the real size, a third of the chunk).
 LOGIT_DOT = "tf32x3"
-# mhc_pre's split-K launch aims at about this many programs however few the tokens: two per SM
-# of the H200
-SPREAD_PROGRAMS = 264
 
 
 @triton.jit
@@ -335,7 +333,8 @@ def mhc_pre(
     block_t = 16 if tokens <= 16 else 64
     block_k = 128 if block_t == 16 else 64
     t_blocks = triton.cdiv(tokens, block_t)
-    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(SPREAD_PROGRAMS, t_blocks)))
+    # about two programs per SM (132 on the H200) however few the tokens
+    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(264, t_blocks)))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
@@ -369,6 +368,9 @@ def _pre_finish(
     is larger (the second time from L2 if it still holds them)."""
     splits, tokens = part.shape[:2]
     _, hc, hidden = streams.shape
+    block_h = triton.next_power_of_2(hidden)
+    if not row_first:
+        block_h = min(1024, block_h)
     _mhc_pre_finish_kernel[(tokens,)](
         part,
         streams,
@@ -388,9 +390,7 @@ def _pre_finish(
         P=triton.next_power_of_2(hc),
         MP=part.shape[2] - 1,
         HD=hidden,
-        BLOCK_H=triton.next_power_of_2(hidden)
-        if row_first
-        else min(1024, triton.next_power_of_2(hidden)),
+        BLOCK_H=block_h,
         SPLITS=min(64, triton.next_power_of_2(splits)),
         ROW_FIRST=row_first,
         num_warps=8 if row_first else 4,
