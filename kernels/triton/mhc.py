@@ -620,10 +620,13 @@ def prefill_block_t(tokens: int) -> int:
     return 16 if tokens <= PREFILL_SMALL_TOKENS else 64
 
 
-# T and h_per_split not specialized: they vary with the token count, and the compiled variants
-# are then BLOCK_T's two (and the dtype's), which the start-up warm-up's prefills of 17 to 64 and
-# of 65+ tokens both meet (serving/engine/kernel_warmup.py)
-@triton.jit(do_not_specialize=["T", "h_per_split"])
+# T and blocks_per_split not specialized: they vary with the token count, and the compiled
+# variants are then BLOCK_T's two (and the dtype's), which the start-up warm-up's prefills of 17
+# to 64 and of 65+ tokens both meet (serving/engine/kernel_warmup.py). Hazard: a channel offset
+# must stay a visible multiple of BLOCK_H (blocks times the constexpr), or the loads and stores
+# lose their vector width (an unspecialized h_per_split in channels compiled to scalar bf16
+# accesses and 255 registers with spills for sm_90)
+@triton.jit(do_not_specialize=["T", "blocks_per_split"])
 def _mhc_boundary_expand_kernel(
     out_ptr,  # [T, HD] the sublayer's output
     res_ptr,  # [T, HC, HD] the streams its input was collapsed from
@@ -633,7 +636,7 @@ def _mhc_boundary_expand_kernel(
     new_ptr,  # [T, HC, HD] out: the new streams
     part_ptr,  # [S, T, MP + 1] float32 out: logits partials, then the sum of squares
     T,
-    h_per_split,  # channels per split (a multiple of BLOCK_H)
+    blocks_per_split,  # blocks of BLOCK_H channels per split
     HC: tl.constexpr,
     MIX: tl.constexpr,
     MP: tl.constexpr,
@@ -660,9 +663,8 @@ def _mhc_boundary_expand_kernel(
     K = HC * HD
     acc = tl.zeros([BLOCK_T, MP], dtype=tl.float32)
     sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    h_start = s * h_per_split
-    for h0 in range(h_start, h_start + h_per_split, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
+    for hb in range(0, blocks_per_split):
+        h = (s * blocks_per_split + hb) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = h < HD
         th = t_mask[:, None] & h_mask[None, :]
         o = tl.load(out_ptr + tv[:, None] * HD + h[None, :], mask=th, other=0.0).to(tl.float32)
@@ -727,8 +729,8 @@ def mhc_boundary_prefill(
     t_blocks = triton.cdiv(tokens, block_t)
     h_blocks = triton.cdiv(hidden, PREFILL_BLOCK_H)
     splits = max(1, min(h_blocks, triton.cdiv(PREFILL_PROGRAMS, t_blocks)))
-    h_per_split = triton.cdiv(h_blocks, splits) * PREFILL_BLOCK_H
-    splits = triton.cdiv(hidden, h_per_split)
+    blocks_per_split = triton.cdiv(h_blocks, splits)
+    splits = triton.cdiv(h_blocks, blocks_per_split)
     part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
     _mhc_boundary_expand_kernel[(splits, t_blocks)](
         out.contiguous(),
@@ -739,7 +741,7 @@ def mhc_boundary_prefill(
         new,
         part,
         tokens,
-        h_per_split,
+        blocks_per_split,
         HC=hc,
         MIX=mix,
         MP=mp,
