@@ -169,10 +169,11 @@ def test_mhc_boundary_interpreter_odd_hc_and_prefill():
 
 @cpu_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,hidden", [(17, 64), (40, 128), (70, 96)])
+@pytest.mark.parametrize("tokens,hidden", [(17, 80), (40, 128), (70, 88)])
 def test_mhc_boundary_prefill_interpreter(tokens, hidden, dtype, monkeypatch):
     """Past BOUNDARY_MAX_TOKENS mhc_boundary runs mhc_boundary_prefill: 17 and 40 tokens in
-    blocks of 16, 70 in blocks of 64 (ragged last blocks); Hd 96: a masked last channel block."""
+    blocks of 16 (and of 32 channels), 70 in blocks of 64 (and of 16 channels); ragged last
+    token blocks; Hd 80 and 88: a masked last channel block."""
     from kernels.triton import mhc as tmhc
 
     calls = []
@@ -197,8 +198,9 @@ def test_mhc_boundary_prefill_interpreter_any_size(tokens, monkeypatch):
 @pytest.mark.parametrize("programs,finish_row", [(1, 16384), (6, 0)])
 def test_mhc_boundary_prefill_interpreter_split_loops(programs, finish_row, monkeypatch):
     """Fewer programs than channel blocks: each split loops over several blocks of channels. Hd
-    300 is 5 blocks of 64: one split of all 5 (1 program), or splits of 2, 2 and 1 whose last
-    block is masked (6 programs over 2 token blocks); hc 3: 15 mixing logits, masked streams.
+    300 is 10 blocks of 32 (20 tokens: blocks of 16): one split of all 10 (1 program), or splits
+    of 4, 4 and 2 whose last block is masked (6 programs over 2 token blocks); hc 3: 15 mixing
+    logits, masked streams.
     finish_row 0: the finish's collapse after the Sinkhorn (as mhc_pre's) instead of row first."""
     from kernels.triton import mhc as tmhc
 

@@ -21,8 +21,9 @@
   block, with the collapse held in registers (one read of the new streams);
 - mhc_boundary above BOUNDARY_MAX_TOKENS (prefill, large decode and verify batches) in two
   launches: (1) programs of (channel slice, block of 16 or 64 tokens) expand their channels of
-  every stream (rounded as mhc_post), store them and dot them with fn's columns (LOGIT_DOT,
-  the tensor cores) into the split-K partials of mhc_pre's layout; (2) mhc_pre's finish kernel,
+  every stream (rounded as mhc_post), store them and dot them with fn's columns on the tensor
+  cores (bf16 streams: three exact bf16 products; else LOGIT_DOT) into the split-K partials of
+  mhc_pre's layout; (2) mhc_pre's finish kernel,
   each token's whole row loaded before its Sinkhorn (ROW_FIRST, up to PREFILL_FINISH_ROW).
   The old streams and `out` are read once and the new streams written once; the finish re-reads
   the new streams, from HBM at prefill sizes. One program per token block looping over every
@@ -597,15 +598,17 @@ def _mhc_boundary_kernel(
             )
 
 
-# The prefill boundary's blocks: 16 tokens (the smallest MMA tile) up to PREFILL_SMALL_TOKENS,
-# then 64 (a tile of fn's columns then serves 64 tokens: 196 MB of L2 reads at 8,192 tokens);
-# BLOCK_H channels of every stream per step of a program's loop. The channels are split so that
-# the expansion runs about PREFILL_PROGRAMS programs: eight per SM of the H200, of which a few
-# are resident at once, so that the last wave is a small part of the time (a chunk of 8,192
-# tokens: 128 token blocks x 8 splits of 512 channels; the partials 8.6 MB). Not yet measured:
-# bench.prefill_mhc --programs sweeps it.
+# The prefill boundary's expansion: blocks of 16 tokens (the smallest MMA tile) up to
+# PREFILL_SMALL_TOKENS, then 64 (a tile of fn's columns then serves 64 tokens: 196 MB of L2 reads
+# at 8,192 tokens), with 32 and 16 channels of every stream per step of a program's loop, 4
+# warps. Compiled ahead of time for sm_90 (ptxas -v, bf16): 137 and 96 registers, no spills;
+# 64 x 64 took 255 with spills (Triton computes the expansion in the MMA operand's layout, which
+# it hoists above the elementwise work), so did the float32 operands of tf32x3. The channels are
+# split so that the expansion runs about PREFILL_PROGRAMS programs: eight per SM of the H200, so
+# that the last wave is a small part of the time (a chunk of 8,192 tokens: 128 token blocks x 9
+# splits of 29 blocks of 16 channels; the partials 9.7 MB). Not yet measured: bench.prefill_mhc
+# --programs sweeps it.
 PREFILL_SMALL_TOKENS = 64
-PREFILL_BLOCK_H = 64
 PREFILL_PROGRAMS = 1056
 # Software pipelining of the expansion's loop: off, so that fn's tiles take no multi-buffered
 # shared memory from the L1 that the streams' re-reads per output stream hit (_mhc_post_kernel's
@@ -618,6 +621,10 @@ PREFILL_FINISH_ROW = 16384
 
 def prefill_block_t(tokens: int) -> int:
     return 16 if tokens <= PREFILL_SMALL_TOKENS else 64
+
+
+def prefill_block_h(block_t: int) -> int:
+    return 32 if block_t == 16 else 16
 
 
 # T and blocks_per_split not specialized: they vary with the token count, and the compiled
@@ -643,6 +650,7 @@ def _mhc_boundary_expand_kernel(
     HD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BF16_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Programs of (split s: a channel slice of every stream, token block): the expansion of
@@ -650,7 +658,13 @@ def _mhc_boundary_expand_kernel(
     stored, and the next collapse's partial logits (its rounded values dotted with fn's columns
     i * HD + h) and sum of squares, as _mhc_pre_partial_kernel's for the K slice {i * HD + h}.
     Token blocks run last first, so that the finish kernel's first programs (the first tokens)
-    re-read the new streams written last, which L2 may still hold."""
+    re-read the new streams written last, which L2 may still hold.
+
+    The logits' dots: BF16_SPLIT (bf16 streams) as three bf16 tensor-core products of the new
+    streams, exact in bf16, with fn split exactly into three bf16 terms (hi + mid + lo: 24 bits
+    of mantissa), every product exact and summed in float32 (tf32x3 drops its lo x lo term);
+    else PRECISION (LOGIT_DOT) on float32 operands, whose splits cost more registers (178 at 64
+    tokens x 16 channels for sm_90, against 96)."""
     grid_dependency()  # first: kernels/triton/pdl.py
     s = tl.program_id(0)
     tb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -688,7 +702,16 @@ def _mhc_boundary_expand_kernel(
             new = (a + b).to(dt)
             x = new.to(tl.float32)  # 0 off the mask
             sq += tl.sum(x * x, axis=1)
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+            if BF16_SPLIT:
+                w_hi = w.to(tl.bfloat16)
+                rest = w - w_hi.to(tl.float32)  # exact, as is the next remainder
+                w_mid = rest.to(tl.bfloat16)
+                w_lo = (rest - w_mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(new, w_hi, acc)
+                acc = tl.dot(new, w_mid, acc)
+                acc = tl.dot(new, w_lo, acc)
+            else:
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
             tl.store(new_ptr + rows + i * HD, new, mask=th)
     row = part_ptr + (s * T + tv) * (MP + 1)
     tl.store(row[:, None] + m[None, :], acc, mask=t_mask[:, None])
@@ -726,8 +749,9 @@ def mhc_boundary_prefill(
         return new, post2, comb2, x
     mp = triton.next_power_of_2(mix)
     block_t = prefill_block_t(tokens)
+    block_h = prefill_block_h(block_t)
     t_blocks = triton.cdiv(tokens, block_t)
-    h_blocks = triton.cdiv(hidden, PREFILL_BLOCK_H)
+    h_blocks = triton.cdiv(hidden, block_h)
     splits = max(1, min(h_blocks, triton.cdiv(PREFILL_PROGRAMS, t_blocks)))
     blocks_per_split = triton.cdiv(h_blocks, splits)
     splits = triton.cdiv(h_blocks, blocks_per_split)
@@ -747,9 +771,10 @@ def mhc_boundary_prefill(
         MP=mp,
         HD=hidden,
         BLOCK_T=block_t,
-        BLOCK_H=PREFILL_BLOCK_H,
+        BLOCK_H=block_h,
+        BF16_SPLIT=residual.dtype == torch.bfloat16,
         PRECISION=LOGIT_DOT,
-        num_warps=4 if block_t == 16 else 8,
+        num_warps=4,
         num_stages=PREFILL_STAGES,
         **LAUNCH,
     )
