@@ -630,9 +630,9 @@ def prefill_block_h(block_t: int) -> int:
 # T and blocks_per_split not specialized: they vary with the token count, and the compiled
 # variants are then BLOCK_T's two (and the dtype's), which the start-up warm-up's prefills of 17
 # to 64 and of 65+ tokens both meet (serving/engine/kernel_warmup.py). Hazard: a channel offset
-# must stay a visible multiple of BLOCK_H (blocks times the constexpr), or the loads and stores
-# lose their vector width (an unspecialized h_per_split in channels compiled to scalar bf16
-# accesses and 255 registers with spills for sm_90)
+# must stay a visible multiple of BLOCK_H (blocks times the constexpr): Triton's alignment
+# analysis cannot see through an unspecialized channel count, and the loads and stores would
+# lose their 16-byte vectors
 @triton.jit(do_not_specialize=["T", "blocks_per_split"])
 def _mhc_boundary_expand_kernel(
     out_ptr,  # [T, HD] the sublayer's output
