@@ -23,8 +23,8 @@
   launches: (1) programs of (channel slice, block of 16 or 64 tokens) expand their channels of
   every stream (rounded as mhc_post), store them and dot them with fn's columns on the tensor
   cores (bf16 streams: three exact bf16 products; else LOGIT_DOT) into the split-K partials of
-  mhc_pre's layout; (2) mhc_pre's finish kernel,
-  each token's whole row loaded before its Sinkhorn (ROW_FIRST, up to PREFILL_FINISH_ROW).
+  mhc_pre's layout; (2) mhc_pre's finish kernel, each token's whole row loaded before its
+  Sinkhorn (ROW_FIRST, up to PREFILL_FINISH_ROW). No counters, no atomics.
   The old streams and `out` are read once and the new streams written once; the finish re-reads
   the new streams, from HBM at prefill sizes. One program per token block looping over every
   channel would keep them L2-hot only with at most a few hundred tokens in flight on the whole
