@@ -222,7 +222,8 @@ def _mhc_pre_partial_kernel(
 
 
 # T and splits not specialized (== 1, divisible by 16): a prefill boundary's splits vary with its
-# token count (mhc_boundary_prefill), so the start-up warm-up's sizes could not meet every variant
+# token count (mhc_boundary_prefill, which also fixes SPLITS), so the start-up warm-up's sizes
+# could not meet every variant
 @triton.jit(do_not_specialize=["T", "splits"])
 def _mhc_pre_finish_kernel(
     part_ptr,
@@ -355,18 +356,33 @@ def mhc_pre(
         **LAUNCH,
     )
     args = (base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out)
-    _pre_finish(part, x, *args, row_first=False)
+    splits_block = min(64, triton.next_power_of_2(splits))
+    _pre_finish(part, x, *args, row_first=False, splits_block=splits_block)
     return post, comb, out
 
 
 def _pre_finish(
-    part, streams, base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out, row_first
+    part,
+    streams,
+    base,
+    scale,
+    iters,
+    eps,
+    norm_eps,
+    weight,
+    rms_eps,
+    post,
+    comb,
+    out,
+    row_first,
+    splits_block,
 ):
     """The collapse's second launch: part [splits, T, MP + 1] (the logits' split-K partials, then
     the sum of squares) and the streams [T, hc, Hd] -> post, comb and the normed collapse, written
     into the given outputs. row_first: the token's whole row loaded first, in one tile (the
     kernel's ROW_FIRST); else in blocks of up to 1024 channels after the Sinkhorn, twice when Hd
-    is larger (the second time from L2 if it still holds them)."""
+    is larger (the second time from L2 if it still holds them). splits_block: partials summed
+    per step (the kernel's SPLITS)."""
     splits, tokens = part.shape[:2]
     _, hc, hidden = streams.shape
     block_h = triton.next_power_of_2(hidden)
@@ -392,7 +408,7 @@ def _pre_finish(
         MP=part.shape[2] - 1,
         HD=hidden,
         BLOCK_H=block_h,
-        SPLITS=min(64, triton.next_power_of_2(splits)),
+        SPLITS=splits_block,
         ROW_FIRST=row_first,
         num_warps=8 if row_first else 4,
         **LAUNCH,
@@ -784,7 +800,9 @@ def mhc_boundary_prefill(
     # streams and the write of x, its loads waiting for the Sinkhorn
     row_first = triton.next_power_of_2(hc) * triton.next_power_of_2(hidden) <= PREFILL_FINISH_ROW
     args = (base, scale, iters, eps, norm_eps, weight, rms_eps, post2, comb2, x)
-    _pre_finish(part, new, *args, row_first=row_first)
+    # 64 partials per step whatever the split count (masked): one compiled variant for every
+    # token count, which the warm-up's prefills then meet
+    _pre_finish(part, new, *args, row_first=row_first, splits_block=64)
     return new, post2, comb2, x
 
 
