@@ -307,3 +307,51 @@ def test_simulated_rank_fp8_times_builds_and_serves(v410_fp8, caplog):
     log = caplog.text
     assert "FP8 linear" in log and "start-up: weights built (random, block FP8)" in log, log
     assert "memory plan (serving.tools.plan)" in log and "the plan predicts" not in log, log
+
+
+def test_small_model_32k_prompt_in_8k_chunks_equals_one_pass(tmp_path):
+    """Issue 44 point 7: a 32,000-token prompt prefilled in 8,192-token chunks gives the greedy
+    tokens of the same prompt in one 32,768-token pass, float32 on the fast path, the trained
+    small model (it has no positional encoding, qk_rope_head_dim 0: its config's 4,096 positions
+    are raised to 32,768 in a copy, the weights linked). Text, not random ids: its argmax has
+    margins, so a flip means a real difference, not a tie."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    small = Path(__file__).resolve().parents[1] / "serving" / "assets" / "small_model"
+    for f in small.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    config = json.loads((small / "config.json").read_text())
+    config["text_config"]["max_position_embeddings"] = 32768
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    text = (small.parent / "corpus.txt").read_text(encoding="utf-8")
+    ids = Tokenizer.from_file(str(small / "tokenizer.json")).encode(text).ids
+    prompt = (ids * (32000 // len(ids) + 1))[:32000]
+
+    tokens = {}
+    for chunk in (8192, 32768):
+        args = ServerArgs.from_cli(
+            [
+                *("--model-path", str(tmp_path), "--device", "cuda", "--dtype", "float32"),
+                *("--chunked-prefill-size", str(chunk), "--max-prefill-tokens", str(chunk)),
+                *("--cuda-graph-backend-decode", "disabled", "--skip-server-warmup"),
+                *("--max-total-tokens", "34816", "--disable-radix-cache"),
+            ]
+        )
+        sched = build_engine(args)[0]
+        params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        sched.add(GenerateRequest("long", prompt, params))
+        steps, out = 0, []
+        while sched.has_work:
+            steps += 1
+            for o in sched.step():
+                out.extend(o.new_token_ids)
+        sched.check_invariants()
+        tokens[chunk] = out
+        assert len(out) == 16 and steps >= (4 if chunk == 8192 else 1) + 15, (chunk, steps)
+        del sched
+        torch.cuda.empty_cache()
+    assert tokens[8192] == tokens[32768], tokens

@@ -150,6 +150,38 @@ def test_the_prefix_cache_keys_images_by_content(tiny_vision_ckpt) -> None:
     sched.check_invariants()
 
 
+def test_the_kernel_warmup_encodes_images_and_leaves_nothing(tiny_vision_ckpt, monkeypatch):
+    """With a vision tower, the start-up warm-up (engine/kernel_warmup.py, on CUDA: the tower's
+    kernels built and its graphs captured before a user's image) runs one image per grid, then
+    both in one request, under the front's image token limit; it leaves no row, page, held
+    embedding or counter behind, and an image served after it gets a fresh engine's tokens."""
+    from serving.engine.kernel_warmup import prepare_kernels
+
+    flags = ("--max-prefill-tokens", "64", "--max-running-requests", "4")
+    fresh = engine(tiny_vision_ckpt, *flags)
+    served = drain_one(fresh, image_request("a", fresh.pool.config, [IMAGE_A]))
+    sched = engine(tiny_vision_ckpt, *flags)
+    images = sched.prefill.images
+    grids: list[list] = []
+    encode = VisionTower.forward
+
+    def recording(self, pixel_values, grid_thw):
+        grids.append([tuple(g) for g in grid_thw])
+        return encode(self, pixel_values, grid_thw)
+
+    monkeypatch.setattr(VisionTower, "forward", recording)
+    assert prepare_kernels(sched, image_tokens=64) > 3
+    assert sorted({g for call in grids for g in call}) == [(1, 6, 10), (1, 16, 16)]
+    assert images.encoded_images == 0 and not images.held
+    assert sched.stats.prompt_tokens_total == 0 and sched.stats.images_encoded_total == 0
+    pool = sched.pool
+    assert not pool.rows.used and not pool.pages.used and not pool.state_slots.used
+    assert drain_one(sched, image_request("a", sched.pool.config, [IMAGE_A])) == served
+    sched.check_invariants()
+    before = len(grids)
+    assert prepare_kernels(sched, image_tokens=0) > 0 and len(grids) == before  # no images
+
+
 def drain_one(sched, request: GenerateRequest) -> tuple[list[int], int]:
     sched.add(request)
     return drain(sched)[request.rid]
@@ -230,3 +262,29 @@ def test_vision_graphs_keep_the_greedy_tokens(tiny_vision_ckpt) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     assert tokens["full"] == tokens["disabled"]
+
+
+@pytest.mark.gpu
+def test_the_kernel_warmup_captures_the_common_grids_on_cuda(tiny_vision_ckpt) -> None:
+    """On CUDA with the tower's graphs, the start-up warm-up captures its two grids (448x448's
+    and an odd one) with the front's limit, and an image of that grid served next replays the
+    graph (no capture under the request) with nothing held after."""
+    from serving.engine.kernel_warmup import prepare_kernels
+
+    sched = engine(
+        tiny_vision_ckpt,
+        *("--device", "cuda", "--dtype", "bfloat16", "--max-total-tokens", "4096"),
+        *("--cuda-graph-backend-vision", "full", "--cuda-graph-max-bs-decode", "4"),
+    )
+    graphs = sched.prefill.images.graphs
+    assert prepare_kernels(sched, image_tokens=64) > 3
+    assert set(graphs.graphs) == {(1, 16, 16), (1, 6, 10)} and graphs.captures == 2
+    assert not sched.pool.rows.used and not sched.pool.pages.used
+    config = sched.pool.config
+    pixels = np.random.default_rng(5).standard_normal((256, graphs.pixel_width), np.float32)
+    image = ImageInput(pixels, (1, 16, 16), 3, 64, 12345)
+    ids = [5, 6, 7] + [config.image_token_id] * 64 + [8, 9]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    tokens, _ = drain_one(sched, GenerateRequest("r", ids, params, images=[image]))
+    assert graphs.captures == 2 and len(tokens) == 4 and not sched.prefill.images.held
+    sched.check_invariants()

@@ -110,7 +110,7 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
 
         role = make_role(args)
         scheduler, ready = build_engine(args, role)
-        prepare(scheduler)
+        prepare(scheduler, args.image_token_limit())
         if not args.skip_server_warmup:
             warm = time.monotonic()
             warmup(scheduler)
@@ -125,6 +125,11 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
         send.send_pyobj(SchedulerFailed(f"{type(exc).__name__}: {exc}"))
         time.sleep(0.5)
         return
+    # the stats before ready: the front reports healthy on ready, and /server_info must not
+    # answer without them (a fresh server's empty internal_states failed tests under load)
+    scheduler.refresh_stats()
+    last_stats = dataclasses.replace(scheduler.stats)
+    send.send_pyobj(BatchOutput([], last_stats))
     send.send_pyobj(ready)
     watchdog = Watchdog(args.watchdog_timeout)
     fanout = scheduler.runner.fanout  # TP/EP: the other ranks follow this one's forwards
@@ -133,7 +138,6 @@ def run_scheduler(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
 
     own = RankProfiler(rank_name(state().rank, args.ep_size), args.profile_dir)
     profiler = ProfileControl(own, fanout)
-    last_stats = None
     poller = zmq.Poller()
     for sock in [recv, *role.sockets()]:
         poller.register(sock, zmq.POLLIN)

@@ -279,13 +279,14 @@ def build_engine(args: ServerArgs, role: Role | None = None) -> tuple[Scheduler,
     return scheduler, ready
 
 
-def prepare(scheduler: Scheduler) -> None:
+def prepare(scheduler: Scheduler, image_tokens: int = 0) -> None:
     """Compile and tune the Triton kernels every prefill shape needs (engine/kernel_warmup.py),
     on the fast path only (CPU runs torch). Not skipped by --skip-server-warmup, which skips
-    SGLang's warm-up request only: a kernel compiled under a user's request costs it seconds."""
+    SGLang's warm-up request only: a kernel compiled under a user's request costs it seconds.
+    image_tokens: ServerArgs.image_token_limit() where the model has a vision tower."""
     if fast_path(scheduler.pool.req_to_token):
         started = time.monotonic()
-        count = prepare_kernels(scheduler)
+        count = prepare_kernels(scheduler, image_tokens)
         log.info(
             "start-up: kernels prepared by %d requests in %.1f s",
             count,

@@ -20,24 +20,32 @@ go (the prefix cache on when it is on), with prompts of random tokens:
    token index), branch off a cached prefix (a snapshot at the branch point); one of them
    decodes across a grid position (the tracked snapshot); then hits alone and together, with
    and without a snapshot at their end;
+4. with a vision tower and image_tokens (the most tokens the front admits for one image): image
+   requests, one of a 448x448 image's grid (or the largest square under the limit), one of an odd
+   grid, and one holding both: the tower's kernels are built and, with its CUDA graphs, those
+   grids captured (a fresh H200 took 2.3 s over the first 448x448 image, under its request);
 then the cache is flushed and the _total counters are zeroed (the warm-up is not traffic).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
+import numpy as np
+
 from serving.engine.scheduler import Scheduler
-from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest
+from serving.protocol import FAKE_BOOTSTRAP_HOST, GenerateRequest, ImageInput
 from serving.sampling_params import SamplingParams
 
 MAX_STEPS = 100_000  # a warm-up that does not finish is a bug: fail start-up, do not hang
 TOKEN_IDS = 1000  # prompt ids are below this (and the vocabulary)
 
 
-def prepare_kernels(sched: Scheduler) -> int:
-    """Run the warm-up requests; returns how many ran."""
+def prepare_kernels(sched: Scheduler, image_tokens: int = 0) -> int:
+    """Run the warm-up requests; returns how many ran. image_tokens: one image's most tokens
+    (ServerArgs.image_token_limit), 0 for no image requests."""
     cfg = sched.cfg
     rng = random.Random(0)
     vocab = min(TOKEN_IDS, sched.sampler.vocab_size)
@@ -80,15 +88,60 @@ def prepare_kernels(sched: Scheduler) -> int:
         waves.append([(base[: 2 * grid] + ids(grid), 2)])  # a hit, a snapshot at its end
         waves.append([(base[: 2 * grid] + ids(9), 2)])  # a hit, no snapshot
         waves.append([(base[: 2 * grid] + ids(3), 2), (base[: 2 * grid] + ids(5), 2)])
+    text = [
+        [_request(f"warmup-{i}-{j}", prompt, n) for j, (prompt, n) in enumerate(wave)]
+        for i, wave in enumerate(waves)
+    ]
+    return _run(sched, text + _image_waves(sched, image_tokens, rng))
+
+
+def _request(rid: str, prompt: list[int], n: int, images=()) -> GenerateRequest:
+    return GenerateRequest(
+        rid,
+        prompt,
+        SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
+        bootstrap_host=FAKE_BOOTSTRAP_HOST,  # local only, as a health check
+        images=list(images),
+    )
+
+
+def _image_waves(
+    sched: Scheduler, image_tokens: int, rng: random.Random
+) -> list[list[GenerateRequest]]:
+    """One request per grid, then one holding every grid (a step's several images)."""
+    images = sched.prefill.images
+    if images is None or image_tokens <= 0:
+        return []
+    vision, image_token = images.tower.config, sched.pool.config.image_token_id
+    merge = vision.spatial_merge_size
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    side = min(16, math.isqrt(image_tokens))  # 16 x 16 merged tokens: a 448x448 image
+    grids = [(1, side * merge, side * merge)]
+    if image_tokens >= 15:
+        grids.append((1, 3 * merge, 5 * merge))  # 60 patches a merge of 2: not a multiple of 16
+
+    def image(grid: tuple[int, int, int], start: int) -> ImageInput:
+        patches = grid[0] * grid[1] * grid[2]
+        pixels = np.random.default_rng(rng.getrandbits(32)).standard_normal((patches, width))
+        tokens = patches // merge**2
+        return ImageInput(pixels.astype(np.float32), grid, start, tokens, rng.getrandbits(63))
+
+    waves = []
+    for index, group in enumerate([[grid] for grid in grids] + [grids]):
+        prompt, inputs = [5, 6, 7], []
+        for grid in group:
+            inputs.append(image(grid, len(prompt)))
+            prompt += [image_token] * inputs[-1].num_tokens + [8, 9]
+        waves.append([_request(f"warmup-image-{index}", prompt, 2, inputs)])
+    return waves
+
+
+def _run(sched: Scheduler, waves: list[list[GenerateRequest]]) -> int:
+    """Runs the waves one after another (what fits the pool), then leaves nothing behind: no
+    request, no cached page, no counter (the warm-up is not traffic)."""
     count = 0
     for wave in waves:
-        for prompt, n in wave:
-            request = GenerateRequest(
-                f"warmup-{count}",
-                prompt,
-                SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True),
-                bootstrap_host=FAKE_BOOTSTRAP_HOST,  # local only, as a health check
-            )
+        for request in wave:
             if sched.admission_problem(request) is None:  # a small pool: what fits
                 sched.add(request)
                 count += 1
@@ -107,6 +160,8 @@ def prepare_kernels(sched: Scheduler) -> int:
     for f in dataclasses.fields(stats):
         if f.name.endswith("_total"):
             setattr(stats, f.name, f.default)
+    if sched.prefill.images is not None:
+        sched.prefill.images.encoded_images = 0
     sched.refresh_stats()
     sched.batch_log.rebase()
     return count

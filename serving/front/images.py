@@ -288,6 +288,8 @@ def expand_image_token_ids(
     around it tokenizes the same either way). Returns the ids and where each image's run of
     counts[i] tokens starts."""
     _check_count(ids.count(image_token_id), counts)
+    if not counts:  # no placeholder: every text-only prompt of a vision checkpoint
+        return list(ids), []
     pending = iter(counts)
     out: list[int] = []
     starts: list[int] = []

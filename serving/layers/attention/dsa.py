@@ -208,7 +208,8 @@ def _union_layout(q_abs: torch.Tensor, batch: ForwardBatch, cache: DSALayerCache
             batch.req_to_token, batch.rows_cpu, ends, slots_total
         )
         block_q = union_kernels.block_queries(heads, q_abs.dtype)
-        tiles = upload(union_kernels.union_tiles(batch.starts_cpu, batch.lens_cpu, block_q), q_abs.device)
+        tiles = union_kernels.union_tiles(batch.starts_cpu, batch.lens_cpu, block_q)
+        tiles = upload(tiles, q_abs.device)  # pinned: a pageable copy waits for the device
         query_rows = batch.req_rows[batch.token_req]
         layout = batch.derived[key] = (positions_of, tiles, query_rows, max(ends))
     return layout
