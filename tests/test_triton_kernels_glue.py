@@ -125,6 +125,15 @@ def _boundary_inputs(tokens, hc, hidden, dtype, device, seed=0):
     return (out, streams, post, comb, fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
 
 
+@pytest.fixture(autouse=True)
+def _prefill_boundary_on(monkeypatch):
+    """mhc_boundary past BOUNDARY_MAX_TOKENS runs mhc_boundary_prefill in this file's tests
+    (serving turns it on once it has run on the H200: kernels.triton.mhc.PREFILL_BOUNDARY)."""
+    from kernels.triton import mhc as tmhc
+
+    monkeypatch.setattr(tmhc, "PREFILL_BOUNDARY", True)
+
+
 def _check_boundary(tokens, hc, hidden, dtype, device):
     from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary
 
@@ -165,6 +174,16 @@ def test_mhc_boundary_interpreter(tokens, dtype):
 def test_mhc_boundary_interpreter_odd_hc_and_prefill():
     _check_boundary(3, 3, 64, torch.float32, "cpu")  # hc 3: masked streams, 15 mixing logits
     _check_boundary(130, 4, 64, torch.bfloat16, "cpu")  # past BOUNDARY_MAX_TOKENS: two launches
+
+
+@cpu_interp
+def test_mhc_boundary_interpreter_post_then_pre(monkeypatch):
+    """PREFILL_BOUNDARY off (serving's default until the H200 run): post, then pre."""
+    from kernels.triton import mhc as tmhc
+
+    monkeypatch.setattr(tmhc, "PREFILL_BOUNDARY", False)
+    monkeypatch.setattr(tmhc, "mhc_boundary_prefill", None)  # must not be reached
+    _check_boundary(40, 4, 64, torch.bfloat16, "cpu")
 
 
 @cpu_interp

@@ -19,7 +19,8 @@
   a token block to arrive (an atomic counter per block, "the last program finishes") sums the
   partials in a fixed order and does what mhc_pre's finish kernel does, for each token of its
   block, with the collapse held in registers (one read of the new streams);
-- mhc_boundary above BOUNDARY_MAX_TOKENS (prefill, large decode and verify batches) in two
+- mhc_boundary_prefill, what mhc_boundary runs above BOUNDARY_MAX_TOKENS (prefill, large
+  decode and verify batches) once PREFILL_BOUNDARY is set (until then mhc_post + mhc_pre), in two
   launches: (1) programs of (channel slice, block of 16 or 64 tokens) expand their channels of
   every stream (rounded as mhc_post), store them and dot them with fn's columns on the tensor
   cores (bf16 streams: three exact bf16 products; else LOGIT_DOT) into the split-K partials of
@@ -477,6 +478,11 @@ def mhc_post(
 # at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more (measured
 # against mhc_post + mhc_pre, before mhc_boundary_prefill).
 BOUNDARY_MAX_TOKENS = 16
+# Past BOUNDARY_MAX_TOKENS: mhc_boundary_prefill where True, else mhc_post then mhc_pre (three
+# launches, the streams read three times; the path measured on the H200). False until
+# bench.prefill_mhc and the GPU tests have run on the H200: the prefill boundary has only run in
+# Triton's interpreter and compiled for sm_90 ahead of time (its bf16 tf32x3 logits unchecked).
+PREFILL_BOUNDARY = False
 BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token block
 BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
 
@@ -827,11 +833,15 @@ def mhc_boundary(
     partial logits and sums of squares; the last program of a token block to arrive (counter:
     the call site's int32 buffer, at least cdiv(T, boundary_block_t(T)) zeros, which the kernel
     leaves zero) sums them in a fixed order, runs the Sinkhorn and collapses + normalises.
-    Larger batches: mhc_boundary_prefill (two launches, no counters)."""
+    Larger batches: mhc_boundary_prefill (two launches, no counters) where PREFILL_BOUNDARY,
+    else mhc_post then mhc_pre."""
     tokens, hc, hidden = residual.shape
     if tokens > BOUNDARY_MAX_TOKENS:
         args = (fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
-        return mhc_boundary_prefill(out, residual, post, comb, *args)
+        if PREFILL_BOUNDARY:
+            return mhc_boundary_prefill(out, residual, post, comb, *args)
+        new = mhc_post(out, residual, post, comb)
+        return new, *mhc_pre(new, *args)
     mix = fn.shape[0]
     assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
     assert weight.dtype == residual.dtype, "the RMSNorm weight is held in the streams' dtype"
