@@ -42,14 +42,30 @@ def _poison(device) -> None:
         del junk
 
 
+_EXPERTS: dict = {}
+
+
+def _experts(shape, device):
+    """Random bf16 w13, w2 made on the device (the rank's are 1.8 GB) and kept for the module."""
+    key = (shape, str(device))
+    if key not in _EXPERTS:
+        _EXPERTS.clear()
+        hidden, local, inter, _, _ = shape
+        gen = torch.Generator(device=device).manual_seed(1234)
+        w13 = torch.randn(local, 2 * inter, hidden, generator=gen, device=device)
+        w2 = torch.randn(local, hidden, inter, generator=gen, device=device)
+        bf16 = torch.bfloat16
+        _EXPERTS[key] = ((w13 * (hidden**-0.5 * 2)).to(bf16), (w2 * inter**-0.5).to(bf16))
+    return _EXPERTS[key]
+
+
 def _inputs(tokens, shape, device, seed=0, skip_expert=None, skip_all=False):
     """bf16 x and experts; ids as the EP layer gives them: top-k of all experts' random scores,
     ids of other ranks' experts (>= local) set to `local`; weights renormalised over all k."""
     hidden, local, inter, top_k, total = shape
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(local, 2 * inter, hidden, generator=gen) * hidden**-0.5 * 2
-    w2 = torch.randn(local, hidden, inter, generator=gen) * inter**-0.5
+    w13, w2 = _experts(shape, device)
     scores = torch.rand(tokens, total, generator=gen)
     weights, ids = scores.topk(top_k, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)
@@ -58,8 +74,8 @@ def _inputs(tokens, shape, device, seed=0, skip_expert=None, skip_all=False):
         ids = ids.masked_fill(ids == skip_expert, local)
     if skip_all:
         ids = torch.full_like(ids, local)
-    bf = dict(device=device, dtype=torch.bfloat16)
-    return x.to(**bf), w13.to(**bf), w2.to(**bf), weights.to(device), ids.to(device)
+    x = x.to(device=device, dtype=torch.bfloat16)
+    return x, w13, w2, weights.to(device), ids.to(device)
 
 
 def _check(out, x, w13, w2, weights, ids, limit):
@@ -161,3 +177,31 @@ def test_grouped_gpu_cuda_graph():
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
         _check(out, x, w13, w2, weights, ids, 7.0)
+
+
+def test_layer_rule_picks_grouped_only_when_set(monkeypatch):
+    """serving/layers/mlp.py's one host rule: off while GROUPED_MIN_PAIRS_PER_EXPERT is None;
+    set, bf16 batches with T * top_k >= threshold * E take experts_grouped."""
+    from kernels.triton.moe import experts
+    from kernels.triton.moe_grouped import experts_grouped
+    from serving.layers import mlp
+
+    monkeypatch.setattr(mlp, "fast_path", lambda t: True)
+    x = torch.empty(450, 8, dtype=torch.bfloat16)
+    assert mlp.GROUPED_MIN_PAIRS_PER_EXPERT is None
+    assert mlp._experts(x, 8, 36) is experts
+    monkeypatch.setattr(mlp, "GROUPED_MIN_PAIRS_PER_EXPERT", 100)
+    assert mlp._experts(x, 8, 36) is experts_grouped  # 3,600 pairs = 100 x 36
+    assert mlp._experts(x[:449], 8, 36) is experts
+    assert mlp._experts(x.float(), 8, 36) is experts
+
+
+@pytest.mark.gpu
+def test_grouped_gpu_all_pairs_elsewhere():
+    """No local pair at all: every group empty, the output exactly zero."""
+    from kernels.triton.moe_grouped import experts_grouped
+
+    inputs = _inputs(64, RANK, "cuda", seed=5, skip_all=True)
+    _poison("cuda")
+    out = experts_grouped(*inputs, 7.0)
+    assert torch.equal(out, torch.zeros_like(out))
