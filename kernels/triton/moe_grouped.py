@@ -15,7 +15,8 @@ Five steps, no host sync (capturable; every shape and grid from host ints):
    fixed order, no atomics: deterministic), skipped pairs adding nothing.
 
 What torch._grouped_mm needs, read in PyTorch's source (aten/src/ATen/native/GroupedMMUtils.h,
-cuda/GroupedBlas.cpp, cuda/GroupMM.cu, cuda/GroupMMCommon.cuh):
+cuda/GroupedBlas.cpp, cuda/GroupMM.cu, cuda/GroupMMCommon.cuh; 2025-26 main, the releases
+since 2.8 agree on these points as far as read; tests/test_moe_grouped.py holds them on CUDA):
 - the CUTLASS kernel (no host sync) only for bf16 A, B and output on sm90 / sm100; any other
   dtype on CUDA takes a fallback that copies offs to the host (a sync): bf16 only on CUDA.
 - offs: 1-D int32, one cumulative end per group (group g = rows offs[g-1]..offs[g]), as many as
@@ -136,14 +137,14 @@ def sort_pairs(ids: torch.Tensor, num_experts: int):
     """(token of each sorted row [T*k] int32, sorted row of each pair [T*k] int32, offs [E]
     int32: cumulative pair counts per expert). Sync-free; ids equal to E sort last, at rows
     offs[E-1] and beyond."""
-    tokens, top_k = ids.shape
-    flat = ids.reshape(-1).long().clamp(max=num_experts)
+    top_k = ids.shape[1]
+    # int32 keys: half the radix passes of int64
+    flat = ids.reshape(-1).clamp(max=num_experts).to(torch.int32)
     n = flat.numel()
     dev = flat.device
-    _, order = torch.sort(flat, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
-    counts.scatter_add_(0, flat, torch.ones(n, dtype=torch.int32, device=dev))  # int: exact
-    offs = counts[:num_experts].cumsum(0, dtype=torch.int32)
+    keys, order = torch.sort(flat, stable=True)
+    ends = torch.arange(1, num_experts + 1, dtype=torch.int32, device=dev)
+    offs = torch.searchsorted(keys, ends, out_int32=True)  # pairs with id < e + 1
     token_of_row = (order // top_k).to(torch.int32)
     row_of_pair = torch.empty(n, dtype=torch.int32, device=dev)
     row_of_pair.scatter_(0, order, torch.arange(n, dtype=torch.int32, device=dev))
