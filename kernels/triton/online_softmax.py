@@ -2,8 +2,9 @@
 attention, sparse_mla_union): one block of scores and its value rows folded into each row's
 running max m, sum l and [rows, R] accumulator, all fp32.
 
-Inlined by Triton into each kernel: the kernels compile to the same PTX as when each wrote the
-update out (checked for sm_90a at serving's configurations when it was factored out).
+Inlined by Triton into each kernel. Checked when it was factored out (sm_90a, serving's
+configurations): the PTX is what each kernel compiled to with the update written out, but for
+debug line info; the SASS too, but for ptxas renaming 3 registers in the fp32 (tests-only) union.
 """
 
 from __future__ import annotations
