@@ -1,0 +1,395 @@
+"""Block-FP8 routed experts as two persistent grouped GEMMs on TMA tiles: same signature and
+results as kernels.moe.experts_fp8, for prefill-sized batches (serving/layers/mlp.py picks it by
+FP8_GROUPED_MIN_PAIRS_PER_EXPERT).
+
+Four steps, no host sync (capturable; every shape, grid and buffer size from host ints):
+
+1. layout (sync-free torch ops): the T*k (token, slot) pairs sorted by expert, stable, ids equal
+   to E (other EP ranks' experts) last, each expert's segment padded to BLOCK_M rows, so that
+   every M tile belongs to one expert. Buffers are sized for the upper bound
+   max_padded_rows(T*k, E, BLOCK_M) (kernels/triton/moe.py); the padded total lives on the device
+   only (`total`, one int32) and every kernel reads it: tiles and rows at or past it are neither
+   computed nor read. Padding rows have token -1 and routing weight 0.
+   Then one pass gathers x's row of each padded row and quantizes it per 128-column group to
+   e4m3 (kernels/triton/e4m3.py: the bits of kernels.fp8.quantize_act); padding rows are zeros.
+2. gate/up: persistent (one program per SM, a grouped tile order so that the M tiles sharing a
+   weight tile run together and meet it in L2), A and w13 read through host-side TMA
+   descriptors, BLOCK_K = 128 = one scale group: each K step adds
+   dot(a, w) * a_scale[row] * w_scale (the weight scale is one float per 128 x 128 block, so per
+   tile and K step a scalar). A tile holds 128 gate and the 128 matching up columns (two dots,
+   two accumulators), so its epilogue has whole 128-column groups of h: SwiGLU with the clamp,
+   rounded to x's dtype (the reference's order), quantized and stored as e4m3 + scale. No
+   separate quantization pass.
+3. down: the same structure over h, BLOCK_N (<= 128) columns of Hd; the epilogue multiplies by
+   the row's routing weight and stores x's dtype at the padded row.
+4. combine: kernels/triton/moe_grouped.py's fixed-order combine (no atomics: deterministic),
+   unweighted; a pair whose row is at or past `total` (id E) adds nothing.
+
+Descriptors are host-side (triton.tools.tensor_descriptor.TensorDescriptor, kernel parameters
+by value): no device-side descriptor scratch, so no triton.set_allocator, and a captured graph
+replays the same encoded descriptors on the same buffers. TMA zero-fills reads past a
+descriptor's shape (partial K groups) and clips stores past it. A tile that runs past an
+expert's I or Hd rows reads the next rows of the flattened weight (up rows, the next expert):
+those columns are masked to zero before h's quantization and clipped or never read downstream.
+
+The scales of the activations are stored group-major ([groups, rows]): a K step reads BLOCK_M
+contiguous floats.
+
+Hazard (registers): a gate/up tile carries two fp32 accumulators and the K step's dot result;
+at BLOCK_M 128 that is 3 x 64 registers per thread at 8 warps (see fp8_grouped_config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.fp8 import BLOCK as GROUP
+from kernels.fp8 import FP8
+from kernels.triton.e4m3 import quant_rows
+from kernels.triton.moe import max_padded_rows
+from kernels.triton.moe_grouped import combine
+
+# padded rows per program of the gather-quantize pass
+QUANT_ROWS = 32
+# programs of the persistent GEMMs when not on a GPU (the interpreter): a few, so that the tests
+# run programs through several tiles
+INTERPRETER_PROGRAMS = 3
+# rounding of h before its quantization: to x's dtype
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class GroupedFP8Config:
+    block_m: int  # rows per tile: each expert's segment is padded to it
+    gu_warps: int
+    gu_stages: int
+    down_block_n: int  # columns of Hd per down tile: 64 or 128 (one weight scale block)
+    down_warps: int
+    down_stages: int
+    group_m: int  # M tiles per group of the tile order (L2 reuse of the weight tiles)
+
+
+def fp8_grouped_config(num_pairs: int, num_experts: int) -> GroupedFP8Config:
+    """Tiles for the H200 from the mean pairs per expert (host ints only).
+
+    Shared memory per pipeline stage: gate/up BLOCK_M x 128 of A + 2 x 128 x 128 of w13 (48 KiB
+    at BLOCK_M 128), down BLOCK_M x 128 + BLOCK_N x 128 (32 KiB); the epilogue's layout
+    conversions take their own scratch beside the stages (227 KiB per SM)."""
+    if num_pairs < 64 * max(num_experts, 1):  # small segments: 128-row tiles would be mostly pad
+        return GroupedFP8Config(64, 4, 4, 128, 4, 4, 8)
+    return GroupedFP8Config(128, 8, 3, 128, 8, 4, 8)
+
+
+@cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device, tiles_bound: int) -> int:
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS
+    return max(1, min(sms, tiles_bound))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. layout
+# ---------------------------------------------------------------------------------------------
+
+
+def pad_sort(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int):
+    """(token of each padded row [R] int32, -1 on padding; routing weight of each padded row [R]
+    float32, 0 on padding; padded row of each pair [T*k] int32, R for id E; expert of each
+    M tile [R / block_m] int32, E past the total; total [1] int32: padded rows in use).
+    R = max_padded_rows(T*k, E, block_m). Sync-free."""
+    n = ids.numel()
+    dev = ids.device
+    rows_bound = max_padded_rows(n, num_experts, block_m)
+    flat = ids.reshape(-1).clamp(max=num_experts).to(torch.int32)
+    keys, order = torch.sort(flat, stable=True)
+    # counts[e] for e < E; counts[E]: other ranks' pairs, which get no segment
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts:].zero_()  # a host 0 assigned by index would copy: a sync
+    seg_end = padded.cumsum(0, dtype=torch.int32)
+    seg_start = seg_end - padded
+    first_pair = counts.cumsum(0, dtype=torch.int32) - counts
+    keys_l = keys.long()
+    rank = torch.arange(n, dtype=torch.int32, device=dev) - first_pair[keys_l]
+    kept = keys < num_experts
+    row = torch.where(kept, seg_start[keys_l] + rank, rows_bound)  # id E: past every row
+    dump = rows_bound  # one slot past the buffers takes the id-E pairs' scatters
+    token_of_row = torch.full((rows_bound + 1,), -1, dtype=torch.int32, device=dev)
+    token_of_row.scatter_(0, row.long(), (order // ids.shape[1]).to(torch.int32))
+    weight_of_row = torch.zeros(rows_bound + 1, dtype=torch.float32, device=dev)
+    weight_of_row.scatter_(0, row.long(), weights.reshape(-1).float()[order])
+    row_of_pair = torch.empty(n, dtype=torch.int32, device=dev)
+    row_of_pair.scatter_(0, order, row.to(torch.int32))
+    tile_starts = torch.arange(0, rows_bound, block_m, dtype=torch.int32, device=dev)
+    expert_of_tile = torch.searchsorted(seg_end[:num_experts], tile_starts, right=True)
+    total = seg_end[num_experts - 1 : num_experts]
+    return (
+        token_of_row[:dump],
+        weight_of_row[:dump],
+        row_of_pair,
+        expert_of_tile.to(torch.int32),
+        total,
+    )
+
+
+@triton.jit
+def _gather_quant_kernel(
+    x_ptr,  # [T, HD]
+    token_of_row_ptr,  # [R] int32, -1 on padding
+    total_ptr,
+    q_ptr,  # [R, HD] e4m3
+    s_ptr,  # [KB, R] float32: group-major
+    R,
+    HD: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Padded rows r < total: x's row of r's token (zeros on padding), quantized per group of
+    128 columns; program (i, g) does rows i * ROWS.. of group g."""
+    r0 = tl.program_id(0) * ROWS
+    if r0 >= tl.load(total_ptr):
+        return
+    g = tl.program_id(1)
+    rows = r0 + tl.arange(0, ROWS)
+    cols = g * 128 + tl.arange(0, 128)
+    tok = tl.load(token_of_row_ptr + rows)
+    live = tok >= 0
+    mask = cols[None, :] < HD
+    v = tl.load(
+        x_ptr + tok.to(tl.int64)[:, None] * HD + cols[None, :],
+        mask=live[:, None] & mask,
+        other=0.0,
+    )
+    q, scale = quant_rows(v.to(tl.float32))
+    tl.store(
+        q_ptr + rows.to(tl.int64)[:, None] * HD + cols[None, :],
+        q.to(q_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(s_ptr + g * R + rows, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. gate/up + SwiGLU + quantization of h, 3. down * routing weight
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(tile, m_tiles, N_TILES: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a tile index: GROUP_M M tiles fastest, then N (grouped order)."""
+    per_group = GROUP_M * N_TILES
+    first_m = (tile // per_group) * GROUP_M
+    size_m = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % size_m
+    pid_n = (tile % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    a_desc,  # [R, HD] e4m3, block [BLOCK_M, 128]
+    w_desc,  # [E * 2 * INTER, HD] e4m3 (w13 flattened), block [128, 128]
+    h_desc,  # [R, INTER] e4m3, block [BLOCK_M, 128]
+    as_ptr,  # [KB, R] float32
+    ws_ptr,  # [E, 2 * NB, KB] float32: gate's NB block rows, then up's
+    hs_ptr,  # [NB, R] float32
+    expert_of_tile_ptr,
+    total_ptr,
+    limit,
+    R,
+    HD: tl.constexpr,
+    INTER: tl.constexpr,
+    KB: tl.constexpr,
+    NB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+    ROUND: tl.constexpr,  # h rounded to x's dtype first: 0 float32, 1 bf16, 2 fp16
+):
+    m_tiles = tl.load(total_ptr) // BLOCK_M
+    lanes = tl.arange(0, BLOCK_M)
+    zero = lanes * 0
+    cols0 = tl.arange(0, 128)
+    for tile in range(tl.program_id(0), m_tiles * NB, NUM_PROGS):
+        pid_m, pid_n = _tile(tile, m_tiles, NB, GROUP_M)
+        e = tl.load(expert_of_tile_ptr + pid_m)
+        off_m = pid_m * BLOCK_M
+        rows = off_m + lanes
+        gate_row = e * (2 * INTER) + pid_n * 128
+        gs_ptr = ws_ptr + (e * (2 * NB) + pid_n) * KB
+        us_ptr = gs_ptr + NB * KB
+        acc_g = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+        for kb in range(KB):
+            a = a_desc.load([off_m, kb * 128])
+            a_s = tl.load(as_ptr + kb * R + rows)
+            # the block's weight scale, as a row vector of one address (a pipelined load)
+            g_s = a_s * tl.load(gs_ptr + kb + zero)
+            wg = w_desc.load([gate_row, kb * 128])
+            acc_g += tl.dot(a, wg.T) * g_s[:, None]
+            u_s = a_s * tl.load(us_ptr + kb + zero)
+            wu = w_desc.load([gate_row + INTER, kb * 128])
+            acc_u += tl.dot(a, wu.T) * u_s[:, None]
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = gate * tl.sigmoid(gate) * up
+        if ROUND == 1:
+            h = h.to(tl.bfloat16).to(tl.float32)
+        elif ROUND == 2:
+            h = h.to(tl.float16).to(tl.float32)
+        if INTER % 128 != 0:  # columns past I (the up rows read past gate's): out of the group
+            h = tl.where((pid_n * 128 + cols0)[None, :] < INTER, h, 0.0)
+        q, h_s = quant_rows(h)
+        h_desc.store([off_m, pid_n * 128], q.to(h_desc.dtype))
+        tl.store(hs_ptr + pid_n * R + rows, h_s)
+
+
+@triton.jit
+def _down_kernel(
+    h_desc,  # [R, INTER] e4m3, block [BLOCK_M, 128]
+    w_desc,  # [E * HD, INTER] e4m3 (w2 flattened), block [BLOCK_N, 128]
+    y_desc,  # [R, HD] x's dtype, block [BLOCK_M, BLOCK_N]
+    hs_ptr,  # [NB, R] float32
+    ws_ptr,  # [E, HB, NB] float32
+    weight_of_row_ptr,  # [R] float32, 0 on padding
+    expert_of_tile_ptr,
+    total_ptr,
+    R,
+    HD: tl.constexpr,
+    NB: tl.constexpr,
+    HB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr,
+):
+    N_TILES: tl.constexpr = (HD + BLOCK_N - 1) // BLOCK_N
+    m_tiles = tl.load(total_ptr) // BLOCK_M
+    lanes = tl.arange(0, BLOCK_M)
+    zero = lanes * 0
+    for tile in range(tl.program_id(0), m_tiles * N_TILES, NUM_PROGS):
+        pid_m, pid_n = _tile(tile, m_tiles, N_TILES, GROUP_M)
+        e = tl.load(expert_of_tile_ptr + pid_m)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        rows = off_m + lanes
+        s_ptr = ws_ptr + (e * HB + off_n // 128) * NB  # BLOCK_N divides 128: one block row
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kb in range(NB):
+            a = h_desc.load([off_m, kb * 128])
+            w = w_desc.load([e * HD + off_n, kb * 128])
+            scale = tl.load(hs_ptr + kb * R + rows) * tl.load(s_ptr + kb + zero)
+            acc += tl.dot(a, w.T) * scale[:, None]
+        acc = acc * tl.load(weight_of_row_ptr + rows)[:, None]
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# the call
+# ---------------------------------------------------------------------------------------------
+
+
+def experts_fp8_grouped(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    limit: float,
+    config: GroupedFP8Config | None = None,
+) -> torch.Tensor:
+    """kernels.moe.experts_fp8 as two grouped GEMMs (module docstring): x [T, Hd] (bf16, fp16 or
+    float32); w13 [E, 2I, Hd], w2 [E, Hd, I] float8_e4m3fn with float32 128 x 128 block scales
+    w13_scale [E, 2 ceil(I/128), ceil(Hd/128)], w2_scale [E, ceil(Hd/128), ceil(I/128)];
+    weights [T, k] float32; ids [T, k], E for another rank's expert. Returns [T, Hd] in x's
+    dtype. config: the tiles (None: fp8_grouped_config's rule).
+
+    Hd and I must be multiples of 16 (TMA rows start 16-byte aligned). Scratch is sized for all
+    T*k pairs plus padding: at 8,192 tokens, top-8, Hd 4096, I 2048 about 0.6 GB of e4m3 and
+    bf16 rows (the rows are computed for the local pairs only)."""
+    tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    if hidden % 16 or inter % 16:
+        raise ValueError(f"grouped FP8 experts need Hd, I multiples of 16: {tuple(w13.shape)}")
+    if tokens == 0:
+        return torch.empty_like(x)
+    n = ids.numel()
+    cfg = config or fp8_grouped_config(n, num_experts)
+    bm = cfg.block_m
+    dev = x.device
+    token_of_row, weight_of_row, row_of_pair, expert_of_tile, total = pad_sort(
+        ids, weights, num_experts, bm
+    )
+    rows = token_of_row.numel()
+    kb, nb = triton.cdiv(hidden, GROUP), triton.cdiv(inter, GROUP)
+    xq = torch.empty(rows, hidden, device=dev, dtype=FP8)
+    xs = torch.empty(kb, rows, device=dev, dtype=torch.float32)
+    _gather_quant_kernel[(triton.cdiv(rows, QUANT_ROWS), kb)](
+        x.contiguous(), token_of_row, total, xq, xs, rows, HD=hidden, ROWS=QUANT_ROWS, num_warps=4
+    )
+
+    hq = torch.empty(rows, inter, device=dev, dtype=FP8)
+    hs = torch.empty(nb, rows, device=dev, dtype=torch.float32)
+    w13_flat = w13.contiguous().view(num_experts * two_inter, hidden)
+    m_tiles_bound = rows // bm
+    gate_up_programs = _programs(dev, m_tiles_bound * nb)
+    _gate_up_kernel[(gate_up_programs,)](
+        TensorDescriptor.from_tensor(xq, [bm, GROUP]),
+        TensorDescriptor.from_tensor(w13_flat, [GROUP, GROUP]),
+        TensorDescriptor.from_tensor(hq, [bm, GROUP]),
+        xs,
+        w13_scale.contiguous(),
+        hs,
+        expert_of_tile,
+        total,
+        float(limit),
+        rows,
+        HD=hidden,
+        INTER=inter,
+        KB=kb,
+        NB=nb,
+        BLOCK_M=bm,
+        GROUP_M=cfg.group_m,
+        NUM_PROGS=gate_up_programs,
+        ROUND=_ROUND[x.dtype],
+        num_warps=cfg.gu_warps,
+        num_stages=cfg.gu_stages,
+    )
+
+    y = torch.empty(rows, hidden, device=dev, dtype=x.dtype)
+    w2_flat = w2.contiguous().view(num_experts * hidden, inter)
+    block_n = cfg.down_block_n
+    down_programs = _programs(dev, m_tiles_bound * triton.cdiv(hidden, block_n))
+    _down_kernel[(down_programs,)](
+        TensorDescriptor.from_tensor(hq, [bm, GROUP]),
+        TensorDescriptor.from_tensor(w2_flat, [block_n, GROUP]),
+        TensorDescriptor.from_tensor(y, [bm, block_n]),
+        hs,
+        w2_scale.contiguous(),
+        weight_of_row,
+        expert_of_tile,
+        total,
+        rows,
+        HD=hidden,
+        NB=nb,
+        HB=kb,
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        GROUP_M=cfg.group_m,
+        NUM_PROGS=down_programs,
+        num_warps=cfg.down_warps,
+        num_stages=cfg.down_stages,
+    )
+    return combine(y, row_of_pair, None, total, x.dtype, top_k=ids.shape[1])
