@@ -128,12 +128,13 @@ def test_fp8_grouped_interpreter(tokens, dtype):
 
 
 @cpu_interp
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_fp8_grouped_interpreter_configs(block_m):
-    """Whole groups, both tile heights, a 64-column down tile; ragged counts over 4 experts."""
+@pytest.mark.parametrize("block_m,flatten", [(64, False), (128, True)])
+def test_fp8_grouped_interpreter_configs(block_m, flatten):
+    """Whole groups, both tile heights, a 64-column down tile, the flattened tile loop; ragged
+    counts over 4 experts."""
     from kernels.triton.moe_fp8_grouped import GroupedFP8Config, experts_fp8_grouped
 
-    cfg = GroupedFP8Config(block_m, 4, 2, 64, 4, 2, 2)
+    cfg = GroupedFP8Config(block_m, 4, 2, 64, 4, 2, 2, flatten)
     inputs = _inputs(40, ALIGNED, "cpu", torch.float32, seed=9)
     _check(experts_fp8_grouped(*inputs, 10.0, config=cfg), inputs, 10.0)
 
