@@ -83,21 +83,21 @@ FP8_CONFIGS = [
 
 
 # GroupedFP8Config fields: (block_m, gu_warps, gu_stages, down_block_n, down_warps, down_stages,
-# group_m, flatten). ptxas for sm_90a (scratch AOT compile, registers / spill bytes / shared
-# KiB): gate/up 128 rows 8 warps 255 regs, 124 B spilled, 160 KiB at 3 stages; 128 rows 16
-# warps 128 regs, 64 B (4 B flattened); 64 rows 8 warps 171 regs, none. Down at 128 x 128, 8
-# warps: 158 regs, none. Most plausible first (the sweep is time-boxed).
+# group_m, flatten, rescale, ctas_per_sm); the first is fp8_grouped_config's prefill default.
+# ptxas for sm_90a at each: kernels/triton/moe_fp8_grouped.py, fp8_grouped_config. Most
+# plausible first (the sweep is time-boxed).
 FP8_GROUPED_CONFIGS = [
-    (128, 8, 3, 128, 8, 4, 8, False),
-    (128, 8, 3, 128, 8, 4, 8, True),
-    (128, 16, 3, 128, 8, 4, 8, True),
-    (128, 16, 3, 128, 8, 4, 8, False),
-    (64, 8, 4, 128, 8, 4, 8, False),
-    (64, 8, 4, 128, 8, 4, 8, True),
-    (128, 8, 2, 128, 8, 3, 8, False),
-    (128, 8, 3, 128, 8, 4, 4, False),
-    (128, 8, 3, 128, 8, 4, 16, False),
-    (128, 8, 3, 64, 4, 4, 8, False),
+    (128, 8, 3, 128, 8, 4, 8, False, True, 1),
+    (128, 8, 3, 128, 8, 4, 8, True, True, 1),
+    (128, 8, 3, 128, 8, 4, 8, False, False, 1),
+    (128, 16, 3, 128, 8, 4, 8, False, True, 1),
+    (64, 8, 2, 128, 8, 2, 8, False, True, 2),
+    (64, 4, 2, 128, 4, 2, 8, False, True, 2),
+    (128, 8, 4, 128, 8, 4, 8, False, True, 1),
+    (64, 8, 4, 128, 8, 4, 8, False, True, 1),
+    (128, 8, 3, 128, 8, 4, 4, False, True, 1),
+    (128, 8, 3, 128, 8, 4, 16, False, True, 1),
+    (128, 8, 3, 64, 4, 4, 8, False, True, 1),
 ]
 FP8_GROUPED_SWEEP_SECONDS = 30.0
 

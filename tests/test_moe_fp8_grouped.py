@@ -128,13 +128,15 @@ def test_fp8_grouped_interpreter(tokens, dtype):
 
 
 @cpu_interp
-@pytest.mark.parametrize("block_m,flatten", [(64, False), (128, True)])
-def test_fp8_grouped_interpreter_configs(block_m, flatten):
-    """Whole groups, both tile heights, a 64-column down tile, the flattened tile loop; ragged
-    counts over 4 experts."""
+@pytest.mark.parametrize(
+    "block_m,flatten,rescale", [(64, False, False), (128, True, False), (64, False, True)]
+)
+def test_fp8_grouped_interpreter_configs(block_m, flatten, rescale):
+    """Whole groups, both tile heights, a 64-column down tile, the flattened tile loop, both
+    ways of applying the scales; ragged counts over 4 experts."""
     from kernels.triton.moe_fp8_grouped import GroupedFP8Config, experts_fp8_grouped
 
-    cfg = GroupedFP8Config(block_m, 4, 2, 64, 4, 2, 2, flatten)
+    cfg = GroupedFP8Config(block_m, 4, 2, 64, 4, 2, 2, flatten, rescale)
     inputs = _inputs(40, ALIGNED, "cpu", torch.float32, seed=9)
     _check(experts_fp8_grouped(*inputs, 10.0, config=cfg), inputs, 10.0)
 
@@ -216,15 +218,17 @@ def test_fp8_grouped_gpu_rank_shape(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_fp8_grouped_gpu_float32_exact(block_m):
-    """float32 x at the rank's dims, 256 tokens: the reference within 1e-5 at both tile heights
-    (no bf16 rounding hides an indexing error here)."""
+@pytest.mark.parametrize("block_m,rescale,per_sm", [(128, True, 1), (64, False, 2)])
+def test_fp8_grouped_gpu_float32_exact(block_m, rescale, per_sm):
+    """float32 x at the rank's dims, 256 tokens: the reference within 1e-5 at both tile heights,
+    both ways of applying the scales, one and two programs per SM (no bf16 rounding hides an
+    indexing error here)."""
     from kernels.triton.moe_fp8_grouped import GroupedFP8Config, experts_fp8_grouped
 
     inputs = _inputs(256, RANK, "cuda", torch.float32, seed=6)
     _poison("cuda")
-    cfg = GroupedFP8Config(block_m, 8 if block_m == 128 else 4, 3, 128, 8, 4, 8)
+    warps = 8 if block_m == 128 else 4
+    cfg = GroupedFP8Config(block_m, warps, 3, 128, 8, 4, 8, False, rescale, per_sm)
     _check(experts_fp8_grouped(*inputs, 7.0, config=cfg), inputs, 7.0)
 
 

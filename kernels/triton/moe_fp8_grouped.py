@@ -35,8 +35,9 @@ those columns are masked to zero before h's quantization and clipped or never re
 The scales of the activations are stored group-major ([groups, rows]): a K step reads BLOCK_M
 contiguous floats.
 
-Hazard (registers): a gate/up tile carries two fp32 accumulators and the K step's dot result;
-at BLOCK_M 128 that is 3 x 64 registers per thread at 8 warps (see fp8_grouped_config).
+Hazard (registers): a gate/up tile carries two fp32 accumulators, and `acc += dot * scale` a
+third tile for the dot's result: at BLOCK_M 128 and 8 warps 3 x 64 registers per thread, which
+spills. GroupedFP8Config.rescale accumulates in place instead (fp8_grouped_config's numbers).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ QUANT_ROWS = 32
 # programs of the persistent GEMMs when not on a GPU (the interpreter): a few, so that the tests
 # run programs through several tiles
 INTERPRETER_PROGRAMS = 3
+# RESCALE divides by each K step's scale: a checkpoint's zero block scale would make it inf.
+# Floored here (a_scale >= 1e-10 / 448 always; products of real scales are far above), the
+# floored step's dot, which the reference multiplies by 0, is multiplied by 1e-30 instead.
+SCALE_FLOOR = tl.constexpr(1e-30)
 # rounding of h before its quantization: to x's dtype
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -74,17 +79,34 @@ class GroupedFP8Config:
     down_stages: int
     group_m: int  # M tiles per group of the tile order (L2 reuse of the weight tiles)
     flatten: bool = False  # tl.range(flatten=): one software pipeline across a program's tiles
+    # K steps as acc = dot(a, w, acc * (s_prev / s)) with the scale applied once at the end,
+    # instead of acc += dot(a, w) * s: the dot accumulates in place (no fp32 temporary of the
+    # tile), at one rounding of the ratio per step (about 1e-6 relative over 32 steps)
+    rescale: bool = False
+    # persistent programs per SM: 2 lets one program's MMAs overlap the other's scale math and
+    # epilogue, where registers (<= 128 per thread at 8 warps) and shared memory (<= 113 KiB)
+    # allow two
+    ctas_per_sm: int = 1
 
 
 def fp8_grouped_config(num_pairs: int, num_experts: int) -> GroupedFP8Config:
-    """Tiles for the H200 from the mean pairs per expert (host ints only).
+    """Tiles for the H200 from T*k / E (host ints only; under EP the local pairs are about 1/EP
+    of that).
 
     Shared memory per pipeline stage: gate/up BLOCK_M x 128 of A + 2 x 128 x 128 of w13 (48 KiB
-    at BLOCK_M 128), down BLOCK_M x 128 + BLOCK_N x 128 (32 KiB); the epilogue's layout
-    conversions take their own scratch beside the stages (227 KiB per SM)."""
+    at BLOCK_M 128), down BLOCK_M x 128 + BLOCK_N x 128 (32 KiB); the epilogue takes its own
+    scratch beside the stages (227 KiB per SM). ptxas for sm_90a (Triton 3.6, compiled ahead of
+    time at the rank shape; registers per thread, spill bytes, shared KiB):
+    - gate/up, 128 rows, 8 warps, 3 stages: rescale 255 / 0 / 160; acc += dot * s 255 / 56-124
+      / 160 (the dot's fp32 temporary beside both accumulators), so rescale is the default;
+      16 warps 128 / 0; 64 rows at 8 warps 128 / 0 / 168 (4 stages).
+    - down, 128 x 128, 8 warps, 4 stages: rescale 114 / 0 / 160, acc += dot * s 158 / 0.
+    None serializes its wgmmas (ptxas C7515); before the K step's scalings came ahead of both
+    dots, the flattened loop did. Which is fastest is the H200's to say (bench.prefill_moe
+    --configs)."""
     if num_pairs < 64 * max(num_experts, 1):  # small segments: 128-row tiles would be mostly pad
-        return GroupedFP8Config(64, 4, 4, 128, 4, 4, 8)
-    return GroupedFP8Config(128, 8, 3, 128, 8, 4, 8)
+        return GroupedFP8Config(64, 8, 4, 128, 8, 4, 8, rescale=True)
+    return GroupedFP8Config(128, 8, 3, 128, 8, 4, 8, rescale=True)
 
 
 @cache
@@ -92,9 +114,9 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(device: torch.device, tiles_bound: int) -> int:
+def _programs(device: torch.device, tiles_bound: int, per_sm: int) -> int:
     sms = _num_sms(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS
-    return max(1, min(sms, tiles_bound))
+    return max(1, min(sms * per_sm, tiles_bound))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,11 +237,11 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     FLATTEN: tl.constexpr,
+    RESCALE: tl.constexpr,
     ROUND: tl.constexpr,  # h rounded to x's dtype first: 0 float32, 1 bf16, 2 fp16
 ):
     m_tiles = tl.load(total_ptr) // BLOCK_M
     lanes = tl.arange(0, BLOCK_M)
-    zero = lanes * 0
     cols0 = tl.arange(0, 128)
     for tile in tl.range(tl.program_id(0), m_tiles * NB, NUM_PROGS, flatten=FLATTEN):
         pid_m, pid_n = _tile(tile, m_tiles, NB, GROUP_M)
@@ -231,16 +253,30 @@ def _gate_up_kernel(
         us_ptr = gs_ptr + NB * KB
         acc_g = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+        g_prev = tl.full([BLOCK_M], 1.0, tl.float32)
+        u_prev = tl.full([BLOCK_M], 1.0, tl.float32)
         for kb in range(KB):
             a = a_desc.load([off_m, kb * 128])
             a_s = tl.load(as_ptr + kb * R + rows)
-            # the block's weight scale, as a row vector of one address (a pipelined load)
-            g_s = a_s * tl.load(gs_ptr + kb + zero)
+            g_s = a_s * tl.load(gs_ptr + kb)
+            u_s = a_s * tl.load(us_ptr + kb)
             wg = w_desc.load([gate_row, kb * 128])
-            acc_g += tl.dot(a, wg.T) * g_s[:, None]
-            u_s = a_s * tl.load(us_ptr + kb + zero)
             wu = w_desc.load([gate_row + INTER, kb * 128])
-            acc_u += tl.dot(a, wu.T) * u_s[:, None]
+            if RESCALE:  # the accumulators in units of this step's scales: no dot temporaries
+                g_s = tl.maximum(g_s, SCALE_FLOOR)
+                u_s = tl.maximum(u_s, SCALE_FLOOR)
+                acc_g = acc_g * (g_prev / g_s)[:, None]
+                acc_u = acc_u * (u_prev / u_s)[:, None]
+                acc_g = tl.dot(a, wg.T, acc_g)
+                acc_u = tl.dot(a, wu.T, acc_u)
+                g_prev = g_s
+                u_prev = u_s
+            else:
+                acc_g += tl.dot(a, wg.T) * g_s[:, None]
+                acc_u += tl.dot(a, wu.T) * u_s[:, None]
+        if RESCALE:
+            acc_g = acc_g * g_prev[:, None]
+            acc_u = acc_u * u_prev[:, None]
         gate = tl.minimum(acc_g, limit)
         up = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = gate * tl.sigmoid(gate) * up
@@ -274,11 +310,11 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     FLATTEN: tl.constexpr,
+    RESCALE: tl.constexpr,
 ):
     N_TILES: tl.constexpr = (HD + BLOCK_N - 1) // BLOCK_N
     m_tiles = tl.load(total_ptr) // BLOCK_M
     lanes = tl.arange(0, BLOCK_M)
-    zero = lanes * 0
     for tile in tl.range(tl.program_id(0), m_tiles * N_TILES, NUM_PROGS, flatten=FLATTEN):
         pid_m, pid_n = _tile(tile, m_tiles, N_TILES, GROUP_M)
         e = tl.load(expert_of_tile_ptr + pid_m)
@@ -287,11 +323,19 @@ def _down_kernel(
         rows = off_m + lanes
         s_ptr = ws_ptr + (e * HB + off_n // 128) * NB  # BLOCK_N divides 128: one block row
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        prev = tl.full([BLOCK_M], 1.0, tl.float32)
         for kb in range(NB):
             a = h_desc.load([off_m, kb * 128])
             w = w_desc.load([e * HD + off_n, kb * 128])
-            scale = tl.load(hs_ptr + kb * R + rows) * tl.load(s_ptr + kb + zero)
-            acc += tl.dot(a, w.T) * scale[:, None]
+            scale = tl.load(hs_ptr + kb * R + rows) * tl.load(s_ptr + kb)
+            if RESCALE:
+                scale = tl.maximum(scale, SCALE_FLOOR)
+                acc = tl.dot(a, w.T, acc * (prev / scale)[:, None])
+                prev = scale
+            else:
+                acc += tl.dot(a, w.T) * scale[:, None]
+        if RESCALE:
+            acc = acc * prev[:, None]
         acc = acc * tl.load(weight_of_row_ptr + rows)[:, None]
         y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
@@ -323,7 +367,7 @@ def gate_up(xq, xs, w13, w13_scale, expert_of_tile, total, limit, round_to, cfg)
     hs = torch.empty(nb, rows, device=xq.device, dtype=torch.float32)
     w13_flat = w13.contiguous().view(num_experts * two_inter, hidden)
     bm = cfg.block_m
-    programs = _programs(xq.device, rows // bm * nb)
+    programs = _programs(xq.device, rows // bm * nb, cfg.ctas_per_sm)
     _gate_up_kernel[(programs,)](
         TensorDescriptor.from_tensor(xq, [bm, GROUP]),
         TensorDescriptor.from_tensor(w13_flat, [GROUP, GROUP]),
@@ -343,6 +387,7 @@ def gate_up(xq, xs, w13, w13_scale, expert_of_tile, total, limit, round_to, cfg)
         GROUP_M=cfg.group_m,
         NUM_PROGS=programs,
         FLATTEN=cfg.flatten,
+        RESCALE=cfg.rescale,
         ROUND=_ROUND[round_to],
         num_warps=cfg.gu_warps,
         num_stages=cfg.gu_stages,
@@ -357,7 +402,7 @@ def down(hq, hs, w2, w2_scale, weight_of_row, expert_of_tile, total, out_dtype, 
     y = torch.empty(rows, hidden, device=hq.device, dtype=out_dtype)
     w2_flat = w2.contiguous().view(num_experts * hidden, inter)
     bm, block_n = cfg.block_m, cfg.down_block_n
-    programs = _programs(hq.device, rows // bm * triton.cdiv(hidden, block_n))
+    programs = _programs(hq.device, rows // bm * triton.cdiv(hidden, block_n), cfg.ctas_per_sm)
     _down_kernel[(programs,)](
         TensorDescriptor.from_tensor(hq, [bm, GROUP]),
         TensorDescriptor.from_tensor(w2_flat, [block_n, GROUP]),
@@ -376,6 +421,7 @@ def down(hq, hs, w2, w2_scale, weight_of_row, expert_of_tile, total, out_dtype, 
         GROUP_M=cfg.group_m,
         NUM_PROGS=programs,
         FLATTEN=cfg.flatten,
+        RESCALE=cfg.rescale,
         num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )
