@@ -47,7 +47,7 @@ HIDDEN, INTER, EXPERTS, TOP_K, LOCAL = 4096, 2048, 288, 8, 36
 LIMIT = 7.0
 TOKENS = (2048, 8192, 16384)
 SWEEP_TOKENS = 8192
-SWEEP_SECONDS = 45.0  # new configs start until then; the last one may run a few s past
+SWEEP_SECONDS = 35.0  # new configs start until then; the last one may run a few s past
 COPY_BW = 4.23e12  # bytes/s, H200 device-to-device copy measured on the lent machine
 
 # (block_m, gu_block_n, gu_block_k, down_block_n, down_block_k, num_warps, num_stages); the

@@ -150,37 +150,55 @@ def test_fp8_grouped_interpreter_all_pairs_elsewhere():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_pad_sort_cpu():
+@cpu_interp
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,block_m", [(11, 5, 3, 4), (300, 5, 3, 16), (200, 40, 8, 64)]
+)
+def test_pad_sort_interpreter(tokens, experts, top_k, block_m):
+    """The larger cases span several placing programs (256 pairs each)."""
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, experts + 1, (tokens, top_k), generator=gen)  # E: skipped
+    ids[ids == 2] = experts  # expert 2 empty
+    _check_pad_sort(ids, torch.rand(tokens, top_k, generator=gen), experts, block_m)
+
+
+@pytest.mark.gpu
+def test_pad_sort_gpu_rank_shape():
+    """The rank's 8k chunk: 65,536 pairs over 256 placing programs, expert 3 empty."""
+    *_, weights, ids = _inputs(8192, RANK, "cuda", seed=8, skip_expert=3)
+    _check_pad_sort(ids, weights, RANK[1], 128)
+
+
+def _check_pad_sort(ids, weights, experts, block_m):
     """Each expert's pairs in pair order from its segment's start, segments BLOCK_M-aligned in
     expert order, padding rows token -1 / weight 0, id-E pairs past every row; expert of each
-    tile, E past the total. Plain torch."""
+    tile, E past the total."""
     from kernels.triton.moe import max_padded_rows
     from kernels.triton.moe_fp8_grouped import pad_sort
 
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 6, (11, 3), generator=gen)  # 5 = E: skipped
-    ids[ids == 2] = 5  # expert 2 empty
-    weights = torch.rand(11, 3, generator=gen)
-    bm = 4
-    token_of_row, weight_of_row, row_of_pair, expert_of_tile, total = pad_sort(ids, weights, 5, bm)
-    rows = max_padded_rows(33, 5, bm)
-    assert token_of_row.shape == (rows,) and expert_of_tile.shape == (rows // bm,)
+    tokens, top_k = ids.shape
+    n = tokens * top_k
+    layout = pad_sort(ids, weights, experts, block_m)
+    token_of_row, weight_of_row, row_of_pair, expert_of_tile, total = (t.cpu() for t in layout)
+    ids, weights = ids.cpu(), weights.cpu()
+    rows = max_padded_rows(n, experts, block_m)
+    assert token_of_row.shape == (rows,) and expert_of_tile.shape == (rows // block_m,)
     flat = ids.flatten()
     start = 0
-    for e in range(5):
+    for e in range(experts):
         pairs = (flat == e).nonzero().flatten()
         got = row_of_pair[pairs].long()
         assert torch.equal(got, torch.arange(start, start + pairs.numel()))
-        assert torch.equal(token_of_row[got].long(), pairs // 3)
+        assert torch.equal(token_of_row[got].long(), pairs // top_k)
         assert torch.equal(weight_of_row[got], weights.flatten()[pairs])
-        seg = -(-pairs.numel() // bm) * bm
+        seg = -(-pairs.numel() // block_m) * block_m
         assert (token_of_row[start + pairs.numel() : start + seg] == -1).all()
         assert (weight_of_row[start + pairs.numel() : start + seg] == 0).all()
-        assert (expert_of_tile[start // bm : (start + seg) // bm] == e).all()
+        assert (expert_of_tile[start // block_m : (start + seg) // block_m] == e).all()
         start += seg
     assert total.tolist() == [start]
-    assert (row_of_pair[flat == 5] == rows).all()
-    assert (expert_of_tile[start // bm :] == 5).all()
+    assert (row_of_pair[flat == experts] == rows).all()
+    assert (expert_of_tile[start // block_m :] == experts).all()
 
 
 def test_layer_rule_picks_fp8_grouped_only_when_set(monkeypatch):

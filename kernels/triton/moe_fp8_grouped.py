@@ -4,9 +4,9 @@ FP8_GROUPED_MIN_PAIRS_PER_EXPERT).
 
 Four steps, no host sync (capturable; every shape, grid and buffer size from host ints):
 
-1. layout (sync-free torch ops): the T*k (token, slot) pairs sorted by expert, stable, ids equal
-   to E (other EP ranks' experts) last, each expert's segment padded to BLOCK_M rows, so that
-   every M tile belongs to one expert. Buffers are sized for the upper bound
+1. layout (pad_sort: two small Triton passes around a cumulative sum, no sort): the T*k (token,
+   slot) pairs placed by expert, stable, ids equal to E (other EP ranks' experts) given no row,
+   each expert's segment padded to BLOCK_M rows, so that every M tile belongs to one expert. Buffers are sized for the upper bound
    max_padded_rows(T*k, E, BLOCK_M) (kernels/triton/moe.py); the padded total lives on the device
    only (`total`, one int32) and every kernel reads it: tiles and rows at or past it are neither
    computed nor read. Padding rows have token -1 and routing weight 0.
@@ -124,45 +124,114 @@ def _programs(device: torch.device, tiles_bound: int, per_sm: int) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _block_counts_kernel(
+    ids_ptr,  # [n] int64 expert ids, E (or more) for other ranks' experts
+    n,
+    counts_ptr,  # [programs, E] int32: pairs of each expert in each program's block
+    E: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ex = tl.load(ids_ptr + p, mask=p < n, other=E).to(tl.int32)
+    e_offs = tl.arange(0, BLOCK_E)
+    hit = ex[:, None] == e_offs[None, :]  # ids >= E hit no lane below E
+    counts = tl.sum(hit.to(tl.int32), axis=0)
+    tl.store(counts_ptr + tl.program_id(0) * E + e_offs, counts, mask=e_offs < E)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr,
+    weights_ptr,  # [n] float32
+    n,
+    prefix_ptr,  # [programs, E] int32: counts_ptr's inclusive cumulative sum over programs
+    token_of_row_ptr,  # [R] int32, -1 beforehand
+    weight_of_row_ptr,  # [R] float32, 0 beforehand
+    row_of_pair_ptr,  # [n] int32
+    expert_of_tile_ptr,  # [R / BLOCK_M] int32
+    total_ptr,  # [1] int32
+    R,
+    E: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Each pair's padded row: its expert's segment start + the pairs of that expert in earlier
+    blocks + its rank among them in this block (stable). Program 0 also writes each tile's
+    expert and the total."""
+    pid = tl.program_id(0)
+    last = tl.num_programs(0) - 1
+    e_offs = tl.arange(0, BLOCK_E)
+    e_mask = e_offs < E
+    counts = tl.load(prefix_ptr + last * E + e_offs, mask=e_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    seg_end = tl.cumsum(padded, axis=0)
+    seg_start = seg_end - padded
+    earlier = tl.load(prefix_ptr + (pid - 1) * E + e_offs, mask=e_mask & (pid > 0), other=0)
+    p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    live = p < n
+    ex = tl.load(ids_ptr + p, mask=live, other=E).to(tl.int32)
+    onehot = (ex[:, None] == e_offs[None, :]).to(tl.int32)
+    slot = tl.cumsum(onehot, axis=0) - 1 + (earlier + seg_start)[None, :]
+    row = tl.sum(onehot * slot, axis=1)
+    kept = live & (ex < E)
+    tl.store(token_of_row_ptr + row, (p // TOPK).to(tl.int32), mask=kept)
+    tl.store(weight_of_row_ptr + row, tl.load(weights_ptr + p, mask=kept, other=0.0), mask=kept)
+    tl.store(row_of_pair_ptr + p, tl.where(kept, row, R), mask=live)
+    if pid == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+        bound = tl.where(e_mask, seg_end, 2147483647)
+        for t0 in range(0, R // BLOCK_M, BLOCK_P):
+            t = t0 + tl.arange(0, BLOCK_P)
+            done = (bound[None, :] <= (t * BLOCK_M)[:, None]).to(tl.int32)
+            tl.store(expert_of_tile_ptr + t, tl.sum(done, axis=1), mask=t < R // BLOCK_M)
+
+
 def pad_sort(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, block_m: int):
     """(token of each padded row [R] int32, -1 on padding; routing weight of each padded row [R]
     float32, 0 on padding; padded row of each pair [T*k] int32, R for id E; expert of each
     M tile [R / block_m] int32, E past the total; total [1] int32: padded rows in use).
-    R = max_padded_rows(T*k, E, block_m). Sync-free."""
+    R = max_padded_rows(T*k, E, block_m). Sync-free, five launches (two of them fills): block
+    counts, their cumulative sum over blocks (torch), one placing pass."""
     n = ids.numel()
     dev = ids.device
     rows_bound = max_padded_rows(n, num_experts, block_m)
-    flat = ids.reshape(-1).clamp(max=num_experts).to(torch.int32)
-    keys, order = torch.sort(flat, stable=True)
-    # counts[e] for e < E; counts[E]: other ranks' pairs, which get no segment
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
-    counts.scatter_add_(0, flat.long(), torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts:].zero_()  # a host 0 assigned by index would copy: a sync
-    seg_end = padded.cumsum(0, dtype=torch.int32)
-    seg_start = seg_end - padded
-    first_pair = counts.cumsum(0, dtype=torch.int32) - counts
-    keys_l = keys.long()
-    rank = torch.arange(n, dtype=torch.int32, device=dev) - first_pair[keys_l]
-    kept = keys < num_experts
-    row = torch.where(kept, seg_start[keys_l] + rank, rows_bound)  # id E: past every row
-    dump = rows_bound  # one slot past the buffers takes the id-E pairs' scatters
-    token_of_row = torch.full((rows_bound + 1,), -1, dtype=torch.int32, device=dev)
-    token_of_row.scatter_(0, row.long(), (order // ids.shape[1]).to(torch.int32))
-    weight_of_row = torch.zeros(rows_bound + 1, dtype=torch.float32, device=dev)
-    weight_of_row.scatter_(0, row.long(), weights.reshape(-1).float()[order])
-    row_of_pair = torch.empty(n, dtype=torch.int32, device=dev)
-    row_of_pair.scatter_(0, order, row.to(torch.int32))
-    tile_starts = torch.arange(0, rows_bound, block_m, dtype=torch.int32, device=dev)
-    expert_of_tile = torch.searchsorted(seg_end[:num_experts], tile_starts, right=True)
-    total = seg_end[num_experts - 1 : num_experts]
-    return (
-        token_of_row[:dump],
-        weight_of_row[:dump],
-        row_of_pair,
-        expert_of_tile.to(torch.int32),
-        total,
+    block_e = triton.next_power_of_2(num_experts)
+    block_p = max(16, min(256, 16384 // block_e))  # [pairs, experts] tiles of <= 16K lanes
+    programs = triton.cdiv(n, block_p)
+    flat = ids.reshape(-1).contiguous()
+    counts = torch.empty(programs, num_experts, dtype=torch.int32, device=dev)
+    _block_counts_kernel[(programs,)](
+        flat, n, counts, E=num_experts, BLOCK_E=block_e, BLOCK_P=block_p, num_warps=4
     )
+    prefix = counts.cumsum(0, dtype=torch.int32)
+    token_of_row = torch.full((rows_bound,), -1, dtype=torch.int32, device=dev)
+    weight_of_row = torch.zeros(rows_bound, dtype=torch.float32, device=dev)
+    row_of_pair = torch.empty(n, dtype=torch.int32, device=dev)
+    expert_of_tile = torch.empty(rows_bound // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    _place_kernel[(programs,)](
+        flat,
+        weights.reshape(-1).float().contiguous(),
+        n,
+        prefix,
+        token_of_row,
+        weight_of_row,
+        row_of_pair,
+        expert_of_tile,
+        total,
+        rows_bound,
+        E=num_experts,
+        TOPK=ids.shape[1],
+        BLOCK_E=block_e,
+        BLOCK_P=block_p,
+        BLOCK_M=block_m,
+        num_warps=16,  # 32 lanes of each [pairs, experts] tile per thread (4 warps spilled)
+    )
+    return token_of_row, weight_of_row, row_of_pair, expert_of_tile, total
 
 
 @triton.jit
