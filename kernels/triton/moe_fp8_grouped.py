@@ -6,20 +6,21 @@ Four steps, no host sync (capturable; every shape, grid and buffer size from hos
 
 1. layout (pad_sort: two small Triton passes around a cumulative sum, no sort): the T*k (token,
    slot) pairs placed by expert, stable, ids equal to E (other EP ranks' experts) given no row,
-   each expert's segment padded to BLOCK_M rows, so that every M tile belongs to one expert. Buffers are sized for the upper bound
-   max_padded_rows(T*k, E, BLOCK_M) (kernels/triton/moe.py); the padded total lives on the device
-   only (`total`, one int32) and every kernel reads it: tiles and rows at or past it are neither
-   computed nor read. Padding rows have token -1 and routing weight 0.
+   each expert's segment padded to BLOCK_M rows, so that every M tile belongs to one expert.
+   Buffers are sized for the upper bound max_padded_rows(T*k, E, BLOCK_M) (kernels/triton/
+   moe.py); the padded total lives on the device only (`total`, one int32) and every kernel
+   reads it: tiles and rows at or past it are neither computed nor read. Padding rows have
+   token -1 and routing weight 0.
    Then one pass gathers x's row of each padded row and quantizes it per 128-column group to
    e4m3 (kernels/triton/e4m3.py: the bits of kernels.fp8.quantize_act); padding rows are zeros.
 2. gate/up: persistent (one program per SM, a grouped tile order so that the M tiles sharing a
    weight tile run together and meet it in L2), A and w13 read through host-side TMA
    descriptors, BLOCK_K = 128 = one scale group: each K step adds
    dot(a, w) * a_scale[row] * w_scale (the weight scale is one float per 128 x 128 block, so per
-   tile and K step a scalar). A tile holds 128 gate and the 128 matching up columns (two dots,
-   two accumulators), so its epilogue has whole 128-column groups of h: SwiGLU with the clamp,
-   rounded to x's dtype (the reference's order), quantized and stored as e4m3 + scale. No
-   separate quantization pass.
+   tile and K step a scalar; GroupedFP8Config.rescale: the same sum accumulated in place). A
+   tile holds 128 gate and the 128 matching up columns (two dots, two accumulators), so its
+   epilogue has whole 128-column groups of h: SwiGLU with the clamp, rounded to x's dtype (the
+   reference's order), quantized and stored as e4m3 + scale. No separate quantization pass.
 3. down: the same structure over h, BLOCK_N (<= 128) columns of Hd; the epilogue multiplies by
    the row's routing weight and stores x's dtype at the padded row.
 4. combine: kernels/triton/moe_grouped.py's fixed-order combine (no atomics: deterministic),
