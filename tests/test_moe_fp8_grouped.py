@@ -11,15 +11,17 @@ allocator memory just filled with NaN.
 
 Tolerances, relative to the reference's largest magnitude (as tests/test_triton_kernels_fp8.py
 for the fused FP8 MoE, whose reasons hold here: the same quantized operands, fp32 accumulation
-in another order): float32 x 1e-5 max; bf16 x 2e-2 max and 1e-2 relative Frobenius (each pair
-output and the sum rounded to bf16 on both sides; an fp32 gate/up sum straddling a bf16
-boundary of h moves that element, or its group if it is the group's amax, one e4m3 step).
-Against the fused Triton FP8 MoE the same bf16 bound. A captured graph replays bit for bit
+in another order): under the interpreter, float32 x 1e-5 max; bf16 x 2e-2 max and 1e-2
+relative Frobenius (each pair output and the sum rounded to bf16 on both sides; an fp32 gate/up
+sum straddling a bf16 boundary of h moves that element, or its group if it is the group's amax,
+one e4m3 step). Against the fused Triton FP8 MoE the same bf16 bound. On the GPU float32 x gets
+2e-2 and 5e-3 (test_fp8_grouped_gpu_float32 says why). A captured graph replays bit for bit
 what eager computes (no atomics, fixed orders, fixed tile order per program).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -101,17 +103,17 @@ def _rel_fro(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def _check(out, inputs, limit):
+def _check(out, inputs, limit, bounds=None):
+    """bounds: (max, Frobenius) relative errors; None: 1e-5 max for float32 x at the tiny
+    interpreter shapes, 2e-2 and 1e-2 for bf16. Prints the errors (pytest -s shows them)."""
     x = inputs[0]
     assert out.dtype == x.dtype and out.shape == x.shape and not out.isnan().any()
     ref = moe_ref.experts_fp8(*inputs, limit)
-    if x.dtype == torch.float32:
-        assert _rel_max(out, ref) <= 1e-5
-    else:
-        assert _rel_max(out, ref) <= 2e-2 and _rel_fro(out, ref) <= 1e-2, (
-            _rel_max(out, ref),
-            _rel_fro(out, ref),
-        )
+    err_max, err_fro = _rel_max(out, ref), _rel_fro(out, ref)
+    print(f"vs the reference: {err_max:.2e} max, {err_fro:.2e} Frobenius (relative)")
+    if bounds is None:
+        bounds = (1e-5, 1.0) if x.dtype == torch.float32 else (2e-2, 1e-2)
+    assert err_max <= bounds[0] and err_fro <= bounds[1], (err_max, err_fro, bounds)
     return ref
 
 
@@ -236,18 +238,45 @@ def test_fp8_grouped_gpu_rank_shape(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,rescale,per_sm", [(128, True, 1), (64, False, 2)])
-def test_fp8_grouped_gpu_float32_exact(block_m, rescale, per_sm):
-    """float32 x at the rank's dims, 256 tokens: the reference within 1e-5 at both tile heights,
-    both ways of applying the scales, one and two programs per SM (no bf16 rounding hides an
-    indexing error here)."""
+@pytest.mark.parametrize("block_m,rescale,per_sm", [(128, False, 1), (64, True, 2)])
+def test_fp8_grouped_gpu_float32(block_m, rescale, per_sm):
+    """float32 x at the rank's dims, 256 tokens, both tile heights, both ways of applying the
+    scales, one and two programs per SM. Not 1e-5 as at the interpreter's tiny shapes: the e4m3
+    wgmma accumulates at reduced precision (about 14 mantissa bits) inside each K step, so gate
+    and up differ from the fp32 reference by ~1e-5 relative, which moves the e4m3 rounding of
+    some h elements (a few in 10,000 at that difference, estimated; each one step, <= 12.5% of
+    it): up to about 1e-3 relative Frobenius on the output, bounded here by 5e-3 (an indexing
+    error is O(1)). rescale runs the whole K sum through that accumulator: the bf16 bound."""
     from kernels.triton.moe_fp8_grouped import GroupedFP8Config, experts_fp8_grouped
 
     inputs = _inputs(256, RANK, "cuda", torch.float32, seed=6)
     _poison("cuda")
-    warps = 8 if block_m == 128 else 4
-    cfg = GroupedFP8Config(block_m, warps, 3, 128, 8, 4, 8, False, rescale, per_sm)
-    _check(experts_fp8_grouped(*inputs, 7.0, config=cfg), inputs, 7.0)
+    cfg = GroupedFP8Config(
+        block_m, 8, 3 if block_m == 128 else 2, 128, 8, 4, 8, False, rescale, per_sm
+    )
+    out = experts_fp8_grouped(*inputs, 7.0, config=cfg)
+    _check(out, inputs, 7.0, (2e-2, 1e-2) if rescale else (2e-2, 5e-3))
+
+
+@pytest.mark.gpu
+def test_fp8_grouped_gpu_rescale_rank_shape():
+    """GroupedFP8Config.rescale (off by default: its comment) at the rank's 8k chunk: within
+    the bf16 bound of the reference; the errors of both forms are printed (pytest -s), the
+    measurement that decides whether rescale may become the default."""
+    from kernels.triton.moe_fp8_grouped import (
+        GroupedFP8Config,
+        experts_fp8_grouped,
+        fp8_grouped_config,
+    )
+
+    inputs = _inputs(8192, RANK, "cuda", seed=7)
+    default = fp8_grouped_config(inputs[6].numel(), RANK[1])
+    rescaled = GroupedFP8Config(*dataclasses.astuple(default)[:8], True, 1)
+    _poison("cuda")
+    print("promoted:", end=" ")
+    _check(experts_fp8_grouped(*inputs, 7.0, config=default), inputs, 7.0)
+    print("rescale:", end=" ")
+    _check(experts_fp8_grouped(*inputs, 7.0, config=rescaled), inputs, 7.0)
 
 
 @pytest.mark.gpu

@@ -38,7 +38,8 @@ contiguous floats.
 
 Hazard (registers): a gate/up tile carries two fp32 accumulators, and `acc += dot * scale` a
 third tile for the dot's result: at BLOCK_M 128 and 8 warps 3 x 64 registers per thread, which
-spills. GroupedFP8Config.rescale accumulates in place instead (fp8_grouped_config's numbers).
+spills a little (fp8_grouped_config's numbers). GroupedFP8Config.rescale accumulates in place
+instead, at a precision cost its comment states.
 """
 
 from __future__ import annotations
@@ -82,7 +83,10 @@ class GroupedFP8Config:
     flatten: bool = False  # tl.range(flatten=): one software pipeline across a program's tiles
     # K steps as acc = dot(a, w, acc * (s_prev / s)) with the scale applied once at the end,
     # instead of acc += dot(a, w) * s: the dot accumulates in place (no fp32 temporary of the
-    # tile), at one rounding of the ratio per step (about 1e-6 relative over 32 steps)
+    # tile). Hazard: Hopper's e4m3 wgmma keeps its accumulator at reduced precision (about 14
+    # mantissa bits, DeepSeek-V3 section 3.3.2), and here the whole K sum runs through it, not
+    # one 128-column group as in the promoted form (the reference's order): off by default
+    # until the H200 measures its error (tests/test_moe_fp8_grouped.py)
     rescale: bool = False
     # persistent programs per SM: 2 lets one program's MMAs overlap the other's scale math and
     # epilogue, where registers (<= 128 per thread at 8 warps) and shared memory (<= 113 KiB)
@@ -98,16 +102,16 @@ def fp8_grouped_config(num_pairs: int, num_experts: int) -> GroupedFP8Config:
     at BLOCK_M 128), down BLOCK_M x 128 + BLOCK_N x 128 (32 KiB); the epilogue takes its own
     scratch beside the stages (227 KiB per SM). ptxas for sm_90a (Triton 3.6, compiled ahead of
     time at the rank shape; registers per thread, spill bytes, shared KiB):
-    - gate/up, 128 rows, 8 warps, 3 stages: rescale 255 / 0 / 160; acc += dot * s 255 / 56-124
-      / 160 (the dot's fp32 temporary beside both accumulators), so rescale is the default;
-      16 warps 128 / 0; 64 rows at 8 warps 128 / 0 / 168 (4 stages).
-    - down, 128 x 128, 8 warps, 4 stages: rescale 114 / 0 / 160, acc += dot * s 158 / 0.
-    None serializes its wgmmas (ptxas C7515); before the K step's scalings came ahead of both
-    dots, the flattened loop did. Which is fastest is the H200's to say (bench.prefill_moe
-    --configs)."""
+    - gate/up, 128 rows, 8 warps, 3 stages: acc += dot * s 255 / 56 / 160 (the dot's fp32
+      temporary beside both accumulators; 124 B before the K step's scalings came ahead of
+      both dots; 148-216 B flattened); rescale 255 / 0; 16 warps 128 / 40; 64 rows at 8 warps
+      164 / 0 / 168 (rescale 128 / 0: two programs fit an SM at 2 stages).
+    - down, 128 x 128, 8 warps, 4 stages: 156 / 0 / 160; rescale 114 / 0.
+    None serializes its wgmmas (ptxas C7515; the flattened rescale loop did before that
+    reordering). Which is fastest is the H200's to say (bench.prefill_moe --configs)."""
     if num_pairs < 64 * max(num_experts, 1):  # small segments: 128-row tiles would be mostly pad
-        return GroupedFP8Config(64, 8, 4, 128, 8, 4, 8, rescale=True)
-    return GroupedFP8Config(128, 8, 3, 128, 8, 4, 8, rescale=True)
+        return GroupedFP8Config(64, 8, 4, 128, 8, 4, 8)
+    return GroupedFP8Config(128, 8, 3, 128, 8, 4, 8)
 
 
 @cache
