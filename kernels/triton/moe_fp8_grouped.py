@@ -58,8 +58,9 @@ from kernels.triton.e4m3 import quant_rows
 from kernels.triton.moe import max_padded_rows
 from kernels.triton.moe_grouped import combine
 
-# padded rows per program of the gather-quantize pass
+# padded rows per item of the gather-quantize pass, and its programs per SM (4 warps each)
 QUANT_ROWS = 32
+QUANT_PROGRAMS_PER_SM = 8
 # programs of the persistent GEMMs when not on a GPU (the interpreter): a few, so that the tests
 # run programs through several tiles
 INTERPRETER_PROGRAMS = 3
@@ -247,32 +248,34 @@ def _gather_quant_kernel(
     q_ptr,  # [R, HD] e4m3
     s_ptr,  # [KB, R] float32: group-major
     R,
+    num_progs,
     HD: tl.constexpr,
+    KB: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """Padded rows r < total: x's row of r's token (zeros on padding), quantized per group of
-    128 columns; program (i, g) does rows i * ROWS.. of group g."""
-    r0 = tl.program_id(0) * ROWS
-    if r0 >= tl.load(total_ptr):
-        return
-    g = tl.program_id(1)
-    rows = r0 + tl.arange(0, ROWS)
-    cols = g * 128 + tl.arange(0, 128)
-    tok = tl.load(token_of_row_ptr + rows)
-    live = tok >= 0
-    mask = cols[None, :] < HD
-    v = tl.load(
-        x_ptr + tok.to(tl.int64)[:, None] * HD + cols[None, :],
-        mask=live[:, None] & mask,
-        other=0.0,
-    )
-    q, scale = quant_rows(v.to(tl.float32))
-    tl.store(
-        q_ptr + rows.to(tl.int64)[:, None] * HD + cols[None, :],
-        q.to(q_ptr.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(s_ptr + g * R + rows, scale)
+    128 columns. Persistent over (block of ROWS rows, group) items, blocks past the total never
+    visited (the buffers' bound is about 8x the total under EP8: a program per block would
+    mostly launch to exit)."""
+    items = tl.cdiv(tl.load(total_ptr), ROWS) * KB
+    for item in range(tl.program_id(0), items, num_progs):
+        g = item % KB
+        rows = (item // KB) * ROWS + tl.arange(0, ROWS)
+        cols = g * 128 + tl.arange(0, 128)
+        tok = tl.load(token_of_row_ptr + rows)
+        mask = cols[None, :] < HD
+        v = tl.load(
+            x_ptr + tok.to(tl.int64)[:, None] * HD + cols[None, :],
+            mask=(tok >= 0)[:, None] & mask,
+            other=0.0,
+        )
+        q, scale = quant_rows(v.to(tl.float32))
+        tl.store(
+            q_ptr + rows.to(tl.int64)[:, None] * HD + cols[None, :],
+            q.to(q_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        tl.store(s_ptr + g * R + rows, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,8 +428,19 @@ def gather_quant(x: torch.Tensor, token_of_row: torch.Tensor, total: torch.Tenso
     kb = triton.cdiv(hidden, GROUP)
     xq = torch.empty(rows, hidden, device=x.device, dtype=FP8)
     xs = torch.empty(kb, rows, device=x.device, dtype=torch.float32)
-    _gather_quant_kernel[(triton.cdiv(rows, QUANT_ROWS), kb)](
-        x.contiguous(), token_of_row, total, xq, xs, rows, HD=hidden, ROWS=QUANT_ROWS, num_warps=4
+    programs = _programs(x.device, triton.cdiv(rows, QUANT_ROWS) * kb, QUANT_PROGRAMS_PER_SM)
+    _gather_quant_kernel[(programs,)](
+        x.contiguous(),
+        token_of_row,
+        total,
+        xq,
+        xs,
+        rows,
+        programs,
+        HD=hidden,
+        KB=kb,
+        ROWS=QUANT_ROWS,
+        num_warps=4,
     )
     return xq, xs
 
