@@ -118,7 +118,7 @@ def _check(out, inputs, limit, bounds=None):
 
 
 @cpu_interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 7, 29])
 def test_fp8_grouped_interpreter(tokens, dtype):
     """Partial groups, an empty expert (1), other ranks' ids; limit 0.7 clamps often."""
