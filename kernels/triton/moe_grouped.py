@@ -105,7 +105,7 @@ def _swiglu_kernel(
 
 @triton.jit
 def _combine_kernel(
-    y_ptr,  # [rows, HD] unweighted expert outputs; row stride Y_STRIDE
+    y_ptr,  # [rows, HD] expert outputs (already weighted unless WEIGHTED); row stride Y_STRIDE
     row_of_pair_ptr,  # [T * TOPK] int32: sorted row of each pair
     weight_ptr,  # [T * TOPK] float32; unread unless WEIGHTED
     offs_ptr,
