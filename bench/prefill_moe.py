@@ -15,6 +15,9 @@ Rows (`path`):
 - grouped bf16: kernels.triton.moe_grouped.experts_grouped (torch._grouped_mm), and its steps
   alone (`grouped: sort` ... `grouped: combine`; `sum of steps` beside the whole call);
 - triton fp8: kernels.triton.moe.experts_fp8 (128 x 128 block scales), today's FP8 path;
+- fp8 grouped: kernels.triton.moe_fp8_grouped.experts_fp8_grouped (persistent TMA grouped
+  GEMMs, the same numerics), its default config, and its steps alone (`fp8 grouped: layout` ...
+  `fp8 grouped: combine`; the GEMMs' own TFLOP/s count the padded rows they compute too);
 - fp8 rowwise grouped GEMMs only: torch._scaled_grouped_mm's two GEMMs on pre-quantized inputs
   with row-wise scales (per token row, per output channel): NOT the checkpoint's block-128
   numerics (torch has no grouped GEMM with 128 x 128 weight blocks on sm90), an upper bound of
@@ -22,7 +25,8 @@ Rows (`path`):
   (`, fast_accum`: the same with use_fast_accum=True).
 --configs: the fused Triton MoE's MoEConfig tiles at 8,192 tokens, bf16 and FP8 alternated,
 then listed best first per dtype (a config that fails to compile or exceeds shared memory
-prints its error); no config starts after SWEEP_SECONDS.
+prints its error); no config starts after SWEEP_SECONDS. Then fp8 grouped's GroupedFP8Config
+tiles at 8,192 tokens, best first; none starts after FP8_GROUPED_SWEEP_SECONDS.
 
 Prints a markdown table; --out writes the rows as JSON.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import time
@@ -42,7 +47,7 @@ HIDDEN, INTER, EXPERTS, TOP_K, LOCAL = 4096, 2048, 288, 8, 36
 LIMIT = 7.0
 TOKENS = (2048, 8192, 16384)
 SWEEP_TOKENS = 8192
-SWEEP_SECONDS = 45.0  # new configs start until then; the last one may run a few s past
+SWEEP_SECONDS = 35.0  # new configs start until then; the last one may run a few s past
 COPY_BW = 4.23e12  # bytes/s, H200 device-to-device copy measured on the lent machine
 
 # (block_m, gu_block_n, gu_block_k, down_block_n, down_block_k, num_warps, num_stages); the
@@ -75,6 +80,27 @@ FP8_CONFIGS = [
     (64, 128, 128, 256, 128, 8, 3),
     (64, 64, 128, 128, 128, 4, 5),
 ]
+
+
+# GroupedFP8Config fields: (block_m, gu_warps, gu_stages, down_block_n, down_warps, down_stages,
+# group_m, flatten, rescale, ctas_per_sm); the first is fp8_grouped_config's prefill default;
+# rescale rows trade the promoted accumulation's precision for registers (its comment).
+# ptxas for sm_90a at each: kernels/triton/moe_fp8_grouped.py, fp8_grouped_config. Most
+# plausible first (the sweep is time-boxed).
+FP8_GROUPED_CONFIGS = [
+    (128, 8, 3, 128, 8, 4, 8, False, False, 1),
+    (128, 8, 3, 128, 8, 4, 8, False, True, 1),
+    (64, 8, 4, 128, 8, 4, 8, False, False, 1),
+    (128, 16, 3, 128, 8, 4, 8, False, False, 1),
+    (64, 8, 2, 128, 8, 2, 8, False, True, 2),
+    (128, 8, 3, 128, 8, 4, 8, True, True, 1),
+    (128, 16, 3, 128, 8, 4, 8, False, True, 1),
+    (128, 8, 4, 128, 8, 4, 8, False, False, 1),
+    (128, 8, 3, 128, 8, 4, 4, False, False, 1),
+    (128, 8, 3, 128, 8, 4, 16, False, False, 1),
+    (128, 8, 3, 64, 4, 4, 8, False, False, 1),
+]
+FP8_GROUPED_SWEEP_SECONDS = 30.0
 
 
 def _ms(fn, rep: int = 200) -> float:
@@ -167,6 +193,7 @@ def bench_paths(w13, w2, fp8_weights, tokens: int, gen) -> list[dict]:
     fp8_args = (x, w13_8, w2_8, s13, s2, weights, ids, LIMIT)
     ms = _ms(lambda: tmoe.experts_fp8(*fp8_args))
     rows.append(_row("triton fp8", tokens, local_pairs, ms, fp8_bytes))
+    rows += _fp8_grouped(x, fp8_weights, weights, ids, tokens, local_pairs, fp8_bytes)
     rows += _fp8_rowwise_gemms(w13_8, w2_8, offs, tokens, local_pairs, fp8_bytes)
     return rows
 
@@ -190,6 +217,91 @@ def _grouped_steps(x, w13, w2, weights, ids):
         "combine": lambda: grouped.combine(y, row_of_pair, weights, offs, x.dtype),
     }
     return {name: _ms(fn, rep=100) for name, fn in steps.items()}, offs
+
+
+def _fp8_grouped(x, fp8_weights, weights, ids, tokens, local_pairs, fp8_bytes) -> list[dict]:
+    """experts_fp8_grouped whole, then each step alone on the previous steps' outputs."""
+    from kernels.triton import moe_fp8_grouped as g
+    from kernels.triton.moe_grouped import combine
+
+    w13_8, w2_8, s13, s2 = fp8_weights
+    ms = _ms(lambda: g.experts_fp8_grouped(x, w13_8, w2_8, s13, s2, weights, ids, LIMIT))
+    row = _row("fp8 grouped", tokens, local_pairs, ms, fp8_bytes)
+    cfg = g.fp8_grouped_config(ids.numel(), LOCAL)
+    token_of_row, weight_of_row, row_of_pair, expert_of_tile, total = g.pad_sort(
+        ids, weights, LOCAL, cfg.block_m
+    )
+    xq, xs = g.gather_quant(x, token_of_row, total)
+    hq, hs = g.gate_up(xq, xs, w13_8, s13, expert_of_tile, total, LIMIT, x.dtype, cfg)
+    y = g.down(hq, hs, w2_8, s2, weight_of_row, expert_of_tile, total, x.dtype, cfg)
+    steps = {
+        "layout": lambda: g.pad_sort(ids, weights, LOCAL, cfg.block_m),
+        "gather_quant": lambda: g.gather_quant(x, token_of_row, total),
+        "gate_up": lambda: g.gate_up(
+            xq, xs, w13_8, s13, expert_of_tile, total, LIMIT, x.dtype, cfg
+        ),
+        "down": lambda: g.down(
+            hq, hs, w2_8, s2, weight_of_row, expert_of_tile, total, x.dtype, cfg
+        ),
+        "combine": lambda: combine(y, row_of_pair, None, total, x.dtype, top_k=TOP_K),
+    }
+    step_ms = {name: _ms(fn, rep=100) for name, fn in steps.items()}
+    padded = int(total.item())  # outside the timed calls: a sync is harmless here
+    for name, t in step_ms.items():
+        print(f"|   fp8 grouped: {name} | {tokens} | | {t:.4f} | | | |", flush=True)
+    gate_up_tf = padded * 4 * HIDDEN * INTER / step_ms["gate_up"] / 1e9
+    down_tf = padded * 2 * HIDDEN * INTER / step_ms["down"] / 1e9
+    row.update({f"{k}_ms": round(v, 4) for k, v in step_ms.items()})
+    row.update(
+        padded_rows=padded,
+        sum_of_steps_ms=round(sum(step_ms.values()), 4),
+        gate_up_padded_tflops=round(gate_up_tf, 1),
+        down_padded_tflops=round(down_tf, 1),
+        config=list(dataclasses.astuple(cfg)),
+    )
+    print(
+        f"|   fp8 grouped: sum of steps {sum(step_ms.values()):.4f} ms; {padded} padded rows; "
+        f"gate_up {gate_up_tf:.0f}, down {down_tf:.0f} TFLOP/s on them | | | | | | |",
+        flush=True,
+    )
+    return [row]
+
+
+def sweep_fp8_grouped(fp8_weights, gen) -> list[dict]:
+    """experts_fp8_grouped at each FP8_GROUPED_CONFIGS entry, 8,192 tokens, best first."""
+    from kernels.triton import moe_fp8_grouped as g
+
+    x = torch.randn(SWEEP_TOKENS, HIDDEN, device="cuda", generator=gen).bfloat16()
+    weights, ids = _routing(SWEEP_TOKENS, gen)
+    local_pairs = int((ids < LOCAL).sum())
+    w13_8, w2_8, s13, s2 = fp8_weights
+    fp8_bytes = LOCAL * 3 * HIDDEN * INTER + (s13.numel() + s2.numel()) * 4
+    start = time.monotonic()
+    rows = []
+    for i, fields in enumerate(FP8_GROUPED_CONFIGS):
+        if time.monotonic() - start > FP8_GROUPED_SWEEP_SECONDS:
+            left = len(FP8_GROUPED_CONFIGS) - i
+            print(f"| fp8 grouped sweep cut at {FP8_GROUPED_SWEEP_SECONDS:.0f} s: {left} not run |")
+            break
+        cfg = g.GroupedFP8Config(*fields)
+        try:
+            ms = _ms(
+                lambda cfg=cfg: g.experts_fp8_grouped(
+                    x, w13_8, w2_8, s13, s2, weights, ids, LIMIT, config=cfg
+                ),
+                rep=60,
+            )
+        except Exception as e:  # noqa: BLE001 - out of shared memory, compile errors
+            print(f"| sweep fp8 grouped {fields}: {type(e).__name__}: {str(e)[:160]} |")
+            continue
+        rows.append(
+            _row("sweep fp8 grouped", SWEEP_TOKENS, local_pairs, ms, fp8_bytes, config=fields)
+        )
+    rows.sort(key=lambda r: r["ms"])
+    print("\n## fp8 grouped sweep, best first (config: GroupedFP8Config fields)")
+    for r in rows:
+        print(_fmt(r) + f" {list(r['config'])}")
+    return rows
 
 
 def _fp8_rowwise_gemms(w13_8, w2_8, offs, tokens, local_pairs, fp8_bytes) -> list[dict]:
@@ -282,7 +394,9 @@ def _fmt(row: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--configs", action="store_true", help="sweep the fused MoE's tiles at 8k")
+    ap.add_argument(
+        "--configs", action="store_true", help="sweep the fused and fp8 grouped MoEs' tiles at 8k"
+    )
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     print(
@@ -302,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
         if args.configs:
             rows += sweep_configs(w13, w2, fp8_weights, gen)
+            rows += sweep_fp8_grouped(fp8_weights, gen)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

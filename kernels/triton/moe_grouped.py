@@ -105,9 +105,9 @@ def _swiglu_kernel(
 
 @triton.jit
 def _combine_kernel(
-    y_ptr,  # [rows, HD] unweighted expert outputs; row stride Y_STRIDE
+    y_ptr,  # [rows, HD] expert outputs (already weighted unless WEIGHTED); row stride Y_STRIDE
     row_of_pair_ptr,  # [T * TOPK] int32: sorted row of each pair
-    weight_ptr,  # [T * TOPK] float32
+    weight_ptr,  # [T * TOPK] float32; unread unless WEIGHTED
     offs_ptr,
     out_ptr,
     Y_STRIDE: tl.constexpr,
@@ -115,9 +115,11 @@ def _combine_kernel(
     TOPK: tl.constexpr,
     E: tl.constexpr,
     BLOCK: tl.constexpr,
+    WEIGHTED: tl.constexpr,
 ):
-    """out[t] = sum_j weight[t*k+j] * y[row_of_pair[t*k+j]] in fp32 over j in order; a pair
-    whose row is at or past offs[E-1] (id E: another rank's expert) adds nothing."""
+    """out[t] = sum_j weight[t*k+j] * y[row_of_pair[t*k+j]] in fp32 over j in order (without
+    the weight when not WEIGHTED: y holds weighted rows); a pair whose row is at or past
+    offs[E-1] (id E: another rank's expert) adds nothing."""
     count = tl.load(offs_ptr + E - 1)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -125,11 +127,13 @@ def _combine_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(TOPK):
         row = tl.load(row_of_pair_ptr + t * TOPK + j)
-        w = tl.load(weight_ptr + t * TOPK + j)
         y = tl.load(
             y_ptr + row.to(tl.int64) * Y_STRIDE + cols, mask=mask & (row < count), other=0.0
         )
-        acc += w * y.to(tl.float32)
+        if WEIGHTED:
+            acc += tl.load(weight_ptr + t * TOPK + j) * y.to(tl.float32)
+        else:
+            acc += y.to(tl.float32)
     tl.store(out_ptr + t * HD + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -181,16 +185,25 @@ def swiglu_rows(gate_up: torch.Tensor, offs: torch.Tensor, limit: float) -> torc
 
 
 def combine(
-    y: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor, dtype
+    y: torch.Tensor,
+    row_of_pair: torch.Tensor,
+    weights: torch.Tensor | None,
+    offs: torch.Tensor,
+    dtype,
+    top_k: int | None = None,
 ) -> torch.Tensor:
-    tokens, top_k = weights.shape
+    """[T, Hd] in dtype: each token's k rows of y (row_of_pair) summed in a fixed order, times
+    their routing weights unless weights is None (then top_k says k); rows at or past offs[-1]
+    add nothing."""
+    top_k = weights.shape[1] if weights is not None else top_k
+    tokens = row_of_pair.numel() // top_k
     hidden = y.shape[1]
     out = torch.empty(tokens, hidden, device=y.device, dtype=dtype)
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
         y,
         row_of_pair,
-        weights.contiguous().float().reshape(-1),
+        offs if weights is None else weights.contiguous().float().reshape(-1),
         offs,
         out,
         Y_STRIDE=y.stride(0),
@@ -198,6 +211,7 @@ def combine(
         TOPK=top_k,
         E=offs.numel(),
         BLOCK=block,
+        WEIGHTED=weights is not None,
         num_warps=4,
     )
     return out
