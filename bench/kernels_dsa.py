@@ -16,9 +16,9 @@ Rows:
   (kernels/triton/sparse_mla_union.py) alone, with skip_empty, and with the selection mask it
   needs per layer (what dsa.sparse_mla runs); useful TFLOP/s on valid slots, the union's dense
   rate, 11 layers' total, and which one union_pays picks.
-- indexer scoring at contexts 8k..64k (decode batches, and an 8,192-query extend chunk): GB/s
-  (pooled keys read) and TFLOP/s; top-k selection; scoring + selection against the reference
-  pipeline (gather + score_pools + select_tokens).
+- indexer scoring at contexts 8k..64k (decode batches, and 8,192-query extend chunks at 8k and
+  64k): GB/s (pooled keys read) and TFLOP/s; top-k selection; scoring + selection against the
+  reference pipeline (gather + score_pools + select_tokens).
 Times are medians of triton.testing.do_bench (L2 flushed before every run) after warm-up;
 "graph ms" is triton.testing.do_bench_cudagraph (replays, no L2 flush). GB/s of the decode rows
 use the graph time.
@@ -347,7 +347,10 @@ def bench_indexer(results, quick: bool, sweep: bool) -> None:
         for ctx in contexts:
             _indexer_case(results, batch, ctx, None, sweep and ctx == contexts[-1], gen)
             torch.cuda.empty_cache()
-    _indexer_case(results, 1, 65536, 8192, sweep, gen)  # extend: an 8k chunk ending a 64k context
+    # issue 44 point 2: a rank's first 8k chunk (no prefix), then an 8k chunk ending a 64k context
+    _indexer_case(results, 1, 8192, 8192, sweep, gen)
+    torch.cuda.empty_cache()
+    _indexer_case(results, 1, 65536, 8192, sweep, gen)
     torch.cuda.empty_cache()
 
 

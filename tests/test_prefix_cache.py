@@ -425,6 +425,31 @@ def test_kernel_warmup_meets_indexer_pool_counts_off_the_multiple_of_16(tiny_ckp
     assert_all_free(sched)
 
 
+def test_kernel_warmup_meets_both_mhc_prefill_blocks(tiny_ckpt, monkeypatch):
+    """The mHC boundary past BOUNDARY_MAX_TOKENS compiles one variant per token block size
+    (kernels/triton/mhc.py prefill_block_t; its integer arguments are not specialized): the
+    warm-up's prefills meet both, and the fused decode-sized one."""
+    pytest.importorskip("triton")  # the thresholds live beside the kernels
+    from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, prefill_block_t
+    from serving.engine.kernel_warmup import prepare_kernels
+    from serving.layers.mhc import HyperConnection
+
+    seen: set[int] = set()
+    real = HyperConnection.boundary
+
+    def recording(self, out, streams, norm):
+        seen.add(out.shape[0])
+        return real(self, out, streams, norm)
+
+    monkeypatch.setattr(HyperConnection, "boundary", recording)
+    flags = ("--chunked-prefill-size", "48", "--max-prefill-tokens", "96")
+    sched = engine(tiny_ckpt, *flags, "--context-length", "1024")
+    prepare_kernels(sched)
+    blocks = {prefill_block_t(n) for n in seen if n > BOUNDARY_MAX_TOKENS}
+    assert blocks == {16, 64} and min(seen) <= BOUNDARY_MAX_TOKENS, sorted(seen)
+    assert_all_free(sched)
+
+
 def test_kernel_warmup_runs_every_kda_path_the_cache_serves(tiny_ckpt, monkeypatch):
     """Every KDA path (and flag combination) that chats with a shared system prompt, concurrent
     and single random prompts run with the cache on has run in the start-up warm-up already

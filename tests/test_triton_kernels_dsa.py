@@ -193,7 +193,9 @@ def _check_indexer(
         if swapped:  # a different set: only pools at the selection threshold, near-tied
             diff = [want[i, p].item() for p in swapped]
             assert max(diff) - min(diff) < tol
-    if tie:
+    # identical pooled keys score identically on the GPU; under the interpreter numpy's BLAS can
+    # round identical rows apart (its edge micro-kernels sum in another order): no tie then
+    if tie and got[0, visible[0]].unique().numel() == 1:
         take = min(select_pools, max_pools)
         first = sel[0, : take * kpool].view(take, kpool)[:, 0] // kpool
         n_vis = int(visible[0].sum())

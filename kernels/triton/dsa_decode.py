@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels.dsa_decode import IndexQuery, IndexWrite, StepLayout
+from kernels.triton.online_softmax import online_softmax_update
 from kernels.triton.pdl import LAUNCH, grid_dependency
 from kernels.triton.sparse_mla import _num_sms  # interpreter: 4, so tests meet several splits
 
@@ -861,13 +862,7 @@ def _mla_split_kernel(
         )
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(s, kv, m_i, l_i, acc, DOT_PREC)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     row = (t * SPLITS + split) * H + offs_h  # partials [T, splits, H, R] and lse [T, splits, H]

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton.online_softmax import online_softmax_update
+
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_LEN = 128  # slots per split at least: below that the partial writes dominate
 
@@ -115,13 +117,7 @@ def _sparse_mla_kernel(
         )
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(s, kv, m_i, l_i, acc, DOT_PREC)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.sparse_mla_union import block_queries
+from kernels.triton.online_softmax import online_softmax_update
 
 _LOG2E = 1.4426950408889634
 
@@ -63,13 +64,7 @@ def _key_block(
     )
     s = tl.dot(q, tl.trans(kv), input_precision=DOT_PREC) * qk_scale_log2
     s = tl.where(marked, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PREC)
-    return m_new, l_i, acc
+    return online_softmax_update(s, kv, m_i, l_i, acc, DOT_PREC)
 
 
 @triton.jit

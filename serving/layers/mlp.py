@@ -113,9 +113,11 @@ class MoE(nn.Module):
         )
         if self.w13_scale_inv is not None:
             scales = (self.w13_scale_inv, self.w2_scale_inv)
-            routed = _experts_fp8(x)(x, self.w13, self.w2, *scales, weights, ids, c.swiglu_limit)
+            experts = _experts_fp8(x, c.num_experts_per_tok, self.w13.shape[0])
+            routed = experts(x, self.w13, self.w2, *scales, weights, ids, c.swiglu_limit)
         else:
-            routed = _experts(x)(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
+            experts = _experts(x, c.num_experts_per_tok, self.w13.shape[0])
+            routed = experts(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
         if ps.tp_size > 1:  # shared expert TP-split too: one all-reduce for both
             return all_reduce(routed + self.shared_experts(x))
         if ps.ep_size > 1:
@@ -194,8 +196,23 @@ def _route(x: torch.Tensor, n_group: int):
     return moe_kernels.route
 
 
-def _experts(x: torch.Tensor):
+# On the fast path, bf16 batches with at least this many (token, slot) pairs per local expert,
+# T * top_k / E (other ranks' pairs counted too: the rule sees host ints only), take the
+# grouped-GEMM path (kernels/triton/moe_grouped.py, torch._grouped_mm) instead of the fused
+# Triton MoE. None: off, until the H200 A/B of both (python -m bench.prefill_moe) sets it.
+GROUPED_MIN_PAIRS_PER_EXPERT: float | None = None
+# The same rule for block-FP8 experts: batches with at least this many pairs per local expert
+# take kernels/triton/moe_fp8_grouped.py (persistent TMA grouped GEMMs) instead of the fused
+# Triton FP8 MoE. None: off, until the H200 A/B (python -m bench.prefill_moe) sets it.
+FP8_GROUPED_MIN_PAIRS_PER_EXPERT: float | None = None
+
+
+def _experts(x: torch.Tensor, top_k: int, num_experts: int):
     if fast_path(x):
+        if _grouped(x, top_k, num_experts):
+            from kernels.triton.moe_grouped import experts_grouped
+
+            return experts_grouped
         from kernels.triton.moe import experts
 
         return experts
@@ -204,8 +221,20 @@ def _experts(x: torch.Tensor):
     return moe_kernels.experts
 
 
-def _experts_fp8(x: torch.Tensor):
+def _grouped(x: torch.Tensor, top_k: int, num_experts: int) -> bool:
+    threshold = GROUPED_MIN_PAIRS_PER_EXPERT
+    if threshold is None or x.dtype != torch.bfloat16:  # _grouped_mm syncs for other dtypes
+        return False
+    return x.shape[0] * top_k >= threshold * num_experts
+
+
+def _experts_fp8(x: torch.Tensor, top_k: int, num_experts: int):
     if fast_path(x):
+        threshold = FP8_GROUPED_MIN_PAIRS_PER_EXPERT
+        if threshold is not None and x.shape[0] * top_k >= threshold * num_experts:
+            from kernels.triton.moe_fp8_grouped import experts_fp8_grouped
+
+            return experts_fp8_grouped
         from kernels.triton.moe import experts_fp8
 
         return experts_fp8
