@@ -23,6 +23,7 @@ cache of the last W inputs, ours is [R, C, K-1].
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from itertools import accumulate
 from typing import NamedTuple
@@ -429,7 +430,7 @@ def kda_extend(
     # sigmoid stay outside the kernel; the inputs must be contiguous (chunk_kda's input_guard)
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
-    with torch.no_grad(), torch.cuda.device(dev):
+    with torch.no_grad(), _on(dev):
         o, final = chunk_kda_fwd(
             q=_l2norm(q).unsqueeze(0),  # our l2norm: no autotuning keyed on T
             k=_l2norm(k).unsqueeze(0),
@@ -447,6 +448,12 @@ def kda_extend(
         )[:2]
     state[rows] = final
     return o[0].to(q.dtype)
+
+
+def _on(device: torch.device):
+    """fla launches on the current CUDA device (a TP rank's may not be cuda:0); CPU tensors
+    (the interpreter) have none."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def kda_uniform(
