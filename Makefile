@@ -22,9 +22,14 @@ run: install
 
 # The Triton kernels' CPU cases run only under Triton's interpreter (tiny shapes; their GPU cases
 # are the device's): a second pass over the files that hold them.
+# fla-core (KDA's kernels, pure Python) joins that pass from beside the venv, not inside it: where
+# fla is importable, transformers' glm5_next (the main pass's oracle) takes fla's kernels over torch.
 KERNEL_TESTS = $(wildcard tests/test_triton_*.py tests/test_moe_*grouped.py)
+FLA_INTERP := $(VENV)/fla-interp
 
 test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(KERNEL_TESTS)
+	test -d $(FLA_INTERP)/fla || $(PY) -m pip install -q --no-deps --target $(FLA_INTERP) \
+		fla-core==0.6.0 einops==0.8.2
+	TRITON_INTERPRET=1 PYTHONPATH=$(FLA_INTERP) $(PY) -m pytest -q -m "not gpu" $(KERNEL_TESTS)

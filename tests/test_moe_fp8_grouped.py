@@ -31,6 +31,7 @@ pytest.importorskip("triton")
 
 from kernels import fp8 as fp8_ref  # noqa: E402
 from kernels import moe as moe_ref  # noqa: E402
+from tests.ep_routing import RANK, ep_routing  # noqa: E402
 from tests.triton_interp import patch_triton_interpreter  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,7 +40,6 @@ if INTERPRET:
     patch_triton_interpreter()
 
 # (hidden, local experts, inter, top_k, all experts)
-RANK = (4096, 36, 2048, 8, 288)
 # tiny: Hd 144 (a partial second group), I 80 (one partial group; a tile reads up rows past it)
 SMALL = (144, 5, 80, 3, 12)
 ALIGNED = (256, 4, 128, 2, 8)
@@ -78,19 +78,8 @@ def _experts(shape, device):
 
 
 def _inputs(tokens, shape, device, dtype=torch.bfloat16, seed=0, skip_expert=None, skip_all=False):
-    """x and the routing as the EP layer gives it: top-k of random scores over all experts,
-    other ranks' ids set to `local`, weights renormalised over all k."""
-    hidden, local, _, top_k, total = shape
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
-    scores = torch.rand(tokens, total, generator=gen)
-    weights, ids = scores.topk(top_k, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    ids = ids.clamp(max=local)
-    if skip_expert is not None:  # a local expert nobody picks: an empty segment
-        ids = ids.masked_fill(ids == skip_expert, local)
-    if skip_all:
-        ids = torch.full_like(ids, local)
+    """x in dtype, the block-FP8 experts and the routing as an EP rank's (tests/ep_routing.py)."""
+    x, weights, ids = ep_routing(tokens, shape, seed, skip_expert, skip_all)
     x = x.to(device=device, dtype=dtype)
     return (x, *_experts(shape, device), weights.to(device), ids.to(device))
 

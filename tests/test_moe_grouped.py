@@ -25,15 +25,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from kernels import moe as moe_ref  # noqa: E402
+from tests.ep_routing import RANK, ep_routing  # noqa: E402
 from tests.triton_interp import patch_triton_interpreter  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_interp = pytest.mark.skipif(not INTERPRET, reason="CPU cases need TRITON_INTERPRET=1")
 if INTERPRET:
     patch_triton_interpreter()
-
-# rank 0 of TP8/EP8 of GLM-5.3-Flash: (hidden, local experts, moe_intermediate, top_k, experts)
-RANK = (4096, 36, 2048, 8, 288)
 
 
 def _poison(device) -> None:
@@ -60,20 +58,9 @@ def _experts(shape, device):
 
 
 def _inputs(tokens, shape, device, seed=0, skip_expert=None, skip_all=False):
-    """bf16 x and experts; ids as the EP layer gives them: top-k of all experts' random scores,
-    ids of other ranks' experts (>= local) set to `local`; weights renormalised over all k."""
-    hidden, local, inter, top_k, total = shape
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen)
+    """bf16 x and experts, the routing as an EP rank's (tests/ep_routing.py)."""
+    x, weights, ids = ep_routing(tokens, shape, seed, skip_expert, skip_all)
     w13, w2 = _experts(shape, device)
-    scores = torch.rand(tokens, total, generator=gen)
-    weights, ids = scores.topk(top_k, dim=-1)
-    weights = weights / weights.sum(-1, keepdim=True)
-    ids = ids.clamp(max=local)
-    if skip_expert is not None:  # a local expert nobody picks: a group with zero rows
-        ids = ids.masked_fill(ids == skip_expert, local)
-    if skip_all:
-        ids = torch.full_like(ids, local)
     x = x.to(device=device, dtype=torch.bfloat16)
     return x, w13, w2, weights.to(device), ids.to(device)
 

@@ -23,6 +23,7 @@ cache of the last W inputs, ours is [R, C, K-1].
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from itertools import accumulate
 from typing import NamedTuple
@@ -567,7 +568,7 @@ def _chunk(
         )  # fmt: skip
     else:
         g = g.float().contiguous()
-    with torch.no_grad(), torch.cuda.device(q.device):
+    with torch.no_grad(), _on(q.device):
         o, final = chunk_kda_fwd(
             q=(q.contiguous() if qk_normed else _l2norm(q)).unsqueeze(0),  # ours: not tuned on T
             k=(k.contiguous() if qk_normed else _l2norm(k)).unsqueeze(0),
@@ -731,6 +732,12 @@ def kda_extend_segmented(
         BT=FLA_CHUNK, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _on(device: torch.device):
+    """fla launches on the current CUDA device (a TP rank's may not be cuda:0); CPU tensors
+    (the interpreter) have none."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def kda_uniform(
