@@ -864,68 +864,100 @@ def test_kda_gpu_extend(dtype, safe_gate):
     _run_kda("extend", [1, 15, 16, 53, 4001], 64, 128, dtype, "cuda", False, tol, safe_gate, rel)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-@pytest.mark.parametrize("with_history", [False, True])
-def test_kda_gpu_extend_gate_in_kernel(lower_bound, with_history):
-    """kda_extend(gate=) at rank 0 of TP8's 8 heads x 128, bf16 logits: fla applies the gate in
-    its chunk-cumsum kernel (the recurrent path, with history, applies forget_gate first)."""
-    pytest.importorskip("fla")
+def _check_gate_in_kernel(lower_bound, with_history, device, heads, lens, dtype, tol, rel):
+    """kda_extend(gate=) with the gate's logits f in dtype: fla applies the gate in its
+    chunk-cumsum kernel (the recurrent path, with history, applies forget_gate first)."""
     from kernels.triton import kda as tkda
 
-    heads, dim, num_rows = 8, 128, 16
-    lens = [1, 3, 4, 2] if with_history else [1, 15, 16, 53, 2001]
-    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, torch.bfloat16, "cuda")
+    dim, num_rows = 128 if device == "cuda" else 16, 16
+    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, dtype, device)
     gen = torch.Generator(device="cpu").manual_seed(9)
-    f = torch.randn(sum(lens), heads, dim, generator=gen).to("cuda", torch.bfloat16)
-    dt_bias = (torch.randn(heads * dim, generator=gen) * 0.5).cuda()
-    a_log = (torch.randn(heads, generator=gen) * 0.3).cuda()
+    f = torch.randn(sum(lens), heads, dim, generator=gen).to(device, dtype)
+    dt_bias = (torch.randn(heads * dim, generator=gen) * 0.5).to(device)
+    a_log = (torch.randn(heads, generator=gen) * 0.3).to(device)
     gate = kda_ref.ForgetGate(dt_bias, a_log, lower_bound)
-    rows = _rows(len(lens), num_rows, "cuda")
+    rows = _rows(len(lens), num_rows, device)
     state_ref = state.clone()
     hist, hist_ref = ([], []) if with_history else (None, None)
-    _poison("cuda")
+    _poison(device)
     out = tkda.kda_extend(q, k, v, f, beta, state, rows, lens, hist, gate=gate)
     ref = kda_ref.kda_extend(q, k, v, f, beta, state_ref, rows, lens, hist_ref, gate=gate)
-    tol, rel = (2e-2, None) if with_history else (4e-2, 1e-2)  # as test_kda_gpu_extend's bf16
     _check_close(out, ref, tol, "gated extend out", rel)
     _check_close(state[rows], state_ref[rows], tol, "gated extend state", rel)
     if with_history:
         _check_close(hist[0], hist_ref[0], tol, "gated extend history")
 
 
+@cpu_interp
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_kda_interpreter_extend_gate_in_kernel(lower_bound, with_history):
+    """fla's own kernels (tests/fla_interpreter.py) with the gate in them, float32 at 2 x 16."""
+    pytest.importorskip("fla")
+    lens = [1, 3, 4, 2] if with_history else [1, 15, 16, 70]
+    _check_gate_in_kernel(lower_bound, with_history, "cpu", 2, lens, torch.float32, 2e-4, None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_kda_layer_extend_gpu_matches_torch_path(lower_bound):
-    """A ragged prefill through KDAttention at rank 0 of TP8's heads (8 x 128), bf16, its input
-    projections stacked (q | k | v reach the conv as one view): the fast path (the conv writing
-    q, k, v apart with q's and k's l2norm, fla with the gate in its kernel, the one-pass gated
-    norm) against kernels.torch_path()."""
+@pytest.mark.parametrize("with_history", [False, True])
+def test_kda_gpu_extend_gate_in_kernel(lower_bound, with_history):
+    """At rank 0 of TP8's 8 heads x 128, bf16 logits."""
     pytest.importorskip("fla")
+    lens = [1, 3, 4, 2] if with_history else [1, 15, 16, 53, 2001]
+    tol, rel = (2e-2, None) if with_history else (4e-2, 1e-2)  # as test_kda_gpu_extend's bf16
+    _check_gate_in_kernel(lower_bound, with_history, "cuda", 8, lens, torch.bfloat16, tol, rel)
+
+
+def _check_layer_extend(lower_bound, device, heads, dim, lens, dtype, tol, rel=(None, None)):
+    """A ragged prefill through KDAttention, its input projections stacked (q | k | v reach
+    the conv as one view): the fast path (the conv writing q, k, v apart with q's and k's
+    l2norm, fla with the gate in its kernel, the one-pass gated norm) against
+    kernels.torch_path()."""
     import kernels
+    import serving.layers.attention.kda as attention
     from serving.forward_batch import ForwardBatch
     from serving.memory.cache import KDALayerCache
 
-    heads, dim, num_rows, lens = 8, 128, 16, [1, 15, 53, 1500]
-    config, layer = _kda_layer(heads, dim, torch.bfloat16, lower_bound, False, 0)
-    layer = layer.to("cuda")  # its float32 parameters (conv, gates, norm) stay float32
+    num_rows = 16
+    config, layer = _kda_layer(heads, dim, dtype, lower_bound, False, 0)
+    layer = layer.to(device)  # its float32 parameters (conv, gates, norm) stay float32
     assert layer.in_proj.stack()
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(sum(lens), config.hidden_size, generator=gen).to("cuda", torch.bfloat16)
-    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen).to("cuda", torch.bfloat16)
-    state = (torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1).cuda()
-    rows = _rows(len(lens), num_rows, "cuda").tolist()
-    req_to_token = torch.zeros(num_rows, max(lens) + 8, dtype=torch.int64, device="cuda")
+    x = torch.randn(sum(lens), config.hidden_size, generator=gen).to(device, dtype)
+    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen).to(device, dtype)
+    state = (torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1).to(device)
+    rows = _rows(len(lens), num_rows, device).tolist()
+    req_to_token = torch.zeros(num_rows, max(lens) + 8, dtype=torch.int64, device=device)
     fb = ForwardBatch.build([0] * sum(lens), rows, [0] * len(lens), lens, req_to_token)
     fast, ref = KDALayerCache(conv.clone(), state.clone()), KDALayerCache(conv, state)
-    _poison("cuda")
-    with torch.no_grad():
+    _poison(device)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "fast_path", lambda t: True)  # CPU tensors: the interpreter
         out = layer(x, fb, fast)
         with kernels.torch_path():
+            mp.setattr(attention, "fast_path", lambda t: False)
             out_ref = layer(x, fb, ref)
-    _check_close(out, out_ref, 4e-2, "layer extend out", 2e-2)
-    _check_close(fast.state, ref.state, 4e-2, "layer extend state", 1e-2)
+    _check_close(out, out_ref, tol, "layer extend out", rel[0])
+    _check_close(fast.state, ref.state, tol, "layer extend state", rel[1])
     assert torch.equal(fast.conv, ref.conv), "conv state"
+
+
+@cpu_interp
+def test_kda_layer_extend_interpreter_matches_torch_path():
+    """fla's own kernels (tests/fla_interpreter.py), float32 at 2 heads x 16 (the unbounded
+    gate: test_kda_interpreter_extend_gate_in_kernel)."""
+    pytest.importorskip("fla")
+    _check_layer_extend(-5.0, "cpu", 2, 16, [1, 15, 53, 90], torch.float32, 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_layer_extend_gpu_matches_torch_path(lower_bound):
+    """At rank 0 of TP8's heads (8 x 128), bf16."""
+    pytest.importorskip("fla")
+    lens, rel = [1, 15, 53, 1500], (2e-2, 1e-2)
+    _check_layer_extend(lower_bound, "cuda", 8, 128, lens, torch.bfloat16, 4e-2, rel)
 
 
 @pytest.mark.gpu
@@ -1128,15 +1160,15 @@ def _rel(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def _gated_inputs(lens, heads, dim, num_rows, dtype, seed):
+def _gated_inputs(lens, heads, dim, num_rows, dtype, seed, device="cuda"):
     """The layer's call on CUDA: q, k l2-normed (the conv's), v, the forget gate's logits f in
     dtype, its bounded gate's parameters (dt_bias uniform over -10 .. 2: channels whose decay
     runs from ~1e-4 a token, a memory of thousands of tokens, to ~5), beta, float32 states."""
-    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, dtype, "cuda", seed)
+    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, dtype, device, seed)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    f = torch.randn(sum(lens), heads, dim, generator=gen).to("cuda", dtype)
-    gate = kda_ref.ForgetGate((torch.rand(heads * dim, generator=gen) * 12 - 10).cuda(),
-                              (torch.randn(heads, generator=gen) * 0.3).cuda(), -5.0)  # fmt: skip
+    f = torch.randn(sum(lens), heads, dim, generator=gen).to(device, dtype)
+    dt_bias = (torch.rand(heads * dim, generator=gen) * 12 - 10).to(device)
+    gate = kda_ref.ForgetGate(dt_bias, (torch.randn(heads, generator=gen) * 0.3).to(device), -5.0)
     q, k = (t.float() / t.float().square().sum(-1, keepdim=True).add(1e-6).sqrt() for t in (q, k))
     return q.to(dtype), k.to(dtype), v, f, beta, gate, state
 
@@ -1177,40 +1209,70 @@ def test_kda_gpu_extend_segmented_rank_shape(segment):
     assert torch.equal(again, s_seg), "deterministic"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kda_gpu_extend_segmented_ragged(dtype):
+def _check_segmented_ragged(dtype, device, heads, dim, lens, segment, tol, rel):
     """A ragged batch (requests shorter than a segment, one segment long, several segments
-    with a short tail) against the torch reference, as test_kda_gpu_extend's tolerances (fp32:
-    TF32 dots inside fla and in the fix-up's o_B h_in)."""
-    pytest.importorskip("fla")
+    with a short tail) against the torch reference."""
     from kernels.triton import kda as tkda
 
-    heads, dim, num_rows, lens = 8, 128, 16, [1, 15, 53, 256, 1100, 2049]
-    q, k, v, f, beta, gate, state = _gated_inputs(lens, heads, dim, num_rows, dtype, 22)
-    rows = _rows(len(lens), num_rows, "cuda")
+    num_rows = 16
+    q, k, v, f, beta, gate, state = _gated_inputs(lens, heads, dim, num_rows, dtype, 22, device)
+    rows = _rows(len(lens), num_rows, device)
     s_seg, s_ref = state.clone(), state.clone()
     args, kw = (q, k, v, f, beta), dict(gate=gate, qk_normed=True)
-    _poison("cuda")
-    out = tkda.kda_extend_segmented(*args, s_seg, rows, lens, 256, **kw)
+    _poison(device)
+    out = tkda.kda_extend_segmented(*args, s_seg, rows, lens, segment, **kw)
     ref = kda_ref.kda_extend(*args, s_ref, rows, lens, **kw)
-    tol, rel = (5e-3, 4e-3) if dtype == torch.float32 else (4e-2, 1e-2)
     assert out.dtype == ref.dtype
     _check_close(out, ref, tol, "segmented ragged out", rel)
     _check_close(s_seg, s_ref, tol, "segmented ragged state", rel)
+
+
+@cpu_interp
+def test_kda_interpreter_extend_segmented_ragged():
+    """fla's own kernels (tests/fla_interpreter.py) on v' = [v | 0] from [h0 | I], float32 at
+    2 heads x 16, segments of 64."""
+    pytest.importorskip("fla")
+    _check_segmented_ragged(torch.float32, "cpu", 2, 16, [1, 15, 64, 150], 64, 2e-4, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gpu_extend_segmented_ragged(dtype):
+    """At rank 0 of TP8's heads, as test_kda_gpu_extend's tolerances (fp32: TF32 dots inside fla
+    and in the fix-up's o_B h_in)."""
+    pytest.importorskip("fla")
+    tol, rel = (5e-3, 4e-3) if dtype == torch.float32 else (4e-2, 1e-2)
+    lens = [1, 15, 53, 256, 1100, 2049]
+    _check_segmented_ragged(dtype, "cuda", 8, 128, lens, 256, tol, rel)
+
+
+def _layer_segmented(monkeypatch, segment, min_tokens) -> list:
+    """Turns the segmented path on; the returned list receives each segmented call's lens."""
+    from kernels.triton import kda as tkda
+
+    monkeypatch.setattr(tkda, "SEGMENT_TOKENS", segment)
+    monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", min_tokens)
+    calls = []
+    segmented = tkda.kda_extend_segmented
+    monkeypatch.setattr(tkda, "kda_extend_segmented",
+                        lambda *a, **kw: calls.append(a[7]) or segmented(*a, **kw))  # fmt: skip
+    return calls
+
+
+@cpu_interp
+def test_kda_layer_extend_interpreter_segmented(monkeypatch):
+    """test_kda_layer_extend_interpreter_matches_torch_path with the segmented path on
+    (segments of 64 from 64 tokens: the 90-token request runs in two)."""
+    pytest.importorskip("fla")
+    calls = _layer_segmented(monkeypatch, 64, 64)
+    _check_layer_extend(-5.0, "cpu", 2, 16, [1, 15, 53, 90], torch.float32, 2e-4)
+    assert calls == [[1, 15, 53, 90]], calls
 
 
 @pytest.mark.gpu
 def test_kda_layer_extend_gpu_segmented(monkeypatch):
     """test_kda_layer_extend_gpu_matches_torch_path with the segmented path on (segments of
     512 from 1,024 tokens: the 1,500-token request runs in three)."""
-    from kernels.triton import kda as tkda
-
-    monkeypatch.setattr(tkda, "SEGMENT_TOKENS", 512)
-    monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", 1024)
-    calls = []
-    segmented = tkda.kda_extend_segmented
-    monkeypatch.setattr(tkda, "kda_extend_segmented",
-                        lambda *a, **kw: calls.append(a[7]) or segmented(*a, **kw))  # fmt: skip
+    calls = _layer_segmented(monkeypatch, 512, 1024)
     test_kda_layer_extend_gpu_matches_torch_path(-5.0)
     assert calls == [[1, 15, 53, 1500]], calls
