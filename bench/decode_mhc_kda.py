@@ -193,7 +193,7 @@ def _old_core(q, k, v, f, b, gate, w, conv_state, state, rows):
     return out
 
 
-def _kda_layer(fp8: bool, gen: torch.Generator, device: str = "cuda"):
+def rank0_kda_layer(fp8: bool, gen: torch.Generator, device: str = "cuda"):
     """Rank 0 of TP8's KDA layer (real shapes) with random weights on the GPU; fp8: every
     projection held in block FP8."""
     from kernels.fp8 import quantize_weight
@@ -243,13 +243,13 @@ def bench_kda(batch: int, fp8: bool) -> None:
     from serving.memory.cache import KDALayerCache
 
     gen = torch.Generator(device="cuda").manual_seed(batch)
-    probe = _kda_layer(fp8, gen)
+    probe = rank0_kda_layer(fp8, gen)
     weight_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
     rows = 2 * batch
     state_bytes = batch * HEADS * DIM * DIM * 4 * 2  # read and written
     copies = []
     for i in range(n_copies(weight_bytes + state_bytes)):
-        layer = probe if i == 0 else _kda_layer(fp8, gen)
+        layer = probe if i == 0 else rank0_kda_layer(fp8, gen)
         conv = torch.randn(rows, 3 * HEADS * DIM, 3, device="cuda", generator=gen)
         state = torch.randn(rows, HEADS, DIM, DIM, device="cuda", generator=gen) * 0.1
         req_rows = list(range(1, batch + 1))

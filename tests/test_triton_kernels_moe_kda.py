@@ -384,6 +384,154 @@ def test_conv_gpu(dtype):
     _run_conv("decode", [1] * 8, chans, dtype, "cuda", False)
 
 
+def _run_conv_strided(lens, chans, dtype, device):
+    """The extend conv on a column view of a wider tensor (q | k | v as the first columns of the
+    stacked input projection's output, rows wider than the conv's channels)."""
+    from kernels.triton import kda as tkda
+
+    kernel, num_rows = 4, 16
+    wide, weight, state = _conv_inputs(sum(lens), chans + 40, kernel, num_rows, dtype, device)
+    x, weight, state = wide[:, :chans], weight[:chans].contiguous(), state[:, :chans].contiguous()
+    rows = _rows(len(lens), num_rows, device)
+    state_ref = state.clone()
+    _poison(device)
+    out = tkda.causal_conv_extend(x, weight, state, rows, lens)
+    ref = kda_ref.causal_conv_extend(x.contiguous(), weight, state_ref, rows, lens)
+    _check_close(out, ref, 1e-5 if dtype == torch.float32 else 1e-2, "strided conv out")
+    assert out.is_contiguous() and torch.equal(state, state_ref), "conv state (every row)"
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_interpreter_strided_input(dtype):
+    _run_conv_strided([1, 15, 16, 2], 24, dtype, "cpu")
+
+
+@pytest.mark.gpu
+def test_conv_gpu_strided_input():
+    _run_conv_strided([1, 15, 53, 4001], 3 * 8 * 128, torch.bfloat16, "cuda")  # rank 0 of TP8
+
+
+def _run_conv_qkv(lens, heads, dim, dtype, device, with_history):
+    """conv_qkv_extend (the conv writing q, k, v apart, q and k l2-normed) on a column view of
+    the stacked projection's output, against the reference's conv + l2norm."""
+    from kernels.triton import kda as tkda
+
+    kernel, num_rows, chans = 4, 16, 3 * heads * dim
+    wide, weight, state = _conv_inputs(sum(lens), chans + 24, kernel, num_rows, dtype, device)
+    x, weight, state = wide[:, :chans], weight[:chans].contiguous(), state[:, :chans].contiguous()
+    rows = _rows(len(lens), num_rows, device)
+    state_ref = state.clone()
+    hist, hist_ref = ([], []) if with_history else (None, None)
+    _poison(device)
+    out = tkda.conv_qkv_extend(x, weight, state, rows, lens, heads, hist)
+    ref = kda_ref.conv_qkv_extend(x, weight, state_ref, rows, lens, heads, hist_ref)
+    assert out.shape == ref.shape == (3, sum(lens), heads, dim) and out.dtype == ref.dtype
+    assert out[0].is_contiguous() and out[2].is_contiguous()
+    # float32: the sums' order; bf16: the same rounded conv output, normed: an ulp or two
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i, name in enumerate("qkv"):
+        _check_close(out[i], ref[i], tol, f"conv {name}")
+    assert torch.equal(state, state_ref), "conv state (every row)"
+    if with_history:
+        _check_close(hist[0], hist_ref[0], 0, "conv history")
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_qkv_interpreter(dtype):
+    _run_conv_qkv([1, 15, 16, 53, 2], 2, 16, dtype, "cpu", False)
+    _run_conv_qkv([1, 3, 2], 3, 8, dtype, "cpu", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_qkv_gpu(dtype):
+    _run_conv_qkv([1, 15, 16, 53, 8192], 8, 128, dtype, "cuda", False)  # rank 0 of TP8
+    _run_conv_qkv([1, 15, 4], 8, 128, dtype, "cuda", True)
+
+
+def test_kda_extend_qk_normed_skips_only_the_norm():
+    """kda_extend(qk_normed=True) on l2-normed q, k is kda_extend on the raw ones (float32)."""
+    gen = torch.Generator().manual_seed(7)
+    heads, dim, lens = 2, 8, [3, 5]
+    q, k, v = (torch.randn(sum(lens), heads, dim, generator=gen) for _ in range(3))
+    g = -torch.rand(sum(lens), heads, dim, generator=gen)
+    beta = torch.rand(sum(lens), heads, generator=gen)
+    state = torch.randn(4, heads, dim, dim, generator=gen) * 0.1
+    rows = torch.tensor([3, 1])
+    s1, s2 = state.clone(), state.clone()
+    norm = lambda t: t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    out = kda_ref.kda_extend(norm(q), norm(k), v, g, beta, s1, rows, lens, qk_normed=True)
+    ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: the extend core's pieces around fla (the gated norm, the joined q | k | v view)
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_gated_norm(tokens, heads, dim, dtype, device):
+    from kernels.triton import kda as tkda
+
+    gen = torch.Generator().manual_seed(4)
+    o = (torch.randn(tokens, heads, dim, generator=gen) * 3).to(device, dtype)
+    gate = (torch.randn(tokens, heads * dim, generator=gen) * 2).to(device, dtype)
+    o_norm = (torch.rand(dim, generator=gen) + 0.5).to(device)
+    _poison(device)
+    out = tkda.gated_norm(o, gate, o_norm, 1e-5)
+    ref = kda_ref.gated_norm(o, gate, o_norm, 1e-5)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    # float32: the sums' order; bf16: one rounding of the same float32 value, at most an ulp
+    _check_close(out, ref, 1e-5 if dtype == torch.float32 else 8e-3, "gated norm")
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_pieces_interpreter(dtype):
+    _run_gated_norm(19, 3, 16, dtype, "cpu")
+    _run_gated_norm(5, 2, 24, dtype, "cpu")  # D not a power of two: masked columns
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_pieces_gpu(dtype):
+    _run_gated_norm(8192, 8, 128, dtype, "cuda")  # rank 0 of TP8: 8 heads x 128
+
+
+def test_joined_columns_is_a_view_of_adjacent_parts():
+    from serving.layers.attention.kda import joined_columns
+
+    y = torch.randn(7, 3 * 16 + 10)
+    q, k, v, rest = y.split([16, 16, 16, 10], dim=-1)
+    joined = joined_columns(q, k, v)
+    assert joined.data_ptr() == y.data_ptr() and joined.stride() == y.stride()
+    assert torch.equal(joined, torch.cat([q, k, v], dim=-1))
+    for parts in ((q, v, k), (q, k, rest), (q.contiguous(), k, v)):  # not side by side
+        joined = joined_columns(*parts)
+        assert joined.is_contiguous() and torch.equal(joined, torch.cat(parts, dim=-1))
+
+
+def test_kda_extend_gate_applies_forget_gate():
+    """kda_extend(gate=) on the forget gate's logits is kda_extend on forget_gate's decay."""
+    gen = torch.Generator().manual_seed(6)
+    heads, dim, lens = 2, 8, [3, 5]
+    q, k, v, f = (torch.randn(sum(lens), heads, dim, generator=gen) for _ in range(4))
+    beta = torch.rand(sum(lens), heads, generator=gen)
+    state = torch.randn(4, heads, dim, dim, generator=gen) * 0.1
+    rows = torch.tensor([3, 1])
+    for lower_bound in (-5.0, None):
+        gate = kda_ref.ForgetGate(torch.randn(heads * dim, generator=gen), torch.randn(heads),
+                                  lower_bound)  # fmt: skip
+        g = kda_ref.forget_gate(f.flatten(1), *gate, heads)
+        s1, s2 = state.clone(), state.clone()
+        out = kda_ref.kda_extend(q, k, v, f, beta, s1, rows, lens, gate=gate)
+        ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+        assert torch.equal(out, ref) and torch.equal(s1, s2)
+
+
 # ---------------------------------------------------------------------------------------------
 # KDA: a layer's decode core in one kernel, against the layer's unfused torch path
 # ---------------------------------------------------------------------------------------------
@@ -605,6 +753,42 @@ def test_kda_decode_core_follows_fast_path(monkeypatch):
     assert calls == (["torch", "triton"] if INTERPRET else ["torch"]), calls
 
 
+@cpu_interp
+@pytest.mark.parametrize("with_saves", [False, True])
+def test_kda_extend_core_interpreter_matches_torch_path(monkeypatch, with_saves):
+    """A ragged prefill through KDAttention (in_proj stacked) with the fast path's conv
+    (conv_qkv_extend on the joined q | k | v view) and gated norm under the interpreter, against
+    the torch path; the recurrence is the reference's on both (fla needs CUDA). with_saves: the
+    prefix cache's snapshot passes (their conv results reassembled along the token dim)."""
+    import kernels.triton.kda as tkda
+    import serving.layers.attention.kda as attention
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+
+    heads, dim, num_rows, lens = 2, 16, 16, [5, 1, 12]
+    config, layer = _kda_layer(heads, dim, torch.float32, -5.0, False, 0)
+    assert layer.in_proj.stack()
+    monkeypatch.setattr(tkda, "kda_extend", kda_ref.kda_extend)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(sum(lens), config.hidden_size, generator=gen)
+    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen)
+    state = torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1
+    rows = _rows(len(lens), num_rows, "cpu").tolist()
+    req_to_token = torch.zeros(num_rows, 16, dtype=torch.int64)
+    saves = [[(2, 1)], [], [(4, 2), (9, 3)]] if with_saves else None
+    fb = ForwardBatch.build([0] * sum(lens), rows, [0] * 3, lens, req_to_token, saves=saves)
+    outs, caches = [], []
+    for fast in (True, False):
+        monkeypatch.setattr(attention, "fast_path", lambda t, _fast=fast: _fast)
+        cache = KDALayerCache(conv.clone(), state.clone(), conv.clone(), state.clone())
+        with torch.no_grad():
+            outs.append(layer(x, fb, cache))
+        caches.append(cache)
+    _check_close(outs[0], outs[1], 1e-5, "extend out")
+    for name in ("conv", "state", "saved_conv", "saved_state"):
+        _check_close(getattr(caches[0], name), getattr(caches[1], name), 1e-5, name)
+
+
 # ---------------------------------------------------------------------------------------------
 # KDA: recurrence (fla-core)
 # ---------------------------------------------------------------------------------------------
@@ -680,6 +864,102 @@ def test_kda_gpu_extend(dtype, safe_gate):
     _run_kda("extend", [1, 15, 16, 53, 4001], 64, 128, dtype, "cuda", False, tol, safe_gate, rel)
 
 
+def _check_gate_in_kernel(lower_bound, with_history, device, heads, lens, dtype, tol, rel):
+    """kda_extend(gate=) with the gate's logits f in dtype: fla applies the gate in its
+    chunk-cumsum kernel (the recurrent path, with history, applies forget_gate first)."""
+    from kernels.triton import kda as tkda
+
+    dim, num_rows = 128 if device == "cuda" else 16, 16
+    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, dtype, device)
+    gen = torch.Generator(device="cpu").manual_seed(9)
+    f = torch.randn(sum(lens), heads, dim, generator=gen).to(device, dtype)
+    dt_bias = (torch.randn(heads * dim, generator=gen) * 0.5).to(device)
+    a_log = (torch.randn(heads, generator=gen) * 0.3).to(device)
+    gate = kda_ref.ForgetGate(dt_bias, a_log, lower_bound)
+    rows = _rows(len(lens), num_rows, device)
+    state_ref = state.clone()
+    hist, hist_ref = ([], []) if with_history else (None, None)
+    _poison(device)
+    out = tkda.kda_extend(q, k, v, f, beta, state, rows, lens, hist, gate=gate)
+    ref = kda_ref.kda_extend(q, k, v, f, beta, state_ref, rows, lens, hist_ref, gate=gate)
+    _check_close(out, ref, tol, "gated extend out", rel)
+    _check_close(state[rows], state_ref[rows], tol, "gated extend state", rel)
+    if with_history:
+        _check_close(hist[0], hist_ref[0], tol, "gated extend history")
+
+
+@cpu_interp
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_kda_interpreter_extend_gate_in_kernel(lower_bound, with_history):
+    """fla's own kernels (tests/fla_interpreter.py) with the gate in them, float32 at 2 x 16."""
+    pytest.importorskip("fla")
+    lens = [1, 3, 4, 2] if with_history else [1, 15, 16, 70]
+    _check_gate_in_kernel(lower_bound, with_history, "cpu", 2, lens, torch.float32, 2e-4, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("with_history", [False, True])
+def test_kda_gpu_extend_gate_in_kernel(lower_bound, with_history):
+    """At rank 0 of TP8's 8 heads x 128, bf16 logits."""
+    pytest.importorskip("fla")
+    lens = [1, 3, 4, 2] if with_history else [1, 15, 16, 53, 2001]
+    tol, rel = (2e-2, None) if with_history else (4e-2, 1e-2)  # as test_kda_gpu_extend's bf16
+    _check_gate_in_kernel(lower_bound, with_history, "cuda", 8, lens, torch.bfloat16, tol, rel)
+
+
+def _check_layer_extend(lower_bound, device, heads, dim, lens, dtype, tol, rel=(None, None)):
+    """A ragged prefill through KDAttention, its input projections stacked (q | k | v reach
+    the conv as one view): the fast path (the conv writing q, k, v apart with q's and k's
+    l2norm, fla with the gate in its kernel, the one-pass gated norm) against
+    kernels.torch_path()."""
+    import kernels
+    import serving.layers.attention.kda as attention
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+
+    num_rows = 16
+    config, layer = _kda_layer(heads, dim, dtype, lower_bound, False, 0)
+    layer = layer.to(device)  # its float32 parameters (conv, gates, norm) stay float32
+    assert layer.in_proj.stack()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(lens), config.hidden_size, generator=gen).to(device, dtype)
+    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen).to(device, dtype)
+    state = (torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1).to(device)
+    rows = _rows(len(lens), num_rows, device).tolist()
+    req_to_token = torch.zeros(num_rows, max(lens) + 8, dtype=torch.int64, device=device)
+    fb = ForwardBatch.build([0] * sum(lens), rows, [0] * len(lens), lens, req_to_token)
+    fast, ref = KDALayerCache(conv.clone(), state.clone()), KDALayerCache(conv, state)
+    _poison(device)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "fast_path", lambda t: True)  # CPU tensors: the interpreter
+        out = layer(x, fb, fast)
+        with kernels.torch_path():
+            mp.setattr(attention, "fast_path", lambda t: False)
+            out_ref = layer(x, fb, ref)
+    _check_close(out, out_ref, tol, "layer extend out", rel[0])
+    _check_close(fast.state, ref.state, tol, "layer extend state", rel[1])
+    assert torch.equal(fast.conv, ref.conv), "conv state"
+
+
+@cpu_interp
+def test_kda_layer_extend_interpreter_matches_torch_path():
+    """fla's own kernels (tests/fla_interpreter.py), float32 at 2 heads x 16 (the unbounded
+    gate: test_kda_interpreter_extend_gate_in_kernel)."""
+    pytest.importorskip("fla")
+    _check_layer_extend(-5.0, "cpu", 2, 16, [1, 15, 53, 90], torch.float32, 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_layer_extend_gpu_matches_torch_path(lower_bound):
+    """At rank 0 of TP8's heads (8 x 128), bf16."""
+    pytest.importorskip("fla")
+    lens, rel = [1, 15, 53, 1500], (2e-2, 1e-2)
+    _check_layer_extend(lower_bound, "cuda", 8, 128, lens, torch.bfloat16, 4e-2, rel)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kda_gpu_recurrent(dtype):
@@ -714,3 +994,285 @@ def test_kda_decode_cuda_graph():
     graph.replay()
     ref = kda_ref.kda_decode(nq, nk, nv, ng, nbeta, nstate, rows)
     _check_close(out, ref, 2e-2, "graph decode")
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA: a long request's recurrence in parallel segments (kda_extend_segmented)
+# ---------------------------------------------------------------------------------------------
+
+
+def _segment_inputs(lens, heads, dim, num_rows, dtype, device, seed=11):
+    """Random q, k, v (raw), beta, states, and log decays whose channels keep a memory from a
+    token to 10^4 tokens (g = -exp(u), u per channel uniform over log 1e-4 .. log 3, a little
+    noise per token): a segment's transition P is far from 0, so the chain carries weight."""
+    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, torch.float64, "cpu",
+                                          seed)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed + 1)
+    rate = torch.empty(heads, dim, dtype=torch.float64).uniform_(-9.2, 1.1, generator=gen)
+    g = -(rate + 0.3 * torch.randn(sum(lens), heads, dim, generator=gen, dtype=torch.float64)).exp()
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), cast(g), cast(beta), cast(state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kda_extend_segmented_reference_matches_kda_extend(dtype):
+    """The segmented form (torch twin) against the plain recurrence: ragged requests (one
+    shorter than a segment, ones not a multiple of it or of 64), an initial state per request,
+    several requests in one batch; float64 checks the algebra, float32 its rounding."""
+    heads, dim, num_rows, lens = 2, 16, 8, [150, 5, 64, 201, 1]
+    q, k, v, g, beta, state = _segment_inputs(lens, heads, dim, num_rows, dtype, "cpu")
+    rows = torch.tensor([6, 1, 3, 0, 7])
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for segment in (64, 48, 1000):
+        s1, s2 = state.clone(), state.clone()
+        out = kda_ref.kda_extend_segmented(q, k, v, g, beta, s1, rows, lens, segment)
+        ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+        assert out.dtype == ref.dtype == dtype
+        _check_close(out, ref, tol, f"segmented out, segment {segment}")
+        _check_close(s1, s2, tol, f"segmented state, segment {segment}")
+        assert torch.equal(s1[[2, 4, 5]], state[[2, 4, 5]]), "rows outside `rows` changed"
+
+
+def test_kda_extend_segmented_reference_gate_and_normed():
+    """The same with the forget gate's logits (gate=) and q, k l2-normed first (qk_normed), as
+    the layer calls it, float32."""
+    gen = torch.Generator().manual_seed(12)
+    heads, dim, lens = 2, 8, [70, 9, 130]
+    q, k, v, f = (torch.randn(sum(lens), heads, dim, generator=gen) for _ in range(4))
+    norm = lambda t: t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    q, k = norm(q), norm(k)
+    beta = torch.rand(sum(lens), heads, generator=gen)
+    state = torch.randn(4, heads, dim, dim, generator=gen) * 0.1
+    rows = torch.tensor([3, 0, 2])
+    for lower_bound in (-5.0, None):
+        dt_bias = torch.rand(heads * dim, generator=gen) * 12 - 10  # decays ~1e-4 .. ~5
+        gate = kda_ref.ForgetGate(dt_bias, torch.randn(heads, generator=gen) * 0.3, lower_bound)
+        s1, s2 = state.clone(), state.clone()
+        kw = dict(gate=gate, qk_normed=True)
+        out = kda_ref.kda_extend_segmented(q, k, v, f, beta, s1, rows, lens, 32, **kw)
+        ref = kda_ref.kda_extend(q, k, v, f, beta, s2, rows, lens, **kw)
+        _check_close(out, ref, 1e-5, "gated segmented out")
+        _check_close(s1, s2, 1e-5, "gated segmented state")
+
+
+def test_segment_plan():
+    plan = kda_ref.segment_plan([150, 5, 64, 128], 64)
+    assert plan.lens == [64, 64, 22, 5, 64, 64, 64]
+    assert plan.firsts == [0, 3, 4, 5] and plan.counts == [3, 1, 1, 2]
+
+
+def _fla_by_reference(monkeypatch):
+    """kernels.triton.kda's fla call (_chunk) replaced by the reference over the same varlen
+    batch (fla needs CUDA): the segmented path's plan, chain and output kernel run as on CUDA."""
+    from kernels.triton import kda as tkda
+
+    def chunk(q, k, v, g, beta, initial, meta, gate, qk_normed, safe_gate):
+        lens = (meta.cu_cpu[1:] - meta.cu_cpu[:-1]).tolist()
+        final = initial.clone()
+        seqs = torch.arange(len(lens), device=q.device)
+        o = kda_ref.kda_extend(q, k, v, g, beta, final, seqs, lens, gate=gate, qk_normed=qk_normed)
+        return o.to(v.dtype), final
+
+    monkeypatch.setattr(tkda, "_chunk", chunk)
+    return tkda
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_extend_segmented_interpreter(monkeypatch, dtype):
+    """kernels.triton.kda.kda_extend_segmented (plan, the baddbmm chain, _segment_output_kernel)
+    under the interpreter, fla's call by the reference, against the plain reference."""
+    tkda = _fla_by_reference(monkeypatch)
+    heads, dim, num_rows, lens = 2, 16, 8, [150, 5, 64, 201]
+    q, k, v, g, beta, state = _segment_inputs(lens, heads, dim, num_rows, dtype, "cpu")
+    state = state.float()
+    rows = torch.tensor([6, 1, 3, 0])
+    s1, s2 = state.clone(), state.clone()
+    out = tkda.kda_extend_segmented(q, k, v, g, beta, s1, rows, lens, 64)
+    ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    # bf16: o_A and o_B rounded to bf16 before the fix-up adds them, then once more
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _check_close(out, ref, tol, "segmented out")
+    _check_close(s1, s2, 1e-5 if dtype == torch.float32 else 1e-2, "segmented state")
+    assert torch.equal(s1[[2, 4, 5, 7]], state[[2, 4, 5, 7]]), "rows outside `rows` changed"
+
+
+@cpu_interp
+def test_kda_extend_dispatches_long_batches_to_segments(monkeypatch):
+    """kda_extend runs segmented once the batch's longest request reaches SEGMENT_MIN_TOKENS,
+    plain below it and with history."""
+    tkda = _fla_by_reference(monkeypatch)
+    calls = []
+    segmented = tkda.kda_extend_segmented
+    monkeypatch.setattr(tkda, "kda_extend_segmented",
+                        lambda *a, **kw: calls.append(a[8]) or segmented(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(tkda, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", 100)
+    heads, dim, num_rows = 2, 16, 8
+    for lens in ([99, 3], [100, 3]):
+        q, k, v, g, beta, state = _segment_inputs(lens, heads, dim, num_rows, torch.float32, "cpu")
+        state = state.float()
+        rows = torch.tensor([5, 2])
+        s1, s2 = state.clone(), state.clone()
+        out = tkda.kda_extend(q, k, v, g, beta, s1, rows, lens)
+        ref = kda_ref.kda_extend(q, k, v, g, beta, s2, rows, lens)
+        _check_close(out, ref, 1e-5, f"dispatched out {lens}")
+        _check_close(s1, s2, 1e-5, f"dispatched state {lens}")
+    assert calls == [64], calls
+
+
+@cpu_interp
+def test_kda_extend_core_segmented_with_saves(monkeypatch):
+    """The prefix cache's snapshot passes through the segmented path: each pass (the chunk cut
+    at the snapshot positions) runs segmented alone when long enough, so the snapshots and the
+    outputs match the torch path's."""
+    import serving.layers.attention.kda as attention
+    from serving.forward_batch import ForwardBatch
+    from serving.memory.cache import KDALayerCache
+
+    tkda = _fla_by_reference(monkeypatch)
+    monkeypatch.setattr(tkda, "SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", 65)
+    heads, dim, num_rows, lens = 2, 16, 16, [150, 3, 200]
+    config, layer = _kda_layer(heads, dim, torch.float32, -5.0, False, 0)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(sum(lens), config.hidden_size, generator=gen)
+    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen)
+    state = torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1
+    rows = _rows(len(lens), num_rows, "cpu").tolist()
+    req_to_token = torch.zeros(num_rows, 256, dtype=torch.int64)
+    saves = [[(70, 1)], [], [(10, 2), (130, 3)]]  # inside segments and across them
+    fb = ForwardBatch.build([0] * sum(lens), rows, [0] * 3, lens, req_to_token, saves=saves)
+    outs, caches = [], []
+    for fast in (True, False):
+        monkeypatch.setattr(attention, "fast_path", lambda t, _fast=fast: _fast)
+        cache = KDALayerCache(conv.clone(), state.clone(), conv.clone(), state.clone())
+        with torch.no_grad():
+            outs.append(layer(x, fb, cache))
+        caches.append(cache)
+    _check_close(outs[0], outs[1], 1e-5, "extend out")
+    for name in ("conv", "state", "saved_conv", "saved_state"):
+        _check_close(getattr(caches[0], name), getattr(caches[1], name), 1e-5, name)
+
+
+def _rel(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _gated_inputs(lens, heads, dim, num_rows, dtype, seed, device="cuda"):
+    """The layer's call on CUDA: q, k l2-normed (the conv's), v, the forget gate's logits f in
+    dtype, its bounded gate's parameters (dt_bias uniform over -10 .. 2: channels whose decay
+    runs from ~1e-4 a token, a memory of thousands of tokens, to ~5), beta, float32 states."""
+    q, k, v, _, beta, state = _kda_inputs(sum(lens), heads, dim, num_rows, dtype, device, seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    f = torch.randn(sum(lens), heads, dim, generator=gen).to(device, dtype)
+    dt_bias = (torch.rand(heads * dim, generator=gen) * 12 - 10).to(device)
+    gate = kda_ref.ForgetGate(dt_bias, (torch.randn(heads, generator=gen) * 0.3).to(device), -5.0)
+    q, k = (t.float() / t.float().square().sum(-1, keepdim=True).add(1e-6).sqrt() for t in (q, k))
+    return q.to(dtype), k.to(dtype), v, f, beta, gate, state
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segment", [512, 1024, 2048])
+def test_kda_gpu_extend_segmented_rank_shape(segment):
+    """One 8,192-token request at rank 0 of TP8 (8 heads x 128, bf16, the gate in fla's
+    kernel, q and k normed by the conv): segmented against the plain fla path (both fla's
+    chunk kernel, bf16 chunk states; they differ by where bf16 rounds: o_B, the segments'
+    local states) and both against the torch reference; the segmented relative error within
+    twice the plain path's + 1e-3; bit-identical on a second run."""
+    pytest.importorskip("fla")
+    from kernels.triton import kda as tkda
+
+    heads, dim, num_rows, lens = 8, 128, 16, [8192]
+    q, k, v, f, beta, gate, state = _gated_inputs(lens, heads, dim, num_rows, torch.bfloat16, 21)
+    rows = torch.tensor([9], device="cuda")
+    s_seg, s_plain, s_ref = state.clone(), state.clone(), state.clone()
+    args, kw = (q, k, v, f, beta), dict(gate=gate, qk_normed=True)
+    _poison("cuda")
+    out = tkda.kda_extend_segmented(*args, s_seg, rows, lens, segment, **kw)
+    plain = tkda.kda_extend(*args, s_plain, rows, lens, **kw)
+    ref = kda_ref.kda_extend(*args, s_ref, rows, lens, **kw)
+    assert out.shape == plain.shape and out.dtype == plain.dtype == torch.bfloat16
+    _check_close(out, plain, 4e-2, "segmented vs plain out", 1e-2)
+    _check_close(s_seg[rows], s_plain[rows], 4e-2, "segmented vs plain state", 1e-2)
+    _check_close(out, ref, 4e-2, "segmented out", 1e-2)
+    _check_close(s_seg[rows], s_ref[rows], 4e-2, "segmented state", 1e-2)
+    assert _rel(out, ref) <= 2 * _rel(plain, ref) + 1e-3, (_rel(out, ref), _rel(plain, ref))
+    errs = _rel(s_seg[rows], s_ref[rows]), _rel(s_plain[rows], s_ref[rows])
+    assert errs[0] <= 2 * errs[1] + 1e-3, errs
+    untouched = torch.ones(num_rows, dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    assert torch.equal(s_seg[untouched], state[untouched]), "rows outside `rows` changed"
+    again = state.clone()
+    assert torch.equal(tkda.kda_extend_segmented(*args, again, rows, lens, segment, **kw), out)
+    assert torch.equal(again, s_seg), "deterministic"
+
+
+def _check_segmented_ragged(dtype, device, heads, dim, lens, segment, tol, rel):
+    """A ragged batch (requests shorter than a segment, one segment long, several segments
+    with a short tail) against the torch reference."""
+    from kernels.triton import kda as tkda
+
+    num_rows = 16
+    q, k, v, f, beta, gate, state = _gated_inputs(lens, heads, dim, num_rows, dtype, 22, device)
+    rows = _rows(len(lens), num_rows, device)
+    s_seg, s_ref = state.clone(), state.clone()
+    args, kw = (q, k, v, f, beta), dict(gate=gate, qk_normed=True)
+    _poison(device)
+    out = tkda.kda_extend_segmented(*args, s_seg, rows, lens, segment, **kw)
+    ref = kda_ref.kda_extend(*args, s_ref, rows, lens, **kw)
+    assert out.dtype == ref.dtype
+    _check_close(out, ref, tol, "segmented ragged out", rel)
+    _check_close(s_seg, s_ref, tol, "segmented ragged state", rel)
+
+
+@cpu_interp
+def test_kda_interpreter_extend_segmented_ragged():
+    """fla's own kernels (tests/fla_interpreter.py) on v' = [v | 0] from [h0 | I], float32 at
+    2 heads x 16, segments of 64."""
+    pytest.importorskip("fla")
+    _check_segmented_ragged(torch.float32, "cpu", 2, 16, [1, 15, 64, 150], 64, 2e-4, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gpu_extend_segmented_ragged(dtype):
+    """At rank 0 of TP8's heads, as test_kda_gpu_extend's tolerances (fp32: TF32 dots inside fla
+    and in the fix-up's o_B h_in)."""
+    pytest.importorskip("fla")
+    tol, rel = (5e-3, 4e-3) if dtype == torch.float32 else (4e-2, 1e-2)
+    lens = [1, 15, 53, 256, 1100, 2049]
+    _check_segmented_ragged(dtype, "cuda", 8, 128, lens, 256, tol, rel)
+
+
+def _layer_segmented(monkeypatch, segment, min_tokens) -> list:
+    """Turns the segmented path on; the returned list receives each segmented call's lens."""
+    from kernels.triton import kda as tkda
+
+    monkeypatch.setattr(tkda, "SEGMENT_TOKENS", segment)
+    monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", min_tokens)
+    calls = []
+    segmented = tkda.kda_extend_segmented
+    monkeypatch.setattr(tkda, "kda_extend_segmented",
+                        lambda *a, **kw: calls.append(a[7]) or segmented(*a, **kw))  # fmt: skip
+    return calls
+
+
+@cpu_interp
+def test_kda_layer_extend_interpreter_segmented(monkeypatch):
+    """test_kda_layer_extend_interpreter_matches_torch_path with the segmented path on
+    (segments of 64 from 64 tokens: the 90-token request runs in two)."""
+    pytest.importorskip("fla")
+    calls = _layer_segmented(monkeypatch, 64, 64)
+    _check_layer_extend(-5.0, "cpu", 2, 16, [1, 15, 53, 90], torch.float32, 2e-4)
+    assert calls == [[1, 15, 53, 90]], calls
+
+
+@pytest.mark.gpu
+def test_kda_layer_extend_gpu_segmented(monkeypatch):
+    """test_kda_layer_extend_gpu_matches_torch_path with the segmented path on (segments of
+    512 from 1,024 tokens: the 1,500-token request runs in three)."""
+    calls = _layer_segmented(monkeypatch, 512, 1024)
+    test_kda_layer_extend_gpu_matches_torch_path(-5.0)
+    assert calls == [[1, 15, 53, 1500]], calls

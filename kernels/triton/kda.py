@@ -33,7 +33,14 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import BLOCK as FP8_BLOCK
-from kernels.kda import KDAWeights
+from kernels.kda import (
+    ForgetGate,
+    KDAWeights,
+    SegmentPlan,
+    forget_gate,
+    segment_initial_states,
+    segment_plan,
+)
 from kernels.triton.e4m3 import quant_rows
 from kernels.triton.pdl import LAUNCH, grid_dependency
 
@@ -47,20 +54,23 @@ EXTEND_BLOCK_T = 32
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total"])
 def _conv_kernel(
-    x_ptr,  # [T, C] inputs of all requests back to back
+    x_ptr,  # [T, C] inputs of all requests back to back, rows stride_x apart
+    stride_x,
     w_ptr,  # [C, K] float32
     state_ptr,  # [R, C, K-1] conv state (read only here)
     rows_ptr,  # [B] state row of each request
     cu_ptr,  # [B+1] token offsets
-    out_ptr,  # [T, C]
+    out_ptr,  # [T, C], or with SPLIT_QKV [3, T, C/3]
     stride_sr,
     stride_sc,
+    total,  # T
     C: tl.constexpr,
     K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SPLIT_QKV: tl.constexpr,  # BLOCK_C is one head: each third apart, q's and k's l2-normed
 ):
     b = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -79,7 +89,7 @@ def _conv_kernel(
         w = tl.load(w_ptr + c * K + j, mask=c_mask, other=0.0).to(tl.float32)
         p = t + j - (K - 1)  # input position inside the request; < 0 reads the old state
         from_x = tl.load(
-            x_ptr + (start + p)[:, None].to(tl.int64) * C + c[None, :],
+            x_ptr + (start + p)[:, None].to(tl.int64) * stride_x + c[None, :],
             mask=(t_mask & (p >= 0))[:, None] & c_mask[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -90,16 +100,24 @@ def _conv_kernel(
         ).to(tl.float32)
         acc += (from_x + from_s) * w[None, :]
     out = acc * tl.sigmoid(acc)
-    tl.store(
-        out_ptr + (start + t)[:, None].to(tl.int64) * C + c[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=t_mask[:, None] & c_mask[None, :],
-    )
+    if SPLIT_QKV:
+        width = C // 3
+        third = (pid_c * BLOCK_C) // width
+        # rounded as the unfused conv's output, then normed as _l2norm norms it
+        out = out.to(out_ptr.dtype.element_ty).to(tl.float32)
+        if third < 2:
+            out = out * (1 / tl.sqrt(tl.sum(out * out, 1) + 1e-6))[:, None]
+        dst = out_ptr + (third.to(tl.int64) * total + start + t)[:, None] * width
+        dst += (c - third * width)[None, :]
+    else:
+        dst = out_ptr + (start + t)[:, None].to(tl.int64) * C + c[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & c_mask[None, :])
 
 
 @triton.jit
 def _conv_state_kernel(
     x_ptr,
+    stride_x,
     state_ptr,
     rows_ptr,
     cu_ptr,
@@ -122,7 +140,7 @@ def _conv_state_kernel(
     i_mask = i < KM1
     p = n - KM1 + i  # input position of new state slot i; < 0 keeps an old state slot
     from_x = tl.load(
-        x_ptr + (start + p)[None, :].to(tl.int64) * C + c[:, None],
+        x_ptr + (start + p)[None, :].to(tl.int64) * stride_x + c[:, None],
         mask=c_mask[:, None] & (i_mask & (p >= 0))[None, :],
         other=0.0,
     )
@@ -148,17 +166,28 @@ def _conv_run(
     num_reqs: int,
     max_len: int,
     block_t: int,
+    heads: int | None = None,
 ) -> torch.Tensor:
-    """block_t: tokens per program, a constexpr: each value is its own compiled kernel."""
+    """block_t: tokens per program, a constexpr: each value is its own compiled kernel. x may
+    be a view with a row stride of its own (q | k | v as columns of the stacked projection's
+    output): only its last dim must be contiguous. heads: x is q | k | v of this many heads
+    each; the result is [3, T, heads, D] (conv_qkv_extend's)."""
     chans, kernel = weight.shape
-    x = x.contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     weight = weight.contiguous()
     assert conv_state.stride(2) == 1, "conv_state's last dim must be contiguous"
-    out = torch.empty_like(x)
-    block_c = min(128, triton.next_power_of_2(chans))
+    if heads is None:
+        out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        block_c = min(128, triton.next_power_of_2(chans))
+    else:
+        block_c = chans // 3 // heads  # one program's channels: one head
+        assert block_c * 3 * heads == chans and block_c == triton.next_power_of_2(block_c)
+        out = torch.empty(3, x.shape[0], heads, block_c, device=x.device, dtype=x.dtype)
     grid = (num_reqs, triton.cdiv(max_len, block_t), triton.cdiv(chans, block_c))
     _conv_kernel[grid](
         x,
+        x.stride(0),
         weight,
         conv_state,
         rows,
@@ -166,15 +195,18 @@ def _conv_run(
         out,
         conv_state.stride(0),
         conv_state.stride(1),
+        x.shape[0],
         C=chans,
         K=kernel,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
+        SPLIT_QKV=heads is not None,
         num_warps=4,
     )
     if kernel > 1:
         _conv_state_kernel[(num_reqs, triton.cdiv(chans, block_c))](
             x,
+            x.stride(0),
             conv_state,
             rows,
             cu,
@@ -270,6 +302,24 @@ def causal_conv_extend(
     return _conv_run(x, weight, conv_state, rows, cu, len(lens), max(lens), EXTEND_BLOCK_T)
 
 
+def conv_qkv_extend(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+    heads: int,
+    history: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """kernels.kda.conv_qkv_extend in one kernel (and the conv state's): each program one head
+    of q, k or v, written to its third of [3, T, H, D], q's and k's rows l2-normed (so neither
+    an l2norm pass nor a copy of v runs before fla's chunk kernel)."""
+    if history is not None:
+        history.append(_conv_history(x, weight, conv_state, rows, lens))
+    cu = varlen(lens, x.device).cu
+    return _conv_run(x, weight, conv_state, rows, cu, len(lens), max(lens), EXTEND_BLOCK_T, heads)
+
+
 def causal_conv_uniform(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -330,6 +380,48 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+GATED_NORM_ROWS = 16  # (token, head) rows per program of _gated_norm_kernel: one variant per D
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _gated_norm_kernel(
+    o_ptr, gate_ptr, w_ptr, out_ptr, rows, eps, D: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out = o * rsqrt(mean(o^2) + eps) * w * sigmoid(gate) per row of D, in float32, rounded
+    once to out's dtype, in kernels.kda.gated_norm's order of operations."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    mask = (r < rows)[:, None] & dm[None, :]
+    offs = r[:, None].to(tl.int64) * D + d[None, :]
+    o = tl.load(o_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(o * o, 1) / D + eps)
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = o * rstd[:, None] * w[None, :] * tl.sigmoid(gate)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_norm(
+    o: torch.Tensor, gate: torch.Tensor, o_norm: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """kernels.kda.gated_norm in one pass (o [T, H, Dv], gate [T, H*Dv]; [T, H*Dv] in o's
+    dtype): the reference's float32 temporaries (some 60 bytes an element through HBM in about
+    ten launches) become 6 bytes in one."""
+    tokens, heads, dim = o.shape
+    o, gate = o.contiguous(), gate.contiguous()
+    assert gate.shape == (tokens, heads * dim)
+    out = torch.empty(tokens, heads * dim, device=o.device, dtype=o.dtype)
+    rows = tokens * heads
+    if rows:
+        _gated_norm_kernel[(triton.cdiv(rows, GATED_NORM_ROWS),)](
+            o, gate, o_norm, out, rows, eps, D=dim, BLOCK_R=GATED_NORM_ROWS,
+            BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
 def _check_state(state: torch.Tensor) -> None:
     assert state.dtype == torch.float32, "KDA state must be float32"
     h, dk, dv = state.shape[1:]
@@ -345,9 +437,11 @@ def _recurrent(
     states: torch.Tensor,
     indices: torch.Tensor,
     cu_seqlens: torch.Tensor | None,
+    qk_normed: bool = False,
 ) -> torch.Tensor:
     """fla's fused recurrent KDA, in place on `states`: each sequence n starts from
-    states[indices[n, 0]] and writes its state after token t to states[indices[n, t]].
+    states[indices[n, 0]] and writes its state after token t to states[indices[n, t]];
+    qk_normed: q and k come l2-normed (the kernel's l2norm off).
 
     q, k, v, g: [N, L, H, D] (or [1, T, H, D] with cu_seqlens); beta [N, L, H].
     Returns o shaped like v, in q's dtype.
@@ -366,7 +460,7 @@ def _recurrent(
         inplace_final_state=True,
         cu_seqlens=cu_seqlens,
         ssm_state_indices=indices,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=not qk_normed,
         use_gate_in_kernel=False,
         use_beta_sigmoid_in_kernel=False,
         out=out,
@@ -385,20 +479,35 @@ def kda_extend(
     lens: list[int],
     history: list[torch.Tensor] | None = None,
     *,
+    gate: ForgetGate | None = None,
+    qk_normed: bool = False,
     safe_gate: bool = False,
 ) -> torch.Tensor:
     """KDA over a ragged batch starting from `state[rows]` (updated in place).
 
     Same contract as kernels.kda.kda_extend. Without history: fla's chunked KDA over the
     varlen batch (cu_seqlens), initial states gathered from state[rows], final states written
-    back. With history (speculative verify): fla's fused recurrent kernel writing the state
-    after every token into a [T, H, Dk, Dv] buffer, cut into [B, max_len, H, Dk, Dv] (positions
-    past a request's length repeat its last state, as the reference does).
+    back; a batch whose longest request has SEGMENT_MIN_TOKENS or more runs
+    kda_extend_segmented (each pass of a prefix-cache snapshot batch decides alone). With
+    history (speculative verify): fla's fused recurrent kernel writing the state after every
+    token into a [T, H, Dk, Dv] buffer, cut into [B, max_len, H, Dk, Dv] (positions past a
+    request's length repeat its last state, as the reference does).
+    gate: g holds the forget gate's logits (kernels.kda.kda_extend's contract); the chunked
+    path hands them to fla with use_gate_in_kernel, whose chunk-cumsum kernel applies the gate
+    in float32 as forget_gate does (no [T, H, Dk] float32 decay through HBM), the recurrent path
+    applies forget_gate first. qk_normed: q and k come l2-normed (conv_qkv_extend's).
     safe_gate: pass True only when every g lies in [-5, 0) (the model's lower_bound gate with
     lower_bound >= -5): fla then uses tensor-core sub-chunks.
     """
     _check_state(state)
+    if gate is not None and history is not None:
+        g, gate = forget_gate(g.flatten(1), *gate, q.shape[1]), None
     max_len, total = max(lens), q.shape[0]
+    if history is None and SEGMENT_MIN_TOKENS is not None and max_len >= SEGMENT_MIN_TOKENS:
+        return kda_extend_segmented(
+            q, k, v, g, beta, state, rows, lens, SEGMENT_TOKENS, gate=gate,
+            qk_normed=qk_normed, safe_gate=safe_gate,
+        )  # fmt: skip
     dev = q.device
     meta = varlen(lens, dev)
     cu = meta.cu
@@ -417,6 +526,7 @@ def kda_extend(
             per_token,
             indices,
             cu,
+            qk_normed,
         )[0]
         lens_t = cu[1:] - starts
         last = starts[:, None] + torch.minimum(steps[None, :], lens_t[:, None] - 1)
@@ -425,29 +535,203 @@ def kda_extend(
         state[rows] = hist[:, -1]
         return o
 
+    o, final = _chunk(q, k, v, g, beta, state[rows].contiguous(), meta, gate, qk_normed, safe_gate)
+    state[rows] = final
+    return o.to(q.dtype)
+
+
+def _chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial: torch.Tensor,
+    meta: Varlen,
+    gate: ForgetGate | None,
+    qk_normed: bool,
+    safe_gate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's chunked KDA over the sequences of `meta`, each from its row of `initial`
+    [N, H, Dk, V] (float32, contiguous): (o [T, H, V] in v's dtype, final states
+    [N, H, Dk, V] float32). v's width V is free (the segmented form's is Dv + Dk)."""
     # fla's chunk_kda minus its entry checks and its blocking chunk_indices copy: its forward
     # is chunk_kda_fwd with these arguments (fla-core 0.6.0) when the l2norm and the beta
     # sigmoid stay outside the kernel; the inputs must be contiguous (chunk_kda's input_guard)
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
-    with torch.no_grad(), _on(dev):
+    in_kernel = {}
+    if gate is not None:  # fla's kda_gate_chunk_cumsum: tuned on (H, Dk, chunk), not T
+        g, in_kernel = g.contiguous(), dict(
+            use_gate_in_kernel=True, A_log=gate.a_log, dt_bias=gate.dt_bias,
+            lower_bound=gate.lower_bound,
+        )  # fmt: skip
+    else:
+        g = g.float().contiguous()
+    with torch.no_grad(), _on(q.device):
         o, final = chunk_kda_fwd(
-            q=_l2norm(q).unsqueeze(0),  # our l2norm: no autotuning keyed on T
-            k=_l2norm(k).unsqueeze(0),
+            q=(q.contiguous() if qk_normed else _l2norm(q)).unsqueeze(0),  # ours: not tuned on T
+            k=(k.contiguous() if qk_normed else _l2norm(k)).unsqueeze(0),
             v=v.contiguous().unsqueeze(0),
-            g=g.float().contiguous().unsqueeze(0),
+            g=g.unsqueeze(0),
             beta=beta.float().contiguous().unsqueeze(0),
             scale=q.shape[-1] ** -0.5,
-            initial_state=state[rows].contiguous(),
+            initial_state=initial,
             output_final_state=True,
-            cu_seqlens=cu,
+            cu_seqlens=meta.cu,
             cu_seqlens_cpu=meta.cu_cpu,
             chunk_indices=meta.chunk_indices,
             chunk_size=FLA_CHUNK,
             safe_gate=safe_gate,
+            **in_kernel,
         )[:2]
-    state[rows] = final
-    return o[0].to(q.dtype)
+    return o[0], final
+
+
+# ---------------------------------------------------------------------------------------------
+# a long request's recurrence in parallel segments (kernels.kda.kda_extend_segmented's algebra)
+# ---------------------------------------------------------------------------------------------
+
+# fla's state pass walks a sequence's chunks in order with H x V / BV programs: at rank 0 of
+# TP8 (8 heads) a long request leaves the GPU nearly idle. A batch whose longest request has
+# SEGMENT_MIN_TOKENS tokens or more runs segmented (None: never; off until the H200 bench
+# says which sizes pay), in segments of SEGMENT_TOKENS (a multiple of FLA_CHUNK, so every
+# chunk lies as the plain path's does).
+SEGMENT_TOKENS = 1024
+SEGMENT_MIN_TOKENS: int | None = None
+_SEGMENTS_CACHE = 16
+
+
+class Segments(NamedTuple):
+    """A batch's segment plan on the device: meta (the segments as fla's varlen batch), firsts
+    [B] (each request's first segment), chain [max_count, B] (request b's j-th segment, or N:
+    the padding row, [0 | I]), slots [N] (where segment (b, j)'s entering state lies in the
+    chain's [max_count + 1, B] states: j * B + b, or -1 for j = 0, which enters with the
+    request's own state inside fla)."""
+
+    plan: SegmentPlan
+    meta: Varlen
+    firsts: torch.Tensor
+    chain: torch.Tensor
+    slots: torch.Tensor
+
+
+_segments: OrderedDict[tuple, Segments] = OrderedDict()
+
+
+def segments(lens: list[int], segment: int, device: torch.device) -> Segments:
+    """The plan of a batch with these lengths, built on the host and copied once without
+    waiting (as varlen's); kept for the batch's other KDA layers."""
+    key = (device, tuple(lens), segment)
+    hit = _segments.get(key)
+    if hit is not None:
+        _segments.move_to_end(key)
+        return hit
+    plan = segment_plan(lens, segment)
+    num_reqs, num_segs, steps = len(lens), len(plan.lens), max(plan.counts)
+    chain = [
+        first + j if j < count else num_segs
+        for j in range(steps)
+        for first, count in zip(plan.firsts, plan.counts)
+    ]
+    slots = [j * num_reqs + b if j else -1 for b, n in enumerate(plan.counts) for j in range(n)]
+    pinned = torch.device(device).type == "cuda"
+    host = torch.tensor(plan.firsts + chain + slots, dtype=torch.int64, pin_memory=pinned)
+    packed = host.to(device, non_blocking=True)
+    firsts, chain_t, slots_t = packed.split([num_reqs, len(chain), num_segs])
+    hit = Segments(plan, varlen(plan.lens, device), firsts, chain_t.view(steps, num_reqs),
+                   slots_t)  # fmt: skip
+    _segments[key] = hit
+    if len(_segments) > _SEGMENTS_CACHE:
+        _segments.popitem(last=False)
+    return hit
+
+
+@triton.jit
+def _segment_output_kernel(
+    o_ptr,  # [T, H, DV + DK]: fla's [o_A | o_B] over the segments
+    h_ptr,  # [(max_count + 1) * B, H, DK, DV] float32: the states entering each chain step
+    slots_ptr, cu_ptr, chunks_ptr,  # [N]; the segments' cu [N + 1] and chunk_indices [NT, 2]
+    out_ptr,  # [T, H, DV]
+    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
+):  # fmt: skip
+    """out = o_A + o_B h_in for one chunk of one segment, one head, BV of the value columns;
+    the product in TF32 (bf16 o_B exactly, h_in to 10 bits, finer than o_B's own rounding),
+    skipped for a request's first segment (h_in = 0)."""
+    seg = tl.load(chunks_ptr + 2 * tl.program_id(0))
+    i = tl.load(chunks_ptr + 2 * tl.program_id(0) + 1)
+    h = tl.program_id(1)
+    t = tl.load(cu_ptr + seg) + i * BT + tl.arange(0, BT)
+    tm = t < tl.load(cu_ptr + seg + 1)
+    c = tl.program_id(2) * BV + tl.arange(0, BV)
+    cm = c < DV
+    base = (t.to(tl.int64) * H + h) * (DV + DK)
+    acc = tl.load(o_ptr + base[:, None] + c[None, :], mask=tm[:, None] & cm[None, :],
+                  other=0.0).to(tl.float32)  # fmt: skip
+    slot = tl.load(slots_ptr + seg)
+    if slot >= 0:
+        kk = tl.arange(0, BK)
+        km = kk < DK
+        o_b = tl.load(o_ptr + base[:, None] + DV + kk[None, :], mask=tm[:, None] & km[None, :],
+                      other=0.0).to(tl.float32)  # fmt: skip
+        h_ptrs = h_ptr + (slot * H + h) * (DK * DV) + kk[:, None] * DV + c[None, :]
+        h_in = tl.load(h_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
+        acc += tl.dot(o_b, h_in)
+    out = out_ptr + (t.to(tl.int64) * H + h)[:, None] * DV + c[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
+
+
+def kda_extend_segmented(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    lens: list[int],
+    segment: int,
+    *,
+    gate: ForgetGate | None = None,
+    qk_normed: bool = False,
+    safe_gate: bool = False,
+) -> torch.Tensor:
+    """kernels.kda.kda_extend_segmented: one fla call over the segments with v' = [v | 0]
+    from [h0 | I] (fla's per-chunk work on q, k, g, beta done once for both halves; its state
+    pass N x H x (Dv + Dk) / BV programs, each down at most segment / FLA_CHUNK chunks), the
+    chain (one batched product per step: a request's segments in order, every request at
+    once, exhausted ones through the padding row), then one kernel for o_A + o_B h_in.
+    Sync-free: the plan comes from the host lengths. safe_gate: kda_extend's."""
+    _check_state(state)
+    assert segment % FLA_CHUNK == 0, "segments of whole chunks"
+    heads, dk, dv = state.shape[1:]
+    seg = segments(lens, segment, q.device)
+    num_segs, num_reqs = len(seg.plan.lens), len(lens)
+    steps = seg.chain.shape[0]
+    init = segment_initial_states(state, rows, seg.firsts, num_segs, torch.float32)
+    v_ext = torch.cat([v, v.new_zeros(v.shape[0], heads, dk)], dim=-1)
+    o_ext, final = _chunk(
+        q, k, v_ext, g, beta, init[:num_segs], seg.meta, gate, qk_normed, safe_gate
+    )
+    assert o_ext.is_contiguous()
+    # the chain: h[j + 1] = P h[j] + F over each request's j-th segment ([F | P]: its final
+    # state); float32 products (torch's default: no TF32)
+    links = torch.cat([final, init[num_segs:]])[seg.chain]  # [steps, B, H, Dk, Dv + Dk]
+    h = torch.empty(steps + 1, num_reqs * heads, dk, dv, device=q.device, dtype=torch.float32)
+    h[0].zero_()
+    for j in range(steps):
+        link = links[j].view(num_reqs * heads, dk, dv + dk)
+        torch.baddbmm(link[..., :dv], link[..., dv:], h[j], out=h[j + 1])
+    state[rows] = h[steps].view(num_reqs, heads, dk, dv)
+    out = torch.empty(q.shape[0], heads, dv, device=q.device, dtype=q.dtype)
+    block_v = min(64, triton.next_power_of_2(dv))
+    grid = (seg.meta.chunk_indices.shape[0], heads, triton.cdiv(dv, block_v))
+    _segment_output_kernel[grid](
+        o_ext, h, seg.slots, seg.meta.cu, seg.meta.chunk_indices, out, H=heads, DK=dk, DV=dv,
+        BT=FLA_CHUNK, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def _on(device: torch.device):

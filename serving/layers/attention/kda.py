@@ -18,7 +18,7 @@ import torch
 
 from kernels import fast_path
 from kernels import kda as kda_kernels
-from kernels.kda import KDAWeights
+from kernels.kda import ForgetGate, KDAWeights
 from serving.forward_batch import ForwardBatch, KDASaves
 from serving.memory.cache import KDALayerCache
 
@@ -65,26 +65,42 @@ def extend_core(
     cache: KDALayerCache,
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """A ragged extend's core: the conv, the forget gate from f (f_b_proj's output), the
-    recurrence, the gated norm with gate (g_b_proj's); [T, H*D]."""
+    """A ragged extend's core: the conv (q and k l2-normed with it), the recurrence with the
+    forget gate from f (f_b_proj's output; applied inside the recurrence's op), the gated norm
+    with gate (g_b_proj's); [T, H*D]."""
     heads, dim = cache.state.shape[1], cache.state.shape[2]
-    mixed = short_conv(torch.cat([q, k, v], dim=-1), weights.conv, batch, cache, history)
-    q, k, v = (t.view(-1, heads, dim) for t in mixed.chunk(3, dim=-1))
-    g = kda_kernels.forget_gate(f, weights.dt_bias, weights.a_log, weights.lower_bound, heads)
+    q, k, v = short_conv(joined_columns(q, k, v), weights.conv, heads, batch, cache, history)
+    forget = ForgetGate(weights.dt_bias, weights.a_log, weights.lower_bound)
     beta = torch.sigmoid(b).float()
-    o = delta_rule(q, k, v, g, beta, batch, cache, history)
-    return kda_kernels.gated_norm(o, gate, weights.o_norm, weights.eps)
+    o = delta_rule(q, k, v, f.view(-1, heads, dim), beta, forget, batch, cache, history)
+    return _ops(o).gated_norm(o, gate, weights.o_norm, weights.eps)
+
+
+def joined_columns(*parts: torch.Tensor) -> torch.Tensor:
+    """The parts [T, n_i] side by side as [T, sum n_i]: a view when they already lie so in one
+    tensor (q, k, v: the first columns of the stacked input projection's output), else a copy
+    (torch.cat)."""
+    first, width = parts[0], sum(p.shape[1] for p in parts)
+    at, size = first.data_ptr(), first.element_size()
+    for p in parts:
+        if p.stride() != first.stride() or p.stride(1) != 1 or p.data_ptr() != at:
+            return torch.cat(parts, dim=-1)
+        at += p.shape[1] * size
+    if first.shape[0] > 1 and first.stride(0) < width:
+        return torch.cat(parts, dim=-1)
+    return first.as_strided((first.shape[0], width), (first.stride(0), 1))
 
 
 def short_conv(
     mixed: torch.Tensor,
     weight: torch.Tensor,
+    heads: int,
     batch: ForwardBatch,
     cache: KDALayerCache,
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
-    """Depthwise causal conv + SiLU over a ragged extend's [T, C], continuing each request's
-    conv state."""
+    """Depthwise causal conv + SiLU over a ragged extend's q | k | v [T, 3*H*D], continuing
+    each request's conv state: [3, T, H, D], q and k l2-normed (conv_qkv_extend)."""
     ops = _ops(mixed)
     if batch.kda_saves is not None:
 
@@ -94,11 +110,12 @@ def short_conv(
         return _in_passes(
             (mixed,),
             batch.kda_saves,
-            lambda xs, rows, lens: ops.causal_conv_extend(*xs, weight, cache.conv, rows, lens),
+            lambda xs, rows, lens: ops.conv_qkv_extend(*xs, weight, cache.conv, rows, lens, heads),
             save,
+            token_dim=1,
         )
-    return ops.causal_conv_extend(
-        mixed, weight, cache.conv, batch.req_rows, batch.lens_cpu, history
+    return ops.conv_qkv_extend(
+        mixed, weight, cache.conv, batch.req_rows, batch.lens_cpu, heads, history
     )
 
 
@@ -106,14 +123,15 @@ def delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    f: torch.Tensor,
     beta: torch.Tensor,
+    forget: ForgetGate,
     batch: ForwardBatch,
     cache: KDALayerCache,
     history: list[torch.Tensor] | None,
 ) -> torch.Tensor:
     """The gated delta-rule recurrence over a ragged extend, from each request's state (updated
-    in place)."""
+    in place); f: the forget gate's logits [T, H, Dk], forget its parameters."""
     ops = _ops(q)
     rows = batch.req_rows
     if batch.kda_saves is not None:
@@ -122,12 +140,16 @@ def delta_rule(
             cache.saved_state[slots] = cache.state[rows]
 
         return _in_passes(
-            (q, k, v, g, beta),
+            (q, k, v, f, beta),
             batch.kda_saves,
-            lambda xs, rows, lens: ops.kda_extend(*xs, cache.state, rows, lens),
+            lambda xs, rows, lens: ops.kda_extend(
+                *xs, cache.state, rows, lens, gate=forget, qk_normed=True
+            ),
             save,
         )
-    return ops.kda_extend(q, k, v, g, beta, cache.state, rows, batch.lens_cpu, history)
+    return ops.kda_extend(
+        q, k, v, f, beta, cache.state, rows, batch.lens_cpu, history, gate=forget, qk_normed=True
+    )
 
 
 def _in_passes(
@@ -135,16 +157,20 @@ def _in_passes(
     saves: KDASaves,
     run: Callable[[tuple[torch.Tensor, ...], torch.Tensor, list[int]], torch.Tensor],
     save: Callable[[torch.Tensor, torch.Tensor], None],
+    token_dim: int = 0,
 ) -> torch.Tensor:
     """run() over each pass's tokens, save() after it. Each pass continues the rows' states in
-    place, so the result equals one run over the whole chunk."""
+    place, so the result equals one run over the whole chunk. token_dim: the results' token
+    dimension (the inputs' is 0)."""
     pieces = []
     for p in saves.passes:
         pieces.append((p.index, run(tuple(t[p.index] for t in inputs), p.rows, p.lens)))
         if p.save_rows.numel():
             save(p.save_rows, p.save_slots)
     first = pieces[0][1]
-    out = first.new_empty((inputs[0].shape[0], *first.shape[1:]))
-    for index, piece in pieces:
-        out[index] = piece
+    shape = list(first.shape)
+    shape[token_dim] = inputs[0].shape[0]
+    out = first.new_empty(shape)
+    for index, piece in pieces:  # index: a slice or a tensor of token positions
+        out[(slice(None),) * token_dim + (index,)] = piece
     return out
