@@ -34,6 +34,16 @@ def torch_path():
         TORCH_ONLY = before
 
 
+# The fast path on CPU tensors too, every Triton kernel interpreted: only under
+# TRITON_INTERPRET=1 (slow: tiny models). tests/test_interpreted_fast_path.py sets it to hold the
+# whole model's fast path to the torch path on a CPU; PDSERVE_INTERPRET_FAST_PATH=1 sets it at
+# import (bench.launch_count).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and (
+    os.environ.get("PDSERVE_INTERPRET_FAST_PATH") == "1"
+)
+
+
 def fast_path(t: torch.Tensor) -> bool:
-    """Whether ops on `t` run the Triton / fla-core kernels of kernels/triton/ (CUDA only)."""
-    return t.is_cuda and not TORCH_ONLY
+    """Whether ops on `t` run the Triton / fla-core kernels of kernels/triton/ (CUDA, or CPU
+    tensors under INTERPRETED)."""
+    return (t.is_cuda or INTERPRETED) and not TORCH_ONLY

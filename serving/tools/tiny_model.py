@@ -36,6 +36,14 @@ from serving.tools.tokenizer_build import write_tokenizer_files
 
 TINY_VOCAB = 1024
 
+# GLM-5.3-Flash's 45 layers: 34 KDA + 11 DSA, 3 dense MLPs then 42 MoE
+REAL_LAYERS: dict[str, Any] = dict(
+    num_hidden_layers=45,
+    layer_types=[DSA if i % 4 == 3 else KDA for i in range(45)],
+    indexer_types=["full"] * 45,
+    mlp_layer_types=["dense"] * 3 + ["sparse"] * 42,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # 4 layers: KDA, DSA (full indexer), DSA (shared indexer), KDA. index_topk 32 tokens
     # (8 pools of 4) so prompts of a few dozen tokens already select sparsely; 16 indexer heads
@@ -141,7 +149,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         hidden_size=4096,
         intermediate_size=12288,
         moe_intermediate_size=2048,
-        num_hidden_layers=45,
         num_attention_heads=64,
         num_key_value_heads=64,
         n_routed_experts=288,
@@ -160,12 +167,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         index_kpool=16,
         linear_num_heads=64,
         linear_head_dim=128,
-        layer_types=[DSA if i % 4 == 3 else KDA for i in range(45)],  # 34 KDA + 11 DSA
-        indexer_types=["full"] * 45,
-        mlp_layer_types=["dense"] * 3 + ["sparse"] * 42,
+        **REAL_LAYERS,
         max_position_embeddings=1048576,
         dtype="bfloat16",
     ),
+}
+# the tiny widths in the real layer pattern, bf16, with heads and experts that split 8 ways (TP8 /
+# EP8 as the seed's): bench.launch_count's model (launches per layer kind do not depend on widths)
+PRESETS["tiny45"] = {
+    **PRESETS["tiny"],
+    **REAL_LAYERS,
+    **dict(num_attention_heads=8, num_key_value_heads=8, linear_num_heads=8, n_routed_experts=16),
+    "dtype": "bfloat16",
 }
 CONFIG_ONLY = {"real"}  # presets written without weights
 

@@ -1,0 +1,229 @@
+"""Kernel launches of one decode step, by layer kind, counted on a CPU (issue 43 point 1):
+
+    python -m bench.launch_count [--batch 1] [--preset tiny45] [--out launches.json]
+
+The engine runs the fast path on CPU tensors under Triton's interpreter (kernels.INTERPRETED;
+fla-core from PYTHONPATH where installed, `make test` puts it in .venv/fla-interp), on a
+checkpoint with GLM-5.3-Flash's layer pattern and tiny widths (tiny_model's tiny45: 34 KDA + 11
+DSA layers, 3 dense MLPs then 42 MoE). A launch is a Triton kernel (an interpreter grid call) or
+a torch op that launches a CUDA kernel (any op but views, allocations and scalar reads; a matmul
+is counted once, cuBLAS may split it). Layer kinds by where the launch happens: KDA and DSA (the
+attention modules), MoE and dense MLP (the MLP modules), mHC (the hyper-connections' collapse,
+boundary and expansion), rest (embedding, final norm, lm_head). A decode forward of a steady
+step is counted (the Nth, --step); the sampler is not. Widths change no launch count as long
+as a batch takes the same paths: the small-batch MoE (at most SMALL_MOE_MAX_TOKENS tokens), the
+fused mHC boundary, DSA's step path. Without TP there are no collectives (the simulated rank's
+fake backend launches none either).
+
+The H200 trace it stands for: rank 0 of TP8/EP8, batch 1, 502 kernels a replayed decode step
+(docs/BENCHMARKS.md, "decode graph replay traced"). A JSON object: {"batch", "world", "total",
+"by_kind": {kind: {"triton", "torch", "per_layer"}}, "kernels": {kind: {name: count}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ops that launch no kernel on CUDA: allocations, metadata, host scalars
+NO_KERNEL = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "lift_fresh",
+    "detach",
+    "alias",
+    "_local_scalar_dense",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "is_nonzero",
+    "set_",
+    "resize_",
+    "record_stream",
+}
+
+
+class Launches(TorchDispatchMode):
+    """Counts launches by (kind, name); `kind` is the innermost open region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regions: list[str] = ["rest"]
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.on = False
+        self.in_kernel = 0
+
+    @contextlib.contextmanager
+    def region(self, kind: str):
+        self.regions.append(kind)
+        try:
+            yield
+        finally:
+            self.regions.pop()
+
+    def add(self, name: str) -> None:
+        if self.on and not self.in_kernel:
+            self.counts[self.regions[-1]][name] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        base = func.overloadpacket.__name__
+        if not func.is_view and base not in NO_KERNEL:
+            self.add(f"aten.{base}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting(step: int) -> Iterator[Launches]:
+    """Counts the launches of the step-th decode forward (1-based) while open: regions around
+    the model's parts, Triton launches counted, the interpreter's own work inside them not."""
+    import triton.runtime.interpreter as interpreter
+
+    from serving.layers.mhc import HyperConnection
+    from serving.layers.mlp import DenseMLP, MoE
+    from serving.models.dsa import DSAttention
+    from serving.models.glm5_next import Glm5NextForCausalLM
+    from serving.models.kda import KDAttention
+
+    counter, decodes, undo = Launches(), [0], []
+
+    def patch(owner, name: str, make) -> None:
+        inner = owner.__dict__[name]
+        undo.append((owner, name, inner))
+        setattr(owner, name, make(inner))
+
+    def regioned(kind: str):
+        return lambda inner: lambda *a, **kw: _in(counter.region(kind), inner, a, kw)
+
+    def grid_call(inner):
+        def call(self, *args, **kwargs):
+            counter.add(self.fn.__name__)
+            counter.in_kernel += 1
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                counter.in_kernel -= 1
+
+        return call
+
+    def model_forward(inner):
+        def forward(self, fb, *args, **kwargs):
+            decodes[0] += fb.is_decode
+            counter.on = fb.is_decode and decodes[0] == step
+            try:
+                with counter:
+                    return inner(self, fb, *args, **kwargs)
+            finally:
+                counter.on = False
+
+        return forward
+
+    for cls, kind in ((KDAttention, "KDA"), (DSAttention, "DSA"), (MoE, "MoE"),
+                      (DenseMLP, "dense MLP")):  # fmt: skip
+        patch(cls, "forward", regioned(kind))
+    for method in ("collapse", "boundary", "expand"):
+        patch(HyperConnection, method, regioned("mHC"))
+    patch(interpreter.GridExecutor, "__call__", grid_call)
+    patch(Glm5NextForCausalLM, "forward", model_forward)
+    try:
+        yield counter
+    finally:
+        for owner, name, inner in reversed(undo):
+            setattr(owner, name, inner)
+
+
+def _in(region, fn, args, kwargs):
+    with region:
+        return fn(*args, **kwargs)
+
+
+def summary(counter: Launches, config) -> dict:
+    """{"total", "by_kind": {kind: {"triton", "torch", "per_layer"}}, "kernels"}."""
+    from serving.config import DSA, KDA
+
+    per = {"KDA": config.layer_types.count(KDA), "DSA": config.layer_types.count(DSA)}
+    per["dense MLP"] = config.mlp_layer_types.count("dense")
+    per["MoE"] = len(config.mlp_layer_types) - per["dense MLP"]
+    per["mHC"] = 2 * len(config.layer_types)  # a collapse or boundary before each sublayer
+    by_kind = {}
+    for kind, names in sorted(counter.counts.items()):
+        triton_n = sum(n for k, n in names.items() if not k.startswith("aten."))
+        torch_n = sum(n for k, n in names.items() if k.startswith("aten."))
+        by_kind[kind] = {"triton": triton_n, "torch": torch_n}
+        if kind in per:
+            by_kind[kind]["per_layer"] = round((triton_n + torch_n) / per[kind], 2)
+    total = sum(v["triton"] + v["torch"] for v in by_kind.values())
+    kernels = {k: dict(sorted(v.items())) for k, v in sorted(counter.counts.items())}
+    return {"total": total, "by_kind": by_kind, "kernels": kernels}
+
+
+def count(ckpt: Path, batch: int, step: int, world: int) -> dict:
+    from serving.engine.build import build_engine
+    from serving.protocol import GenerateRequest
+    from serving.sampling_params import SamplingParams
+    from serving.server_args import ServerArgs
+
+    args = ServerArgs.from_cli(
+        [
+            *("--model-path", str(ckpt), "--device", "cpu", "--dtype", "bfloat16"),
+            *("--page-size", "16", "--max-total-tokens", "2048", "--skip-server-warmup"),
+            "--disable-radix-cache",
+            *(
+                ("--simulate-rank", "0", "--tp-size", str(world), "--ep-size", str(world))
+                if world > 1
+                else ()
+            ),
+        ]
+    )
+    sched = build_engine(args)[0]
+    for i in range(batch):
+        params = SamplingParams(max_new_tokens=step + 1, temperature=0.0, ignore_eos=True)
+        sched.add(GenerateRequest(f"r{i}", list(range(3, 11 + i)), params))
+    with counting(step) as counter:
+        while sched.has_work:
+            sched.step()
+    return {"batch": batch, "world": world, **summary(counter, sched.runner.model.config)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--step", type=int, default=2, help="which decode forward to count")
+    ap.add_argument("--preset", default="tiny45")
+    ap.add_argument("--world", type=int, default=8, help="rank 0 of TP/EP this size (1: none)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    # before Triton's import (the interpreter) and kernels' (INTERPRETED)
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["PDSERVE_INTERPRET_FAST_PATH"] = "1"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from serving.tools.tiny_model import write_checkpoint
+
+    try:  # fla-core's kernels under the interpreter, where importable (tests/fla_interpreter.py)
+        from tests.fla_interpreter import install
+
+        install()
+    except ImportError:
+        pass
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_checkpoint(Path(tmp), preset=a.preset)
+        result = count(ckpt, a.batch, a.step, a.world)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
