@@ -758,24 +758,32 @@ def test_kda_decode_core_follows_fast_path(monkeypatch):
 def test_kda_extend_core_interpreter_matches_torch_path(monkeypatch, with_saves):
     """A ragged prefill through KDAttention (in_proj stacked) with the fast path's conv
     (conv_qkv_extend on the joined q | k | v view) and gated norm under the interpreter, against
-    the torch path; the recurrence is the reference's on both (fla needs CUDA). with_saves: the
-    prefix cache's snapshot passes (their conv results reassembled along the token dim)."""
+    the torch path; the recurrence is the reference's on both (fla's has its own cases).
+    with_saves: the prefix cache's snapshot passes (their conv results reassembled along the
+    token dim)."""
     import kernels.triton.kda as tkda
+
+    monkeypatch.setattr(tkda, "kda_extend", kda_ref.kda_extend)
+    saves = [[(2, 1)], [], [(4, 2), (9, 3)]] if with_saves else None
+    _layer_fast_against_torch(monkeypatch, [5, 1, 12], saves, 8)
+
+
+def _layer_fast_against_torch(monkeypatch, lens, saves, seed):
+    """A ragged prefill of three requests through KDAttention (2 heads x 16, in_proj stacked),
+    the fast path against the torch path: outputs, conv and recurrent states, snapshots."""
     import serving.layers.attention.kda as attention
     from serving.forward_batch import ForwardBatch
     from serving.memory.cache import KDALayerCache
 
-    heads, dim, num_rows, lens = 2, 16, 16, [5, 1, 12]
+    heads, dim, num_rows = 2, 16, 16
     config, layer = _kda_layer(heads, dim, torch.float32, -5.0, False, 0)
     assert layer.in_proj.stack()
-    monkeypatch.setattr(tkda, "kda_extend", kda_ref.kda_extend)
-    gen = torch.Generator().manual_seed(8)
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(lens), config.hidden_size, generator=gen)
     conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen)
     state = torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1
     rows = _rows(len(lens), num_rows, "cpu").tolist()
-    req_to_token = torch.zeros(num_rows, 16, dtype=torch.int64)
-    saves = [[(2, 1)], [], [(4, 2), (9, 3)]] if with_saves else None
+    req_to_token = torch.zeros(num_rows, max(lens) + 16, dtype=torch.int64)
     fb = ForwardBatch.build([0] * sum(lens), rows, [0] * 3, lens, req_to_token, saves=saves)
     outs, caches = [], []
     for fast in (True, False):
@@ -1127,33 +1135,12 @@ def test_kda_extend_core_segmented_with_saves(monkeypatch):
     """The prefix cache's snapshot passes through the segmented path: each pass (the chunk cut
     at the snapshot positions) runs segmented alone when long enough, so the snapshots and the
     outputs match the torch path's."""
-    import serving.layers.attention.kda as attention
-    from serving.forward_batch import ForwardBatch
-    from serving.memory.cache import KDALayerCache
 
     tkda = _fla_by_reference(monkeypatch)
     monkeypatch.setattr(tkda, "SEGMENT_TOKENS", 64)
     monkeypatch.setattr(tkda, "SEGMENT_MIN_TOKENS", 65)
-    heads, dim, num_rows, lens = 2, 16, 16, [150, 3, 200]
-    config, layer = _kda_layer(heads, dim, torch.float32, -5.0, False, 0)
-    gen = torch.Generator().manual_seed(13)
-    x = torch.randn(sum(lens), config.hidden_size, generator=gen)
-    conv = torch.randn(num_rows, 3 * heads * dim, 3, generator=gen)
-    state = torch.randn(num_rows, heads, dim, dim, generator=gen) * 0.1
-    rows = _rows(len(lens), num_rows, "cpu").tolist()
-    req_to_token = torch.zeros(num_rows, 256, dtype=torch.int64)
     saves = [[(70, 1)], [], [(10, 2), (130, 3)]]  # inside segments and across them
-    fb = ForwardBatch.build([0] * sum(lens), rows, [0] * 3, lens, req_to_token, saves=saves)
-    outs, caches = [], []
-    for fast in (True, False):
-        monkeypatch.setattr(attention, "fast_path", lambda t, _fast=fast: _fast)
-        cache = KDALayerCache(conv.clone(), state.clone(), conv.clone(), state.clone())
-        with torch.no_grad():
-            outs.append(layer(x, fb, cache))
-        caches.append(cache)
-    _check_close(outs[0], outs[1], 1e-5, "extend out")
-    for name in ("conv", "state", "saved_conv", "saved_state"):
-        _check_close(getattr(caches[0], name), getattr(caches[1], name), 1e-5, name)
+    _layer_fast_against_torch(monkeypatch, [150, 3, 200], saves, 13)
 
 
 def _rel(out, ref) -> float:
