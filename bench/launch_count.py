@@ -209,13 +209,9 @@ def main() -> None:
     os.environ["PDSERVE_INTERPRET_FAST_PATH"] = "1"
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from serving.tools.tiny_model import write_checkpoint
+    from tests.triton_interp import patch_triton_interpreter
 
-    try:  # fla-core's kernels under the interpreter, where importable (tests/fla_interpreter.py)
-        from tests.fla_interpreter import install
-
-        install()
-    except ImportError:
-        pass
+    patch_triton_interpreter()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp), preset=a.preset)
         result = count(ckpt, a.batch, a.step, a.world)

@@ -1,16 +1,6 @@
 from __future__ import annotations
 
-import os
-
 import pytest
-
-
-def pytest_configure(config):
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from tests.fla_interpreter import install
-
-        install()  # fla's kernels under the interpreter, where fla-core is importable
-
 
 DISTILL_PROMPT_LEN = 16
 

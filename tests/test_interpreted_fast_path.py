@@ -21,10 +21,12 @@ from serving.protocol import GenerateRequest
 from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from tests.server_proc import eagle_flags
+from tests.triton_interp import patch_triton_interpreter
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="the fast path on CPU needs the interpreter"
-)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="the fast path on CPU needs the interpreter")
+if INTERPRET:
+    patch_triton_interpreter()
 
 # kernels each path must launch (the model's every layer kind, prefill and decode)
 PREFILL_KERNELS = {"_conv_kernel", "_union_kernel", "_score_pools_kernel", "_mhc_post_kernel"}

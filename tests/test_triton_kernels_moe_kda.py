@@ -900,7 +900,7 @@ def _check_gate_in_kernel(lower_bound, with_history, device, heads, lens, dtype,
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 @pytest.mark.parametrize("with_history", [False, True])
 def test_kda_interpreter_extend_gate_in_kernel(lower_bound, with_history):
-    """fla's own kernels (tests/fla_interpreter.py) with the gate in them, float32 at 2 x 16."""
+    """fla's own kernels with the gate in them, float32 at 2 x 16."""
     pytest.importorskip("fla")
     lens = [1, 3, 4, 2] if with_history else [1, 15, 16, 70]
     _check_gate_in_kernel(lower_bound, with_history, "cpu", 2, lens, torch.float32, 2e-4, None)
@@ -953,7 +953,7 @@ def _check_layer_extend(lower_bound, device, heads, dim, lens, dtype, tol, rel=(
 
 @cpu_interp
 def test_kda_layer_extend_interpreter_matches_torch_path():
-    """fla's own kernels (tests/fla_interpreter.py), float32 at 2 heads x 16 (the unbounded
+    """fla's own kernels, float32 at 2 heads x 16 (the unbounded
     gate: test_kda_interpreter_extend_gate_in_kernel)."""
     pytest.importorskip("fla")
     _check_layer_extend(-5.0, "cpu", 2, 16, [1, 15, 53, 90], torch.float32, 2e-4)
@@ -1216,7 +1216,7 @@ def _check_segmented_ragged(dtype, device, heads, dim, lens, segment, tol, rel):
 
 @cpu_interp
 def test_kda_interpreter_extend_segmented_ragged():
-    """fla's own kernels (tests/fla_interpreter.py) on v' = [v | 0] from [h0 | I], float32 at
+    """fla's own kernels on v' = [v | 0] from [h0 | I], float32 at
     2 heads x 16, segments of 64."""
     pytest.importorskip("fla")
     _check_segmented_ragged(torch.float32, "cpu", 2, 16, [1, 15, 64, 150], 64, 2e-4, None)
