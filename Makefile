@@ -21,10 +21,12 @@ run: install
 	$(PY) deploy/launch_local.py $(ARGS)
 
 # The Triton kernels' CPU cases run only under Triton's interpreter (tiny shapes; their GPU cases
-# are the device's): a second pass over the files that hold them.
+# are the device's): a second pass over the files that hold them, and the whole model's fast path
+# (tests/test_interpreted_fast_path.py); two processes, the interpreter being single-threaded.
 # fla-core (KDA's kernels, pure Python) joins that pass from beside the venv, not inside it: where
 # fla is importable, transformers' glm5_next (the main pass's oracle) takes fla's kernels over torch.
-KERNEL_TESTS = $(wildcard tests/test_triton_*.py tests/test_moe_*grouped.py)
+KERNEL_TESTS = $(wildcard tests/test_triton_*.py tests/test_moe_*grouped.py) \
+	tests/test_interpreted_fast_path.py
 FLA_INTERP := $(VENV)/fla-interp
 
 test: install
@@ -32,4 +34,4 @@ test: install
 	$(PY) -m pytest -q
 	test -d $(FLA_INTERP)/fla || $(PY) -m pip install -q --no-deps --target $(FLA_INTERP) \
 		fla-core==0.6.0 einops==0.8.2
-	TRITON_INTERPRET=1 PYTHONPATH=$(FLA_INTERP) $(PY) -m pytest -q -m "not gpu" $(KERNEL_TESTS)
+	TRITON_INTERPRET=1 PYTHONPATH=$(FLA_INTERP) $(PY) -m pytest -q -n 2 -m "not gpu" $(KERNEL_TESTS)

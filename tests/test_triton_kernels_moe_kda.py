@@ -951,14 +951,6 @@ def _check_layer_extend(lower_bound, device, heads, dim, lens, dtype, tol, rel=(
     assert torch.equal(fast.conv, ref.conv), "conv state"
 
 
-@cpu_interp
-def test_kda_layer_extend_interpreter_matches_torch_path():
-    """fla's own kernels, float32 at 2 heads x 16 (the unbounded
-    gate: test_kda_interpreter_extend_gate_in_kernel)."""
-    pytest.importorskip("fla")
-    _check_layer_extend(-5.0, "cpu", 2, 16, [1, 15, 53, 90], torch.float32, 2e-4)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_kda_layer_extend_gpu_matches_torch_path(lower_bound):
