@@ -7,9 +7,9 @@ fla-core from PYTHONPATH where installed, `make test` puts it in .venv/fla-inter
 checkpoint with GLM-5.3-Flash's layer pattern and tiny widths (tiny_model's tiny45: 34 KDA + 11
 DSA layers, 3 dense MLPs then 42 MoE). A launch is a Triton kernel (an interpreter grid call) or
 a torch op that launches a CUDA kernel (any op but views, allocations and scalar reads; a matmul
-is counted once, cuBLAS may split it). Layer kinds by where the launch happens: KDA and DSA (the
-attention modules), MoE and dense MLP (the MLP modules), mHC (the hyper-connections' collapse,
-boundary and expansion), rest (embedding, final norm, lm_head). A decode forward of a steady
+is counted once, cuBLAS may split it), by bench.step_costs.layer_kinds's labels: KDA, DSA, MoE
+(its shared expert too), dense MLP, mHC (collapse, boundary, expansion), lm_head, and rest
+(embedding, final norm, the logits' rows). A decode forward of a steady
 step is counted (the Nth, --step); the sampler is not. Widths change no launch count as long
 as a batch takes the same paths: the small-batch MoE (at most SMALL_MOE_MAX_TOKENS tokens), the
 fused mHC boundary, DSA's step path. Without TP there are no collectives (the simulated rank's
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -85,67 +86,53 @@ class Launches(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def counting(step: int) -> Iterator[Launches]:
-    """Counts the launches of the step-th decode forward (1-based) while open: regions around
-    the model's parts, Triton launches counted, the interpreter's own work inside them not."""
+def counting(model, step: int) -> Iterator[Launches]:
+    """Counts the launches of `model`'s step-th decode forward (1-based) while open, by
+    bench.step_costs.layer_kinds's labels; a Triton launch counts once, the interpreter's own
+    work inside it not at all."""
     import triton.runtime.interpreter as interpreter
 
-    from serving.layers.mhc import HyperConnection
-    from serving.layers.mlp import DenseMLP, MoE
-    from serving.models.dsa import DSAttention
-    from serving.models.glm5_next import Glm5NextForCausalLM
-    from serving.models.kda import KDAttention
+    from bench.step_costs import layer_kinds
 
-    counter, decodes, undo = Launches(), [0], []
+    counter, decodes = Launches(), [0]
 
-    def patch(owner, name: str, make) -> None:
-        inner = owner.__dict__[name]
-        undo.append((owner, name, inner))
-        setattr(owner, name, make(inner))
-
-    def regioned(kind: str):
-        return lambda inner: lambda *a, **kw: _in(counter.region(kind), inner, a, kw)
-
-    def grid_call(inner):
-        def call(self, *args, **kwargs):
-            counter.add(self.fn.__name__)
-            counter.in_kernel += 1
-            try:
-                return inner(self, *args, **kwargs)
-            finally:
-                counter.in_kernel -= 1
+    def region(label: str, fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with counter.region(label):
+                return fn(*args, **kwargs)
 
         return call
 
-    def model_forward(inner):
-        def forward(self, fb, *args, **kwargs):
-            decodes[0] += fb.is_decode
-            counter.on = fb.is_decode and decodes[0] == step
-            try:
-                with counter:
-                    return inner(self, fb, *args, **kwargs)
-            finally:
-                counter.on = False
+    launch = interpreter.GridExecutor.__call__
 
-        return forward
+    def grid_call(self, *args, **kwargs):
+        counter.add(self.fn.__name__)
+        counter.in_kernel += 1
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            counter.in_kernel -= 1
 
-    for cls, kind in ((KDAttention, "KDA"), (DSAttention, "DSA"), (MoE, "MoE"),
-                      (DenseMLP, "dense MLP")):  # fmt: skip
-        patch(cls, "forward", regioned(kind))
-    for method in ("collapse", "boundary", "expand"):
-        patch(HyperConnection, method, regioned("mHC"))
-    patch(interpreter.GridExecutor, "__call__", grid_call)
-    patch(Glm5NextForCausalLM, "forward", model_forward)
+    forward = model.forward
+
+    def model_forward(fb, *args, **kwargs):
+        decodes[0] += fb.is_decode
+        counter.on = fb.is_decode and decodes[0] == step
+        try:
+            with counter:
+                return forward(fb, *args, **kwargs)
+        finally:
+            counter.on = False
+
+    interpreter.GridExecutor.__call__ = grid_call
+    model.forward = model_forward
     try:
-        yield counter
+        with layer_kinds(model, wrap=region):
+            yield counter
     finally:
-        for owner, name, inner in reversed(undo):
-            setattr(owner, name, inner)
-
-
-def _in(region, fn, args, kwargs):
-    with region:
-        return fn(*args, **kwargs)
+        del model.forward  # back to the class's
+        interpreter.GridExecutor.__call__ = launch
 
 
 def summary(counter: Launches, config) -> dict:
@@ -156,6 +143,7 @@ def summary(counter: Launches, config) -> dict:
     per["dense MLP"] = config.mlp_layer_types.count("dense")
     per["MoE"] = len(config.mlp_layer_types) - per["dense MLP"]
     per["mHC"] = 2 * len(config.layer_types)  # a collapse or boundary before each sublayer
+    per["lm_head"] = 1
     by_kind = {}
     for kind, names in sorted(counter.counts.items()):
         triton_n = sum(n for k, n in names.items() if not k.startswith("aten."))
@@ -190,7 +178,7 @@ def count(ckpt: Path, batch: int, step: int, world: int) -> dict:
     for i in range(batch):
         params = SamplingParams(max_new_tokens=step + 1, temperature=0.0, ignore_eos=True)
         sched.add(GenerateRequest(f"r{i}", list(range(3, 11 + i)), params))
-    with counting(step) as counter:
+    with counting(sched.runner.model, step) as counter:
         while sched.has_work:
             sched.step()
     return {"batch": batch, "world": world, **summary(counter, sched.runner.model.config)}

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import statistics
 import tempfile
@@ -66,6 +65,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from bench.step_costs import labelled
 
 REPS = 10  # layer forwards timed with CUDA events, after WARMUP
 WARMUP = 2
@@ -208,15 +209,6 @@ class Setup:
         }
 
 
-def _labelled(label: str, fn):
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        with torch.profiler.record_function(label):
-            return fn(*args, **kwargs)
-
-    return call
-
-
 @contextlib.contextmanager
 def labelled_pieces(layer):
     """Each piece of the layer's extend forward under its PIECES label while the block runs."""
@@ -238,8 +230,8 @@ def labelled_pieces(layer):
     in_proj = layer.in_proj
     try:
         for owner, name, label in patched:
-            setattr(owner, name, _labelled(label, getattr(owner, name)))
-        layer.in_proj = _labelled("in_proj", in_proj)
+            setattr(owner, name, labelled(label, getattr(owner, name)))
+        layer.in_proj = labelled("in_proj", in_proj)
         yield
     finally:
         layer.in_proj = in_proj

@@ -31,7 +31,9 @@ from serving.models.kda import KDAttention
 KINDS = ("KDA", "DSA", "MoE", "dense MLP", "mHC", "lm_head")
 
 
-def _labelled(label: str, fn):
+def labelled(label: str, fn):
+    """fn under a profiler range named label."""
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with torch.profiler.record_function(label):
@@ -41,10 +43,11 @@ def _labelled(label: str, fn):
 
 
 @contextlib.contextmanager
-def layer_kinds(*modules: nn.Module) -> Iterator[None]:
+def layer_kinds(*modules: nn.Module, wrap=labelled) -> Iterator[None]:
     """Label every KDA/DSA attention, MoE, dense MLP, mHC collapse/boundary/expand and the
     lm_head call of `modules` for the profiler while the block runs (eager forwards only: a
-    CUDA graph replays its kernels without the labels)."""
+    CUDA graph replays its kernels without the labels). wrap(label, fn): what labels a call
+    (bench.launch_count's counts launches by label instead)."""
     kinds = ((KDAttention, "KDA"), (DSAttention, "DSA"), (MoE, "MoE"), (DenseMLP, "dense MLP"))
     patched: list[tuple[object, str]] = []
     for module in modules:
@@ -57,14 +60,14 @@ def layer_kinds(*modules: nn.Module) -> Iterator[None]:
                 label = "lm_head"
             if label is not None:
                 inside.append(name)
-                m.forward = _labelled(label, m.forward)
+                m.forward = wrap(label, m.forward)
                 patched.append((m, "forward"))
             elif isinstance(m, HyperConnection):
                 for attr in ("collapse", "boundary"):
-                    setattr(m, attr, _labelled("mHC", getattr(m, attr)))
+                    setattr(m, attr, wrap("mHC", getattr(m, attr)))
                     patched.append((m, attr))
     expand = HyperConnection.__dict__["expand"]
-    HyperConnection.expand = staticmethod(_labelled("mHC", expand.__func__))
+    HyperConnection.expand = staticmethod(wrap("mHC", expand.__func__))
     try:
         yield
     finally:
