@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from bench.step_costs import labelled
+from bench.step_costs import labelled, launch_map
 
 REPS = 10  # layer forwards timed with CUDA events, after WARMUP
 WARMUP = 2
@@ -331,16 +331,9 @@ def stage_pieces(s: Setup) -> dict:
 def kernels_under(trace: dict, label: str, step_label: str) -> list[dict]:
     """The device kernels launched inside `label` within `step_label` (innermost labels as
     kernel_time_by_range charges them), by name in launch order: calls and us."""
-    from serving.tools.trace_summary import GPU_CATS, HOST_CATS, nest
+    from serving.tools.trace_summary import GPU_CATS
 
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    host = [e for e in events if e.get("cat") in HOST_CATS]
-    parent, _ = nest(host)
-    launch_at = {
-        e["args"]["correlation"]: i
-        for i, e in enumerate(host)
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }
+    events, host, parent, launch_at = launch_map(trace)
     found: dict[str, dict] = {}
     for e in sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"]):
         i, inside, innermost = launch_at.get(e.get("args", {}).get("correlation")), False, None

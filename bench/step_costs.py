@@ -129,6 +129,22 @@ def split_by_kind(prof, step_label: str, cuda: bool) -> tuple[dict[str, float], 
     return out, launches
 
 
+def launch_map(trace: dict) -> tuple[list[dict], list[dict], list, dict]:
+    """A Chrome trace's complete events, its host events, each host event's enclosing one
+    (an index, or None) and the host event that launched each correlation id (an index)."""
+    from serving.tools.trace_summary import HOST_CATS, nest
+
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    host = [e for e in events if e.get("cat") in HOST_CATS]
+    parent, _ = nest(host)
+    launch_at = {
+        e["args"]["correlation"]: i
+        for i, e in enumerate(host)
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    return events, host, parent, launch_at
+
+
 def kernel_time_by_range(
     trace: dict, labels: tuple[str, ...], step_label: str
 ) -> tuple[dict[str, float], dict[str, int], int]:
@@ -141,16 +157,9 @@ def kernel_time_by_range(
     kinds summed to half the step with mHC (all Triton, launched through the driver API's
     cuLaunchKernelEx) at zero; the suspicion is that those totals miss driver-API launches.
     This attribution does not depend on them."""
-    from serving.tools.trace_summary import GPU_CATS, HOST_CATS, nest
+    from serving.tools.trace_summary import GPU_CATS, HOST_CATS
 
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    host = [e for e in events if e.get("cat") in HOST_CATS]
-    parent, _ = nest(host)
-    launch_at = {
-        e["args"]["correlation"]: i
-        for i, e in enumerate(host)
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }
+    events, host, parent, launch_at = launch_map(trace)
     totals = dict.fromkeys((*labels, step_label), 0.0)
     kernels = dict.fromkeys((*labels, step_label), 0)
     for e in events:
@@ -181,16 +190,9 @@ def graph_steps(trace: dict, step_label: str) -> list[dict[str, float]]:
     their intervals), their span (first start to last end) and the gap (span less busy: the
     device idle between a step's dependent kernels, launch latency that a graph does not hide),
     in us. Copies and memsets are left out of the count but kept in busy and span."""
-    from serving.tools.trace_summary import GPU_CATS, HOST_CATS, covered, nest, union
+    from serving.tools.trace_summary import GPU_CATS, covered, union
 
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    host = [e for e in events if e.get("cat") in HOST_CATS]
-    parent, _ = nest(host)
-    launch_at = {
-        e["args"]["correlation"]: i
-        for i, e in enumerate(host)
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }
+    events, host, parent, launch_at = launch_map(trace)
     per_step: dict[int, list[dict]] = {}
     for e in events:
         if e.get("cat") not in GPU_CATS:
