@@ -31,6 +31,10 @@ shard of the --tp-size/--ep-size world, its collectives through the fake backend
    with the decode, eagle and prefill stages' numbers, the projected TP step;
 9. floor: the HBM floor of each decode and EAGLE step measured (bytes moved over --hbm-tbps)
    and the measured step's ratio to it.
+With --variant NAME=MODULE.ATTR=VALUE[;MODULE.ATTR=VALUE...] (repeatable) the prefill stage and
+the layers stage's prefill run once more per variant with those module switches set (e.g.
+kernels.triton.mhc.PREFILL_BOUNDARY=True), in the same process on the same weights; rows carry
+"variant" ("base" for the tree's defaults).
 With --fp8, the model is also quantized to block FP8 in memory (serving/tools/quantize_fp8.py's
 choice; W8A8 kernels; the projections --fp8-linears keeps dense as a server would, recorded in
 the "fp8_quantized" row) and the prefill and decode stages run it after the bf16 model (rows
@@ -50,8 +54,10 @@ run cut short still leaves what it measured.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import copy
+import importlib
 import json
 import statistics
 import tempfile
@@ -100,6 +106,37 @@ class Run:
 def on_path(torch_only: bool):
     """Every op on its torch reference (torch_only) or on the fast path, for a with-block."""
     return kernels.torch_path() if torch_only else contextlib.nullcontext()
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, object]]:
+    """NAME=mod.ATTR=VALUE;... -> (NAME, {"mod.ATTR": value}), each VALUE a Python literal."""
+    name, _, body = text.partition("=")
+    sets = {}
+    for item in filter(None, body.split(";")):
+        target, sep, value = item.partition("=")
+        module, _, attr = target.strip().rpartition(".")
+        if not (sep and module and attr):
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: want MODULE.ATTR=VALUE")
+        if not hasattr(importlib.import_module(module), attr):
+            raise argparse.ArgumentTypeError(f"--variant {text!r}: {module} has no {attr}")
+        sets[target.strip()] = ast.literal_eval(value.strip())
+    return name, sets
+
+
+@contextlib.contextmanager
+def switched(sets: dict[str, object]):
+    """Module switches set for a with-block, restored after (they are read at call time)."""
+    saved = []
+    try:
+        for target, value in sets.items():
+            module, _, attr = target.rpartition(".")
+            mod = importlib.import_module(module)
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
 
 
 def make_model(preset: str, device: str):
@@ -303,19 +340,25 @@ def stage_prefill(b: Bench) -> None:
             return
         low, high = own_tokens(model.config.vocab_size)
         ids = prompts(1, n, high, low=low)[0]
-        row = {"stage": "prefill", "tokens": n, "weights": b.weights}
-        for name, torch_only in (("fast_ms", False), ("torch_ms", True)):
-            if torch_only and (n > 2048 or b.args.no_torch_path or b.weights != "bf16"):
-                continue  # 12-15 s per forward on the torch path (docs/BENCHMARKS.md)
-            with on_path(torch_only):
-                runner, rows = engine(model, device, 1, n + 64)
-                repeat = min(2, b.args.repeat)
-                row[name] = timed(
-                    lambda r=runner, x=rows[0], p=ids: prefill(r, x, p), repeat=repeat
-                )
-            del runner
-        b.measured[b.key("prefill", 1, n)] = row["fast_ms"]
-        run.record(**row)
+        for variant, sets in b.args.variant:
+            if variant != "base" and run.time_left() < 20:
+                return
+            row = {"stage": "prefill", "tokens": n, "weights": b.weights, "variant": variant}
+            for name, torch_only in (("fast_ms", False), ("torch_ms", True)):
+                if torch_only and (
+                    n > 2048 or b.args.no_torch_path or b.weights != "bf16" or variant != "base"
+                ):
+                    continue  # 12-15 s per forward on the torch path (docs/BENCHMARKS.md)
+                with on_path(torch_only), switched(sets):
+                    runner, rows = engine(model, device, 1, n + 64)
+                    repeat = min(2, b.args.repeat)
+                    row[name] = timed(
+                        lambda r=runner, x=rows[0], p=ids: prefill(r, x, p), repeat=repeat
+                    )
+                del runner
+            if variant == "base":
+                b.measured[b.key("prefill", 1, n)] = row["fast_ms"]
+            run.record(**row)
 
 
 def stage_decode(b: Bench) -> None:
@@ -528,29 +571,33 @@ def stage_layers(b: Bench) -> None:
     from torch.profiler import profile, record_function
 
     for name, bs, context, fn in _workloads(b):
-        if b.run.time_left() < 20:
-            return
-        fn()  # warm-up: kernels compiled, caches touched
-        _sync()
-        repeat = 1 if name == "prefill" else min(3, b.args.repeat)
-        modules = [b.model] if b.draft is None else [b.model, b.draft]
-        with layer_kinds(*modules), profile(activities=profiler_activities(b.cuda)) as prof:
-            for _ in range(repeat):
-                with record_function("step"):
-                    fn()
+        variants = b.args.variant if name == "prefill" else b.args.variant[:1]
+        for variant, sets in variants:
+            if b.run.time_left() < 20:
+                return
+            with switched(sets):
+                fn()  # warm-up: kernels compiled, caches touched
                 _sync()
-        ms, launches = split_by_kind(prof, "step", b.cuda)
-        ms = {k: round(v / repeat, 3) for k, v in ms.items()}
-        launches = {k: v / repeat for k, v in launches.items()}
-        b.run.record(
-            stage="layer_kinds",
-            step=name,
-            batch=bs,
-            context=context,
-            eager=True,
-            ms=ms,
-            kernels=launches,
-        )
+                repeat = 1 if name == "prefill" else min(3, b.args.repeat)
+                modules = [b.model] if b.draft is None else [b.model, b.draft]
+                with layer_kinds(*modules), profile(activities=profiler_activities(b.cuda)) as prof:
+                    for _ in range(repeat):
+                        with record_function("step"):
+                            fn()
+                        _sync()
+            ms, launches = split_by_kind(prof, "step", b.cuda)
+            ms = {k: round(v / repeat, 3) for k, v in ms.items()}
+            launches = {k: v / repeat for k, v in launches.items()}
+            b.run.record(
+                stage="layer_kinds",
+                step=name,
+                batch=bs,
+                context=context,
+                eager=True,
+                variant=variant,
+                ms=ms,
+                kernels=launches,
+            )
 
 
 def stage_collectives(b: Bench) -> None:
@@ -669,6 +716,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="skip the torch path (the logits stage's fast-vs-torch and prefill's torch_ms)",
     )
+    ap.add_argument(
+        "--variant",
+        type=parse_variant,
+        action="append",
+        default=[],
+        help="NAME=MODULE.ATTR=VALUE[;...]: also time prefill with these switches (repeatable)",
+    )
     ap.add_argument("--spec-steps", type=int, default=1, help="EAGLE draft steps")
     ap.add_argument("--repeat", type=int, default=20, help="timed decode/EAGLE steps (median)")
     ap.add_argument(
@@ -694,6 +748,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--hbm-tbps", type=float, default=4.23, help="HBM bandwidth of the floor")
     args = ap.parse_args(argv)
+    if any(name == "base" for name, _ in args.variant):
+        ap.error("--variant: 'base' is the tree's defaults, always run first")
+    args.variant = [("base", {}), *args.variant]
     args.stages = args.stages.split(",")
     if unknown := set(args.stages) - set(STAGES):
         ap.error(f"unknown stages {sorted(unknown)}; choose from {','.join(STAGES)}")
