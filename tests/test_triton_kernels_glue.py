@@ -1,6 +1,7 @@
 """The per-layer glue's Triton kernels (kernels/triton/mhc.py: the collapse with its RMSNorm, the
-expansion and the fused boundary between two sublayers; kernels/triton/route.py: the router)
-against their torch references (kernels/mhc.py, kernels/moe.py), and the model's loop of
+expansion and the fused boundary between two sublayers; kernels/triton/route.py: the router;
+kernels/triton/swiglu.py: the dense MLPs' clamped SwiGLU) against their torch references
+(kernels/mhc.py, kernels/moe.py), and the model's loop of
 boundaries against the loop of one collapse and one expansion per sublayer it replaced. CPU cases
 run under TRITON_INTERPRET=1 (tests/triton_interp); the GPU cases run the real per-rank shapes.
 
@@ -359,6 +360,30 @@ def test_route_interpreter(tokens, dtype, local):
     _check_route(tokens, 320, 36, 8, dtype, "cpu", local)
 
 
+def _check_swiglu(tokens, inter, dtype, device):
+    """The two halves of one stacked [T, 2I] projection (strided rows), values past the clamp
+    limit on both sides; float32 to 1e-6 relative, bf16 within one ulp (silu's rounding)."""
+    from kernels.triton.swiglu import swiglu
+
+    g = torch.Generator(device="cpu").manual_seed(tokens * 7 + inter)
+    stacked = (torch.randn(tokens, 2 * inter, generator=g) * 6).to(device=device, dtype=dtype)
+    gate, up = stacked.split([inter, inter], dim=-1)
+    got, ref = swiglu(gate, up, 7.0), moe_ref.swiglu(gate, up, 7.0)
+    assert got.shape == ref.shape and got.dtype == dtype and got.is_contiguous()
+    rtol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=1e-6)
+    if dtype == torch.bfloat16:  # one ulp on a few elements at most, never more
+        assert (got != ref).float().mean() < 0.01
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,inter", [(1, 300), (5, 1100)])
+def test_swiglu_interpreter(tokens, inter, dtype):
+    # a masked tail (300), and two column blocks with a tail (1100)
+    _check_swiglu(tokens, inter, dtype, "cpu")
+
+
 REAL_HD, BENCH_HD = 4096, 2048  # rank 0 of TP8 (and the bench preset's hidden size)
 
 
@@ -427,3 +452,6 @@ def test_glue_gpu_real_shapes(tokens):
     _check_mhc(tokens, 4, 4096, torch.bfloat16, "cuda")
     _check_mhc(tokens, 4, 4096, torch.float32, "cuda")
     _check_route(tokens, 4096, 288, 8, torch.bfloat16, "cuda", (0, 36))
+    for inter in (1536, 192):  # a dense MLP's and the shared expert's share at TP8
+        _check_swiglu(tokens, inter, torch.bfloat16, "cuda")
+        _check_swiglu(tokens, inter, torch.float32, "cuda")
