@@ -175,9 +175,9 @@ def _check_align(tokens, experts, top_k, block_m, device):
 
 
 def _run_moe_skipping(tokens, shape, dtype, device, align, monkeypatch):
-    """EP's pairs: about 3/4 of the ids are E (another rank's experts). Both aligns give them
-    no row (row_of_pair -1, counts and sorted rows of the kept pairs only) and the fused MoE
-    equals the reference, which skips them too."""
+    """EP's pairs: about 3/4 of the ids are E (another rank's experts), half of those past E.
+    Both aligns give them no row (row_of_pair -1, counts and sorted rows of the kept pairs
+    only) and the fused MoE equals the reference, which skips them too."""
     from kernels.triton import moe as tmoe
 
     monkeypatch.setattr(tmoe, "ALIGN_KERNEL_MAX_PAIRS", 10**9 if align == "kernel" else 0)
@@ -186,7 +186,8 @@ def _run_moe_skipping(tokens, shape, dtype, device, align, monkeypatch):
     gen = torch.Generator(device="cpu").manual_seed(7)
     skip = (torch.rand(ids.shape, generator=gen) < 0.75).to(device)
     ids = ids.masked_fill(skip, experts)
-    got = tmoe.moe_align(ids, experts, 16)
+    far = ids.masked_fill(skip & (torch.rand(ids.shape, generator=gen) < 0.5).to(device), 300)
+    got = tmoe.moe_align(far, experts, 16)
     sorted_ids, block_expert, seg_start, counts, row_of_pair = got
     kept = ~skip.flatten()
     assert torch.equal(row_of_pair[~kept], torch.full_like(row_of_pair[~kept], -1))
@@ -194,7 +195,7 @@ def _run_moe_skipping(tokens, shape, dtype, device, align, monkeypatch):
     pair_ids = torch.arange(ids.numel(), device=device, dtype=torch.int32)
     assert torch.equal(sorted_ids[row_of_pair[kept].long()], pair_ids[kept])
     _poison(device)
-    out = tmoe.experts(x, w13, w2, weights, ids, 10.0)
+    out = tmoe.experts(x, w13, w2, weights, far, 10.0)
     _check_moe(out, x, w13, w2, weights, ids, 10.0)
 
 

@@ -169,7 +169,7 @@ def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: 
     """Same buffers as _align_kernel from sync-free torch ops (large batches). Ids equal to
     E (skipped pairs) count under a last, E-th counter that gets no segment: they sort last,
     their sorted rows go to a dump slot past the buffer and their row_of_pair is -1."""
-    flat = ids.reshape(-1).long()
+    flat = ids.reshape(-1).long().clamp(max=num_experts)  # past E: skipped, as E
     n = flat.numel()
     dev = flat.device
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
@@ -202,7 +202,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
     """(sorted pair ids [rows], expert per block [rows / block_m], segment starts [E],
     counts [E], aligned row of each pair [T*k]); all int32, sizes from shapes only. Rows past
     an expert's count are padding. A pair whose id is E (another EP rank's expert) gets no row:
-    its row_of_pair is -1."""
+    its row_of_pair is -1; so does a pair whose id is past E (the align kernel and
+    _align_torch both treat it as E)."""
     n = ids.numel()
     num_blocks = max_padded_rows(n, num_experts, block_m) // block_m
     if n > ALIGN_KERNEL_MAX_PAIRS:
@@ -449,7 +450,6 @@ def _fused(x, w13, w2, w13_scale, w2_scale, weights, ids, limit) -> torch.Tensor
     fp8 = w13_scale is not None
     tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
-    ids = ids.clamp(max=num_experts)  # E: another rank's expert, skipped by align
     inter = two_inter // 2
     top_k = ids.shape[1]
     out = torch.empty_like(x)

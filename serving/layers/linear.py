@@ -121,11 +121,18 @@ class Linear(nn.Module):
             self.weight = fp8_twin(self.weight)
             self.weight_scale_inv = block_scales(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ add, a tensor of the output's shape, before any collective: for a dense
+        2-D x one GEMM that reads it as its C, not a GEMM and an add)."""
+        assert add is None or not (self.split == "row" and self.reduce) and not self.gather
         if self.weight_scale_inv is not None:
             y = fp8_linear(x)(x, self.weight, self.weight_scale_inv)
+        elif add is not None and x.dim() == 2:
+            return torch.addmm(add, x, self.weight.t())
         else:
             y = F.linear(x, self.weight)
+        if add is not None:
+            y = y + add
         if self.split == "row" and self.reduce:
             return tp_all_reduce(y)
         if self.split == "column" and self.gather:

@@ -34,13 +34,14 @@ class DenseMLP(nn.Module):
         self.limit = limit
         self.gate_up = StackedProjections(self, ("gate_proj", "up_proj"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x, plus `add` (MoE's routed output) inside the down GEMM."""
         gate, up = self.gate_up(x)
         if fast_path(x) and x.dim() == 2:
             from kernels.triton.swiglu import swiglu
 
-            return self.down_proj(swiglu(gate, up, self.limit))
-        return self.down_proj(moe_kernels.swiglu(gate, up, self.limit))
+            return self.down_proj(swiglu(gate, up, self.limit), add)
+        return self.down_proj(moe_kernels.swiglu(gate, up, self.limit), add)
 
 
 class Router(nn.Module):
@@ -123,10 +124,10 @@ class MoE(nn.Module):
             experts = _experts(x, c.num_experts_per_tok, self.w13.shape[0])
             routed = experts(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
         if ps.tp_size > 1:  # shared expert TP-split too: one all-reduce for both
-            return all_reduce(routed + self.shared_experts(x))
+            return all_reduce(self.shared_experts(x, add=routed))
         if ps.ep_size > 1:
-            return all_reduce(routed) + self.shared_experts(x)
-        return routed + self.shared_experts(x)
+            return self.shared_experts(x, add=all_reduce(routed))
+        return self.shared_experts(x, add=routed)
 
     def _forward_small(self, x: torch.Tensor, local: tuple[int, int] | None) -> torch.Tensor:
         """Router, routed experts and shared expert in three launches, no align and no sort
@@ -172,7 +173,7 @@ class MoE(nn.Module):
         )
         if ps.world > 1:
             out = all_reduce(out)
-        return out if inside else out + self.shared_experts(x)
+        return out if inside else self.shared_experts(x, add=out)
 
 
 # On the fast path, batches of at most this many tokens take MoE._forward_small (three launches
