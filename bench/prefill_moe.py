@@ -83,22 +83,18 @@ FP8_CONFIGS = [
 
 
 # GroupedFP8Config fields: (block_m, gu_warps, gu_stages, down_block_n, down_warps, down_stages,
-# group_m, flatten, rescale, ctas_per_sm); the first is fp8_grouped_config's prefill default;
-# rescale rows trade the promoted accumulation's precision for registers (its comment).
-# ptxas for sm_90a at each: kernels/triton/moe_fp8_grouped.py, fp8_grouped_config. Most
-# plausible first (the sweep is time-boxed).
+# group_m, flatten); the first is fp8_grouped_config's prefill default. ptxas for sm_90a at
+# each: kernels/triton/moe_fp8_grouped.py, fp8_grouped_config. Most plausible first (the sweep
+# is time-boxed).
 FP8_GROUPED_CONFIGS = [
-    (128, 8, 3, 128, 8, 4, 8, False, False, 1),
-    (128, 8, 3, 128, 8, 4, 8, False, True, 1),
-    (64, 8, 4, 128, 8, 4, 8, False, False, 1),
-    (128, 16, 3, 128, 8, 4, 8, False, False, 1),
-    (64, 8, 2, 128, 8, 2, 8, False, True, 2),
-    (128, 8, 3, 128, 8, 4, 8, True, True, 1),
-    (128, 16, 3, 128, 8, 4, 8, False, True, 1),
-    (128, 8, 4, 128, 8, 4, 8, False, False, 1),
-    (128, 8, 3, 128, 8, 4, 4, False, False, 1),
-    (128, 8, 3, 128, 8, 4, 16, False, False, 1),
-    (128, 8, 3, 64, 4, 4, 8, False, False, 1),
+    (128, 8, 3, 128, 8, 4, 8, False),
+    (64, 8, 4, 128, 8, 4, 8, False),
+    (128, 16, 3, 128, 8, 4, 8, False),
+    (128, 8, 4, 128, 8, 4, 8, False),
+    (128, 8, 3, 128, 8, 4, 4, False),
+    (128, 8, 3, 128, 8, 4, 16, False),
+    (128, 8, 3, 64, 4, 4, 8, False),
+    (128, 8, 3, 128, 8, 4, 8, True),
 ]
 FP8_GROUPED_SWEEP_SECONDS = 30.0
 

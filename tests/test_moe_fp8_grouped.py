@@ -21,7 +21,6 @@ what eager computes (no atomics, fixed orders, fixed tile order per program).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -119,15 +118,13 @@ def test_fp8_grouped_interpreter(tokens, dtype):
 
 
 @cpu_interp
-@pytest.mark.parametrize(
-    "block_m,flatten,rescale", [(64, False, False), (128, True, False), (64, False, True)]
-)
-def test_fp8_grouped_interpreter_configs(block_m, flatten, rescale):
-    """Whole groups, both tile heights, a 64-column down tile, the flattened tile loop, both
-    ways of applying the scales; ragged counts over 4 experts."""
+@pytest.mark.parametrize("block_m,flatten", [(64, False), (128, True)])
+def test_fp8_grouped_interpreter_configs(block_m, flatten):
+    """Whole groups, both tile heights, a 64-column down tile, the flattened tile loop; ragged
+    counts over 4 experts."""
     from kernels.triton.moe_fp8_grouped import GroupedFP8Config, experts_fp8_grouped
 
-    cfg = GroupedFP8Config(block_m, 4, 2, 64, 4, 2, 2, flatten, rescale)
+    cfg = GroupedFP8Config(block_m, 4, 2, 64, 4, 2, 2, flatten)
     inputs = _inputs(40, ALIGNED, "cpu", torch.float32, seed=9)
     _check(experts_fp8_grouped(*inputs, 10.0, config=cfg), inputs, 10.0)
 
@@ -192,22 +189,24 @@ def _check_pad_sort(ids, weights, experts, block_m):
     assert (expert_of_tile[start // block_m :] == experts).all()
 
 
-def test_layer_rule_picks_fp8_grouped_only_when_set(monkeypatch):
-    """serving/layers/mlp.py: off while FP8_GROUPED_MIN_PAIRS_PER_EXPERT is None; set, FP8
-    batches with T * top_k >= threshold * E take experts_fp8_grouped."""
+def test_layer_rule_picks_fp8_grouped(monkeypatch):
+    """serving/layers/mlp.py: FP8 batches with T * top_k >= FP8_GROUPED_MIN_PAIRS_PER_EXPERT *
+    E and experts at least GROUPED_MIN_INTER wide take experts_fp8_grouped; None: never."""
     from kernels.triton.moe import experts_fp8
     from kernels.triton.moe_fp8_grouped import experts_fp8_grouped
     from serving.layers import mlp
 
     monkeypatch.setattr(mlp, "fast_path", lambda t: True)
-    x = torch.empty(450, 8, dtype=torch.bfloat16)
-    assert mlp.FP8_GROUPED_MIN_PAIRS_PER_EXPERT is None
-    assert mlp._experts_fp8(x, 8, 36) is experts_fp8
+    monkeypatch.setattr(mlp, "_hopper", lambda device: True)
     monkeypatch.setattr(mlp, "FP8_GROUPED_MIN_PAIRS_PER_EXPERT", 100)
-    assert mlp._experts_fp8(x, 8, 36) is experts_fp8_grouped  # 3,600 pairs = 100 x 36
-    assert mlp._experts_fp8(x[:449], 8, 36) is experts_fp8
+    x = torch.empty(450, 8, dtype=torch.bfloat16)
+    assert mlp._experts_fp8(x, 8, 36, 2048) is experts_fp8_grouped  # 3,600 pairs = 100 x 36
+    assert mlp._experts_fp8(x[:449], 8, 36, 2048) is experts_fp8
+    assert mlp._experts_fp8(x, 8, 36, 768) is experts_fp8  # narrow experts
+    monkeypatch.setattr(mlp, "FP8_GROUPED_MIN_PAIRS_PER_EXPERT", None)
+    assert mlp._experts_fp8(x, 8, 36, 2048) is experts_fp8
     monkeypatch.setattr(mlp, "fast_path", lambda t: False)
-    assert mlp._experts_fp8(x, 8, 36) is moe_ref.experts_fp8
+    assert mlp._experts_fp8(x, 8, 36, 2048) is moe_ref.experts_fp8
 
 
 @pytest.mark.gpu
@@ -227,45 +226,21 @@ def test_fp8_grouped_gpu_rank_shape(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,rescale,per_sm", [(128, False, 1), (64, True, 2)])
-def test_fp8_grouped_gpu_float32(block_m, rescale, per_sm):
-    """float32 x at the rank's dims, 256 tokens, both tile heights, both ways of applying the
-    scales, one and two programs per SM. Not 1e-5 as at the interpreter's tiny shapes: the e4m3
-    wgmma accumulates at reduced precision (about 14 mantissa bits) inside each K step, so gate
-    and up differ from the fp32 reference by ~1e-5 relative, which moves the e4m3 rounding of
-    some h elements (a few in 10,000 at that difference, estimated; each one step, <= 12.5% of
-    it): up to about 1e-3 relative Frobenius on the output, bounded here by 5e-3 (an indexing
-    error is O(1)). rescale runs the whole K sum through that accumulator: the bf16 bound."""
+@pytest.mark.parametrize("block_m", [128, 64])
+def test_fp8_grouped_gpu_float32(block_m):
+    """float32 x at the rank's dims, 256 tokens, both tile heights. Not 1e-5 as at the
+    interpreter's tiny shapes: the e4m3 wgmma accumulates at reduced precision (about 14
+    mantissa bits) inside each K step, so gate and up differ from the fp32 reference by ~1e-5
+    relative, which moves the e4m3 rounding of some h elements (a few in 10,000 at that
+    difference, estimated; each one step, <= 12.5% of it): up to about 1e-3 relative Frobenius
+    on the output, bounded here by 5e-3 (an indexing error is O(1))."""
     from kernels.triton.moe_fp8_grouped import GroupedFP8Config, experts_fp8_grouped
 
     inputs = _inputs(256, RANK, "cuda", torch.float32, seed=6)
     _poison("cuda")
-    cfg = GroupedFP8Config(
-        block_m, 8, 3 if block_m == 128 else 2, 128, 8, 4, 8, False, rescale, per_sm
-    )
+    cfg = GroupedFP8Config(block_m, 8, 3 if block_m == 128 else 4, 128, 8, 4, 8)
     out = experts_fp8_grouped(*inputs, 7.0, config=cfg)
-    _check(out, inputs, 7.0, (2e-2, 1e-2) if rescale else (2e-2, 5e-3))
-
-
-@pytest.mark.gpu
-def test_fp8_grouped_gpu_rescale_rank_shape():
-    """GroupedFP8Config.rescale (off by default: its comment) at the rank's 8k chunk: within
-    the bf16 bound of the reference; the errors of both forms are printed (pytest -s), the
-    measurement that decides whether rescale may become the default."""
-    from kernels.triton.moe_fp8_grouped import (
-        GroupedFP8Config,
-        experts_fp8_grouped,
-        fp8_grouped_config,
-    )
-
-    inputs = _inputs(8192, RANK, "cuda", seed=7)
-    default = fp8_grouped_config(inputs[6].numel(), RANK[1])
-    rescaled = GroupedFP8Config(*dataclasses.astuple(default)[:8], True, 1)
-    _poison("cuda")
-    print("promoted:", end=" ")
-    _check(experts_fp8_grouped(*inputs, 7.0, config=default), inputs, 7.0)
-    print("rescale:", end=" ")
-    _check(experts_fp8_grouped(*inputs, 7.0, config=rescaled), inputs, 7.0)
+    _check(out, inputs, 7.0, (2e-2, 5e-3))
 
 
 @pytest.mark.gpu

@@ -166,21 +166,26 @@ def test_grouped_gpu_cuda_graph():
         _check(out, x, w13, w2, weights, ids, 7.0)
 
 
-def test_layer_rule_picks_grouped_only_when_set(monkeypatch):
-    """serving/layers/mlp.py's one host rule: off while GROUPED_MIN_PAIRS_PER_EXPERT is None;
-    set, bf16 batches with T * top_k >= threshold * E take experts_grouped."""
+def test_layer_rule_picks_grouped(monkeypatch):
+    """serving/layers/mlp.py's one host rule: bf16 batches with T * top_k >=
+    GROUPED_MIN_PAIRS_PER_EXPERT * E and experts at least GROUPED_MIN_INTER wide take
+    experts_grouped; None: never. Decode batches never reach the default threshold."""
     from kernels.triton.moe import experts
     from kernels.triton.moe_grouped import experts_grouped
     from serving.layers import mlp
 
     monkeypatch.setattr(mlp, "fast_path", lambda t: True)
-    x = torch.empty(450, 8, dtype=torch.bfloat16)
-    assert mlp.GROUPED_MIN_PAIRS_PER_EXPERT is None
-    assert mlp._experts(x, 8, 36) is experts
+    monkeypatch.setattr(mlp, "_hopper", lambda device: True)
+    x = torch.empty(2048, 8, dtype=torch.bfloat16)
+    assert mlp._experts(x, 8, 36, 2048) is experts_grouped  # the default: 455 pairs each
+    assert mlp._experts(x[:256], 8, 36, 2048) is experts
     monkeypatch.setattr(mlp, "GROUPED_MIN_PAIRS_PER_EXPERT", 100)
-    assert mlp._experts(x, 8, 36) is experts_grouped  # 3,600 pairs = 100 x 36
-    assert mlp._experts(x[:449], 8, 36) is experts
-    assert mlp._experts(x.float(), 8, 36) is experts
+    assert mlp._experts(x[:450], 8, 36, 2048) is experts_grouped  # 3,600 pairs = 100 x 36
+    assert mlp._experts(x[:449], 8, 36, 2048) is experts
+    assert mlp._experts(x[:450], 8, 36, 768) is experts  # narrow experts
+    assert mlp._experts(x[:450].float(), 8, 36, 2048) is experts
+    monkeypatch.setattr(mlp, "GROUPED_MIN_PAIRS_PER_EXPERT", None)
+    assert mlp._experts(x, 8, 36, 2048) is experts
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ Four steps, no host sync (capturable; every shape, grid and buffer size from hos
    weight tile run together and meet it in L2), A and w13 read through host-side TMA
    descriptors, BLOCK_K = 128 = one scale group: each K step adds
    dot(a, w) * a_scale[row] * w_scale (the weight scale is one float per 128 x 128 block, so per
-   tile and K step a scalar; GroupedFP8Config.rescale: the same sum accumulated in place). A
+   tile and K step a scalar). A
    tile holds 128 gate and the 128 matching up columns (two dots, two accumulators), so its
    epilogue has whole 128-column groups of h: SwiGLU with the clamp, rounded to x's dtype (the
    reference's order), quantized and stored as e4m3 + scale. No separate quantization pass.
@@ -38,8 +38,10 @@ contiguous floats.
 
 Hazard (registers): a gate/up tile carries two fp32 accumulators, and `acc += dot * scale` a
 third tile for the dot's result: at BLOCK_M 128 and 8 warps 3 x 64 registers per thread, which
-spills a little (fp8_grouped_config's numbers). GroupedFP8Config.rescale accumulates in place
-instead, at a precision cost its comment states.
+spills a little (fp8_grouped_config's numbers). Accumulating in place instead (acc = dot(a, w,
+acc * s_prev / s), the scale applied once at the end) was measured on the H200 and removed: the
+e4m3 wgmma's reduced-precision accumulator then carries the whole K sum (1.2-1.5% relative
+Frobenius error against the reference, over the bf16 bound of 1%), and no tile of it was faster.
 """
 
 from __future__ import annotations
@@ -64,10 +66,6 @@ QUANT_PROGRAMS_PER_SM = 8
 # programs of the persistent GEMMs when not on a GPU (the interpreter): a few, so that the tests
 # run programs through several tiles
 INTERPRETER_PROGRAMS = 3
-# RESCALE divides by each K step's scale: a checkpoint's zero block scale would make it inf.
-# Floored here (a_scale >= 1e-10 / 448 always; products of real scales are far above), the
-# floored step's dot, which the reference multiplies by 0, is multiplied by 1e-30 instead.
-SCALE_FLOOR = tl.constexpr(1e-30)
 # rounding of h before its quantization: to x's dtype
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -82,17 +80,6 @@ class GroupedFP8Config:
     down_stages: int
     group_m: int  # M tiles per group of the tile order (L2 reuse of the weight tiles)
     flatten: bool = False  # tl.range(flatten=): one software pipeline across a program's tiles
-    # K steps as acc = dot(a, w, acc * (s_prev / s)) with the scale applied once at the end,
-    # instead of acc += dot(a, w) * s: the dot accumulates in place (no fp32 temporary of the
-    # tile). Hazard: Hopper's e4m3 wgmma keeps its accumulator at reduced precision (about 14
-    # mantissa bits, DeepSeek-V3 section 3.3.2), and here the whole K sum runs through it, not
-    # one 128-column group as in the promoted form (the reference's order): off by default
-    # until the H200 measures its error (tests/test_moe_fp8_grouped.py)
-    rescale: bool = False
-    # persistent programs per SM: 2 lets one program's MMAs overlap the other's scale math and
-    # epilogue, where registers (<= 128 per thread at 8 warps) and shared memory (<= 113 KiB)
-    # allow two
-    ctas_per_sm: int = 1
 
 
 def fp8_grouped_config(num_pairs: int, num_experts: int) -> GroupedFP8Config:
@@ -105,11 +92,11 @@ def fp8_grouped_config(num_pairs: int, num_experts: int) -> GroupedFP8Config:
     time at the rank shape; registers per thread, spill bytes, shared KiB):
     - gate/up, 128 rows, 8 warps, 3 stages: acc += dot * s 255 / 56 / 160 (the dot's fp32
       temporary beside both accumulators; 124 B before the K step's scalings came ahead of
-      both dots; 148-216 B flattened); rescale 255 / 0; 16 warps 128 / 40; 64 rows at 8 warps
-      164 / 0 / 168 (rescale 128 / 0: two programs fit an SM at 2 stages).
-    - down, 128 x 128, 8 warps, 4 stages: 156 / 0 / 160; rescale 114 / 0.
-    None serializes its wgmmas (ptxas C7515; the flattened rescale loop did before that
-    reordering). Which is fastest is the H200's to say (bench.prefill_moe --configs)."""
+      both dots; 148-216 B flattened); 16 warps 128 / 40; 64 rows at 8 warps 164 / 0 / 168.
+    - down, 128 x 128, 8 warps, 4 stages: 156 / 0 / 160.
+    None serializes its wgmmas (ptxas C7515). The H200's sweep (bench.prefill_moe --configs,
+    8,192 tokens at rank 0, 2026-12-05): these tiles 0.738 ms, the best of 69 0.724 (group_m
+    16), within the run's noise."""
     if num_pairs < 64 * max(num_experts, 1):  # small segments: 128-row tiles would be mostly pad
         return GroupedFP8Config(64, 8, 4, 128, 8, 4, 8)
     return GroupedFP8Config(128, 8, 3, 128, 8, 4, 8)
@@ -120,7 +107,7 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(device: torch.device, tiles_bound: int, per_sm: int) -> int:
+def _programs(device: torch.device, tiles_bound: int, per_sm: int = 1) -> int:
     sms = _num_sms(device.index or 0) if device.type == "cuda" else INTERPRETER_PROGRAMS
     return max(1, min(sms * per_sm, tiles_bound))
 
@@ -314,7 +301,6 @@ def _gate_up_kernel(
     GROUP_M: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     FLATTEN: tl.constexpr,
-    RESCALE: tl.constexpr,
     ROUND: tl.constexpr,  # h rounded to x's dtype first: 0 float32, 1 bf16, 2 fp16
 ):
     m_tiles = tl.load(total_ptr) // BLOCK_M
@@ -330,8 +316,6 @@ def _gate_up_kernel(
         us_ptr = gs_ptr + NB * KB
         acc_g = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
-        g_prev = tl.full([BLOCK_M], 1.0, tl.float32)
-        u_prev = tl.full([BLOCK_M], 1.0, tl.float32)
         for kb in range(KB):
             a = a_desc.load([off_m, kb * 128])
             a_s = tl.load(as_ptr + kb * R + rows)
@@ -339,21 +323,8 @@ def _gate_up_kernel(
             u_s = a_s * tl.load(us_ptr + kb)
             wg = w_desc.load([gate_row, kb * 128])
             wu = w_desc.load([gate_row + INTER, kb * 128])
-            if RESCALE:  # the accumulators in units of this step's scales: no dot temporaries
-                g_s = tl.maximum(g_s, SCALE_FLOOR)
-                u_s = tl.maximum(u_s, SCALE_FLOOR)
-                acc_g = acc_g * (g_prev / g_s)[:, None]
-                acc_u = acc_u * (u_prev / u_s)[:, None]
-                acc_g = tl.dot(a, wg.T, acc_g)
-                acc_u = tl.dot(a, wu.T, acc_u)
-                g_prev = g_s
-                u_prev = u_s
-            else:
-                acc_g += tl.dot(a, wg.T) * g_s[:, None]
-                acc_u += tl.dot(a, wu.T) * u_s[:, None]
-        if RESCALE:
-            acc_g = acc_g * g_prev[:, None]
-            acc_u = acc_u * u_prev[:, None]
+            acc_g += tl.dot(a, wg.T) * g_s[:, None]
+            acc_u += tl.dot(a, wu.T) * u_s[:, None]
         gate = tl.minimum(acc_g, limit)
         up = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = gate * tl.sigmoid(gate) * up
@@ -387,7 +358,6 @@ def _down_kernel(
     GROUP_M: tl.constexpr,
     NUM_PROGS: tl.constexpr,
     FLATTEN: tl.constexpr,
-    RESCALE: tl.constexpr,
 ):
     N_TILES: tl.constexpr = (HD + BLOCK_N - 1) // BLOCK_N
     m_tiles = tl.load(total_ptr) // BLOCK_M
@@ -400,19 +370,11 @@ def _down_kernel(
         rows = off_m + lanes
         s_ptr = ws_ptr + (e * HB + off_n // 128) * NB  # BLOCK_N divides 128: one block row
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        prev = tl.full([BLOCK_M], 1.0, tl.float32)
         for kb in range(NB):
             a = h_desc.load([off_m, kb * 128])
             w = w_desc.load([e * HD + off_n, kb * 128])
             scale = tl.load(hs_ptr + kb * R + rows) * tl.load(s_ptr + kb)
-            if RESCALE:
-                scale = tl.maximum(scale, SCALE_FLOOR)
-                acc = tl.dot(a, w.T, acc * (prev / scale)[:, None])
-                prev = scale
-            else:
-                acc += tl.dot(a, w.T) * scale[:, None]
-        if RESCALE:
-            acc = acc * prev[:, None]
+            acc += tl.dot(a, w.T) * scale[:, None]
         acc = acc * tl.load(weight_of_row_ptr + rows)[:, None]
         y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
@@ -455,7 +417,7 @@ def gate_up(xq, xs, w13, w13_scale, expert_of_tile, total, limit, round_to, cfg)
     hs = torch.empty(nb, rows, device=xq.device, dtype=torch.float32)
     w13_flat = w13.contiguous().view(num_experts * two_inter, hidden)
     bm = cfg.block_m
-    programs = _programs(xq.device, rows // bm * nb, cfg.ctas_per_sm)
+    programs = _programs(xq.device, rows // bm * nb)
     _gate_up_kernel[(programs,)](
         TensorDescriptor.from_tensor(xq, [bm, GROUP]),
         TensorDescriptor.from_tensor(w13_flat, [GROUP, GROUP]),
@@ -475,7 +437,6 @@ def gate_up(xq, xs, w13, w13_scale, expert_of_tile, total, limit, round_to, cfg)
         GROUP_M=cfg.group_m,
         NUM_PROGS=programs,
         FLATTEN=cfg.flatten,
-        RESCALE=cfg.rescale,
         ROUND=_ROUND[round_to],
         num_warps=cfg.gu_warps,
         num_stages=cfg.gu_stages,
@@ -490,7 +451,7 @@ def down(hq, hs, w2, w2_scale, weight_of_row, expert_of_tile, total, out_dtype, 
     y = torch.empty(rows, hidden, device=hq.device, dtype=out_dtype)
     w2_flat = w2.contiguous().view(num_experts * hidden, inter)
     bm, block_n = cfg.block_m, cfg.down_block_n
-    programs = _programs(hq.device, rows // bm * triton.cdiv(hidden, block_n), cfg.ctas_per_sm)
+    programs = _programs(hq.device, rows // bm * triton.cdiv(hidden, block_n))
     _down_kernel[(programs,)](
         TensorDescriptor.from_tensor(hq, [bm, GROUP]),
         TensorDescriptor.from_tensor(w2_flat, [block_n, GROUP]),
@@ -509,7 +470,6 @@ def down(hq, hs, w2, w2_scale, weight_of_row, expert_of_tile, total, out_dtype, 
         GROUP_M=cfg.group_m,
         NUM_PROGS=programs,
         FLATTEN=cfg.flatten,
-        RESCALE=cfg.rescale,
         num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -116,12 +118,13 @@ class MoE(nn.Module):
             c.routed_scaling_factor,
             local,
         )
+        e_local, _, inter = self.w2.shape
         if self.w13_scale_inv is not None:
             scales = (self.w13_scale_inv, self.w2_scale_inv)
-            experts = _experts_fp8(x, c.num_experts_per_tok, self.w13.shape[0])
+            experts = _experts_fp8(x, c.num_experts_per_tok, e_local, inter)
             routed = experts(x, self.w13, self.w2, *scales, weights, ids, c.swiglu_limit)
         else:
-            experts = _experts(x, c.num_experts_per_tok, self.w13.shape[0])
+            experts = _experts(x, c.num_experts_per_tok, e_local, inter)
             routed = experts(x, self.w13, self.w2, weights, ids, c.swiglu_limit)
         if ps.tp_size > 1:  # shared expert TP-split too: one all-reduce for both
             return all_reduce(self.shared_experts(x, add=routed))
@@ -201,20 +204,37 @@ def _route(x: torch.Tensor, n_group: int):
     return moe_kernels.route
 
 
-# On the fast path, bf16 batches with at least this many (token, slot) pairs per local expert,
-# T * top_k / E (other ranks' pairs counted too: the rule sees host ints only), take the
-# grouped-GEMM path (kernels/triton/moe_grouped.py, torch._grouped_mm) instead of the fused
-# Triton MoE. None: off, until the H200 A/B of both (python -m bench.prefill_moe) sets it.
-GROUPED_MIN_PAIRS_PER_EXPERT: float | None = None
-# The same rule for block-FP8 experts: batches with at least this many pairs per local expert
-# take kernels/triton/moe_fp8_grouped.py (persistent TMA grouped GEMMs) instead of the fused
-# Triton FP8 MoE. None: off, until the H200 A/B (python -m bench.prefill_moe) sets it.
-FP8_GROUPED_MIN_PAIRS_PER_EXPERT: float | None = None
+# On the fast path, batches with at least this many (token, slot) pairs per local expert,
+# T * top_k / E (other ranks' pairs counted too: the rule sees host ints only), and experts at
+# least GROUPED_MIN_INTER wide take the grouped GEMMs (bf16: kernels/triton/moe_grouped.py,
+# torch._grouped_mm; block FP8: kernels/triton/moe_fp8_grouped.py, persistent TMA GEMMs)
+# instead of the fused Triton MoE. H200, rank 0 of EP8 (36 experts, I 2048; python -m
+# bench.prefill_moe, 2026-12-05), one MoE layer, fused -> grouped: bf16 1.04 -> 0.80 ms at 2,048
+# tokens (455 pairs per expert), 1.39 -> 1.03 at 8,192, 2.46 -> 1.83 at 16,384; FP8 1.04 ->
+# 0.42, 1.27 -> 0.78, 2.25 -> 1.40. The whole 8k chunk: bf16 220.9 -> 205.5 ms, FP8 226.7 ->
+# 190.5 (bench.fast_path --variant). The bench preset's experts (I 768, 64 experts, 512 pairs
+# each at 8k) lost: its 8k prefill 31.5 -> 39.8 ms, hence the width rule. Below 2,048 tokens at
+# the rank the grouped path is unmeasured, so it starts there.
+GROUPED_MIN_PAIRS_PER_EXPERT: float | None = 450
+FP8_GROUPED_MIN_PAIRS_PER_EXPERT: float | None = 450
+GROUPED_MIN_INTER = 2048
 
 
-def _experts(x: torch.Tensor, top_k: int, num_experts: int):
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    """The grouped GEMMs need sm_90+ (TMA descriptors; torch._grouped_mm's kernels)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _grouped_fits(x: torch.Tensor, top_k: int, num_experts: int, inter: int, threshold) -> bool:
+    if threshold is None or inter < GROUPED_MIN_INTER or not _hopper(x.device):
+        return False
+    return x.shape[0] * top_k >= threshold * num_experts
+
+
+def _experts(x: torch.Tensor, top_k: int, num_experts: int, inter: int):
     if fast_path(x):
-        if _grouped(x, top_k, num_experts):
+        if _grouped(x, top_k, num_experts, inter):
             from kernels.triton.moe_grouped import experts_grouped
 
             return experts_grouped
@@ -226,17 +246,15 @@ def _experts(x: torch.Tensor, top_k: int, num_experts: int):
     return moe_kernels.experts
 
 
-def _grouped(x: torch.Tensor, top_k: int, num_experts: int) -> bool:
-    threshold = GROUPED_MIN_PAIRS_PER_EXPERT
-    if threshold is None or x.dtype != torch.bfloat16:  # _grouped_mm syncs for other dtypes
+def _grouped(x: torch.Tensor, top_k: int, num_experts: int, inter: int) -> bool:
+    if x.dtype != torch.bfloat16:  # _grouped_mm syncs for other dtypes
         return False
-    return x.shape[0] * top_k >= threshold * num_experts
+    return _grouped_fits(x, top_k, num_experts, inter, GROUPED_MIN_PAIRS_PER_EXPERT)
 
 
-def _experts_fp8(x: torch.Tensor, top_k: int, num_experts: int):
+def _experts_fp8(x: torch.Tensor, top_k: int, num_experts: int, inter: int):
     if fast_path(x):
-        threshold = FP8_GROUPED_MIN_PAIRS_PER_EXPERT
-        if threshold is not None and x.shape[0] * top_k >= threshold * num_experts:
+        if _grouped_fits(x, top_k, num_experts, inter, FP8_GROUPED_MIN_PAIRS_PER_EXPERT):
             from kernels.triton.moe_fp8_grouped import experts_fp8_grouped
 
             return experts_fp8_grouped
