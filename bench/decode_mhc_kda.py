@@ -3,8 +3,8 @@
     python -m bench.decode_mhc_kda [--batches 1,8,32] [--only mhc|kda]
 
 - mhc_boundary (bf16; the mixing is float32 whatever the weights): the old boundary, mhc_post
-  then mhc_pre (three launches), against mhc_boundary (one launch up to BOUNDARY_MAX_TOKENS,
-  two past it: bench.prefill_mhc), hc 4 x Hd 4096, fn [24, 16384].
+  then mhc_pre (three launches), against mhc_boundary (one launch up to BOUNDARY_MAX_TOKENS;
+  past it, mhc_post then mhc_pre), hc 4 x Hd 4096, fn [24, 16384].
 - kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
   --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
   GEMMs in FP8; f_b_proj, g_b_proj, the fused core as it was before f_b/g_b moved in, o_proj)

@@ -33,8 +33,8 @@ shard of the --tp-size/--ep-size world, its collectives through the fake backend
    and the measured step's ratio to it.
 With --variant NAME=MODULE.ATTR=VALUE[;MODULE.ATTR=VALUE...] (repeatable) the prefill stage and
 the layers stage's prefill run once more per variant with those module switches set (e.g.
-kernels.triton.mhc.PREFILL_BOUNDARY=True), in the same process on the same weights; rows carry
-"variant" ("base" for the tree's defaults).
+serving.layers.mlp.GROUPED_MIN_PAIRS_PER_EXPERT=0), in the same process on the same weights;
+rows carry "variant" ("base" for the tree's defaults).
 With --fp8, the model is also quantized to block FP8 in memory (serving/tools/quantize_fp8.py's
 choice; W8A8 kernels; the projections --fp8-linears keeps dense as a server would, recorded in
 the "fp8_quantized" row) and the prefill and decode stages run it after the bf16 model (rows

@@ -4,9 +4,9 @@ expansion of the sublayer's output back onto the streams.
 
 These are the references. On CUDA, kernels/triton/mhc.py does a collapse in two launches, an
 expansion in one, and the boundary between two sublayers (one's expansion, the next one's
-collapse: mhc_boundary_reference) in one for a decode-sized batch and in two past it (here
-about 20 and 6 ops, twice per layer: decode at TP8 is launch-bound); the Sinkhorn loop alone is
-~40 tiny elementwise ops, one Triton program per token in mhc_mix.
+collapse: mhc_boundary_reference) in one for a decode-sized batch, past it as that expansion
+and collapse (here about 20 and 6 ops, twice per layer: decode at TP8 is launch-bound); the
+Sinkhorn loop alone is ~40 tiny elementwise ops, one Triton program per token in mhc_mix.
 """
 
 from __future__ import annotations

@@ -350,9 +350,10 @@ def test_engine_bench_runs_a_simulated_rank(v410_ckpt, tmp_path):
     a --variant's prefill rows come beside the base's and its switch is restored after."""
     import json
 
-    import kernels.triton.mhc as mhc
+    import serving.layers.mlp as mlp
     from bench.fast_path import main
 
+    before = mlp.GROUPED_MIN_PAIRS_PER_EXPERT
     out = tmp_path / "rank.jsonl"
     main(
         [
@@ -361,18 +362,18 @@ def test_engine_bench_runs_a_simulated_rank(v410_ckpt, tmp_path):
             *("--stages", "prefill,decode,eagle,layers,collectives,floor"),
             *("--contexts", "40,72", "--batch-sizes", "1", "--prefill-tokens", "24"),
             *("--context-fill", "mapped", "--no-torch-path", "--repeat", "1"),
-            *("--variant", "mhc=kernels.triton.mhc.PREFILL_BOUNDARY=True"),
+            *("--variant", "moe=serving.layers.mlp.GROUPED_MIN_PAIRS_PER_EXPERT=0"),
         ]
     )
-    assert mhc.PREFILL_BOUNDARY is False
+    assert mlp.GROUPED_MIN_PAIRS_PER_EXPERT == before
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert not [r for r in rows if r["stage"] == "error"], rows
     by_stage: dict[str, list[dict]] = {}
     for r in rows:
         by_stage.setdefault(r["stage"], []).append(r)
-    assert [r["variant"] for r in by_stage["prefill"]] == ["base", "mhc"]
+    assert [r["variant"] for r in by_stage["prefill"]] == ["base", "moe"]
     prefills = [r for r in by_stage["layer_kinds"] if r["step"] == "prefill"]
-    assert [r["variant"] for r in prefills] == ["base", "mhc"]
+    assert [r["variant"] for r in prefills] == ["base", "moe"]
     assert "simulated=True" in by_stage["built"][0]["rank"]
     assert len(by_stage["decode_graphs"]) == 2 and len(by_stage["eagle_step"]) == 2
     kinds = {r["step"]: r["ms"] for r in by_stage["layer_kinds"]}

@@ -126,15 +126,6 @@ def _boundary_inputs(tokens, hc, hidden, dtype, device, seed=0):
     return (out, streams, post, comb, fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _prefill_boundary_on(monkeypatch):
-    """mhc_boundary past BOUNDARY_MAX_TOKENS runs mhc_boundary_prefill in this file's tests
-    (serving turns it on once it has run on the H200: kernels.triton.mhc.PREFILL_BOUNDARY)."""
-    from kernels.triton import mhc as tmhc
-
-    monkeypatch.setattr(tmhc, "PREFILL_BOUNDARY", True)
-
-
 def _check_boundary(tokens, hc, hidden, dtype, device):
     from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary
 
@@ -174,60 +165,23 @@ def test_mhc_boundary_interpreter(tokens, dtype):
 @cpu_interp
 def test_mhc_boundary_interpreter_odd_hc_and_prefill():
     _check_boundary(3, 3, 64, torch.float32, "cpu")  # hc 3: masked streams, 15 mixing logits
-    _check_boundary(130, 4, 64, torch.bfloat16, "cpu")  # past BOUNDARY_MAX_TOKENS: two launches
-
-
-@cpu_interp
-def test_mhc_boundary_interpreter_post_then_pre(monkeypatch):
-    """PREFILL_BOUNDARY off (serving's default until the H200 run): post, then pre."""
-    from kernels.triton import mhc as tmhc
-
-    monkeypatch.setattr(tmhc, "PREFILL_BOUNDARY", False)
-    monkeypatch.setattr(tmhc, "mhc_boundary_prefill", None)  # must not be reached
-    _check_boundary(40, 4, 64, torch.bfloat16, "cpu")
+    _check_boundary(130, 4, 64, torch.bfloat16, "cpu")  # past BOUNDARY_MAX_TOKENS: post, then pre
 
 
 @cpu_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,hidden", [(17, 80), (40, 128), (70, 88)])
-def test_mhc_boundary_prefill_interpreter(tokens, hidden, dtype, monkeypatch):
-    """Past BOUNDARY_MAX_TOKENS mhc_boundary runs mhc_boundary_prefill: 17 and 40 tokens in
-    blocks of 16 (and of 32 channels), 70 in blocks of 64 (and of 16 channels); ragged last
-    token blocks; Hd 80 and 88: a masked last channel block."""
+@pytest.mark.parametrize("tokens,hidden", [(17, 80), (40, 128)])
+def test_mhc_boundary_interpreter_post_then_pre(tokens, hidden, dtype, monkeypatch):
+    """Past BOUNDARY_MAX_TOKENS mhc_boundary runs mhc_post, then mhc_pre, once each; Hd 80: a
+    masked block of channels."""
     from kernels.triton import mhc as tmhc
 
     calls = []
-    real = tmhc.mhc_boundary_prefill
-    monkeypatch.setattr(tmhc, "mhc_boundary_prefill", lambda *a: calls.append(1) or real(*a))
+    for name in ("mhc_post", "mhc_pre"):
+        real = getattr(tmhc, name)
+        monkeypatch.setattr(tmhc, name, lambda *a, n=name, f=real: calls.append(n) or f(*a))
     _check_boundary(tokens, 4, hidden, dtype, "cpu")
-    assert calls == [1]
-
-
-@cpu_interp
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_mhc_boundary_prefill_interpreter_any_size(tokens, monkeypatch):
-    """mhc_boundary_prefill holds for decode-sized batches too (bench.prefill_mhc times it there
-    against the fused kernel): one partial block of 16 tokens."""
-    from kernels.triton import mhc as tmhc
-
-    monkeypatch.setattr(tmhc, "BOUNDARY_MAX_TOKENS", 0)
-    _check_boundary(tokens, 4, 200, torch.bfloat16, "cpu")
-
-
-@cpu_interp
-@pytest.mark.parametrize("programs,finish_row", [(1, 16384), (6, 0)])
-def test_mhc_boundary_prefill_interpreter_split_loops(programs, finish_row, monkeypatch):
-    """Fewer programs than channel blocks: each split loops over several blocks of channels. Hd
-    300 is 10 blocks of 32 (20 tokens: blocks of 16): one split of all 10 (1 program), or splits
-    of 4, 4 and 2 whose last block is masked (6 programs over 2 token blocks); hc 3: 15 mixing
-    logits, masked streams.
-    finish_row 0: the finish's collapse after the Sinkhorn (as mhc_pre's) instead of row first."""
-    from kernels.triton import mhc as tmhc
-
-    monkeypatch.setattr(tmhc, "PREFILL_PROGRAMS", programs)
-    monkeypatch.setattr(tmhc, "PREFILL_FINISH_ROW", finish_row)
-    _check_boundary(20, 4, 300, torch.float32, "cpu")
-    _check_boundary(20, 3, 300, torch.bfloat16, "cpu")
+    assert calls == ["mhc_post", "mhc_pre"]
 
 
 def _tiny_model():
@@ -299,7 +253,7 @@ def test_model_boundaries_equal_the_unfused_loop():
 @cpu_interp
 def test_model_fused_boundaries_interpreter(monkeypatch):
     """The tiny model (float32) with its mHC on the Triton kernels (the first collapse, the
-    boundaries: the prefill's two-launch one at 21 tokens, the fused one at 3; the last
+    boundaries: mhc_post then mhc_pre at 21 tokens, the fused one at 3; the last
     expansion; the rest on the torch path) against the unfused loop of references: a prefill of
     21 tokens, then decode steps of 3. The greedy tokens are equal."""
     import serving.layers.mhc as mhc_layer
@@ -401,11 +355,11 @@ def test_mhc_boundary_gpu(tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tokens", [17, 1000, 8192])
-def test_mhc_boundary_prefill_gpu(tokens, dtype):
-    """The prefill boundary (mhc_boundary past BOUNDARY_MAX_TOKENS: two launches) at rank 0 of
-    TP8's shapes: blocks of 16 tokens (17), of 64 with a ragged last one (1000), a full chunk
-    (8192). Outputs poisoned with NaN; the module docstring's tolerances; a second call on the
-    same inputs is bitwise equal (fixed summation order, no atomics)."""
+def test_mhc_boundary_post_then_pre_gpu(tokens, dtype):
+    """mhc_boundary past BOUNDARY_MAX_TOKENS (mhc_post, then mhc_pre) at rank 0 of TP8's shapes:
+    17 tokens, 1000 (a ragged last token block), a full chunk (8192). Outputs poisoned with NaN;
+    the module docstring's tolerances; a second call on the same inputs is bitwise equal (fixed
+    summation order, no atomics)."""
     from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary
 
     args, first = _check_boundary(tokens, 4, REAL_HD, dtype, "cuda")

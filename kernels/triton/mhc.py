@@ -18,19 +18,8 @@
   mostly padding, and the fn tile is read once per block of tokens anyway); the last program of
   a token block to arrive (an atomic counter per block, "the last program finishes") sums the
   partials in a fixed order and does what mhc_pre's finish kernel does, for each token of its
-  block, with the collapse held in registers (one read of the new streams);
-- mhc_boundary_prefill, what mhc_boundary runs above BOUNDARY_MAX_TOKENS (prefill, large
-  decode and verify batches) once PREFILL_BOUNDARY is set (until then mhc_post + mhc_pre), in two
-  launches: (1) programs of (channel slice, block of 16 or 64 tokens) expand their channels of
-  every stream (rounded as mhc_post), store them and dot them with fn's columns on the tensor
-  cores (bf16 streams: three exact bf16 products; else LOGIT_DOT) into the split-K partials of
-  mhc_pre's layout; (2) mhc_pre's finish kernel, each token's whole row loaded before its
-  Sinkhorn (ROW_FIRST, up to PREFILL_FINISH_ROW). No counters, no atomics.
-  The old streams and `out` are read once and the new streams written once; the finish re-reads
-  the new streams, from HBM at prefill sizes. One program per token block looping over every
-  channel would keep them L2-hot only with at most a few hundred tokens in flight on the whole
-  GPU (72 KB of traffic each against L2's 50 MB), and each program would then read fn's 1.5 MB
-  from L2 for its few tokens: 0.8-3 GB at 8,192 tokens.
+  block, with the collapse held in registers (one read of the new streams). Past
+  BOUNDARY_MAX_TOKENS: mhc_post then mhc_pre.
 """
 
 from __future__ import annotations
@@ -222,9 +211,8 @@ def _mhc_pre_partial_kernel(
     tl.store(part_ptr + (s * T + t) * (MP + 1) + MP, sq, mask=t_mask)
 
 
-# T and splits not specialized (== 1, divisible by 16): a prefill boundary's splits vary with its
-# token count (mhc_boundary_prefill, which also fixes SPLITS), so the start-up warm-up's sizes
-# could not meet every variant
+# T and splits not specialized (== 1, divisible by 16): both vary with the token count, and each
+# specialization would be one more compiled variant
 @triton.jit(do_not_specialize=["T", "splits"])
 def _mhc_pre_finish_kernel(
     part_ptr,
@@ -247,24 +235,11 @@ def _mhc_pre_finish_kernel(
     HD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
-    ROW_FIRST: tl.constexpr,
 ):
-    """ROW_FIRST (BLOCK_H >= HD): the token's streams are loaded as one [P, BLOCK_H] tile before
-    anything else, so that their latency passes behind the partials' sums and the Sinkhorn, and
-    collapsed as a sum over the tile's stream axis (another float32 order than _collapse's).
-    Otherwise _collapse_norm loads them after the Sinkhorn."""
     grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0)
     i = tl.arange(0, P)
     vec_mask = i < HC
-    base = x_ptr + t.to(tl.int64) * (HC * HD)
-    if ROW_FIRST:
-        h = tl.arange(0, BLOCK_H)
-        rows = tl.load(
-            base + i[:, None] * HD + h[None, :],
-            mask=vec_mask[:, None] & (h < HD)[None, :],
-            other=0.0,
-        )  # [P, BLOCK_H]: 0 off the streams, so pre's padding adds nothing below
     r = tl.arange(0, P)[:, None]
     c = tl.arange(0, P)[None, :]
     m = (r < HC) & (c < HC)
@@ -298,14 +273,9 @@ def _mhc_pre_finish_kernel(
     comb = _sinkhorn(logits, m, iters, eps)
     tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=m)
 
+    base = x_ptr + t.to(tl.int64) * (HC * HD)
     out_row = out_ptr + t.to(tl.int64) * HD
-    if ROW_FIRST:
-        dt = out_row.dtype.element_ty
-        col = tl.sum(pre[:, None] * rows.to(tl.float32), axis=0).to(dt).to(tl.float32)
-        rms = 1.0 / tl.sqrt(tl.sum(col * col) / HD + rms_eps)
-        _norm_store(col, rms, nw_ptr, out_row, h, h < HD, dt)
-    else:
-        _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
+    _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
 
 
 def mhc_pre(
@@ -356,42 +326,9 @@ def mhc_pre(
         num_warps=4,
         **LAUNCH,
     )
-    args = (base, scale, iters, eps, norm_eps, weight, rms_eps, post, comb, out)
-    splits_block = min(64, triton.next_power_of_2(splits))
-    _pre_finish(part, x, *args, row_first=False, splits_block=splits_block)
-    return post, comb, out
-
-
-def _pre_finish(
-    part,
-    streams,
-    base,
-    scale,
-    iters,
-    eps,
-    norm_eps,
-    weight,
-    rms_eps,
-    post,
-    comb,
-    out,
-    row_first,
-    splits_block,
-):
-    """The collapse's second launch: part [splits, T, MP + 1] (the logits' split-K partials, then
-    the sum of squares) and the streams [T, hc, Hd] -> post, comb and the normed collapse, written
-    into the given outputs. row_first: the token's whole row loaded first, in one tile (the
-    kernel's ROW_FIRST); else in blocks of up to 1024 channels after the Sinkhorn, twice when Hd
-    is larger (the second time from L2 if it still holds them). splits_block: partials summed
-    per step (the kernel's SPLITS)."""
-    splits, tokens = part.shape[:2]
-    _, hc, hidden = streams.shape
-    block_h = triton.next_power_of_2(hidden)
-    if not row_first:
-        block_h = min(1024, block_h)
     _mhc_pre_finish_kernel[(tokens,)](
         part,
-        streams,
+        x,
         base.contiguous().float(),
         scale.contiguous().float(),
         weight.contiguous(),
@@ -406,14 +343,14 @@ def _pre_finish(
         rms_eps,
         HC=hc,
         P=triton.next_power_of_2(hc),
-        MP=part.shape[2] - 1,
+        MP=mp,
         HD=hidden,
-        BLOCK_H=block_h,
-        SPLITS=splits_block,
-        ROW_FIRST=row_first,
-        num_warps=8 if row_first else 4,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        SPLITS=min(64, triton.next_power_of_2(splits)),
+        num_warps=4,
         **LAUNCH,
     )
+    return post, comb, out
 
 
 @triton.jit
@@ -471,18 +408,12 @@ def mhc_post(
 
 
 # The fused boundary: batches of up to this many tokens (decode, EAGLE verify, short chunks);
-# larger ones run mhc_boundary_prefill (two launches, but each tile of fn serves a block of
+# larger ones run mhc_post + mhc_pre (three launches, but each tile of fn serves a block of
 # tokens there, through tf32x3 tensor-core dots): the fused kernel reads fn once per block of at
 # most 8 tokens and multiplies on the CUDA cores, which at prefill sizes is T/8 reads of 1.5 MB.
 # Measured on the H200 (bench.decode_mhc_kda, rank 0 of TP8): 10.3 against post + pre's 16.6 us
-# at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more (measured
-# against mhc_post + mhc_pre, before mhc_boundary_prefill).
+# at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more.
 BOUNDARY_MAX_TOKENS = 16
-# Past BOUNDARY_MAX_TOKENS: mhc_boundary_prefill where True, else mhc_post then mhc_pre (three
-# launches, the streams read three times; the path measured on the H200). False until
-# bench.prefill_mhc and the GPU tests have run on the H200: the prefill boundary has only run in
-# Triton's interpreter and compiled for sm_90 ahead of time (its bf16 tf32x3 logits unchecked).
-PREFILL_BOUNDARY = False
 BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token block
 BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
 
@@ -494,9 +425,8 @@ def boundary_block_t(tokens: int) -> int:
     return min(8, triton.next_power_of_2(triton.cdiv(tokens, 8)))
 
 
-# T not specialized (== 1, divisible by 16): the compiled variants are BLOCK_T's four, which the
-# decode graphs' capture (1 to 8 tokens) and the start-up warm-up's prefills of 16, 17 and 33+
-# tokens all meet (serving/engine/kernel_warmup.py)
+# T not specialized (== 1, divisible by 16): one compiled variant per BLOCK_T, which the decode
+# graphs' capture and the start-up warm-up meet (serving/engine/kernel_warmup.py)
 @triton.jit(do_not_specialize=["T"])
 def _mhc_boundary_kernel(
     out_ptr,  # [T, HD] the sublayer's output
@@ -620,198 +550,6 @@ def _mhc_boundary_kernel(
             )
 
 
-# The prefill boundary's expansion: blocks of 16 tokens (the smallest MMA tile) up to
-# PREFILL_SMALL_TOKENS, then 64 (a tile of fn's columns then serves 64 tokens: 196 MB of L2 reads
-# at 8,192 tokens), with 32 and 16 channels of every stream per step of a program's loop, 4
-# warps. Compiled ahead of time for sm_90 (ptxas -v, bf16): 137 and 96 registers, no spills;
-# 64 x 64 took 255 with spills (Triton computes the expansion in the MMA operand's layout, which
-# it hoists above the elementwise work), so did the float32 operands of tf32x3. The channels are
-# split so that the expansion runs about PREFILL_PROGRAMS programs: eight per SM of the H200, so
-# that the last wave is a small part of the time (a chunk of 8,192 tokens: 128 token blocks x 9
-# splits of 29 blocks of 16 channels; the partials 9.7 MB). Not yet measured: bench.prefill_mhc
-# --programs sweeps it.
-PREFILL_SMALL_TOKENS = 64
-PREFILL_PROGRAMS = 1056
-# Software pipelining of the expansion's loop: off, so that fn's tiles take no multi-buffered
-# shared memory from the L1 that the streams' re-reads per output stream hit (_mhc_post_kernel's
-# pattern: 90% of the HBM's bandwidth at 8,192 tokens in the H200 profile); unmeasured here
-PREFILL_STAGES = 1
-# The finish loads a token's whole row first (ROW_FIRST) where its P x Hd tile has at most this
-# many elements (Hd 4096 at hc 4: 64 per thread of 8 warps); larger rows, two passes of 1024
-PREFILL_FINISH_ROW = 16384
-
-
-def prefill_block_t(tokens: int) -> int:
-    return 16 if tokens <= PREFILL_SMALL_TOKENS else 64
-
-
-def prefill_block_h(block_t: int) -> int:
-    return 32 if block_t == 16 else 16
-
-
-# T and blocks_per_split not specialized: they vary with the token count, and the compiled
-# variants are then BLOCK_T's two (and the dtype's), which the start-up warm-up's prefills of 17
-# to 64 and of 65+ tokens both meet (serving/engine/kernel_warmup.py). Hazard: a channel offset
-# must stay a visible multiple of BLOCK_H (blocks times the constexpr): Triton's alignment
-# analysis cannot see through an unspecialized channel count, and the loads and stores would
-# lose their 16-byte vectors
-@triton.jit(do_not_specialize=["T", "blocks_per_split"])
-def _mhc_boundary_expand_kernel(
-    out_ptr,  # [T, HD] the sublayer's output
-    res_ptr,  # [T, HC, HD] the streams its input was collapsed from
-    post_ptr,  # [T, HC] float32: that collapse's post
-    comb_ptr,  # [T, HC, HC] float32: and comb
-    fn_ptr,  # [MIX, HC * HD] float32: the next collapse's mixing projection
-    new_ptr,  # [T, HC, HD] out: the new streams
-    part_ptr,  # [S, T, MP + 1] float32 out: logits partials, then the sum of squares
-    T,
-    blocks_per_split,  # blocks of BLOCK_H channels per split
-    HC: tl.constexpr,
-    MIX: tl.constexpr,
-    MP: tl.constexpr,
-    HD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BF16_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Programs of (split s: a channel slice of every stream, token block): the expansion of
-    _mhc_post_kernel (the same ops in the same order: each term rounded to the streams' dtype),
-    stored, and the next collapse's partial logits (its rounded values dotted with fn's columns
-    i * HD + h) and sum of squares, as _mhc_pre_partial_kernel's for the K slice {i * HD + h}.
-    Token blocks run last first, so that the finish kernel's first programs (the first tokens)
-    re-read the new streams written last, which L2 may still hold.
-
-    The logits' dots: BF16_SPLIT (bf16 streams) as three bf16 tensor-core products of the new
-    streams, exact in bf16, with fn split exactly into three bf16 terms (hi + mid + lo: 24 bits
-    of mantissa), every product exact and summed in float32 (tf32x3 drops its lo x lo term);
-    else PRECISION (LOGIT_DOT) on float32 operands, whose splits cost more registers (178 at 64
-    tokens x 16 channels for sm_90, against 96)."""
-    grid_dependency()  # first: kernels/triton/pdl.py
-    s = tl.program_id(0)
-    tb = tl.num_programs(1) - 1 - tl.program_id(1)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = t < T
-    tv = t.to(tl.int64)
-    m = tl.arange(0, MP)
-    m_mask = m < MIX
-    dt = new_ptr.dtype.element_ty
-    K = HC * HD
-    acc = tl.zeros([BLOCK_T, MP], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for hb in range(0, blocks_per_split):
-        h = (s * blocks_per_split + hb) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_mask = h < HD
-        th = t_mask[:, None] & h_mask[None, :]
-        o = tl.load(out_ptr + tv[:, None] * HD + h[None, :], mask=th, other=0.0).to(tl.float32)
-        rows = tv[:, None] * K + h[None, :]
-        for i in tl.static_range(HC):
-            # fn's columns of stream i first: their L2 latency passes behind the expansion (no
-            # load moves above the previous stream's store, which might alias it)
-            w = tl.load(
-                fn_ptr + m[None, :] * K + (i * HD + h)[:, None],
-                mask=m_mask[None, :] & h_mask[:, None],
-                other=0.0,
-            )
-            p = tl.load(post_ptr + tv * HC + i, mask=t_mask, other=0.0).to(dt).to(tl.float32)
-            mixed = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-            for j in tl.static_range(HC):  # the streams re-read per i hit L1
-                cji = tl.load(comb_ptr + tv * (HC * HC) + j * HC + i, mask=t_mask, other=0.0)
-                rj = tl.load(res_ptr + rows + j * HD, mask=th, other=0.0).to(tl.float32)
-                mixed += cji.to(dt).to(tl.float32)[:, None] * rj
-            a = (p[:, None] * o).to(dt).to(tl.float32)
-            b = mixed.to(dt).to(tl.float32)
-            new = (a + b).to(dt)
-            x = new.to(tl.float32)  # 0 off the mask
-            sq += tl.sum(x * x, axis=1)
-            if BF16_SPLIT:
-                w_hi = w.to(tl.bfloat16)
-                rest = w - w_hi.to(tl.float32)  # exact, as is the next remainder
-                w_mid = rest.to(tl.bfloat16)
-                w_lo = (rest - w_mid.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(new, w_hi, acc)
-                acc = tl.dot(new, w_mid, acc)
-                acc = tl.dot(new, w_lo, acc)
-            else:
-                acc = tl.dot(x, w, acc, input_precision=PRECISION)
-            tl.store(new_ptr + rows + i * HD, new, mask=th)
-    row = part_ptr + (s * T + tv) * (MP + 1)
-    tl.store(row[:, None] + m[None, :], acc, mask=t_mask[:, None])
-    tl.store(row + MP, sq, mask=t_mask)
-
-
-def mhc_boundary_prefill(
-    out: torch.Tensor,
-    residual: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    iters: int,
-    eps: float,
-    norm_eps: float,
-    weight: torch.Tensor,
-    rms_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels.mhc.mhc_boundary_reference in two launches for a batch of any size (the module
-    docstring): the expansion with the collapse's split-K partials, then mhc_pre's finish. The
-    mixing logits are LOGIT_DOT sums of the rounded new streams in another order than mhc_pre's
-    (float32's accuracy either way)."""
-    tokens, hc, hidden = residual.shape
-    mix = fn.shape[0]
-    assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
-    assert weight.dtype == residual.dtype, "the RMSNorm weight is held in the streams' dtype"
-    dev = residual.device
-    new = torch.empty(tokens, hc, hidden, device=dev, dtype=residual.dtype)
-    post2 = torch.empty(tokens, hc, device=dev, dtype=torch.float32)
-    comb2 = torch.empty(tokens, hc, hc, device=dev, dtype=torch.float32)
-    x = torch.empty(tokens, hidden, device=dev, dtype=residual.dtype)
-    if tokens == 0:
-        return new, post2, comb2, x
-    mp = triton.next_power_of_2(mix)
-    block_t = prefill_block_t(tokens)
-    block_h = prefill_block_h(block_t)
-    t_blocks = triton.cdiv(tokens, block_t)
-    h_blocks = triton.cdiv(hidden, block_h)
-    splits = max(1, min(h_blocks, triton.cdiv(PREFILL_PROGRAMS, t_blocks)))
-    blocks_per_split = triton.cdiv(h_blocks, splits)
-    splits = triton.cdiv(h_blocks, blocks_per_split)
-    part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
-    _mhc_boundary_expand_kernel[(splits, t_blocks)](
-        out.contiguous(),
-        residual.contiguous(),
-        post.contiguous().float(),
-        comb.contiguous().float(),
-        fn.contiguous().float(),
-        new,
-        part,
-        tokens,
-        blocks_per_split,
-        HC=hc,
-        MIX=mix,
-        MP=mp,
-        HD=hidden,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        BF16_SPLIT=residual.dtype == torch.bfloat16,
-        PRECISION=LOGIT_DOT,
-        num_warps=4,
-        num_stages=PREFILL_STAGES,
-        **LAUNCH,
-    )
-    # the whole row first: mhc_pre's finish (the same kernel, two passes of 1024 channels after
-    # the Sinkhorn) took 139 us per call at 8,192 tokens in an H200 profile (12.5 ms in 90 calls,
-    # docs/notebook/2026-11-29_2026-12-03.md): 57% of the HBM's bandwidth for one read of the
-    # streams and the write of x, its loads waiting for the Sinkhorn
-    row_first = triton.next_power_of_2(hc) * triton.next_power_of_2(hidden) <= PREFILL_FINISH_ROW
-    args = (base, scale, iters, eps, norm_eps, weight, rms_eps, post2, comb2, x)
-    # 64 partials per step whatever the split count (masked): one compiled variant for every
-    # token count, which the warm-up's prefills then meet
-    _pre_finish(part, new, *args, row_first=row_first, splits_block=64)
-    return new, post2, comb2, x
-
-
 def mhc_boundary(
     out: torch.Tensor,
     residual: torch.Tensor,
@@ -833,15 +571,11 @@ def mhc_boundary(
     partial logits and sums of squares; the last program of a token block to arrive (counter:
     the call site's int32 buffer, at least cdiv(T, boundary_block_t(T)) zeros, which the kernel
     leaves zero) sums them in a fixed order, runs the Sinkhorn and collapses + normalises.
-    Larger batches: mhc_boundary_prefill (two launches, no counters) where PREFILL_BOUNDARY,
-    else mhc_post then mhc_pre."""
+    Larger batches: mhc_post, then mhc_pre."""
     tokens, hc, hidden = residual.shape
     if tokens > BOUNDARY_MAX_TOKENS:
-        args = (fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
-        if PREFILL_BOUNDARY:
-            return mhc_boundary_prefill(out, residual, post, comb, *args)
         new = mhc_post(out, residual, post, comb)
-        return new, *mhc_pre(new, *args)
+        return new, *mhc_pre(new, fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
     mix = fn.shape[0]
     assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
     assert weight.dtype == residual.dtype, "the RMSNorm weight is held in the streams' dtype"

@@ -3,8 +3,8 @@
 The kernel choice: kernels.mhc's references off the fast path, kernels/triton/mhc.py on it: a
 collapse (its RMSNorm included) in two launches, an expansion in one, and the boundary between
 two sublayers (the expansion of one's output, then the next one's collapse) in one launch for a
-decode-sized batch (kernels/triton/mhc.py mhc_boundary; larger batches: post, then pre, until
-PREFILL_BOUNDARY turns on its two-launch prefill boundary)."""
+decode-sized batch (kernels/triton/mhc.py mhc_boundary; past BOUNDARY_MAX_TOKENS: mhc_post then
+mhc_pre)."""
 
 from __future__ import annotations
 
