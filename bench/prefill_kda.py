@@ -22,13 +22,7 @@ kernels at every new head count on a fresh machine, tens of seconds each):
    RMSNorm, o_proj, and "rest" (beta's sigmoid, what no label covers); TFLOP/s for the GEMMs
    and fla's kernel; and fla's kernels one by one (which of them the 8 heads leave
    latency-bound: the state pass, chunk_gated_delta_rule_fwd_h, walks the 128 chunks in order);
-3. segments: the recurrence in parallel segments (kernels.triton.kda.kda_extend_segmented)
-   against the plain chunk call, both as fla_ours calls them (one request of --tokens), for
-   segments of SEGMENT_SWEEP tokens (do_bench medians), and the layer's forward with the
-   segmented path on at each (CUDA events, as stage 1);
-   then pieces_segmented: stage 2's table with it on at 1024 (the chain's products and the
-   fix-up kernel fall under "recurrence rest");
-4. fla: fla's chunk kernel alone (triton.testing.do_bench medians), as serving calls it
+3. fla: fla's chunk kernel alone (triton.testing.do_bench medians), as serving calls it
    (fla_ours: kernels.triton.kda.kda_extend, one request, varlen, state rows in and out, q and
    k l2-normed already, the bounded gate in fla's kernel) at our shape T8192 H8 D128 and at
    H96, and fla's
@@ -71,7 +65,6 @@ from bench.step_costs import labelled, launch_map
 REPS = 10  # layer forwards timed with CUDA events, after WARMUP
 WARMUP = 2
 PROFILED = 3  # forwards profiled for the pieces
-SEGMENT_SWEEP = (512, 1024, 2048)  # tokens per segment, stage "segments"
 FLA_CHUNK = 64
 PIECES = (
     "in_proj",
@@ -249,45 +242,6 @@ def stage_layer(s: Setup) -> dict:
             "ms_before": round(before, 4)}  # fmt: skip
 
 
-@contextlib.contextmanager
-def segmented(segment: int):
-    """kernels.triton.kda's extend runs segmented (segments of `segment`) for any length while
-    the block runs."""
-    import kernels.triton.kda as tkda
-
-    saved = tkda.SEGMENT_TOKENS, tkda.SEGMENT_MIN_TOKENS
-    tkda.SEGMENT_TOKENS, tkda.SEGMENT_MIN_TOKENS = segment, 1
-    try:
-        yield
-    finally:
-        tkda.SEGMENT_TOKENS, tkda.SEGMENT_MIN_TOKENS = saved
-
-
-def stage_segments(s: Setup) -> dict:
-    """The chunk call plain and segmented at each SEGMENT_SWEEP size (fla_ours's inputs), and
-    the layer's forward with the segmented path on."""
-    chunk = chunk_call(s.tokens, s.heads, s.dim)
-    with torch.no_grad():
-        plain = bench_ms(chunk)
-        layer_plain = event_ms(s.forward)
-    rows = [
-        {"segment": None, "segments": 1, "ms": round(plain, 4), "layer_ms": round(layer_plain, 4)}
-    ]
-    for segment in SEGMENT_SWEEP:
-        with torch.no_grad(), segmented(segment):
-            ms, layer_ms = bench_ms(chunk), event_ms(s.forward)
-        rows.append({"segment": segment, "segments": -(-s.tokens // segment),
-                     "ms": round(ms, 4), "speedup": round(plain / ms, 2),
-                     "layer_ms": round(layer_ms, 4),
-                     "layer_speedup": round(layer_plain / layer_ms, 2)})  # fmt: skip
-    return {"tokens": s.tokens, "heads": s.heads, "dim": s.dim, "rows": rows}
-
-
-def stage_pieces_segmented(s: Setup) -> dict:
-    with segmented(1024):
-        return stage_pieces(s)
-
-
 def stage_pieces(s: Setup) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -381,7 +335,7 @@ def chunk_call(tokens: int, heads: int, dim: int):
 
 
 def fla_ours(tokens: int, heads: int, dim: int) -> dict:
-    """The chunk call (chunk_call) alone, plain."""
+    """The chunk call (chunk_call) alone."""
     with torch.no_grad():
         ms = bench_ms(chunk_call(tokens, heads, dim))
     return {"shape": f"T{tokens} H{heads} D{dim} varlen, state in/out",
@@ -430,24 +384,6 @@ def table(doc: dict) -> str:
                          f"{r['kernels']} | {r.get('tflops', '')} |")  # fmt: skip
         lines += ["", "| inside fla chunk_kda_fwd (one forward) | calls | us |", "|---|---|---|"]
         lines += [f"| {k['kernel']} | {k['calls']} | {k['us']} |" for k in p["fla_kernels"]]
-    if "segments" in doc:
-        seg = doc["segments"]
-        lines += ["", f"recurrence in segments, T {seg['tokens']}, {seg['heads']} heads x "
-                  f"{seg['dim']}: the chunk call and the layer", "",
-                  "| segment | segments | chunk ms | speedup | layer ms | layer speedup |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        for r in seg["rows"]:
-            lines.append(f"| {r['segment'] or 'plain'} | {r['segments']} | {r['ms']:.4f} | "
-                         f"{r.get('speedup', '')} | {r['layer_ms']:.4f} | "
-                         f"{r.get('layer_speedup', '')} |")  # fmt: skip
-    if "pieces_segmented" in doc:
-        p = doc["pieces_segmented"]
-        lines += ["", f"segmented (1024): kernel time {p['kernel_ms']:.3f} ms", ""]
-        lines += ["| piece | ms | share | kernels |", "|---|---|---|---|"]
-        lines += [f"| {r['piece']} | {r['ms']:.4f} | {100 * r['share']:.1f}% | {r['kernels']} |"
-                  for r in p["rows"]]  # fmt: skip
-        lines += ["", "| inside fla chunk_kda_fwd, segmented | calls | us |", "|---|---|---|"]
-        lines += [f"| {k['kernel']} | {k['calls']} | {k['us']} |" for k in p["fla_kernels"]]
     names = ("fla_ours", "fla_rank_shape", "fla_ours_h96", "fla_h96", "fla_h16")
     fla = [(k, doc[k]) for k in names if k in doc]
     if fla:
@@ -474,8 +410,6 @@ def main(argv: list[str] | None = None) -> None:
     setup = Setup(args.tokens)
     stages.run("layer", lambda: stage_layer(setup))
     stages.run("pieces", lambda: stage_pieces(setup))
-    stages.run("segments", lambda: stage_segments(setup))
-    stages.run("pieces_segmented", lambda: stage_pieces_segmented(setup))
     stages.run("fla_ours", lambda: fla_ours(args.tokens, setup.heads, setup.dim))
     stages.run("fla_h96", lambda: fla_public(1, 8192, 96, 128))
     stages.run("fla_ours_h96", lambda: fla_ours(8192, 96, 128))

@@ -8,7 +8,6 @@ functions read and update them in place at `rows`.
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -117,8 +116,7 @@ def _delta_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """state [N,H,Dk,Dv]; q,k,g [N,H,Dk]; v [N,H,Dv]; beta [N,H]. All float32 (or all float64).
 
-    state' = (I - beta k k^T) diag(exp g) state + beta k v^T, out = state'^T q: affine in the
-    state, which kda_extend_segmented relies on."""
+    state' = (I - beta k k^T) diag(exp g) state + beta k v^T, out = state'^T q."""
     state = state * g.exp().unsqueeze(-1)
     kv_mem = (state * k.unsqueeze(-1)).sum(-2)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
@@ -146,7 +144,7 @@ def kda_extend(
     q, k: [T, H, Dk] (l2-normalised here); v: [T, H, Dv]; g: [T, H, Dk] log-decay;
     beta: [T, H]. Returns [T, H, Dv] in q's dtype. history: if given, receives the state after
     every position, [B, max_len, H, Dk, Dv] float32 (for speculative rollback). Arithmetic in
-    float32, or float64 for float64 q (the segmented form's exact check).
+    float32, or float64 for float64 q.
     gate: if given, g holds the forget gate's logits f (f_b_proj's output, [T, H, Dk]) and the
     log decay is forget_gate(f, *gate) (the fast path applies it inside fla's chunk kernel).
     qk_normed: q and k come l2-normed (conv_qkv_extend's), only scaled here.
@@ -178,93 +176,6 @@ def kda_extend(
         history.append(torch.stack(states, dim=1))
     state[rows] = s.to(state.dtype)
     return out.to(out_dtype)
-
-
-class SegmentPlan(NamedTuple):
-    """A ragged batch's requests cut into segments of at most `segment` tokens, in token order
-    (host ints): segment i holds lens[i] tokens; request b's are firsts[b] .. firsts[b] +
-    counts[b] - 1."""
-
-    lens: list[int]
-    firsts: list[int]
-    counts: list[int]
-
-
-def segment_plan(lens: list[int], segment: int) -> SegmentPlan:
-    seg_lens, firsts, counts = [], [], []
-    for n in lens:
-        firsts.append(len(seg_lens))
-        cuts = list(range(0, n, segment))
-        seg_lens += [min(segment, n - c) for c in cuts]
-        counts.append(len(cuts))
-    return SegmentPlan(seg_lens, firsts, counts)
-
-
-def segment_initial_states(
-    state: torch.Tensor,
-    rows: torch.Tensor,
-    firsts: torch.Tensor,
-    num_segments: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The segmented form's initial states [N+1, H, Dk, Dv+Dk] in dtype: [0 | I] for every
-    segment, a request's first segment (firsts [B], on state's device) [state[row] | I]; row
-    N stays [0 | I] (the chain's padding: no transition)."""
-    heads, dk, dv = state.shape[1:]
-    init = state.new_zeros(num_segments + 1, heads, dk, dv + dk, dtype=dtype)
-    init[..., dv:].diagonal(dim1=-2, dim2=-1).fill_(1.0)
-    init[firsts, :, :, :dv] = state[rows].to(dtype)
-    return init
-
-
-def kda_extend_segmented(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    rows: torch.Tensor,
-    lens: list[int],
-    segment: int,
-    *,
-    gate: ForgetGate | None = None,
-    qk_normed: bool = False,
-) -> torch.Tensor:
-    """kda_extend (no history) with each request cut into segments of `segment` tokens that
-    run as independent sequences of one batch, then chained (the CUDA twin gets the segments'
-    parallelism in fla's state pass, which otherwise walks a request's chunks in order).
-
-    The delta rule is affine in the state: S_t = M_t S_{t-1} + beta_t k_t v_t^T with
-    M_t = (I - beta_t k_t k_t^T) diag(exp g_t) acting on the Dk side, o_t = S_t^T q_t. Over a
-    segment from h: S_t = P_t h + F_t (P_t = M_t ... M_1, F_t the state from 0), so
-    o_t = F_t^T q_t + (P_t^T q_t)^T h. Every column of the state evolves alone, so both run as
-    one sequence with v' = [v | 0] (Dv + Dk wide) from [h0 | I]: its output is [o_A | o_B]
-    (o_B = P_t^T q_t) and its final state [F | P]. A request's first segment starts from its
-    real state (h0 = state[row]; nothing to fix), the later ones from h0 = 0; then per request,
-    in order: h_in(0) = 0, h_in(j+1) = P_j h_in(j) + F_j, o_t = o_A + o_B h_in(its segment),
-    its final state h_in(counts). o_A and o_B come rounded to q's dtype (as fla returns them),
-    the fix-up adds in float32 (float64 for float64 q)."""
-    plan = segment_plan(lens, segment)
-    heads, dk, dv = state.shape[1:]
-    wide = _compute_dtype(q)
-    firsts = torch.tensor(plan.firsts, device=q.device)
-    init = segment_initial_states(state, rows, firsts, len(plan.lens), wide)
-    v_ext = torch.cat([v, v.new_zeros(v.shape[0], heads, dk)], dim=-1)
-    seg_rows = torch.arange(len(plan.lens), device=q.device)
-    o_ext = kda_extend(
-        q, k, v_ext, g, beta, init, seg_rows, plan.lens, gate=gate, qk_normed=qk_normed
-    ).to(wide)  # and init[:N] now holds each segment's final state [F | P]
-    out = o_ext[..., :dv].clone()
-    starts = [0, *accumulate(plan.lens)]
-    for b, (first, count) in enumerate(zip(plan.firsts, plan.counts)):
-        h = torch.zeros(heads, dk, dv, device=q.device, dtype=wide)
-        for s in range(first, first + count):
-            a, e = starts[s], starts[s + 1]
-            out[a:e] += torch.einsum("thk,hkv->thv", o_ext[a:e, :, dv:], h)
-            h = init[s, :, :, dv:] @ h + init[s, :, :, :dv]
-        state[rows[b]] = h.to(state.dtype)
-    return out.to(q.dtype)
 
 
 def kda_uniform(

@@ -33,14 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import BLOCK as FP8_BLOCK
-from kernels.kda import (
-    ForgetGate,
-    KDAWeights,
-    SegmentPlan,
-    forget_gate,
-    segment_initial_states,
-    segment_plan,
-)
+from kernels.kda import ForgetGate, KDAWeights, forget_gate
 from kernels.triton.e4m3 import quant_rows
 from kernels.triton.pdl import LAUNCH, grid_dependency
 
@@ -487,11 +480,9 @@ def kda_extend(
 
     Same contract as kernels.kda.kda_extend. Without history: fla's chunked KDA over the
     varlen batch (cu_seqlens), initial states gathered from state[rows], final states written
-    back; a batch whose longest request has SEGMENT_MIN_TOKENS or more runs
-    kda_extend_segmented (each pass of a prefix-cache snapshot batch decides alone). With
-    history (speculative verify): fla's fused recurrent kernel writing the state after every
-    token into a [T, H, Dk, Dv] buffer, cut into [B, max_len, H, Dk, Dv] (positions past a
-    request's length repeat its last state, as the reference does).
+    back. With history (speculative verify): fla's fused recurrent kernel writing the state
+    after every token into a [T, H, Dk, Dv] buffer, cut into [B, max_len, H, Dk, Dv] (positions
+    past a request's length repeat its last state, as the reference does).
     gate: g holds the forget gate's logits (kernels.kda.kda_extend's contract); the chunked
     path hands them to fla with use_gate_in_kernel, whose chunk-cumsum kernel applies the gate
     in float32 as forget_gate does (no [T, H, Dk] float32 decay through HBM), the recurrent path
@@ -503,11 +494,6 @@ def kda_extend(
     if gate is not None and history is not None:
         g, gate = forget_gate(g.flatten(1), *gate, q.shape[1]), None
     max_len, total = max(lens), q.shape[0]
-    if history is None and SEGMENT_MIN_TOKENS is not None and max_len >= SEGMENT_MIN_TOKENS:
-        return kda_extend_segmented(
-            q, k, v, g, beta, state, rows, lens, SEGMENT_TOKENS, gate=gate,
-            qk_normed=qk_normed, safe_gate=safe_gate,
-        )  # fmt: skip
     dev = q.device
     meta = varlen(lens, dev)
     cu = meta.cu
@@ -553,8 +539,8 @@ def _chunk(
     safe_gate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's chunked KDA over the sequences of `meta`, each from its row of `initial`
-    [N, H, Dk, V] (float32, contiguous): (o [T, H, V] in v's dtype, final states
-    [N, H, Dk, V] float32). v's width V is free (the segmented form's is Dv + Dk)."""
+    [N, H, Dk, Dv] (float32, contiguous): (o [T, H, Dv] in v's dtype, final states
+    [N, H, Dk, Dv] float32)."""
     # fla's chunk_kda minus its entry checks and its blocking chunk_indices copy: its forward
     # is chunk_kda_fwd with these arguments (fla-core 0.6.0) when the l2norm and the beta
     # sigmoid stay outside the kernel; the inputs must be contiguous (chunk_kda's input_guard)
@@ -586,152 +572,6 @@ def _chunk(
             **in_kernel,
         )[:2]
     return o[0], final
-
-
-# ---------------------------------------------------------------------------------------------
-# a long request's recurrence in parallel segments (kernels.kda.kda_extend_segmented's algebra)
-# ---------------------------------------------------------------------------------------------
-
-# fla's state pass walks a sequence's chunks in order with H x V / BV programs: at rank 0 of
-# TP8 (8 heads) a long request leaves the GPU nearly idle. A batch whose longest request has
-# SEGMENT_MIN_TOKENS tokens or more runs segmented (None: never; off until the H200 bench
-# says which sizes pay), in segments of SEGMENT_TOKENS (a multiple of FLA_CHUNK, so every
-# chunk lies as the plain path's does).
-SEGMENT_TOKENS = 1024
-SEGMENT_MIN_TOKENS: int | None = None
-_SEGMENTS_CACHE = 16
-
-
-class Segments(NamedTuple):
-    """A batch's segment plan on the device: meta (the segments as fla's varlen batch), firsts
-    [B] (each request's first segment), chain [max_count, B] (request b's j-th segment, or N:
-    the padding row, [0 | I]), slots [N] (where segment (b, j)'s entering state lies in the
-    chain's [max_count + 1, B] states: j * B + b, or -1 for j = 0, which enters with the
-    request's own state inside fla)."""
-
-    plan: SegmentPlan
-    meta: Varlen
-    firsts: torch.Tensor
-    chain: torch.Tensor
-    slots: torch.Tensor
-
-
-_segments: OrderedDict[tuple, Segments] = OrderedDict()
-
-
-def segments(lens: list[int], segment: int, device: torch.device) -> Segments:
-    """The plan of a batch with these lengths, built on the host and copied once without
-    waiting (as varlen's); kept for the batch's other KDA layers."""
-    key = (device, tuple(lens), segment)
-    hit = _segments.get(key)
-    if hit is not None:
-        _segments.move_to_end(key)
-        return hit
-    plan = segment_plan(lens, segment)
-    num_reqs, num_segs, steps = len(lens), len(plan.lens), max(plan.counts)
-    chain = [
-        first + j if j < count else num_segs
-        for j in range(steps)
-        for first, count in zip(plan.firsts, plan.counts)
-    ]
-    slots = [j * num_reqs + b if j else -1 for b, n in enumerate(plan.counts) for j in range(n)]
-    pinned = torch.device(device).type == "cuda"
-    host = torch.tensor(plan.firsts + chain + slots, dtype=torch.int64, pin_memory=pinned)
-    packed = host.to(device, non_blocking=True)
-    firsts, chain_t, slots_t = packed.split([num_reqs, len(chain), num_segs])
-    hit = Segments(plan, varlen(plan.lens, device), firsts, chain_t.view(steps, num_reqs),
-                   slots_t)  # fmt: skip
-    _segments[key] = hit
-    if len(_segments) > _SEGMENTS_CACHE:
-        _segments.popitem(last=False)
-    return hit
-
-
-@triton.jit
-def _segment_output_kernel(
-    o_ptr,  # [T, H, DV + DK]: fla's [o_A | o_B] over the segments
-    h_ptr,  # [(max_count + 1) * B, H, DK, DV] float32: the states entering each chain step
-    slots_ptr, cu_ptr, chunks_ptr,  # [N]; the segments' cu [N + 1] and chunk_indices [NT, 2]
-    out_ptr,  # [T, H, DV]
-    H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr,
-):  # fmt: skip
-    """out = o_A + o_B h_in for one chunk of one segment, one head, BV of the value columns;
-    the product in TF32 (bf16 o_B exactly, h_in to 10 bits, finer than o_B's own rounding),
-    skipped for a request's first segment (h_in = 0)."""
-    seg = tl.load(chunks_ptr + 2 * tl.program_id(0))
-    i = tl.load(chunks_ptr + 2 * tl.program_id(0) + 1)
-    h = tl.program_id(1)
-    t = tl.load(cu_ptr + seg) + i * BT + tl.arange(0, BT)
-    tm = t < tl.load(cu_ptr + seg + 1)
-    c = tl.program_id(2) * BV + tl.arange(0, BV)
-    cm = c < DV
-    base = (t.to(tl.int64) * H + h) * (DV + DK)
-    acc = tl.load(o_ptr + base[:, None] + c[None, :], mask=tm[:, None] & cm[None, :],
-                  other=0.0).to(tl.float32)  # fmt: skip
-    slot = tl.load(slots_ptr + seg)
-    if slot >= 0:
-        kk = tl.arange(0, BK)
-        km = kk < DK
-        o_b = tl.load(o_ptr + base[:, None] + DV + kk[None, :], mask=tm[:, None] & km[None, :],
-                      other=0.0).to(tl.float32)  # fmt: skip
-        h_ptrs = h_ptr + (slot * H + h) * (DK * DV) + kk[:, None] * DV + c[None, :]
-        h_in = tl.load(h_ptrs, mask=km[:, None] & cm[None, :], other=0.0)
-        acc += tl.dot(o_b, h_in)
-    out = out_ptr + (t.to(tl.int64) * H + h)[:, None] * DV + c[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & cm[None, :])
-
-
-def kda_extend_segmented(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    rows: torch.Tensor,
-    lens: list[int],
-    segment: int,
-    *,
-    gate: ForgetGate | None = None,
-    qk_normed: bool = False,
-    safe_gate: bool = False,
-) -> torch.Tensor:
-    """kernels.kda.kda_extend_segmented: one fla call over the segments with v' = [v | 0]
-    from [h0 | I] (fla's per-chunk work on q, k, g, beta done once for both halves; its state
-    pass N x H x (Dv + Dk) / BV programs, each down at most segment / FLA_CHUNK chunks), the
-    chain (one batched product per step: a request's segments in order, every request at
-    once, exhausted ones through the padding row), then one kernel for o_A + o_B h_in.
-    Sync-free: the plan comes from the host lengths. safe_gate: kda_extend's."""
-    _check_state(state)
-    assert segment % FLA_CHUNK == 0, "segments of whole chunks"
-    heads, dk, dv = state.shape[1:]
-    seg = segments(lens, segment, q.device)
-    num_segs, num_reqs = len(seg.plan.lens), len(lens)
-    steps = seg.chain.shape[0]
-    init = segment_initial_states(state, rows, seg.firsts, num_segs, torch.float32)
-    v_ext = torch.cat([v, v.new_zeros(v.shape[0], heads, dk)], dim=-1)
-    o_ext, final = _chunk(
-        q, k, v_ext, g, beta, init[:num_segs], seg.meta, gate, qk_normed, safe_gate
-    )
-    assert o_ext.is_contiguous()
-    # the chain: h[j + 1] = P h[j] + F over each request's j-th segment ([F | P]: its final
-    # state); float32 products (torch's default: no TF32)
-    links = torch.cat([final, init[num_segs:]])[seg.chain]  # [steps, B, H, Dk, Dv + Dk]
-    h = torch.empty(steps + 1, num_reqs * heads, dk, dv, device=q.device, dtype=torch.float32)
-    h[0].zero_()
-    for j in range(steps):
-        link = links[j].view(num_reqs * heads, dk, dv + dk)
-        torch.baddbmm(link[..., :dv], link[..., dv:], h[j], out=h[j + 1])
-    state[rows] = h[steps].view(num_reqs, heads, dk, dv)
-    out = torch.empty(q.shape[0], heads, dv, device=q.device, dtype=q.dtype)
-    block_v = min(64, triton.next_power_of_2(dv))
-    grid = (seg.meta.chunk_indices.shape[0], heads, triton.cdiv(dv, block_v))
-    _segment_output_kernel[grid](
-        o_ext, h, seg.slots, seg.meta.cu, seg.meta.chunk_indices, out, H=heads, DK=dk, DV=dv,
-        BT=FLA_CHUNK, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=4,
-    )  # fmt: skip
-    return out
 
 
 def _on(device: torch.device):
