@@ -1,4 +1,4 @@
-"""The vision tower's fused kernels (kernels/triton/vision.py: qkv_heads, swiglu;
+"""The vision tower's fused kernels (kernels/triton/vision.py: qkv_heads; kernels/triton/swiglu.py;
 kernels/triton/norm.py: add_rms_norm) against their torch twins (kernels/vision.py,
 kernels/moe.swiglu, kernels/norm.add_rms_norm), the MLP's stacked gate/up GEMM, and on CUDA the
 real-size tower on the fast path against the torch path. CPU cases run the kernels under
@@ -88,7 +88,7 @@ def _check_qkv(grids, heads, hd, dtype, device) -> None:
 
 
 def _check_swiglu(rows, inner, dtype, device, limit) -> None:
-    from kernels.triton.vision import swiglu
+    from kernels.triton.swiglu import swiglu
 
     gen = torch.Generator(device="cpu").manual_seed(1)
     gate_up = (torch.randn(rows, 2 * inner, generator=gen) * 4).to(dtype=dtype, device=device)

@@ -1,5 +1,6 @@
 """kernels/moe.py's swiglu (GLM's clamped SwiGLU) in one launch instead of torch's four (two
-clamps, silu, mul): the dense MLPs' and, past the small-batch MoE, the shared expert's. It
+clamps, silu, mul): the dense MLPs', past the small-batch MoE the shared expert's, and the vision
+tower's MLP. It
 rounds where the reference rounds (silu's output to the dtype, then the product), so bf16
 outputs match to one ulp where sigmoid's float32 value lands on a rounding boundary."""
 

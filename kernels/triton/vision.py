@@ -7,9 +7,7 @@
   RoPE in float32 from those rounded values, rounded once (kernels.vision.rotate); each head is
   held as its two halves, so rotate_half is a swap of registers. Replaces ~12 launches (float32
   copies, the stack, the RoPE's five, the permutes sdpa made contiguous).
-- swiglu (kernels/moe.py): silu(min(gate, L)) * clamp(up, -L, L) over gate and up read once
-  each (row-strided: the halves of one stacked gate/up GEMM's output), silu rounded to the
-  dtype before the product, as torch's bf16 ops round. Replaces five passes.
+The MLP's clamped SwiGLU is kernels/triton/swiglu.py's (the language model's too).
 
 Against torch only the order of the norm's sum of squares and the exp/rsqrt implementations
 differ: float32 results agree to a few ulps, bf16 ones to one bf16 ulp where a float32 value
@@ -23,7 +21,6 @@ import triton
 import triton.language as tl
 
 QKV_ROWS = 32  # rows of one program of _qkv_heads_kernel
-SWIGLU_COLS = 1024  # columns of one program of _swiglu_kernel
 
 
 @triton.jit
@@ -114,40 +111,3 @@ def qkv_heads(
         )
     q, k, v = out.unbind(0)
     return q, k, v
-
-
-@triton.jit
-def _swiglu_kernel(
-    gate_ptr, up_ptr, out_ptr, inner, stride_gate, stride_up, limit, BLOCK: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < inner
-    dt = out_ptr.dtype.element_ty
-    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=m, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * stride_up + cols, mask=m, other=0.0).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    tl.store(out_ptr + row * inner + cols, (silu * up).to(dt), mask=m)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """gate, up [T, I] (rows may be strided, the last dim contiguous) -> [T, I] contiguous."""
-    assert gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype, "operands"
-    assert gate.stride(1) == 1 and up.stride(1) == 1, "the last dim contiguous"
-    rows, inner = gate.shape
-    out = gate.new_empty(rows, inner)
-    if rows:
-        _swiglu_kernel[(rows, triton.cdiv(inner, SWIGLU_COLS))](
-            gate,
-            up,
-            out,
-            inner,
-            gate.stride(0),
-            up.stride(0),
-            limit,
-            BLOCK=SWIGLU_COLS,
-            num_warps=4,
-        )
-    return out

@@ -183,7 +183,7 @@ class VisionMLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         swiglu = moe_kernels.swiglu
         if fast_path(x):
-            from kernels.triton.vision import swiglu
+            from kernels.triton.swiglu import swiglu
         return self.down_proj(swiglu(gate, up, self.limit))
 
 
