@@ -41,9 +41,9 @@ class DenseMLP(nn.Module):
         gate, up = self.gate_up(x)
         if fast_path(x) and x.dim() == 2:
             from kernels.triton.swiglu import swiglu
-
-            return self.down_proj(swiglu(gate, up, self.limit), add)
-        return self.down_proj(moe_kernels.swiglu(gate, up, self.limit), add)
+        else:
+            swiglu = moe_kernels.swiglu
+        return self.down_proj(swiglu(gate, up, self.limit), add)
 
 
 class Router(nn.Module):
