@@ -1,5 +1,5 @@
 """Decode-sized linears of rank 0 of GLM-5.3-Flash at TP8/EP8 (issue 43): before and after the
-skinny GEMM (kernels/triton/skinny_gemm.py), bf16 and block FP8, at 1, 8 and 32 tokens.
+skinny GEMM (kernels/triton/skinny_gemm.py), bf16 and block FP8, at 1, 2, 8 and 32 tokens.
 
     python -m bench.decode_gemm            # the table, one JSON line per row (< 60 s on an H200)
     python -m bench.decode_gemm --sweep    # the skinny GEMM's tilings per row, for skinny_config
@@ -7,7 +7,9 @@ skinny GEMM (kernels/triton/skinny_gemm.py), bf16 and block FP8, at 1, 8 and 32 
 A row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_old",
 "launches_new", ...}, microseconds per call (launches_old null: cuBLAS's own choice, one GEMM or
 a split-K GEMM and its reduction).
-- dtype bf16: us_old cuBLAS (F.linear, what a bf16 projection ran), us_new the skinny GEMM;
+- dtype bf16: us_old cuBLAS (F.linear, what a bf16 projection runs unless serving.layers.linear's
+  SKINNY_DENSE_MAX_TOKENS says otherwise), us_new the skinny GEMM (one row: its GEMV form,
+  "form": "gemv", with us_dot the tl.dot form beside it);
 - dtype fp8: us_old the FP8 path before the skinny GEMM (block_fp8_linear's old backends:
   torch._scaled_mm with its activation quantization where the shape's probe passes, else the
   Triton GEMM with the quantization fused), us_new the skinny GEMM (the quantization inside),
@@ -37,11 +39,14 @@ import torch.nn.functional as F
 
 DEVICE = "cuda"
 HBM_BYTES_PER_US = 4.23e6  # 4.23 TB/s
-TOKENS = (1, 8, 32)
+TOKENS = (1, 2, 8, 32)  # 2: EAGLE's verify at batch 1
 REPLAYS = 20
 MAX_COPIES = 256
 # --sweep: skinny_config's (target_programs, partial_bytes)
 SWEEP = ((132, 1), (264, 1), (528, 1), (264, 4), (528, 4), (792, 4))
+# --sweep, one bf16 row: gemv_config's (target_programs, block_n, block_k)
+GEMV_SWEEP = ((264, 16, 256), (396, 16, 256), (528, 16, 256), (792, 16, 256), (396, 8, 256),
+              (396, 32, 256), (396, 16, 128), (396, 16, 512), (396, 8, 512))  # fmt: skip
 
 # name: (N in bf16, N in block FP8 or None: bf16 only, K), at rank 0 of TP8/EP8
 RANK0_LINEARS = {
@@ -92,7 +97,7 @@ def _inputs(m: int, k: int, copies: int, gen) -> list[torch.Tensor]:
 def rows_for(name: str, gen) -> list[dict]:
     from kernels.fp8 import quantize_weight
     from kernels.triton import fp8 as tfp8
-    from kernels.triton.skinny_gemm import skinny_linear
+    from kernels.triton.skinny_gemm import GEMV_MAX_ROWS, skinny_config, skinny_linear
 
     n16, n8, k = RANK0_LINEARS[name]
     out = []
@@ -111,7 +116,13 @@ def rows_for(name: str, gen) -> list[dict]:
         cublas = graph_us(F.linear, list(zip(xs, dense)))
         new = graph_us(skinny_linear, list(zip(xs, dense)))
         floor = n16 * k * 2 / HBM_BYTES_PER_US
-        out.append(_row(name, m, "bf16", (n16, k), cublas, new, floor, None, 1))
+        row = _row(name, m, "bf16", (n16, k), cublas, new, floor, None, 1)
+        if m <= GEMV_MAX_ROWS:  # us_new is the GEMV form; the tl.dot form beside it
+            cfg = skinny_config(m, n16, k, 2)
+            dot = lambda x, w, cfg=cfg: skinny_linear(x, w, config=cfg)  # noqa: E731
+            row["form"] = "gemv"
+            row["us_dot"] = round(graph_us(dot, list(zip(xs, dense))), 2)
+        out.append(row)
         if n8 is None:
             continue
         xs = _inputs(m, k, len(fp8), gen)
@@ -147,9 +158,10 @@ def _row(name, m, dtype, shape, old, new, floor, launches_old, launches_new) -> 
 def sweep_for(name: str, gen) -> list[dict]:
     """The skinny GEMM at each SWEEP tiling (skinny_config's target_programs and partial_bytes),
     per count and dtype: the fastest and every distinct tiling's time (N tile, splits x steps),
-    for tuning skinny_config."""
+    for tuning skinny_config; for one bf16 row the GEMV form's GEMV_SWEEP tilings too ("gemv"
+    keys, with the K step), for gemv_config."""
     from kernels.fp8 import quantize_weight
-    from kernels.triton.skinny_gemm import skinny_config, skinny_linear
+    from kernels.triton.skinny_gemm import gemv_config, skinny_config, skinny_linear
 
     n16, n8, k = RANK0_LINEARS[name]
     out = []
@@ -164,9 +176,16 @@ def sweep_for(name: str, gen) -> list[dict]:
         for m in TOKENS:
             xs = _inputs(m, k, len(ops), gen)
             times = {}
-            for target, partial_bytes in SWEEP:
-                cfg = skinny_config(m, n, k, w_bytes, target, partial_bytes)
-                key = f"n{cfg.block_n} s{cfg.splits}x{cfg.steps}"
+            configs = [
+                (f"n{c.block_n} s{c.splits}x{c.steps}", c)
+                for c in (skinny_config(m, n, k, w_bytes, t, b) for t, b in SWEEP)
+            ]
+            if dtype == "bf16" and m == 1:
+                configs += [
+                    (f"gemv n{c.block_n} k{c.block_k} s{c.splits}x{c.steps}", c)
+                    for c in (gemv_config(n, k, *g) for g in GEMV_SWEEP)
+                ]
+            for key, cfg in configs:
                 if key in times:
                     continue
                 fn = lambda x, *o, cfg=cfg: skinny_linear(x, *o, config=cfg)  # noqa: E731

@@ -31,10 +31,12 @@ shard of the --tp-size/--ep-size world, its collectives through the fake backend
    with the decode, eagle and prefill stages' numbers, the projected TP step;
 9. floor: the HBM floor of each decode and EAGLE step measured (bytes moved over --hbm-tbps)
    and the measured step's ratio to it.
-With --variant NAME=MODULE.ATTR=VALUE[;MODULE.ATTR=VALUE...] (repeatable) the prefill stage and
-the layers stage's prefill run once more per variant with those module switches set (e.g.
+With --variant NAME=MODULE.ATTR=VALUE[;MODULE.ATTR=VALUE...] (repeatable) the prefill, mapped
+decode, eagle and layers stages run once more per variant with those module switches set (e.g.
 serving.layers.mlp.GROUPED_MIN_PAIRS_PER_EXPERT=0), in the same process on the same weights;
-rows carry "variant" ("base" for the tree's defaults).
+decode and EAGLE capture their graphs again under each (a graph holds the kernels chosen at its
+capture); rows carry "variant" ("base" for the tree's defaults). The floor and collectives
+stages use the base figures.
 With --fp8, the model is also quantized to block FP8 in memory (serving/tools/quantize_fp8.py's
 choice; W8A8 kernels; the projections --fp8-linears keeps dense as a server would, recorded in
 the "fp8_quantized" row) and the prefill and decode stages run it after the bf16 model (rows
@@ -387,40 +389,51 @@ def stage_decode(b: Bench) -> None:
 
 
 def stage_decode_mapped(b: Bench) -> None:
-    """One pool for the largest batch and context, graphs captured once, then each (context,
-    batch) timed from that context on (pages mapped, no prefill: the module doc)."""
+    """Per variant: one pool for the largest batch and context, graphs captured once, then each
+    (context, batch) timed from that context on (pages mapped, no prefill: the module doc)."""
     bs_max, ctx_max = max(b.args.batch_sizes), max(b.args.contexts)
     # Positions used past a context: timed's warm-up and repeats, then the traced steps; a
     # step past the mapped pages indexes out of bounds on the device (a device assert).
     steps = 1 + b.args.repeat + (b.args.trace_steps if b.cuda else 0)
-    runner, rows = engine(b.model, b.device, bs_max, ctx_max + steps + 1)
-    if b.cuda:
-        started = time.monotonic()
-        runner.enable_decode_graphs(bs_max)
-        _sync()
-        b.run.record(stage="decode_graphs_captured", up_to=bs_max, seconds=_since(started))
-    for context in b.args.contexts:
-        for bs in b.args.batch_sizes:
-            if b.run.time_left() < 20:
-                return
-            step = _decode_steps(runner, rows[:bs], context)
-            ms = timed(step, repeat=b.args.repeat)
-            b.measured[b.key("decode", bs, context)] = ms
-            b.run.record(
-                stage="decode_graphs",
-                batch=bs,
-                context=context,
-                fill="mapped",
-                ms=ms,
-                weights=b.weights,
-            )
-            if b.cuda and b.args.trace_steps and context == b.args.contexts[0]:
-                _trace_graph_steps(b, step, bs, context)
-    del runner
-    _empty_cache()
+    for variant, sets in b.args.variant:
+        if b.run.time_left() < 30:
+            return
+        with switched(sets):
+            runner, rows = engine(b.model, b.device, bs_max, ctx_max + steps + 1)
+            if b.cuda:
+                started = time.monotonic()
+                runner.enable_decode_graphs(bs_max)
+                _sync()
+                b.run.record(
+                    stage="decode_graphs_captured",
+                    up_to=bs_max,
+                    seconds=_since(started),
+                    variant=variant,
+                )
+            for context in b.args.contexts:
+                for bs in b.args.batch_sizes:
+                    if b.run.time_left() < 20:
+                        return
+                    step = _decode_steps(runner, rows[:bs], context)
+                    ms = timed(step, repeat=b.args.repeat)
+                    if variant == "base":
+                        b.measured[b.key("decode", bs, context)] = ms
+                    b.run.record(
+                        stage="decode_graphs",
+                        batch=bs,
+                        context=context,
+                        fill="mapped",
+                        ms=ms,
+                        weights=b.weights,
+                        variant=variant,
+                    )
+                    if b.cuda and b.args.trace_steps and context == b.args.contexts[0]:
+                        _trace_graph_steps(b, step, bs, context, variant)
+            del runner
+            _empty_cache()
 
 
-def _trace_graph_steps(b: Bench, step, bs: int, context: int) -> None:
+def _trace_graph_steps(b: Bench, step, bs: int, context: int, variant: str) -> None:
     """Kernels per replayed decode step, their busy time and the graph's gaps (graph_steps),
     the median over --trace-steps profiled steps."""
     from torch.profiler import profile, record_function
@@ -437,13 +450,20 @@ def _trace_graph_steps(b: Bench, step, bs: int, context: int) -> None:
         prof.export_chrome_trace(str(path))
         rows = graph_steps(load(path), "step")
     if not rows:
-        b.run.record(stage="decode_graph_trace", batch=bs, context=context, error="no kernels")
+        b.run.record(
+            stage="decode_graph_trace",
+            batch=bs,
+            context=context,
+            variant=variant,
+            error="no kernels",
+        )
         return
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     b.run.record(
         stage="decode_graph_trace",
         batch=bs,
         context=context,
+        variant=variant,
         steps=len(rows),
         kernels=med["kernels"],
         busy_ms=round(med["busy_us"] / 1000, 4),
@@ -497,18 +517,28 @@ def stage_eagle(b: Bench) -> None:
     bs_max, ctx_max = max(b.args.batch_sizes), max(b.args.contexts)
     # a step commits up to steps + 1 tokens: room for the warm-up and the timed steps
     room = (b.args.repeat + 2) * (b.args.spec_steps + 1)
-    spec, rows = _eagle(b, bs_max, ctx_max + room, graphs=True)
-    for context in b.args.contexts:
-        for bs in b.args.batch_sizes:
-            if b.run.time_left() < 20:
-                return
-            ms = timed(_eagle_steps(spec, rows[:bs], context), repeat=b.args.repeat)
-            b.measured[("eagle", bs, context)] = ms
-            b.run.record(
-                stage="eagle_step", spec_steps=b.args.spec_steps, batch=bs, context=context, ms=ms
-            )
-    del spec
-    _empty_cache()
+    for variant, sets in b.args.variant:
+        if b.run.time_left() < 30:
+            return
+        with switched(sets):
+            spec, rows = _eagle(b, bs_max, ctx_max + room, graphs=True)
+            for context in b.args.contexts:
+                for bs in b.args.batch_sizes:
+                    if b.run.time_left() < 20:
+                        return
+                    ms = timed(_eagle_steps(spec, rows[:bs], context), repeat=b.args.repeat)
+                    if variant == "base":
+                        b.measured[("eagle", bs, context)] = ms
+                    b.run.record(
+                        stage="eagle_step",
+                        spec_steps=b.args.spec_steps,
+                        batch=bs,
+                        context=context,
+                        ms=ms,
+                        variant=variant,
+                    )
+            del spec
+            _empty_cache()
 
 
 def stage_greedy_tiny(b: Bench) -> None:
@@ -571,8 +601,7 @@ def stage_layers(b: Bench) -> None:
     from torch.profiler import profile, record_function
 
     for name, bs, context, fn in _workloads(b):
-        variants = b.args.variant if name == "prefill" else b.args.variant[:1]
-        for variant, sets in variants:
+        for variant, sets in b.args.variant:
             if b.run.time_left() < 20:
                 return
             with switched(sets):
@@ -721,7 +750,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         type=parse_variant,
         action="append",
         default=[],
-        help="NAME=MODULE.ATTR=VALUE[;...]: also time prefill with these switches (repeatable)",
+        help="NAME=MODULE.ATTR=VALUE[;...]: also time the stages with these switches (repeatable)",
     )
     ap.add_argument("--spec-steps", type=int, default=1, help="EAGLE draft steps")
     ap.add_argument("--repeat", type=int, default=20, help="timed decode/EAGLE steps (median)")

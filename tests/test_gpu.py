@@ -117,6 +117,17 @@ def test_decode_graphs_equal_eager(tiny_ckpt):
     assert graphs == eager
 
 
+def test_decode_graphs_equal_eager_on_the_skinny_dense_gemm(tiny_ckpt, monkeypatch):
+    """Every dense projection of the decode steps on the skinny GEMM (serving/layers/linear.py's
+    switch): 11 rows eager give the bits of the graph padded to 16 (one tiling per BLOCK_M)."""
+    from serving.layers import linear
+
+    monkeypatch.setattr(linear, "SKINNY_DENSE_MAX_TOKENS", 16)
+    eager, _ = _engine_tokens(tiny_ckpt, "disabled")
+    graphs, _ = _engine_tokens(tiny_ckpt, "full")
+    assert graphs == eager
+
+
 # The two launch checks build the same tiny model and share most kernels: one xdist process
 # runs them in turn (bench/gpu_tests.sh), the second on the first's warm kernel cache.
 LAUNCH_CHECKS = pytest.mark.xdist_group("launch_checks")

@@ -347,7 +347,8 @@ def test_decode_simulating_another_rank_is_refused(sim_pair, v410_ckpt, tmp_path
 def test_engine_bench_runs_a_simulated_rank(v410_ckpt, tmp_path):
     """bench.fast_path's rank stages on CPU (no graphs, no CUDA profiler): every stage leaves
     its JSON line, the collectives are counted per step and projected, the floor is computed;
-    a --variant's prefill rows come beside the base's and its switch is restored after."""
+    a --variant's prefill, decode, EAGLE and layer rows come beside the base's, and its switch
+    is restored after."""
     import json
 
     import serving.layers.mlp as mlp
@@ -372,11 +373,13 @@ def test_engine_bench_runs_a_simulated_rank(v410_ckpt, tmp_path):
     for r in rows:
         by_stage.setdefault(r["stage"], []).append(r)
     assert [r["variant"] for r in by_stage["prefill"]] == ["base", "moe"]
-    prefills = [r for r in by_stage["layer_kinds"] if r["step"] == "prefill"]
-    assert [r["variant"] for r in prefills] == ["base", "moe"]
+    for step in ("prefill", "decode", "eagle"):
+        got = [r["variant"] for r in by_stage["layer_kinds"] if r["step"] == step]
+        assert got == ["base", "moe"], (step, got)
     assert "simulated=True" in by_stage["built"][0]["rank"]
-    assert len(by_stage["decode_graphs"]) == 2 and len(by_stage["eagle_step"]) == 2
-    kinds = {r["step"]: r["ms"] for r in by_stage["layer_kinds"]}
+    for stage in ("decode_graphs", "eagle_step"):  # 2 contexts per variant
+        assert [r["variant"] for r in by_stage[stage]] == ["base"] * 2 + ["moe"] * 2, stage
+    kinds = {r["step"]: r["ms"] for r in by_stage["layer_kinds"] if r["variant"] == "base"}
     assert set(kinds) == {"decode", "prefill", "eagle"}
     for ms in kinds.values():  # every kind seen, none counted twice (MoE holds a dense MLP)
         assert ms["KDA"] > 0 and ms["DSA"] > 0 and ms["MoE"] > 0 and ms["mHC"] > 0, kinds

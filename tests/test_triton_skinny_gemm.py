@@ -104,24 +104,31 @@ def _check_fp8(m, n, k, dtype, device, interpreter=False):
 
 
 def _check_dense(m, n, k, device, dtype=torch.bfloat16):
-    from kernels.triton.skinny_gemm import skinny_linear
+    """Both forms where both apply (one row: GEMV and tl.dot), and with addmm's C."""
+    from kernels.triton.skinny_gemm import GEMV_MAX_ROWS, skinny_config, skinny_linear
 
     gen = torch.Generator(device=device).manual_seed(n + k)
     w = (torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype)
     x = _x(m, k, dtype, device, seed=m + n)
-    _poison(m, n, dtype, device)
-    out = skinny_linear(x, w)
-    assert out.dtype == dtype and out.shape == (m, n) and not out.isnan().any()
     ref = F.linear(x.float(), w.float())
-    assert _rel_max(out, ref) <= 1e-2 and _rel_fro(out, ref) <= 5e-3
-    assert torch.equal(skinny_linear(x, w), out)
-    assert _counters_zero()
-    return out
+    configs = [None] + ([skinny_config(m, n, k, w.element_size())] if m <= GEMV_MAX_ROWS else [])
+    for config in configs:
+        _poison(m, n, dtype, device)
+        out = skinny_linear(x, w, config=config)
+        assert out.dtype == dtype and out.shape == (m, n) and not out.isnan().any()
+        assert _rel_max(out, ref) <= 1e-2 and _rel_fro(out, ref) <= 5e-3, config
+        assert torch.equal(skinny_linear(x, w, config=config), out)
+        assert _counters_zero()
+    add = _x(m, n, dtype, device, seed=7)
+    got = skinny_linear(x, w, add=add)
+    with_add = ref + add.float()
+    assert _rel_max(got, with_add) <= 1e-2 and _rel_fro(got, with_add) <= 5e-3
+    return skinny_linear(x, w)
 
 
 # (M, N, K): N past the N tiles, partial 128 groups, K below one group, split K with a partial
-# last group (300 x 520, 70 x 1100) and without
-ODD = [(1, 48, 64), (3, 130, 200), (8, 300, 520), (33, 17, 48), (33, 70, 1100)]
+# last group (300 x 520, 70 x 1100) and without; one row past the GEMV form's N tile and K step
+ODD = [(1, 48, 64), (3, 130, 200), (8, 300, 520), (33, 17, 48), (33, 70, 1100), (1, 37, 700)]
 
 
 @cpu_interp
@@ -135,6 +142,76 @@ def test_skinny_fp8_interpreter(m, n, k, dtype):
 @pytest.mark.parametrize("m,n,k", ODD)
 def test_skinny_bf16_interpreter(m, n, k):
     _check_dense(m, n, k, "cpu")
+
+
+@cpu_interp
+def test_gemv_form_splits_k_and_covers_every_row_interpreter():
+    """The GEMV form at tilings that split K into uneven parts (the last split shorter, one
+    partial K step) and leave N tiles partly past N, against F.linear; a mutation that skips a
+    split or an N tile's last rows fails here."""
+    from kernels.triton.skinny_gemm import gemv_config, skinny_linear
+
+    n, k = 45, 1000
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * k**-0.5).bfloat16()
+    x = _x(1, k, torch.bfloat16, "cpu", seed=4)
+    ref = F.linear(x.float(), w.float())
+    tilings = {(1, 16, 256): 1, (12, 16, 256): 4, (40, 8, 128): 4, (3, 32, 512): 2}
+    for (target, block_n, block_k), splits in tilings.items():
+        cfg = gemv_config(n, k, target, block_n, block_k)
+        assert cfg.block_m == 1 and cfg.splits == splits, cfg
+        out = skinny_linear(x, w, config=cfg)
+        assert _rel_max(out, ref) <= 1e-2 and _rel_fro(out, ref) <= 5e-3, cfg
+        assert _counters_zero()
+
+
+@cpu_interp
+def test_dense_linears_run_the_skinny_gemm_up_to_its_rows_interpreter(monkeypatch):
+    """serving.layers.linear.dense_linear, as Linear (with addmm's add) and a dense stack run
+    it: the skinny GEMM up to SKINNY_DENSE_MAX_TOKENS rows on the fast path (one row in the
+    GEMV form), cuBLAS past them and off the fast path; the same outputs each way."""
+    import collections
+
+    import triton.runtime.interpreter as interpreter
+    from torch import nn
+
+    import kernels
+    from serving.layers import linear
+    from serving.layers.stacked_projections import StackedProjections
+
+    launches: collections.Counter = collections.Counter()
+    launch = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        launches[self.fn.__name__] += 1
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    monkeypatch.setattr(kernels, "INTERPRETED", True)
+    monkeypatch.setattr(linear, "SKINNY_DENSE_MAX_TOKENS", 2)
+    gen = torch.Generator().manual_seed(0)
+    owner = nn.Module()
+    for name, rows in (("a", 40), ("b", 24)):
+        part = linear.Linear(96, rows, torch.bfloat16)
+        part.weight.data = (torch.randn(rows, 96, generator=gen) * 0.1).bfloat16()
+        setattr(owner, name, part)
+    stack = StackedProjections(owner, ("a", "b"))
+    assert stack.stack()
+    for rows, skinny in ((1, True), (2, True), (3, False)):
+        launches.clear()
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        add = torch.randn(rows, 40, generator=gen).bfloat16()
+        with torch.no_grad():
+            got_a, got_b = stack(x)
+            got_add = owner.a(x, add=add)
+        assert launches["_skinny_kernel"] == (2 if skinny else 0), (rows, launches)  # stack, a
+        want_a, want_b = (F.linear(x.float(), p.weight.float()) for p in (owner.a, owner.b))
+        for got, want in ((got_a, want_a), (got_b, want_b), (got_add, want_a + add.float())):
+            assert got.shape == want.shape and _rel_max(got, want) <= 1e-2, rows
+    monkeypatch.setattr(kernels, "INTERPRETED", False)  # off the fast path: cuBLAS / torch
+    launches.clear()
+    with torch.no_grad():
+        owner.a(torch.randn(1, 96, generator=gen).bfloat16())
+    assert not launches, launches
 
 
 @cpu_interp

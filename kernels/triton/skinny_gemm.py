@@ -13,6 +13,12 @@ streams only ~30-60 GB/s). Before it, 1536 x 4096 at 32 tokens took 16.2 us in b
 Twins: torch.nn.functional.linear and kernels.fp8.block_fp8_linear (same results up to fp32
 summation order and, for bf16 outputs, one output rounding).
 
+One dense row (batch-1 decode, EAGLE's draft) runs the GEMV form (GEMV_MAX_ROWS): no tl.dot and
+no 16-row padding; each program holds a [BLOCK_N, BLOCK_K] tile of W, K contiguous (16-byte
+loads along each weight row), multiplies it by x's row on the CUDA cores and accumulates the
+products elementwise in float32, reducing over K once at the end. Its tiling (gemv_config) is
+its own: 256-wide K steps, 16-row N tiles (the tl.dot form's tiles are sized for a 16-row dot).
+
 Split K, deterministically: program (n tile, split) sums its share of K, writes the fp32 partial
 and counts itself in its tile's counter (an int32 atomic, acquire-release); the program that
 counts last sums the tile's partials in split order (the same sum whichever program is last),
@@ -49,6 +55,16 @@ DENSE_DTYPES = (torch.bfloat16, torch.float16)
 # the narrowest N tile: the e4m3 dot tiles kernels/triton/fp8.py's GEMM runs on the H200 (16-row
 # tiles would double the programs only of weights under 2 MB, whose time is launch latency)
 MIN_BLOCK_N = 32
+
+
+# dense rows up to which skinny_linear runs the GEMV form (1 or 0: the tl.dot form at every count)
+GEMV_MAX_ROWS = 1
+# the GEMV form's tiling: BLOCK_N rows of W by BLOCK_K columns a step (16 x 256 bf16: 8 KB, one
+# 16-byte load per thread and row for 4 warps), GEMV_PROGRAMS programs aimed at (three per SM of
+# an H200); bench/decode_gemm.py --sweep times others
+GEMV_BLOCK_N = 16
+GEMV_BLOCK_K = 256
+GEMV_PROGRAMS = 396
 
 
 class SkinnyConfig(NamedTuple):
@@ -93,6 +109,23 @@ def skinny_config(
     return SkinnyConfig(block_m, block_n, block_k, triton.cdiv(steps, per), per, 4, 3)
 
 
+def gemv_config(
+    n: int,
+    k: int,
+    target_programs: int = GEMV_PROGRAMS,
+    block_n: int = GEMV_BLOCK_N,
+    block_k: int = GEMV_BLOCK_K,
+) -> SkinnyConfig:
+    """The GEMV form's tiling for one row against an [n, k] dense weight (host ints): N tiles of
+    block_n rows, K steps of block_k (all of k below it), split K until the programs reach
+    target_programs (block_m 1: the form is told apart by it)."""
+    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
+    steps = triton.cdiv(k, block_k)
+    splits = max(1, min(steps, triton.cdiv(target_programs, triton.cdiv(n, block_n))))
+    per = triton.cdiv(steps, splits)
+    return SkinnyConfig(1, block_n, block_k, triton.cdiv(steps, per), per, 4, 4)
+
+
 # M, N, strides and split counts vary by call; specializing on them (== 1, divisible by 16)
 # would compile a kernel per shape and token count for nothing: the loads run along K
 @triton.jit(do_not_specialize=["M", "N", "KB", "stride_xm", "splits", "steps"])
@@ -101,6 +134,7 @@ def _skinny_kernel(
     w_ptr,  # [N, K]: dense, or e4m3 (FP8)
     ws_ptr,  # [ceil(N/128), KB] float32 block scales (FP8; else unused)
     y_ptr,  # [M, N] in x's dtype
+    add_ptr,  # [M, N] contiguous, added to the product (HAS_ADD; else unused)
     part_ptr,  # [splits, M, N] float32 partials (SPLIT_K)
     count_ptr,  # [ceil(N/BLOCK_N)] int32, zero between launches (SPLIT_K)
     M,
@@ -115,6 +149,8 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # FP8: GROUP, or all of K below it
     FP8_W: tl.constexpr,
+    GEMV: tl.constexpr,  # one dense row (BLOCK_M 1), no tl.dot (the module doc)
+    HAS_ADD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
@@ -128,27 +164,42 @@ def _skinny_kernel(
     # rows past M and past N read row M-1 / N-1 (never stored): the loads need no row masks
     m_safe = tl.minimum(m, M - 1)
     n_safe = tl.minimum(n, N - 1)
-    x_ptrs = x_ptr + m_safe[:, None] * stride_xm + kk[None, :]
-    w_ptrs = w_ptr + n_safe[None, :] * K + kk[:, None]
-    ws_ptrs = ws_ptr + (n_safe // GROUP) * KB
     k_begin = pid_k * steps * BLOCK_K
     k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0)
-            w = tl.load(w_ptrs + k0)
-        else:
-            k_mask = (k0 + kk) < K
-            x = tl.load(x_ptrs + k0, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=k_mask[:, None], other=0.0)
-        if FP8_W:
-            q, x_scale = quant_rows(x.to(tl.float32))  # one group per row: quantize_act's bits
-            w_scale = tl.load(ws_ptrs + k0 // GROUP)
-            dot = tl.dot(q.to(w_ptr.dtype.element_ty), w)  # exact cast: q is on the e4m3 grid
-            acc += dot * x_scale[:, None] * w_scale[None, :]
-        else:
-            acc += tl.dot(x, w)
+    if GEMV:
+        x_row = x_ptr + kk  # row 0 (M == 1)
+        w_rows = w_ptr + n_safe[:, None] * K + kk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+        prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_row + k0)
+                w = tl.load(w_rows + k0)
+            else:
+                k_mask = (k0 + kk) < K
+                x = tl.load(x_row + k0, mask=k_mask, other=0.0)
+                w = tl.load(w_rows + k0, mask=k_mask[None, :], other=0.0)
+            prods += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(prods, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        x_ptrs = x_ptr + m_safe[:, None] * stride_xm + kk[None, :]
+        w_ptrs = w_ptr + n_safe[None, :] * K + kk[:, None]
+        ws_ptrs = ws_ptr + (n_safe // GROUP) * KB
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs + k0)
+                w = tl.load(w_ptrs + k0)
+            else:
+                k_mask = (k0 + kk) < K
+                x = tl.load(x_ptrs + k0, mask=k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs + k0, mask=k_mask[:, None], other=0.0)
+            if FP8_W:
+                q, x_scale = quant_rows(x.to(tl.float32))  # one group per row: quantize_act's
+                w_scale = tl.load(ws_ptrs + k0 // GROUP)
+                dot = tl.dot(q.to(w_ptr.dtype.element_ty), w)  # exact: q is on the e4m3 grid
+                acc += dot * x_scale[:, None] * w_scale[None, :]
+            else:
+                acc += tl.dot(x, w)
     y_ptrs = y_ptr + m[:, None] * N + n[None, :]
     y_mask = (m[:, None] < M) & (n[None, :] < N)
     if SPLIT_K:
@@ -163,9 +214,15 @@ def _skinny_kernel(
                 # .cg: from L2, where the other programs' stores are, never a stale L1 line
                 part = tl.load(part_ptr + s * M * N + tile, mask=y_mask, cache_modifier=".cg")
                 total += part
+            if HAS_ADD:  # addmm's C: added in float32, one rounding
+                total += tl.load(add_ptr + tile, mask=y_mask, other=0.0).to(tl.float32)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)  # the next launch starts from zero
     else:
+        if HAS_ADD:
+            acc += tl.load(add_ptr + m[:, None] * N + n[None, :], mask=y_mask, other=0.0).to(
+                tl.float32
+            )
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
@@ -188,12 +245,14 @@ def skinny_linear(
     w: torch.Tensor,
     scale: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x W^T for x [M, K] (M <= MAX_TOKENS; a row stride is fine, e.g. a column slice of a
-    stacked projection's output), W [N, K]: dense in x's dtype (scale None), or e4m3 with block
-    scales [ceil(N/128), ceil(K/128)] float32 (W8A8, as kernels.fp8.block_fp8_linear). Returns
-    [M, N] in x's dtype. config: skinny_config's by default (another: bench/decode_gemm.py's
-    --sweep)."""
+    """y = x W^T (+ add) for x [M, K] (M <= MAX_TOKENS; a row stride is fine, e.g. a column slice
+    of a stacked projection's output), W [N, K]: dense in x's dtype (scale None), or e4m3 with
+    block scales [ceil(N/128), ceil(K/128)] float32 (W8A8, as kernels.fp8.block_fp8_linear).
+    add: [M, N], summed with the product in float32 before the one rounding (torch.addmm's C).
+    Returns [M, N] in x's dtype. config: gemv_config's for up to GEMV_MAX_ROWS dense rows, else
+    skinny_config's (another: bench/decode_gemm.py's --sweep; block_m 1 is the GEMV form)."""
     (m, k), n = x.shape, w.shape[0]
     assert m <= MAX_TOKENS and w.shape[1] == k, (x.shape, w.shape)
     assert max(n, m) * k < 2**31, "skinny GEMM offsets exceed int32"
@@ -206,10 +265,18 @@ def skinny_linear(
     if x.stride(-1) != 1:
         x = x.contiguous()
     w = w.contiguous()
+    if add is not None:
+        assert add.shape == (m, n), (add.shape, m, n)
+        add = add.contiguous()
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0:
         return y
-    cfg = config or skinny_config(m, n, k, w.element_size())
+    if config is None:
+        gemv = not fp8 and m <= GEMV_MAX_ROWS
+        config = gemv_config(n, k) if gemv else skinny_config(m, n, k, w.element_size())
+    cfg = config
+    gemv = cfg.block_m == 1
+    assert not gemv or (m == 1 and not fp8), ("the GEMV form takes one dense row", m, cfg)
     assert not fp8 or cfg.block_k == BLOCK or cfg.block_k >= k, cfg  # a K step is one group
     split_k = cfg.splits > 1
     if split_k:
@@ -223,6 +290,7 @@ def skinny_linear(
         w,
         scale if fp8 else w,
         y,
+        y if add is None else add,
         partials,
         counters,
         m,
@@ -237,6 +305,8 @@ def skinny_linear(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         FP8_W=fp8,
+        GEMV=gemv,
+        HAS_ADD=add is not None,
         SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps,

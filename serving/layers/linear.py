@@ -12,9 +12,13 @@ lacks.
 
 Several projections of one input run as one GEMM: serving/layers/stacked_projections.py.
 
-Kernels: a dense weight runs cuBLAS (F.linear) at every token count: the skinny GEMM
-(kernels/triton/skinny_gemm.py) measured slower than cuBLAS for bf16 at every rank-0 shape of
-TP8 (1.1-2.8x at 1-32 tokens, docs/BENCHMARKS.md). A block-FP8 weight on the fast path
+Kernels: a dense weight runs dense_linear: cuBLAS (F.linear, addmm), or on the fast path the
+skinny GEMM (kernels/triton/skinny_gemm.py, its GEMV form for one row) up to
+SKINNY_DENSE_MAX_TOKENS rows. That is 0 (cuBLAS at every count) until the H200 says otherwise:
+the skinny GEMM measured 1.1-2.8x slower than cuBLAS for bf16 at every rank-0 shape of TP8 at
+1-32 tokens (docs/BENCHMARKS.md), but that was one shape at a time, before programmatic
+dependent launch, which only the Triton kernels take part in (a cuBLAS launch ends the overlap
+on both sides). A block-FP8 weight on the fast path
 (kernels.fast_path) runs kernels/triton/fp8.block_fp8_linear (the skinny GEMM up to a few rows,
 then torch._scaled_mm or Triton); the CPU and PDSERVE_TORCH_KERNELS=1 run kernels/fp8.py.
 
@@ -34,6 +38,32 @@ from kernels import fast_path
 from kernels import fp8 as fp8_kernels
 from serving.config import FP8_KINDS
 from serving.distributed import all_gather_last, state, tp_all_reduce
+
+# token rows up to which a dense weight on the fast path runs the skinny GEMM, not cuBLAS (the
+# module doc); bench.fast_path --variant times the decode step both ways
+SKINNY_DENSE_MAX_TOKENS = 0
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ add, a tensor of the output's shape) for a dense W [N, K]: the skinny GEMM for
+    a few rows on the fast path (SKINNY_DENSE_MAX_TOKENS), else one cuBLAS GEMM (addmm with add
+    for a 2-D x; add is summed before the output's one rounding either way)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (
+        0 < rows <= SKINNY_DENSE_MAX_TOKENS
+        and fast_path(x)
+        and x.dtype == w.dtype
+        and w.dtype in (torch.bfloat16, torch.float16)
+    ):
+        from kernels.triton.skinny_gemm import skinny_linear
+
+        x2 = x.reshape(rows, x.shape[-1])
+        add2 = None if add is None else add.reshape(rows, w.shape[0])
+        return skinny_linear(x2, w, add=add2).view(*x.shape[:-1], w.shape[0])
+    if add is not None and x.dim() == 2:
+        return torch.addmm(add, x, w.t())
+    y = F.linear(x, w)
+    return y if add is None else y + add
 
 
 def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -125,14 +155,12 @@ class Linear(nn.Module):
         """x W^T (+ add, a tensor of the output's shape, before any collective: for a dense
         2-D x one GEMM that reads it as its C, not a GEMM and an add)."""
         assert add is None or not (self.split == "row" and self.reduce) and not self.gather
-        if self.weight_scale_inv is not None:
-            y = fp8_linear(x)(x, self.weight, self.weight_scale_inv)
-        elif add is not None and x.dim() == 2:
-            return torch.addmm(add, x, self.weight.t())
+        if self.weight_scale_inv is None:
+            y = dense_linear(x, self.weight, add)
         else:
-            y = F.linear(x, self.weight)
-        if add is not None:
-            y = y + add
+            y = fp8_linear(x)(x, self.weight, self.weight_scale_inv)
+            if add is not None:
+                y = y + add
         if self.split == "row" and self.reduce:
             return tp_all_reduce(y)
         if self.split == "column" and self.gather:

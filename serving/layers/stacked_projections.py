@@ -10,11 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import fp8 as fp8_kernels
-from serving.layers.linear import Linear, fp8_linear
+from serving.layers.linear import Linear, dense_linear, fp8_linear
 
 # rows of a stacked block-FP8 weight are a multiple of this (zero rows after the parts): the N
 # that torch._scaled_mm, its prefill GEMM, takes (KDA's stack ends in an 8-row b_proj at TP8)
@@ -143,7 +142,7 @@ class StackedProjections:
             if torch.is_grad_enabled() and g.first.requires_grad:
                 continue
             if g.scale is None:
-                y = F.linear(x, g.weight)
+                y = dense_linear(x, g.weight)
             else:
                 y = fp8_linear(x)(x, g.weight, g.scale)
             pieces = y.split([*g.sizes, g.weight.shape[0] - sum(g.sizes)], dim=-1)
@@ -152,7 +151,7 @@ class StackedProjections:
         for i, name in enumerate(self.names):
             if out[i] is None:
                 part = self._part(name)
-                out[i] = part(x) if isinstance(part, Linear) else F.linear(x, part)
+                out[i] = part(x) if isinstance(part, Linear) else dense_linear(x, part)
         return tuple(out)
 
 
