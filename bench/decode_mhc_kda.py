@@ -9,14 +9,15 @@
   --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
   GEMMs in FP8; f_b_proj, g_b_proj, the fused core as it was before f_b/g_b moved in, o_proj)
   against KDAttention.forward (in_proj: one GEMM, FP8 too; the fused core with f_b/g_b inside,
-  o_proj), 8 local heads x 128, without o_proj's all-reduce.
+  its heads' state columns split over programs, o_proj), 8 local heads x 128, without o_proj's
+  all-reduce; us_new_one_program_per_head: the same with kernels.triton.kda.DV_SPLITS_MAX 1.
 
 Each path is captured in one CUDA graph that calls it once per copy of its weights and inputs,
 the copies adding up to twice the L2 cache (each call reads its weights from HBM, as successive
 layers do); us_* is the median over REPLAYS replays, per call. floor_us: the bytes a call must
 move through HBM (weights, the streams or the KDA states read and written) at HBM_BW.
 launches_new: kernels one call of the new path launches (a profiled eager call). One JSON line
-per row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_new"}.
+per row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_new", ...}.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def n_copies(nbytes: int) -> int:
     return max(2, math.ceil(2 * l2 / nbytes))
 
 
-def row(name, batch, dtype, us_old, us_new, floor_bytes, launches_new) -> None:
+def row(name, batch, dtype, us_old, us_new, floor_bytes, launches_new, **more_us) -> None:
     print(
         json.dumps(
             dict(
@@ -78,6 +79,7 @@ def row(name, batch, dtype, us_old, us_new, floor_bytes, launches_new) -> None:
                 us_new=round(us_new, 2),
                 floor_us=round(floor_bytes / HBM_BW * 1e6, 2),
                 launches_new=launches_new,
+                **{k: round(v, 2) for k, v in more_us.items()},
             )
         ),
         flush=True,
@@ -274,9 +276,17 @@ def bench_kda(batch: int, fp8: bool) -> None:
         layer, x, fb, cache = c
         return layer(x, fb, cache)
 
+    from kernels.triton import kda as tkda
+
     us_old, us_new = graph_us(old, copies), graph_us(new, copies)
+    splits, tkda.DV_SPLITS_MAX = tkda.DV_SPLITS_MAX, 1
+    try:
+        us_one = graph_us(new, copies)  # the core with one program per (request, head)
+    finally:
+        tkda.DV_SPLITS_MAX = splits
     dtype, floor = "fp8" if fp8 else "bf16", weight_bytes + state_bytes
-    row("kda_layer", batch, dtype, us_old, us_new, floor, launches(new, copies[0]))
+    row("kda_layer", batch, dtype, us_old, us_new, floor, launches(new, copies[0]),
+        us_new_one_program_per_head=us_one)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

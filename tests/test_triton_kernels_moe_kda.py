@@ -652,6 +652,21 @@ def test_kda_decode_layer_interpreter(dtype, lower_bound):
 
 
 @cpu_interp
+def test_kda_decode_layer_interpreter_one_program_per_head(monkeypatch):
+    """The fused core with each head's state columns in one program (DV_SPLITS_MAX 1, what
+    large batches get) and split four ways (what the tests above get at their sizes), decode and
+    verify; the split's counters are left zero."""
+    from kernels.triton import kda as tkda
+
+    assert tkda.dv_splits(1, 2, 16) == 4 and tkda.dv_splits(64, 8, 128) == 1
+    for splits_max in (1, 4):
+        monkeypatch.setattr(tkda, "DV_SPLITS_MAX", splits_max)
+        _run_kda_decode_layer(2, 16, 3, torch.float32, "cpu", -5.0, 1e-5)
+        _run_kda_decode_layer(3, 24, 2, torch.float32, "cpu", None, 1e-5, step_len=2)
+    assert all(int(c.abs().sum()) == 0 for cs in tkda._DECODE_COUNTERS.values() for c in cs)
+
+
+@cpu_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kda_decode_layer_interpreter_fp8_gates(dtype):
     """f_b_proj and g_b_proj in block FP8: W8A8 inside the kernel, as the Linear computes it

@@ -668,15 +668,6 @@ def _conv_silu_step(x, w_ptr, slots, ch, mask, K: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _conv_slots_to_history(slots, hist, mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Copy a channel block's conv state [BLOCK_D, K-1] into its history's first K-1 columns."""
-    j = tl.arange(0, BLOCK_K)
-    jm = mask[:, None] & (j < K - 1)[None, :]
-    old = tl.load(slots + j[None, :], mask=jm, other=0.0)
-    tl.store(hist + j[None, :], old.to(hist.dtype.element_ty), mask=jm)
-
-
-@triton.jit
 def _head_projection(a, w_ptr, s_ptr, stride_s, n, n_mask, r, r_mask, dt, R: tl.constexpr,
                      FP8: tl.constexpr):  # fmt: skip
     """Rows n of a [*, R] projection applied to one token's a [BLOCK_R] (float32 holding the
@@ -693,6 +684,34 @@ def _head_projection(a, w_ptr, s_ptr, stride_s, n, n_mask, r, r_mask, dt, R: tl.
 
 
 @triton.jit
+def _conv_inputs(old, x_ptr, tok0, stride_x, ch, mask, jj, cdt, p0: tl.constexpr,
+                 K: tl.constexpr):  # fmt: skip
+    """Columns p0 .. p0+K-2 of a channel block's conv inputs, the old state's K-1 columns
+    (`old` [BLOCK, BLOCK_K], oldest first) then the step's tokens (rows tok0, tok0+1, ... of
+    x_ptr, rounded to the conv state's dtype cdt as the state holds them), as a [BLOCK,
+    BLOCK_K] tile of float32: token t's window starts at p0 = t, the state the step leaves at
+    p0 = T."""
+    out = tl.zeros_like(old)
+    for c in tl.static_range(K - 1):
+        p: tl.constexpr = p0 + c
+        if p < K - 1:
+            col = tl.sum(tl.where(jj[None, :] == p, old, 0.0), 1)
+        else:
+            col = tl.load(x_ptr + (tok0 + p - (K - 1)) * stride_x + ch, mask=mask, other=0.0)
+            col = col.to(cdt).to(tl.float32)
+        out = tl.where(jj[None, :] == c, col[:, None], out)
+    return out
+
+
+@triton.jit
+def _conv_silu(window, x, w_old, w_last):
+    """One token's causal conv + SiLU from its window's K-1 earlier inputs and its own x, in
+    float32, unrounded (the caller rounds as the unfused conv's output is rounded)."""
+    acc = tl.sum(window * w_old, 1) + x * w_last
+    return acc * tl.sigmoid(acc)
+
+
+@triton.jit
 def _kda_decode_layer_kernel(
     q_ptr, k_ptr, v_ptr, stride_x,  # [B*T, H*D] each (views of one projection), rows stride_x apart
     fa_ptr, stride_fa, ga_ptr, stride_ga,  # [B*T, R] each: f_a_proj's and g_a_proj's outputs
@@ -704,57 +723,84 @@ def _kda_decode_layer_kernel(
     conv_ptr, stride_cr, stride_cc,  # [R, 3*H*D, K-1]
     state_ptr, stride_sr,  # [R, H, D, D] float32
     rows_ptr, out_ptr,  # [B]; [B*T, H*D] contiguous
+    gate_ptr,  # [B*T, H*D] float32 scratch: sigmoid of the output gate
+    counter_ptr,  # [>= B*H] int32, zero between calls (SPLITS > 1)
     conv_hist_ptr, state_hist_ptr,  # HISTORY: [B, 3*H*D, K-1+T] float32, [B, T, H, D, D] float32
     scale, lower_bound, eps,
     T: tl.constexpr, HISTORY: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BOUNDED: tl.constexpr, FP8: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     grid_dependency()  # first: kernels/triton/pdl.py
     i = tl.program_id(0)  # the request
     h = tl.program_id(1)
+    split = tl.program_id(2)  # this program's columns of the head's state (its Dv block)
+    BLOCK_V: tl.constexpr = BLOCK_D // SPLITS
     row = tl.load(rows_ptr + i).to(tl.int64)
+    tok0 = i.to(tl.int64) * T
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    ch = h * D + d  # this head's channels in each third
+    ch = h * D + d  # the head's channels of q and of k (all of Dk)
+    dv = split * BLOCK_V + tl.arange(0, BLOCK_V)
+    vm = dv < D
+    chv = h * D + dv  # this program's channels of v
+    jj = tl.arange(0, BLOCK_K)
+    jmask = jj < K - 1
     conv = conv_ptr + row * stride_cr
-    q_slots = conv + ch[:, None] * stride_cc
-    k_slots = conv + (H * D + ch)[:, None] * stride_cc
-    v_slots = conv + (2 * H * D + ch)[:, None] * stride_cc
+    cdt = conv_ptr.dtype.element_ty
+    q_slots = conv + ch[:, None] * stride_cc + jj[None, :]
+    k_slots = conv + (H * D + ch)[:, None] * stride_cc + jj[None, :]
+    v_slots = conv + (2 * H * D + chv)[:, None] * stride_cc + jj[None, :]
+    qk_mask = dm[:, None] & jmask[None, :]
+    v_mask = vm[:, None] & jmask[None, :]
+    # every program reads the old q/k conv state; the last to finish writes it (below)
+    old_q = tl.load(q_slots, mask=qk_mask, other=0.0).to(tl.float32)
+    old_k = tl.load(k_slots, mask=qk_mask, other=0.0).to(tl.float32)
+    old_v = tl.load(v_slots, mask=v_mask, other=0.0).to(tl.float32)
+    wq = tl.load(w_ptr + ch[:, None] * K + jj[None, :], mask=qk_mask, other=0.0)
+    wk = tl.load(w_ptr + (H * D + ch)[:, None] * K + jj[None, :], mask=qk_mask, other=0.0)
+    wv = tl.load(w_ptr + (2 * H * D + chv)[:, None] * K + jj[None, :], mask=v_mask, other=0.0)
+    wq_last = tl.load(w_ptr + ch * K + (K - 1), mask=dm, other=0.0)
+    wk_last = tl.load(w_ptr + (H * D + ch) * K + (K - 1), mask=dm, other=0.0)
+    wv_last = tl.load(w_ptr + (2 * H * D + chv) * K + (K - 1), mask=vm, other=0.0)
     hist_w = K - 1 + T  # conv history columns: the old state, then the step's inputs
     conv_hist = conv_hist_ptr + i.to(tl.int64) * (3 * H * D * hist_w)
     hist_dtype = conv_hist_ptr.dtype.element_ty  # the conv weights' (float32)
-    if HISTORY:  # read before the first step's barrier, so before any slot is overwritten
-        _conv_slots_to_history(q_slots, conv_hist + ch[:, None] * hist_w, dm, K, BLOCK_K)
-        _conv_slots_to_history(k_slots, conv_hist + (H * D + ch)[:, None] * hist_w, dm, K, BLOCK_K)
-        _conv_slots_to_history(
-            v_slots, conv_hist + (2 * H * D + ch)[:, None] * hist_w, dm, K, BLOCK_K
-        )
+    if HISTORY:
+        if split == 0:  # q and k: one program writes them (a buffer of its own: no race)
+            tl.store(conv_hist + ch[:, None] * hist_w + jj[None, :], old_q.to(hist_dtype),
+                     mask=qk_mask)  # fmt: skip
+            tl.store(conv_hist + (H * D + ch)[:, None] * hist_w + jj[None, :],
+                     old_k.to(hist_dtype), mask=qk_mask)  # fmt: skip
+        tl.store(conv_hist + (2 * H * D + chv)[:, None] * hist_w + jj[None, :],
+                 old_v.to(hist_dtype), mask=v_mask)  # fmt: skip
     rate = tl.exp(tl.load(a_log_ptr + h))
     dt_bias = tl.load(dt_bias_ptr + ch, mask=dm)
     dt = q_ptr.dtype.element_ty
     r = tl.arange(0, BLOCK_R)
     rm = r < R
-    dv = tl.arange(0, BLOCK_D)
-    sm = dm[:, None] & (dv < D)[None, :]
+    sm = dm[:, None] & vm[None, :]
     s_ptrs = state_ptr + row * stride_sr + h * D * D + d[:, None] * D + dv[None, :]
-    s = tl.load(s_ptrs, mask=sm, other=0.0)  # the state [Dk, Dv], kept here across the steps
+    s = tl.load(s_ptrs, mask=sm, other=0.0)  # [Dk, BLOCK_V] of the state, kept across the steps
     for t in tl.static_range(T):
-        tok = i.to(tl.int64) * T + t
-        x = tok * stride_x + ch
-        xq = tl.load(q_ptr + x, mask=dm, other=0.0)
-        xk = tl.load(k_ptr + x, mask=dm, other=0.0)
-        xv = tl.load(v_ptr + x, mask=dm, other=0.0)
+        tok = tok0 + t
+        x = tok * stride_x
+        xq = tl.load(q_ptr + x + ch, mask=dm, other=0.0)
+        xk = tl.load(k_ptr + x + ch, mask=dm, other=0.0)
+        xv = tl.load(v_ptr + x + chv, mask=vm, other=0.0)
         if HISTORY:
             col = K - 1 + t
-            tl.store(conv_hist + ch * hist_w + col, xq.to(hist_dtype), mask=dm)
-            tl.store(conv_hist + (H * D + ch) * hist_w + col, xk.to(hist_dtype), mask=dm)
-            tl.store(conv_hist + (2 * H * D + ch) * hist_w + col, xv.to(hist_dtype), mask=dm)
-        if t > 0:
-            tl.debug_barrier()  # the previous step's shifted slots are written before re-reading
-        q = _conv_silu_step(xq.to(tl.float32), w_ptr, q_slots, ch, dm, K, BLOCK_K)
-        k = _conv_silu_step(xk.to(tl.float32), w_ptr, k_slots, H * D + ch, dm, K, BLOCK_K)
-        v = _conv_silu_step(xv.to(tl.float32), w_ptr, v_slots, 2 * H * D + ch, dm, K, BLOCK_K)
+            if split == 0:
+                tl.store(conv_hist + ch * hist_w + col, xq.to(hist_dtype), mask=dm)
+                tl.store(conv_hist + (H * D + ch) * hist_w + col, xk.to(hist_dtype), mask=dm)
+            tl.store(conv_hist + (2 * H * D + chv) * hist_w + col, xv.to(hist_dtype), mask=vm)
+        q = _conv_silu(_conv_inputs(old_q, q_ptr, tok0, stride_x, ch, dm, jj, cdt, t, K),
+                       xq.to(tl.float32), wq, wq_last)  # fmt: skip
+        k = _conv_silu(_conv_inputs(old_k, k_ptr, tok0, stride_x, ch, dm, jj, cdt, t, K),
+                       xk.to(tl.float32), wk, wk_last)  # fmt: skip
+        v = _conv_silu(_conv_inputs(old_v, v_ptr, tok0, stride_x, chv, vm, jj, cdt, t, K),
+                       xv.to(tl.float32), wv, wv_last)  # fmt: skip
         # the conv outputs round to the inputs' dtype, as the unfused path's conv returns them
         q = q.to(xq.dtype).to(tl.float32)
         k = k.to(xq.dtype).to(tl.float32)
@@ -772,23 +818,81 @@ def _kda_decode_layer_kernel(
             g = -rate * tl.where(f > 20.0, f, tl.maximum(f, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(f))))
         b_raw = tl.load(b_ptr + tok * stride_b + h)
         beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
-        # the gated delta rule
+        # the gated delta rule, on this program's columns
         s = s * tl.exp(g)[:, None]
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
         if HISTORY:
             hist_s = state_hist_ptr + (tok * H + h) * D * D + d[:, None] * D + dv[None, :]
             tl.store(hist_s, s, mask=sm)
-        o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
-        # gated RMSNorm per head
-        o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * tl.load(o_norm_ptr + dv, mask=dv < D)
+        o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + tok * (H * D) + chv, o, mask=vm)  # before the norm (the finish)
         g_a = tl.load(ga_ptr + tok * stride_ga + r, mask=rm, other=0.0).to(tl.float32)
-        gate = _head_projection(g_a, gb_ptr, gbs_ptr, stride_ws, h * D + dv, dv < D, r, rm, dt, R,
-                                FP8)  # fmt: skip
-        o = o * tl.sigmoid(gate)
-        tl.store(out_ptr + tok * (H * D) + h * D + dv, o.to(out_ptr.dtype.element_ty),
-                 mask=dv < D)  # fmt: skip
+        gate = _head_projection(g_a, gb_ptr, gbs_ptr, stride_ws, chv, vm, r, rm, dt, R, FP8)
+        tl.store(gate_ptr + tok * (H * D) + chv, tl.sigmoid(gate), mask=vm)
     tl.store(s_ptrs, s, mask=sm)
+    tl.store(v_slots, _conv_inputs(old_v, v_ptr, tok0, stride_x, chv, vm, jj, cdt, T, K).to(cdt),
+             mask=v_mask)  # fmt: skip
+    last = True
+    if SPLITS > 1:
+        # the head's last program to arrive finishes it: every thread's stores are issued before
+        # the (one-thread) release, and the acquire orders the reads below after every other
+        # program's stores and q/k state reads; outputs and gates are read past L1 (.cg)
+        tl.debug_barrier()
+        count = tl.atomic_add(counter_ptr + i * H + h, 1, sem="acq_rel")
+        last = count == SPLITS - 1
+    if last:
+        if SPLITS > 1:
+            tl.store(counter_ptr + i * H + h, 0)  # for the next call (a graph replay)
+        tl.debug_barrier()  # this program's own stores, from other threads, before the reads
+        new_q = _conv_inputs(old_q, q_ptr, tok0, stride_x, ch, dm, jj, cdt, T, K)
+        tl.store(q_slots, new_q.to(cdt), mask=qk_mask)
+        new_k = _conv_inputs(old_k, k_ptr, tok0, stride_x, ch, dm, jj, cdt, T, K)
+        tl.store(k_slots, new_k.to(cdt), mask=qk_mask)
+        w_norm = tl.load(o_norm_ptr + d, mask=dm)
+        for t in tl.static_range(T):  # the gated RMSNorm of the head, per token
+            at = (tok0 + t) * (H * D) + ch
+            o = tl.load(out_ptr + at, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * w_norm
+            o = o * tl.load(gate_ptr + at, mask=dm, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + at, o.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+# The fused decode core splits each head's state columns over up to DV_SPLITS_MAX programs, so a
+# small batch still spreads over the SMs (batch 1 at rank 0: 8 heads -> 32 programs, not 8):
+# splits double while the grid has fewer than DECODE_PROGRAMS programs. 1: a program per head.
+DV_SPLITS_MAX = 4
+DECODE_PROGRAMS = 128
+
+
+def dv_splits(num_reqs: int, heads: int, block_d: int) -> int:
+    """Programs per (request, head) of the fused decode core: a power of two, at most
+    DV_SPLITS_MAX and block_d / 4 columns each, doubled while the grid is under
+    DECODE_PROGRAMS."""
+    splits = 1
+    while (
+        splits < DV_SPLITS_MAX
+        and block_d // (2 * splits) >= 4
+        and num_reqs * heads * splits < DECODE_PROGRAMS
+    ):
+        splits *= 2
+    return splits
+
+
+# device -> int32 zeros, a counter per (request, head) of the fused decode core: one buffer for
+# every KDA layer (its launches run one after another on the forward's stream, and a PDL launch
+# waits for the previous grid before touching it). Grown for a larger batch (the CUDA graphs'
+# warm-ups run before their capture, largest batch first); a replaced buffer stays referenced,
+# as a graph captured earlier may still use it.
+_DECODE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _decode_counters(device: torch.device, n: int) -> torch.Tensor:
+    held = _DECODE_COUNTERS.setdefault(device, [])
+    if not held or held[-1].numel() < n:
+        size = max(4096, triton.next_power_of_2(n))
+        held.append(torch.zeros(size, device=device, dtype=torch.int32))
+    return held[-1]
 
 
 def kda_decode_layer(
@@ -805,16 +909,19 @@ def kda_decode_layer(
     step_len: int = 1,
     history: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """kernels.kda.kda_decode_layer in one kernel: one program per request and head, looping
-    over the request's step_len tokens (1, or a speculative verify's draft tokens), in order:
-    the causal conv + SiLU of q, k, v (conv_state[rows] shifts by one per token), the head's
-    rows of f_b_proj(f_a) and g_b_proj(g_a) (a 128 x 128 product each at the real size; bf16
-    or block-FP8 weights, W8A8 as the Linear), the forget gate's log decay (+ dt_bias, A_log),
-    beta = sigmoid(b), the l2-normed gated delta rule on state[rows] (in place), the per-head
-    RMSNorm of its output gated by sigmoid(gate). q, k, v: [B*step_len, H*D] with a contiguous
-    last dim (views of one projection's output); f_a, g_a: [B*step_len, R] with contiguous last
-    dims, row strides of their own (a stack whose parts run in different precisions hands back
-    separate tensors); b: [B*step_len, H].
+    """kernels.kda.kda_decode_layer in one kernel: programs of (request, head, block of the
+    head's state columns: dv_splits), each looping over the request's step_len tokens (1, or a
+    speculative verify's draft tokens), in order: the causal conv + SiLU of q, k (the head's
+    all) and of its v channels, the head's rows of f_b_proj(f_a) (a 128 x 128 product at the
+    real size; bf16 or block-FP8 weights, W8A8 as the Linear), the forget gate's log decay
+    (+ dt_bias, A_log), beta = sigmoid(b), the l2-normed gated delta rule on its columns of
+    state[rows] (in place), its columns of the output and of sigmoid(g_b_proj(g_a)). The last
+    program of a head to arrive (an int32 counter per request and head, left zero) writes the
+    q/k conv state (every program of the head reads it first) and the per-head RMSNorm of the
+    output gated by the sigmoid. q, k, v: [B*step_len, H*D] with a contiguous last dim (views
+    of one projection's output); f_a, g_a: [B*step_len, R] with contiguous last dims, row
+    strides of their own (a stack whose parts run in different precisions hands back separate
+    tensors); b: [B*step_len, H].
     Returns [B*step_len, H*D] in q's dtype. With history, appends what the reference's
     (kda_uniform and causal_conv_uniform's) history holds, for a verify's roll-back: the conv
     inputs [B, 3*H*D, K-1+step_len] (old state ++ the step's inputs) and the state after each
@@ -849,17 +956,21 @@ def kda_decode_layer(
         return out
     f_scale = weights.f_b_scale if fp8 else weights.f_b  # unused without FP8
     g_scale = weights.g_b_scale if fp8 else weights.g_b
-    _kda_decode_layer_kernel[(num_reqs, heads)](
+    block_d = triton.next_power_of_2(dim)
+    splits = dv_splits(num_reqs, heads, block_d)
+    gate = torch.empty(tokens, width, device=q.device, dtype=torch.float32)
+    counters = _decode_counters(q.device, num_reqs * heads) if splits > 1 else gate
+    _kda_decode_layer_kernel[(num_reqs, heads, splits)](
         q, k, v, q.stride(0), f_a, f_a.stride(0), g_a, g_a.stride(0), weights.f_b, weights.g_b,
         f_scale, g_scale, f_scale.stride(0) if fp8 else 0, b, b.stride(0),
         weights.conv, weights.dt_bias, weights.a_log, weights.o_norm,
         conv_state, conv_state.stride(0), conv_state.stride(1), state, state.stride(0),
-        rows, out, conv_hist, state_hist, dim**-0.5, weights.lower_bound or 0.0, weights.eps,
-        T=step_len, HISTORY=history is not None,
-        H=heads, D=dim, K=ksize, R=rank, BLOCK_D=triton.next_power_of_2(dim),
+        rows, out, gate, counters, conv_hist, state_hist, dim**-0.5, weights.lower_bound or 0.0,
+        weights.eps, T=step_len, HISTORY=history is not None,
+        H=heads, D=dim, K=ksize, R=rank, BLOCK_D=block_d,
         BLOCK_K=triton.next_power_of_2(ksize - 1), BLOCK_R=triton.next_power_of_2(rank),
-        BOUNDED=weights.lower_bound is not None, FP8=fp8,
-        num_warps=8 if dim >= 128 else 4,
+        BOUNDED=weights.lower_bound is not None, FP8=fp8, SPLITS=splits,
+        num_warps=8 if dim >= 128 and splits == 1 else 4,
         **LAUNCH,
     )  # fmt: skip
     return out
