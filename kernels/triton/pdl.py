@@ -19,7 +19,13 @@ its memory flushed. So neither a read-after-write nor a write-after-read can cro
 the previous kernel is; a previous kernel launched without PDL (cuBLAS, torch's own) simply
 never lets the next one start early. It also signals at once that its own dependents may
 launch: they wait in their own grid_dependency(). Hazard: a kernel launched with LAUNCH must
-call grid_dependency() as its first statement; one that does not races its predecessor.
+call grid_dependency() before it reads or writes anything a kernel writes; one that does not
+races its predecessor.
+
+One exception, taken by the skinny GEMM's GEMV form (kernels/triton/skinny_gemm.py): loads of
+memory no kernel writes during a forward, the weights, may come before the wait, so their
+latency overlaps the previous kernel's tail. Nothing else may: the previous grid may still be
+writing its outputs.
 """
 
 from __future__ import annotations

@@ -65,6 +65,9 @@ GEMV_MAX_ROWS = 1
 GEMV_BLOCK_N = 16
 GEMV_BLOCK_K = 256
 GEMV_PROGRAMS = 396
+# the GEMV form issues its first weight tile before waiting for the previous kernel (PDL): the
+# weight's first bytes arrive while that kernel's last programs run (kernels/triton/pdl.py)
+GEMV_WEIGHTS_FIRST = True
 
 
 class SkinnyConfig(NamedTuple):
@@ -150,11 +153,13 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,  # FP8: GROUP, or all of K below it
     FP8_W: tl.constexpr,
     GEMV: tl.constexpr,  # one dense row (BLOCK_M 1), no tl.dot (the module doc)
+    WEIGHTS_FIRST: tl.constexpr,  # GEMV: its first weight tile loaded before the PDL wait
     HAS_ADD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    grid_dependency()  # first: kernels/triton/pdl.py
+    if not WEIGHTS_FIRST:
+        grid_dependency()  # first: kernels/triton/pdl.py
     pid = tl.program_id(0)
     pid_n = pid // splits
     pid_k = pid % splits
@@ -169,15 +174,20 @@ def _skinny_kernel(
     if GEMV:
         x_row = x_ptr + kk  # row 0 (M == 1)
         w_rows = w_ptr + n_safe[:, None] * K + kk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+        # the weight one K step ahead of its use (loop-carried); the first before the wait with
+        # WEIGHTS_FIRST (the weight is no kernel's output: kernels/triton/pdl.py)
+        w_next = tl.load(w_rows + k_begin, mask=(k_begin + kk < k_end)[None, :], other=0.0)
+        if WEIGHTS_FIRST:
+            grid_dependency()
         prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
+            w = w_next
+            k1 = k0 + BLOCK_K
+            w_next = tl.load(w_rows + k1, mask=(k1 + kk < k_end)[None, :], other=0.0)
             if EVEN_K:
                 x = tl.load(x_row + k0)
-                w = tl.load(w_rows + k0)
             else:
-                k_mask = (k0 + kk) < K
-                x = tl.load(x_row + k0, mask=k_mask, other=0.0)
-                w = tl.load(w_rows + k0, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_row + k0, mask=(k0 + kk) < K, other=0.0)
             prods += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(prods, axis=1)[None, :]  # [1, BLOCK_N]
     else:
@@ -306,6 +316,7 @@ def skinny_linear(
         BLOCK_K=cfg.block_k,
         FP8_W=fp8,
         GEMV=gemv,
+        WEIGHTS_FIRST=gemv and GEMV_WEIGHTS_FIRST,
         HAS_ADD=add is not None,
         SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0,
