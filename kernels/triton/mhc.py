@@ -459,11 +459,9 @@ def _mhc_boundary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    grid_dependency()  # first: kernels/triton/pdl.py
     tb = tl.program_id(0)
     hb = tl.program_id(1)
     t0 = tb * BLOCK_T
-    n = tl.minimum(T - t0, BLOCK_T)
     dt = new_ptr.dtype.element_ty
     K = HC * HD
     # this program's channels of every stream, flattened: stream i, channel h
@@ -477,6 +475,10 @@ def _mhc_boundary_kernel(
         mask=(m < MIX)[:, None] & cm[None, :],
         other=0.0,
     )  # [MP, P * BLOCK_H], read once for the block's tokens
+    # a weight, so loaded before the wait (kernels/triton/pdl.py's exception): its latency
+    # overlaps the previous kernel's tail
+    grid_dependency()
+    n = tl.minimum(T - t0, BLOCK_T)
     for tt in range(0, n):
         t = (t0 + tt).to(tl.int64)
         # the expansion, each term rounded to the streams' dtype (as _mhc_post_kernel)
@@ -579,6 +581,9 @@ def mhc_boundary(
     mix = fn.shape[0]
     assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
     assert weight.dtype == residual.dtype, "the RMSNorm weight is held in the streams' dtype"
+    # the kernel reads fn before its PDL wait: it must be the parameter itself, no conversion's
+    # output (kernels/triton/pdl.py)
+    assert fn.dtype == torch.float32 and fn.is_contiguous(), (fn.dtype, fn.stride())
     dev = residual.device
     new = torch.empty(tokens, hc, hidden, device=dev, dtype=residual.dtype)
     post2 = torch.empty(tokens, hc, device=dev, dtype=torch.float32)
@@ -599,7 +604,7 @@ def mhc_boundary(
         residual.contiguous(),
         post.contiguous().float(),
         comb.contiguous().float(),
-        fn.contiguous().float(),
+        fn,
         base.contiguous().float(),
         scale.contiguous().float(),
         weight.contiguous(),

@@ -150,7 +150,6 @@ def _route_kernel(
     EP: tl.constexpr,
     SP: tl.constexpr,
 ):
-    grid_dependency()  # first: kernels/triton/pdl.py
     b = tl.program_id(0) // SPLITS
     s = tl.program_id(0) % SPLITS
     t = tl.arange(0, BLOCK_T)
@@ -159,18 +158,21 @@ def _route_kernel(
     t_mask = t < T
     e_mask = e < E
     kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     k_lo = s * K_SPLIT
-    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, HD), BLOCK_K):
-        k_mask = (k0 + kk) < HD
+    k_hi = tl.minimum(k_lo + K_SPLIT, HD)
+    w_cols = w_ptr + e[None, :] * HD + kk[:, None]  # [BLOCK_K, BLOCK_E]
+    # the router weight one K step ahead of its use (loop-carried), the first tile before the
+    # wait: a weight (kernels/triton/pdl.py's exception), its latency under the previous tail
+    w_next = tl.load(w_cols + k_lo, mask=e_mask[None, :] & (k_lo + kk < k_hi)[:, None], other=0.0)
+    grid_dependency()
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = w_next
+        k1 = k0 + BLOCK_K
+        w_next = tl.load(w_cols + k1, mask=e_mask[None, :] & (k1 + kk < k_hi)[:, None], other=0.0)
         a = tl.load(
             x_ptr + t[:, None] * HD + (k0 + kk)[None, :],
-            mask=t_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + e[None, :] * HD + (k0 + kk)[:, None],
-            mask=e_mask[None, :] & k_mask[:, None],
+            mask=t_mask[:, None] & ((k0 + kk) < HD)[None, :],
             other=0.0,
         )
         if IEEE:
