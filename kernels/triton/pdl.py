@@ -22,10 +22,11 @@ launch: they wait in their own grid_dependency(). Hazard: a kernel launched with
 call grid_dependency() before it reads or writes anything a kernel writes; one that does not
 races its predecessor.
 
-One exception, taken by the skinny GEMM's GEMV form (kernels/triton/skinny_gemm.py): loads of
-memory no kernel writes during a forward, the weights, may come before the wait, so their
-latency overlaps the previous kernel's tail. Nothing else may: the previous grid may still be
-writing its outputs.
+One exception: loads of memory no kernel writes during a forward, the weights, may come before
+the wait, so their latency overlaps the previous kernel's tail (the skinny GEMM's GEMV form, the
+mHC boundary's fn, the router's first tile). Nothing else may: the previous grid may still be
+writing its outputs. (A weight converted by the kernel just before is no exception to this:
+torch's kernels never trigger early launch, so what follows one starts after it ends.)
 """
 
 from __future__ import annotations
