@@ -693,7 +693,7 @@ def _conv_inputs(old, x_ptr, tok0, stride_x, ch, mask, jj, cdt, p0: tl.constexpr
     p0 = T."""
     out = tl.zeros_like(old)
     for c in tl.static_range(K - 1):
-        p: tl.constexpr = p0 + c
+        p = p0 + c  # constexpr: the branch below is resolved at compile time
         if p < K - 1:
             col = tl.sum(tl.where(jj[None, :] == p, old, 0.0), 1)
         else:
@@ -850,12 +850,12 @@ def _kda_decode_layer_kernel(
         new_k = _conv_inputs(old_k, k_ptr, tok0, stride_x, ch, dm, jj, cdt, T, K)
         tl.store(k_slots, new_k.to(cdt), mask=qk_mask)
         w_norm = tl.load(o_norm_ptr + d, mask=dm)
-        for t in tl.static_range(T):  # the gated RMSNorm of the head, per token
-            at = (tok0 + t) * (H * D) + ch
-            o = tl.load(out_ptr + at, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
-            o = o * tl.rsqrt(tl.sum(o * o, 0) / D + eps) * w_norm
-            o = o * tl.load(gate_ptr + at, mask=dm, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + at, o.to(out_ptr.dtype.element_ty), mask=dm)
+        for tt in tl.static_range(T):  # the gated RMSNorm of the head, per token
+            at = (tok0 + tt) * (H * D) + ch
+            y = tl.load(out_ptr + at, mask=dm, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y = y * tl.rsqrt(tl.sum(y * y, 0) / D + eps) * w_norm
+            y = y * tl.load(gate_ptr + at, mask=dm, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 # The fused decode core splits each head's state columns over up to DV_SPLITS_MAX programs, so a
@@ -970,7 +970,7 @@ def kda_decode_layer(
         H=heads, D=dim, K=ksize, R=rank, BLOCK_D=block_d,
         BLOCK_K=triton.next_power_of_2(ksize - 1), BLOCK_R=triton.next_power_of_2(rank),
         BOUNDED=weights.lower_bound is not None, FP8=fp8, SPLITS=splits,
-        num_warps=8 if dim >= 128 and splits == 1 else 4,
+        num_warps=8 if dim >= 128 else 4,
         **LAUNCH,
     )  # fmt: skip
     return out
