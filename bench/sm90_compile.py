@@ -1,0 +1,182 @@
+"""Compile the decode step's Triton kernels for the H200 (sm_90a) on a CPU, at rank 0 of TP8/EP8's
+real shapes, with programmatic dependent launch on as the H200 runs them:
+
+    python -m bench.sm90_compile [--out compile.jsonl]
+
+Triton's interpreter runs a kernel's Python, not its compilation: a kernel can pass every
+interpreter test and still fail to compile (a constexpr rebound in a static loop, a variable
+retyped inside a run-time branch; both happened). Here each kernel launch of the cases below is
+intercepted: the wrapper runs on CPU tensors (its launches skipped; the outputs are never
+read), and the kernel with the launch's specialization is compiled by Triton's own sm_90a
+backend (ptxas ships with Triton), its cubin's resource usage read by cuobjdump.
+
+One JSON line per compiled variant: {"case", "kernel", "ok", "registers", "local_bytes",
+"shared_bytes", "pdl_waits", "error"}; local_bytes > 0 is a register spill. Exit status 1 if a
+variant fails to compile or spills. tests/test_sm90_compile.py runs it in a subprocess (it
+patches torch.cuda's device queries for PDL, so it gets a process of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+RANK0 = dict(hidden=4096, heads=8, dim=128, rank=128, conv=4, experts=288, local=36, inter=2048,
+             shared_inter=256, top_k=8)  # fmt: skip
+
+
+def _intercept(rows: list[dict], case: list[str]) -> None:
+    """JITFunction.run compiles for sm_90a instead of launching; one row per new variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    seen: set = set()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kwargs.setdefault("debug", False)
+        backend = make_backend(target)
+        binder = create_function_from_signature(self.signature, self.params, backend)
+        bound, spec, opts = binder(*args, **kwargs)
+        opts, sig, constexprs, attrs = self._pack_args(backend, kwargs, bound, spec, opts)
+        key = (self.__name__, str(sorted((str(k), str(v)) for k, v in constexprs.items())))
+        if key in seen:
+            return None
+        seen.add(key)
+        row = {"case": case[0], "kernel": self.__name__, "ok": False}
+        try:
+            compiled = triton.compile(
+                ASTSource(self, sig, constexprs, attrs), target=target, options=opts.__dict__
+            )
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            cause = e.__cause__ or e.__context__
+            row["error"] = f"{type(e).__name__}: {str(e)[-400:]} | {cause!r}"[:2000]
+            rows.append(row)
+            return None
+        cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"sm90_{os.getpid()}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [cuobjdump, "-res-usage", cubin], capture_output=True, text=True
+        ).stdout
+        cubin.unlink()
+        found = {k: int(v) for k, v in re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage)}
+        row.update(
+            ok=True,
+            registers=found.get("REG"),
+            local_bytes=found.get("LOCAL"),
+            shared_bytes=compiled.metadata.shared,
+            pdl_waits=compiled.asm["ptx"].count("griddepcontrol.wait"),
+        )
+        rows.append(row)
+        return None
+
+    JITFunction.run = run
+
+
+def _cases(case: list[str]) -> None:
+    """Each decode kernel at rank 0's shapes, the variants the step's batch sizes meet."""
+    import torch
+
+    from kernels.fp8 import quantize_weight
+    from kernels.kda import KDAWeights
+    from kernels.moe_small import Experts, SharedExpert
+    from kernels.triton import kda as tkda
+    from kernels.triton.mhc import mhc_boundary
+    from kernels.triton.moe_small import counters_size, moe_small
+    from kernels.triton.skinny_gemm import skinny_linear
+    from kernels.triton.swiglu import swiglu
+
+    r = RANK0
+    bf = torch.bfloat16
+    hd, h, d, rk, kc = r["hidden"], r["heads"], r["dim"], r["rank"], r["conv"]
+    for batch, step_len, dtype, fp8 in (
+        (1, 1, bf, False), (8, 1, bf, False), (32, 1, bf, False), (1, 2, bf, False),
+        (32, 2, bf, False), (3, 1, torch.float32, False), (3, 1, bf, True),
+    ):  # fmt: skip
+        case[0] = f"kda core, batch {batch}, step {step_len}, {dtype}, fp8 gates {fp8}"
+        n = batch * step_len
+        proj = torch.empty(n, 3 * h * d + 2 * rk + h, dtype=dtype)
+        q, k, v = (proj[:, i * h * d : (i + 1) * h * d] for i in range(3))
+        f_a, g_a = (proj[:, 3 * h * d + i * rk : 3 * h * d + (i + 1) * rk] for i in range(2))
+        wdt = torch.float8_e4m3fn if fp8 else dtype
+        scale = torch.ones(h * d // 128, 1) if fp8 else None
+        weights = KDAWeights(
+            conv=torch.empty(3 * h * d, kc), dt_bias=torch.empty(h * d), a_log=torch.empty(h),
+            o_norm=torch.empty(d), lower_bound=-5.0 if batch != 3 else None, eps=1e-5,
+            f_b=torch.empty(h * d, rk, dtype=wdt), f_b_scale=scale,
+            g_b=torch.empty(h * d, rk, dtype=wdt), g_b_scale=scale,
+        )  # fmt: skip
+        tkda.kda_decode_layer(
+            q, k, v, f_a, proj[:, -h:], g_a, weights,
+            torch.empty(64, 3 * h * d, kc - 1, dtype=dtype), torch.empty(64, h, d, d),
+            torch.arange(batch), step_len, [] if step_len > 1 else None,
+        )  # fmt: skip
+    for rows, n, k in ((1, 3336, 4096), (1, 19360, 4096), (2, 2048, 1536), (8, 4096, 1024)):
+        case[0] = f"skinny dense, {rows} rows, {n} x {k}"
+        x = torch.empty(rows, k, dtype=bf)
+        skinny_linear(x, torch.empty(n, k, dtype=bf))
+        skinny_linear(x, torch.empty(n, k, dtype=bf), add=torch.empty(rows, n, dtype=bf))
+    w8, s8 = quantize_weight(torch.randn(3344, hd))
+    for rows in (1, 4):
+        case[0] = f"skinny FP8, {rows} rows"
+        skinny_linear(torch.empty(rows, hd, dtype=bf), w8, s8)
+    e, el, i, si = r["experts"], r["local"], r["inter"], r["shared_inter"]
+    experts = Experts(torch.empty(el, 2 * i, hd, dtype=bf), torch.empty(el, hd, i, dtype=bf))
+    shared = SharedExpert(*(torch.empty(si, hd, dtype=bf) for _ in range(2)),
+                          torch.empty(hd, si, dtype=bf))  # fmt: skip
+    for tokens in (1, 4, 16):
+        case[0] = f"small MoE, {tokens} tokens"
+        moe_small(
+            torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
+            r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
+            torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
+        )  # fmt: skip
+    for tokens in (1, 8, 16):
+        case[0] = f"mHC boundary, {tokens} tokens"
+        mix = 24
+        mhc_boundary(
+            torch.empty(tokens, hd, dtype=bf), torch.empty(tokens, 4, hd, dtype=bf),
+            torch.empty(tokens, 4), torch.empty(tokens, 4, 4), torch.empty(mix, 4 * hd),
+            torch.empty(mix), torch.empty(3), 20, 1e-6, 1e-5, torch.empty(hd, dtype=bf), 1e-5,
+            torch.zeros(16, dtype=torch.int32),
+        )  # fmt: skip
+    case[0] = "SwiGLU, dense MLP at TP8"
+    gate_up = torch.empty(1, 2 * 1536, dtype=bf)
+    swiglu(gate_up[:, :1536], gate_up[:, 1536:], 7.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="also write the JSON lines here")
+    args = ap.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+
+    # PDL's support check (kernels/triton/pdl.py, at import): the H200's answers
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
+    from kernels.triton import pdl
+
+    assert pdl.ENABLED, "kernels.triton.pdl was imported before the patch (or PDSERVE_PDL=0)"
+    rows: list[dict] = []
+    case = ["?"]
+    _intercept(rows, case)
+    _cases(case)
+    lines = [json.dumps(row) for row in rows]
+    print("\n".join(lines), flush=True)
+    if args.out:
+        Path(args.out).write_text("".join(line + "\n" for line in lines))
+    bad = [r for r in rows if not r["ok"] or r.get("local_bytes")]
+    return 1 if bad or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

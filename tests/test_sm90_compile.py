@@ -1,0 +1,44 @@
+"""The decode step's Triton kernels compile for the H200 (sm_90a) at rank 0's real shapes, PDL
+on, with no register spills (bench/sm90_compile.py, in a process of its own): what the
+interpreter's tests cannot see, and what a CPU-only CI would otherwise first learn on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+KERNELS = {
+    "_kda_decode_layer_kernel",
+    "_skinny_kernel",
+    "_route_kernel",
+    "_gate_up_kernel",
+    "_down_kernel",
+    "_mhc_boundary_kernel",
+    "_swiglu_kernel",
+}
+
+
+def test_decode_kernels_compile_for_sm90_without_spills(tmp_path):
+    out = tmp_path / "compile.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not run
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.sm90_compile", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    failed = [r for r in rows if not r["ok"] or r["local_bytes"]]
+    assert proc.returncode == 0 and not failed, (failed, proc.stderr[-3000:])
+    assert {r["kernel"] for r in rows} == KERNELS, rows
+    assert all(r["pdl_waits"] >= 1 for r in rows), rows  # launched with PDL: each one waits
+    # KDA's split core: one variant per split count the batch sizes meet (4, 2, 1)
+    kda = [r for r in rows if r["kernel"] == "_kda_decode_layer_kernel"]
+    assert len(kda) == 7, kda
