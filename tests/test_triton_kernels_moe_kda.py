@@ -641,7 +641,12 @@ def _run_kda_decode_layer(
 @cpu_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_kda_decode_layer_interpreter(dtype, lower_bound):
+def test_kda_decode_layer_interpreter(dtype, lower_bound, monkeypatch):
+    """One program per head here (the interpreter's time grows with the programs, 5x at four
+    splits); the split core: the test below."""
+    from kernels.triton import kda as tkda
+
+    monkeypatch.setattr(tkda, "DV_SPLITS_MAX", 1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for batch in (1, 3, 8):
         _run_kda_decode_layer(2, 16, batch, dtype, "cpu", lower_bound, tol)
@@ -652,17 +657,18 @@ def test_kda_decode_layer_interpreter(dtype, lower_bound):
 
 
 @cpu_interp
-def test_kda_decode_layer_interpreter_one_program_per_head(monkeypatch):
-    """The fused core with each head's state columns in one program (DV_SPLITS_MAX 1, what
-    large batches get) and split four ways (what the tests above get at their sizes), decode and
-    verify; the split's counters are left zero."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_decode_layer_interpreter_split_heads(dtype):
+    """The fused core with each head's state columns split four ways (what small batches get;
+    the tests above hold one program per head), decode and verify, a head size that is not a
+    power of two; the split's counters are left zero."""
     from kernels.triton import kda as tkda
 
     assert tkda.dv_splits(1, 2, 16) == 4 and tkda.dv_splits(64, 8, 128) == 1
-    for splits_max in (1, 4):
-        monkeypatch.setattr(tkda, "DV_SPLITS_MAX", splits_max)
-        _run_kda_decode_layer(2, 16, 3, torch.float32, "cpu", -5.0, 1e-5)
-        _run_kda_decode_layer(3, 24, 2, torch.float32, "cpu", None, 1e-5, step_len=2)
+    assert tkda.DV_SPLITS_MAX == 4
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    _run_kda_decode_layer(2, 16, 3, dtype, "cpu", -5.0, tol)
+    _run_kda_decode_layer(3, 24, 2, dtype, "cpu", None, tol, step_len=2)
     assert all(int(c.abs().sum()) == 0 for cs in tkda._DECODE_COUNTERS.values() for c in cs)
 
 
