@@ -30,8 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.kda import _conv_silu_step
-
 HBM_BW = 4.23e12  # bytes/s: the H200's measured copy bandwidth (docs/BENCHMARKS.md)
 REPLAYS = 30
 HC, HD = 4, 4096  # mHC streams, hidden size
@@ -135,6 +133,24 @@ def bench_mhc(batch: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # KDA: one layer's decode step
 # ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _conv_silu_step(x, w_ptr, slots, ch, mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The old core's conv step: one channel block's causal conv + SiLU for one new input x
+    (float32 holding the input dtype's values) and the block's conv state `slots` [BLOCK_D,
+    K-1] (oldest first), shifted by one in place. Returns the output in float32, unrounded."""
+    j = tl.arange(0, BLOCK_K)
+    jm = mask[:, None] & (j < K - 1)[None, :]
+    ptrs = slots + j[None, :]
+    old = tl.load(ptrs, mask=jm, other=0.0).to(tl.float32)
+    w_old = tl.load(w_ptr + ch[:, None] * K + j[None, :], mask=jm, other=0.0)
+    acc = tl.sum(old * w_old, 1) + x * tl.load(w_ptr + ch * K + (K - 1), mask=mask, other=0.0)
+    later = tl.load(ptrs + 1, mask=jm & (j < K - 2)[None, :], other=0.0).to(tl.float32)
+    new = tl.where((j == K - 2)[None, :], x[:, None], later)
+    tl.debug_barrier()  # every old slot is read before any is overwritten
+    tl.store(ptrs, new.to(slots.dtype.element_ty), mask=jm)
+    return acc * tl.sigmoid(acc)
 
 
 @triton.jit
@@ -276,14 +292,11 @@ def bench_kda(batch: int, fp8: bool) -> None:
         layer, x, fb, cache = c
         return layer(x, fb, cache)
 
-    from kernels.triton import kda as tkda
+    from bench.fast_path import switched
 
     us_old, us_new = graph_us(old, copies), graph_us(new, copies)
-    splits, tkda.DV_SPLITS_MAX = tkda.DV_SPLITS_MAX, 1
-    try:
-        us_one = graph_us(new, copies)  # the core with one program per (request, head)
-    finally:
-        tkda.DV_SPLITS_MAX = splits
+    with switched({"kernels.triton.kda.DV_SPLITS_MAX": 1}):  # one program per (request, head)
+        us_one = graph_us(new, copies)
     dtype, floor = "fp8" if fp8 else "bf16", weight_bytes + state_bytes
     row("kda_layer", batch, dtype, us_old, us_new, floor, launches(new, copies[0]),
         us_new_one_program_per_head=us_one)  # fmt: skip

@@ -9,7 +9,6 @@ Float32 on the tiny checkpoint, short prompts: the interpreter runs a program at
 
 from __future__ import annotations
 
-import collections
 import os
 
 import pytest
@@ -21,7 +20,7 @@ from serving.protocol import GenerateRequest
 from serving.sampling_params import SamplingParams
 from serving.server_args import ServerArgs
 from tests.server_proc import eagle_flags
-from tests.triton_interp import patch_triton_interpreter
+from tests.triton_interp import count_launches, patch_triton_interpreter
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the fast path on CPU needs the interpreter")
@@ -50,18 +49,9 @@ DECODE_LAUNCHES = {"KDA": 6, "DSA": 14, "MoE": 9, "dense MLP": 3, "mHC": 10, "lm
 def _run(ckpt, fast: bool, flags: tuple[str, ...], monkeypatch, launches_of: list | None = None):
     """Greedy tokens of two requests, and the Triton kernels launched (by name); launches_of
     receives bench.launch_count's summary of the second decode step."""
-    import triton.runtime.interpreter as interpreter
-
     from bench.launch_count import counting, summary
 
-    launches: collections.Counter = collections.Counter()
-    launch = interpreter.GridExecutor.__call__
-
-    def counted(self, *args, **kwargs):
-        launches[self.fn.__name__] += 1
-        return launch(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    launches = count_launches(monkeypatch)
     monkeypatch.setattr(kernels, "INTERPRETED", fast)
     args = ServerArgs.from_cli(
         [

@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.decode_gemm import RANK0_LINEARS  # noqa: E402
 from kernels import fp8 as fp8_ref  # noqa: E402
-from tests.triton_interp import patch_triton_interpreter  # noqa: E402
+from tests.triton_interp import count_launches, patch_triton_interpreter  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_interp = pytest.mark.skipif(not INTERPRET, reason="CPU cases need TRITON_INTERPRET=1")
@@ -169,23 +169,13 @@ def test_dense_linears_run_the_skinny_gemm_up_to_its_rows_interpreter(monkeypatc
     """serving.layers.linear.dense_linear, as Linear (with addmm's add) and a dense stack run
     it: the skinny GEMM up to SKINNY_DENSE_MAX_TOKENS rows on the fast path (one row in the
     GEMV form), cuBLAS past them and off the fast path; the same outputs each way."""
-    import collections
-
-    import triton.runtime.interpreter as interpreter
     from torch import nn
 
     import kernels
     from serving.layers import linear
     from serving.layers.stacked_projections import StackedProjections
 
-    launches: collections.Counter = collections.Counter()
-    launch = interpreter.GridExecutor.__call__
-
-    def counted(self, *args, **kwargs):
-        launches[self.fn.__name__] += 1
-        return launch(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    launches = count_launches(monkeypatch)
     monkeypatch.setattr(kernels, "INTERPRETED", True)
     monkeypatch.setattr(linear, "SKINNY_DENSE_MAX_TOKENS", 2)
     gen = torch.Generator().manual_seed(0)

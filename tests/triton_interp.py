@@ -3,6 +3,8 @@ cases of tests/test_triton_kernels_*.py run the real kernels through it."""
 
 from __future__ import annotations
 
+import collections
+
 
 def patch_triton_interpreter() -> None:
     """Work around Triton 3.6 interpreter gaps (interpreter only; compiled kernels untouched):
@@ -86,3 +88,19 @@ def patch_triton_interpreter() -> None:
     interp.InterpreterBuilder.cast_impl = cast_impl
     autotuner.Autotuner.prune_configs = lambda self, kwargs, *a: self.configs[:1]
     autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [1.0, 1.0, 1.0]
+
+
+def count_launches(monkeypatch) -> collections.Counter:
+    """Interpreted kernel launches by kernel name from here on (monkeypatch undoes the hook);
+    the Counter fills as kernels launch."""
+    import triton.runtime.interpreter as interpreter
+
+    launches: collections.Counter = collections.Counter()
+    launch = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        launches[self.fn.__name__] += 1
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    return launches

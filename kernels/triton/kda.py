@@ -649,25 +649,6 @@ def kda_decode(
 
 
 @triton.jit
-def _conv_silu_step(x, w_ptr, slots, ch, mask, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One channel block's causal conv + SiLU for one new input x (float32 holding the input
-    dtype's values) and the block's conv state `slots` [BLOCK_D, K-1] (oldest first), shifted by
-    one. Returns the output in float32, unrounded (the caller rounds it as the unfused conv's
-    output is rounded)."""
-    j = tl.arange(0, BLOCK_K)
-    jm = mask[:, None] & (j < K - 1)[None, :]
-    ptrs = slots + j[None, :]
-    old = tl.load(ptrs, mask=jm, other=0.0).to(tl.float32)
-    w_old = tl.load(w_ptr + ch[:, None] * K + j[None, :], mask=jm, other=0.0)
-    acc = tl.sum(old * w_old, 1) + x * tl.load(w_ptr + ch * K + (K - 1), mask=mask, other=0.0)
-    later = tl.load(ptrs + 1, mask=jm & (j < K - 2)[None, :], other=0.0).to(tl.float32)
-    new = tl.where((j == K - 2)[None, :], x[:, None], later)
-    tl.debug_barrier()  # every old slot is read before any is overwritten
-    tl.store(ptrs, new.to(slots.dtype.element_ty), mask=jm)
-    return acc * tl.sigmoid(acc)
-
-
-@triton.jit
 def _head_projection(a, w_ptr, s_ptr, stride_s, n, n_mask, r, r_mask, dt, R: tl.constexpr,
                      FP8: tl.constexpr):  # fmt: skip
     """Rows n of a [*, R] projection applied to one token's a [BLOCK_R] (float32 holding the

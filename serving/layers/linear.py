@@ -48,7 +48,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = No
     """x W^T (+ add, a tensor of the output's shape) for a dense W [N, K]: the skinny GEMM for
     a few rows on the fast path (SKINNY_DENSE_MAX_TOKENS), else one cuBLAS GEMM (addmm with add
     for a 2-D x; add is summed before the output's one rounding either way)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = x.numel() // x.shape[-1] if SKINNY_DENSE_MAX_TOKENS and x.shape[-1] else 0
     if (
         0 < rows <= SKINNY_DENSE_MAX_TOKENS
         and fast_path(x)
