@@ -12,15 +12,15 @@ lacks.
 
 Several projections of one input run as one GEMM: serving/layers/stacked_projections.py.
 
-Kernels: a dense weight runs dense_linear: cuBLAS (F.linear, addmm), or on the fast path the
-skinny GEMM (kernels/triton/skinny_gemm.py, its GEMV form for one row) up to
-SKINNY_DENSE_MAX_TOKENS rows. That is 0 (cuBLAS at every count) until the H200 says otherwise:
-the skinny GEMM measured 1.1-2.8x slower than cuBLAS for bf16 at every rank-0 shape of TP8 at
-1-32 tokens (docs/BENCHMARKS.md), but that was one shape at a time, before programmatic
-dependent launch, which only the Triton kernels take part in (a cuBLAS launch ends the overlap
-on both sides). A block-FP8 weight on the fast path
-(kernels.fast_path) runs kernels/triton/fp8.block_fp8_linear (the skinny GEMM up to a few rows,
-then torch._scaled_mm or Triton); the CPU and PDSERVE_TORCH_KERNELS=1 run kernels/fp8.py.
+Kernels: a dense weight runs dense_linear: cuBLAS (F.linear, addmm), or on the fast path the skinny
+GEMM's GEMV form (kernels/triton/skinny_gemm.py) up to SKINNY_DENSE_MAX_TOKENS rows, 1. Measured at
+rank 0 of TP8's shapes (docs/BENCHMARKS.md): one row alone, the GEMV is 1-17% faster than cuBLAS per
+shape (H100); in the H200's decode step at batch 1 it takes 56 launches out (cuBLAS's split-K
+reductions among them) and ties on time (5.19 ms against 5.16). From 2 rows the skinny GEMM's tl.dot
+form is 1.1-2.8x slower than cuBLAS, so cuBLAS keeps them. The Triton kernels take part in
+programmatic dependent launch; a cuBLAS launch ends the overlap on both sides. A block-FP8 weight on
+the fast path (kernels.fast_path) runs kernels/triton/fp8.block_fp8_linear (the skinny GEMM up to a
+few rows, then torch._scaled_mm or Triton); the CPU and PDSERVE_TORCH_KERNELS=1 run kernels/fp8.py.
 
 Block FP8: a module with a `kind` (FP8_KINDS) can hold its weights as float8_e4m3fn beside
 float32 block scales `<param>_scale_inv` (hold_fp8, called by the loader before it fills them)
@@ -41,7 +41,7 @@ from serving.distributed import all_gather_last, state, tp_all_reduce
 
 # token rows up to which a dense weight on the fast path runs the skinny GEMM, not cuBLAS (the
 # module doc); bench.fast_path --variant times the decode step both ways
-SKINNY_DENSE_MAX_TOKENS = 0
+SKINNY_DENSE_MAX_TOKENS = 1
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
