@@ -4,7 +4,9 @@
 
 - mhc_boundary (bf16; the mixing is float32 whatever the weights): the old boundary, mhc_post
   then mhc_pre (three launches), against mhc_boundary (one launch up to BOUNDARY_MAX_TOKENS;
-  past it, mhc_post then mhc_pre), hc 4 x Hd 4096, fn [24, 16384].
+  past it, mhc_post then mhc_pre), hc 4 x Hd 4096, fn [24, 16384]; us_new_<name>: the same with
+  MHC_VARIANTS' switches of the pre. Past BOUNDARY_MAX_TOKENS (prefill sizes: --batches
+  1024,8192) also each kernel's device time in one eager call, per variant ("mhc_kernels_eager").
 - kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
   --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
   GEMMs in FP8; f_b_proj, g_b_proj, the fused core as it was before f_b/g_b moved in, o_proj)
@@ -34,6 +36,10 @@ HBM_BW = 4.23e12  # bytes/s: the H200's measured copy bandwidth (docs/BENCHMARKS
 REPLAYS = 30
 HC, HD = 4, 4096  # mHC streams, hidden size
 HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
+# the pre's switches (kernels/triton/mhc.py), each timed beside the tree's setting: us_new_<name>
+_SPLIT = {"kernels.triton.mhc.LOGIT_DOT": "bf16_split"}
+_ONE_PASS = {"kernels.triton.mhc.FINISH_BLOCK_H": 4096}
+MHC_VARIANTS = {"bf16_split": _SPLIT, "one_pass": _ONE_PASS, "both": {**_SPLIT, **_ONE_PASS}}
 
 
 def graph_us(fn, copies: list) -> float:
@@ -44,8 +50,8 @@ def graph_us(fn, copies: list) -> float:
         return graph_time_us(fn, copies, REPLAYS)
 
 
-def launches(fn, copy) -> int:
-    """Kernels one eager fn(copy) launches."""
+def kernel_times(fn, copy) -> list[tuple[str, float]]:
+    """(name, device us) of each kernel one eager fn(copy) launches, in launch order."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -53,12 +59,17 @@ def launches(fn, copy) -> int:
         fn(copy)
         torch.cuda.synchronize()
     kinds = ("memcpy", "memset")
-    return sum(
-        1
+    return [
+        (e.name, e.device_time)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
         and not any(k in e.name.lower() for k in kinds)
-    )
+    ]
+
+
+def launches(fn, copy) -> int:
+    """Kernels one eager fn(copy) launches."""
+    return len(kernel_times(fn, copy))
 
 
 def n_copies(nbytes: int) -> int:
@@ -125,9 +136,21 @@ def bench_mhc(batch: int) -> None:
         args = (c["out"], c["streams"], c["post"], c["comb"], c["fn"], c["base"], c["scale"])
         return mhc_boundary(*args, *mixing, c["weight"], 1e-5, c["counter"])
 
+    from bench.fast_path import switched
+
     us_old, us_new = graph_us(old, copies), graph_us(new, copies)
+    more = {}
+    for name, sets in MHC_VARIANTS.items():
+        with switched(sets):
+            more[f"us_new_{name}"] = graph_us(new, copies)
     floor = fn_bytes + act_bytes
-    row("mhc_boundary", batch, "bf16", us_old, us_new, floor, launches(new, copies[0]))
+    row("mhc_boundary", batch, "bf16", us_old, us_new, floor, launches(new, copies[0]), **more)
+    if batch > BOUNDARY_MAX_TOKENS:  # post, then the pre's two kernels: where the time goes
+        for name, sets in {"base": {}, **MHC_VARIANTS}.items():
+            with switched(sets):
+                times = kernel_times(new, copies[0])
+            us = [(k, round(t, 2)) for k, t in times]
+            print(json.dumps(dict(name="mhc_kernels_eager", batch=batch, variant=name, us=us)))
 
 
 # ---------------------------------------------------------------------------------------------

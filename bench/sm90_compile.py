@@ -1,5 +1,5 @@
-"""Compile the decode step's Triton kernels for the H200 (sm_90a) on a CPU, at rank 0 of TP8/EP8's
-real shapes, with programmatic dependent launch on as the H200 runs them:
+"""Compile the decode step's Triton kernels (and the prefill's mHC) for the H200 (sm_90a) on a CPU,
+at rank 0 of TP8/EP8's real shapes, with programmatic dependent launch on as the H200 runs them:
 
     python -m bench.sm90_compile [--out compile.jsonl]
 
@@ -89,6 +89,7 @@ def _cases(case: list[str]) -> None:
     from kernels.kda import KDAWeights
     from kernels.moe_small import Experts, SharedExpert
     from kernels.triton import kda as tkda
+    from kernels.triton import mhc
     from kernels.triton.mhc import mhc_boundary
     from kernels.triton.moe_small import counters_size, moe_small
     from kernels.triton.skinny_gemm import skinny_linear
@@ -148,6 +149,14 @@ def _cases(case: list[str]) -> None:
             torch.empty(mix), torch.empty(3), 20, 1e-6, 1e-5, torch.empty(hd, dtype=bf), 1e-5,
             torch.zeros(16, dtype=torch.int32),
         )  # fmt: skip
+    for tokens, dot, block_h in ((1000, "tf32x3", 1024), (8192, "bf16_split", 4096)):
+        case[0] = f"mHC pre + post, {tokens} tokens, {dot}, finish block {block_h}"
+        mhc.LOGIT_DOT, mhc.FINISH_BLOCK_H = dot, block_h
+        streams = torch.empty(tokens, 4, hd, dtype=bf)
+        mhc.mhc_pre(streams, torch.empty(24, 4 * hd), torch.empty(24), torch.empty(3), 20, 1e-6,
+                    1e-5, torch.empty(hd, dtype=bf), 1e-5)  # fmt: skip
+        mhc.mhc_post(torch.empty(tokens, hd, dtype=bf), streams, torch.empty(tokens, 4),
+                     torch.empty(tokens, 4, 4))  # fmt: skip
     case[0] = "SwiGLU, dense MLP at TP8"
     gate_up = torch.empty(1, 2 * 1536, dtype=bf)
     swiglu(gate_up[:, :1536], gate_up[:, 1536:], 7.0)

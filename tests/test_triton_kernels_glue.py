@@ -116,6 +116,21 @@ def test_mhc_interpreter_splits_past_one_block():
     _check_mhc(1, 4, 2304, torch.float32, "cpu")
 
 
+@cpu_interp
+@pytest.mark.parametrize("tokens, hidden", [(37, 200), (1, 2304)])
+def test_mhc_interpreter_bf16_split_one_pass(tokens, hidden, monkeypatch):
+    """The pre's LOGIT_DOT "bf16_split" (fn's tile as three bf16 terms against the bf16
+    streams) and its finish holding all of Hd (FINISH_BLOCK_H 4096: one pass over the streams,
+    8 warps at 2304 channels), at float32's tolerance for post and comb as tf32x3."""
+    from kernels.triton import mhc
+
+    monkeypatch.setattr(mhc, "LOGIT_DOT", "bf16_split")
+    monkeypatch.setattr(mhc, "FINISH_BLOCK_H", 4096)
+    assert mhc.logit_dot(torch.bfloat16) == "bf16_split"
+    assert mhc.logit_dot(torch.float32) == "tf32x3"
+    _check_mhc(tokens, 4, hidden, torch.bfloat16, "cpu")
+
+
 def _boundary_inputs(tokens, hc, hidden, dtype, device, seed=0):
     """A sublayer's output, the streams it came from with their collapse's post and comb (the
     reference's, as the model has them), and the next collapse's parameters."""
@@ -396,6 +411,18 @@ def test_mhc_boundary_cuda_graph(tokens):
         torch.cuda.synchronize()
         _boundary_close(outs, args, torch.bfloat16)
         assert not counter.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 1000, 8192])
+def test_mhc_pre_bf16_split_one_pass_gpu(tokens, monkeypatch):
+    """The pre's "bf16_split" logits and one-pass finish (the interpreter case's switches) at
+    rank 0 of TP8's shapes, bf16, at the tolerances tf32x3 meets."""
+    from kernels.triton import mhc
+
+    monkeypatch.setattr(mhc, "LOGIT_DOT", "bf16_split")
+    monkeypatch.setattr(mhc, "FINISH_BLOCK_H", 4096)
+    _check_mhc(tokens, 4, 4096, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu

@@ -2,8 +2,9 @@
 
 - mhc_mix: one program per token, the Sinkhorn loop in registers;
 - mhc_pre (collapse + RMSNorm) in two launches: (1) split-K partial sums of the mixing logits
-  (LOGIT_DOT: tf32x3 dots of the raw streams with fn) and of the squares, over programs of
-  (token block, K slice) so a decode's one token still spreads fn's 1.5 MB over the SMs;
+  (LOGIT_DOT: float32-accurate tensor-core dots of the raw streams with fn) and of the squares,
+  over programs of (token block, K slice) so a decode's one token still spreads fn's 1.5 MB
+  over the SMs;
   (2) one program per token: the partials summed in a fixed order (deterministic), the RMS
   factor applied to the logits (F.linear of the normalised rows equals the factor times the
   linear of the raw rows), pre/post/comb as mhc_mix, then the collapse rounded to the streams'
@@ -30,10 +31,18 @@ import triton.language as tl
 
 from kernels.triton.pdl import LAUNCH, grid_dependency
 
-# The mixing logits' dot: three TF32 tensor-core products (the hi/lo split of each operand) keep
-# float32's accuracy; IEEE float32 on CUDA cores made the prefill's collapse compute-bound
-# (1.3 ms per call at 8,192 tokens of the real size, a third of the chunk).
+# The mixing logits' dot on tensor cores at float32's accuracy (IEEE float32 on CUDA cores made
+# the prefill's collapse compute-bound: 1.3 ms per call at 8,192 tokens of the real size):
+# - "tf32x3": three TF32 products of the hi/lo split of both operands, the streams converted to
+#   float32 first;
+# - "bf16_split" (bf16 streams; float32 ones take tf32x3): the streams go to the dot as they are
+#   (a bf16 value is exact), fn's float32 tile split into three bf16 terms w1 + w2 + w3 (each the
+#   rounding of what the previous left: 24 significant bits, fn's own), three bf16 products, so
+#   no conversion of the streams' tile and half its registers. At least as accurate as tf32x3.
 LOGIT_DOT = "tf32x3"
+# channels of a token the pre's finishing program collapses at once: with all of Hd the collapse
+# stays in registers and the streams are read once, else twice (_collapse_norm)
+FINISH_BLOCK_H = 1024
 
 
 @triton.jit
@@ -183,7 +192,7 @@ def _mhc_pre_partial_kernel(
     MP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,  # LOGIT_DOT's
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
     pid_t = tl.program_id(0)
@@ -198,14 +207,24 @@ def _mhc_pre_partial_kernel(
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
-        x = tl.load(
+        xs = tl.load(
             x_ptr + t[:, None].to(tl.int64) * K + k[None, :],
             mask=t_mask[:, None] & k_mask[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
+        x = xs.to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * K + k[:, None], mask=m_mask[None, :] & k_mask[:, None])
         sq += tl.sum(x * x, axis=1)
-        acc = tl.dot(x, w.to(tl.float32), acc, input_precision=PRECISION)
+        if PRECISION == "bf16_split":  # xs is bf16 (LOGIT_DOT)
+            w1 = w.to(tl.bfloat16)
+            rest = w - w1.to(tl.float32)  # exact, as is the next difference
+            w2 = rest.to(tl.bfloat16)
+            w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(xs, w3, acc)  # the smallest term first
+            acc = tl.dot(xs, w2, acc)
+            acc = tl.dot(xs, w1, acc)
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
     row = part_ptr + (s * T + t[:, None]) * (MP + 1)
     tl.store(row + m[None, :], acc, mask=t_mask[:, None])
     tl.store(part_ptr + (s * T + t) * (MP + 1) + MP, sq, mask=t_mask)
@@ -278,6 +297,11 @@ def _mhc_pre_finish_kernel(
     _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
 
 
+def logit_dot(dtype: torch.dtype) -> str:
+    """The mixing logits' dot for streams of this dtype (LOGIT_DOT)."""
+    return "bf16_split" if LOGIT_DOT == "bf16_split" and dtype == torch.bfloat16 else "tf32x3"
+
+
 def mhc_pre(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -311,6 +335,7 @@ def mhc_pre(
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
+    block_h = min(FINISH_BLOCK_H, triton.next_power_of_2(hidden))
     _mhc_pre_partial_kernel[(t_blocks, splits)](
         x,
         fn.contiguous().float(),
@@ -322,7 +347,7 @@ def mhc_pre(
         MP=mp,
         BLOCK_T=block_t,
         BLOCK_K=block_k,
-        PRECISION=LOGIT_DOT,
+        PRECISION=logit_dot(streams.dtype),
         num_warps=4,
         **LAUNCH,
     )
@@ -345,9 +370,9 @@ def mhc_pre(
         P=triton.next_power_of_2(hc),
         MP=mp,
         HD=hidden,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        BLOCK_H=block_h,
         SPLITS=min(64, triton.next_power_of_2(splits)),
-        num_warps=4,
+        num_warps=max(4, block_h // 512),  # at most 16 float32 channels a thread held
         **LAUNCH,
     )
     return post, comb, out
