@@ -5,8 +5,9 @@
 - mhc_boundary (bf16; the mixing is float32 whatever the weights): the old boundary, mhc_post
   then mhc_pre (three launches), against mhc_boundary (one launch up to BOUNDARY_MAX_TOKENS;
   past it, mhc_post then mhc_pre), hc 4 x Hd 4096, fn [24, 16384]; us_new_<name>: the same with
-  MHC_VARIANTS' switches of the pre. Past BOUNDARY_MAX_TOKENS (prefill sizes: --batches
-  1024,8192) also each kernel's device time in one eager call, per variant ("mhc_kernels_eager").
+  MHC_VARIANTS' switches of the pre, us_new_sinkhorn_1 with 1 Sinkhorn iteration (of 20). Past
+  BOUNDARY_MAX_TOKENS (prefill sizes: --batches 1024,8192) also each kernel's device time in one
+  eager call, per variant ("mhc_kernels_eager").
 - kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
   --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
   GEMMs in FP8; f_b_proj, g_b_proj, the fused core as it was before f_b/g_b moved in, o_proj)
@@ -132,9 +133,9 @@ def bench_mhc(batch: int) -> None:
         new = mhc_post(c["out"], c["streams"], c["post"], c["comb"])
         return mhc_pre(new, c["fn"], c["base"], c["scale"], *mixing, c["weight"], 1e-5)
 
-    def new(c):
+    def new(c, iters=mixing[0]):
         args = (c["out"], c["streams"], c["post"], c["comb"], c["fn"], c["base"], c["scale"])
-        return mhc_boundary(*args, *mixing, c["weight"], 1e-5, c["counter"])
+        return mhc_boundary(*args, iters, *mixing[1:], c["weight"], 1e-5, c["counter"])
 
     from bench.fast_path import switched
 
@@ -143,6 +144,9 @@ def bench_mhc(batch: int) -> None:
     for name, sets in MHC_VARIANTS.items():
         with switched(sets):
             more[f"us_new_{name}"] = graph_us(new, copies)
+    # a diagnostic, not a variant: one Sinkhorn iteration in place of 20 prices the serial
+    # mixing the finishing program does per token
+    more["us_new_sinkhorn_1"] = graph_us(lambda c: new(c, 1), copies)
     floor = fn_bytes + act_bytes
     row("mhc_boundary", batch, "bf16", us_old, us_new, floor, launches(new, copies[0]), **more)
     if batch > BOUNDARY_MAX_TOKENS:  # post, then the pre's two kernels: where the time goes
