@@ -38,9 +38,7 @@ REPLAYS = 30
 HC, HD = 4, 4096  # mHC streams, hidden size
 HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
 # the pre's switches (kernels/triton/mhc.py), each timed beside the tree's setting: us_new_<name>
-_SPLIT = {"kernels.triton.mhc.LOGIT_DOT": "bf16_split"}
-_ONE_PASS = {"kernels.triton.mhc.FINISH_BLOCK_H": 4096}
-MHC_VARIANTS = {"bf16_split": _SPLIT, "one_pass": _ONE_PASS, "both": {**_SPLIT, **_ONE_PASS}}
+MHC_VARIANTS = {"bf16_split": {"kernels.triton.mhc.LOGIT_DOT": "bf16_split"}}
 
 
 def graph_us(fn, copies: list) -> float:

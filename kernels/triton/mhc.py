@@ -38,11 +38,11 @@ from kernels.triton.pdl import LAUNCH, grid_dependency
 # - "bf16_split" (bf16 streams; float32 ones take tf32x3): the streams go to the dot as they are
 #   (a bf16 value is exact), fn's float32 tile split into three bf16 terms w1 + w2 + w3 (each the
 #   rounding of what the previous left: 24 significant bits, fn's own), three bf16 products, so
-#   no conversion of the streams' tile and half its registers. At least as accurate as tf32x3.
+#   no conversion of the streams' tile and half its registers (70 against 156 at sm_90a).
+#   H200, rank 0 (bench.decode_mhc_kda): an 8,192-token boundary 466 us against 569 (the partial
+#   kernel 128 against 285), 1,024 tokens 89 against 104. Not the default yet: its GPU test failed
+#   once at 8,192 tokens, cause not read (tests/test_triton_kernels_glue.py).
 LOGIT_DOT = "tf32x3"
-# channels of a token the pre's finishing program collapses at once: with all of Hd the collapse
-# stays in registers and the streams are read once, else twice (_collapse_norm)
-FINISH_BLOCK_H = 1024
 
 
 @triton.jit
@@ -335,7 +335,6 @@ def mhc_pre(
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
-    block_h = min(FINISH_BLOCK_H, triton.next_power_of_2(hidden))
     _mhc_pre_partial_kernel[(t_blocks, splits)](
         x,
         fn.contiguous().float(),
@@ -370,9 +369,9 @@ def mhc_pre(
         P=triton.next_power_of_2(hc),
         MP=mp,
         HD=hidden,
-        BLOCK_H=block_h,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
         SPLITS=min(64, triton.next_power_of_2(splits)),
-        num_warps=max(4, block_h // 512),  # at most 16 float32 channels a thread held
+        num_warps=4,
         **LAUNCH,
     )
     return post, comb, out
