@@ -40,8 +40,10 @@ from kernels.triton.pdl import LAUNCH, grid_dependency
 #   rounding of what the previous left: 24 significant bits, fn's own), three bf16 products, so
 #   no conversion of the streams' tile and half its registers (70 against 156 at sm_90a).
 #   H200, rank 0 (bench.decode_mhc_kda): an 8,192-token boundary 466 us against 569 (the partial
-#   kernel 128 against 285), 1,024 tokens 89 against 104. Not the default yet: its GPU test failed
-#   once at 8,192 tokens, cause not read (tests/test_triton_kernels_glue.py).
+#   kernel 128 against 285), 1,024 tokens 89 against 104. Not the default yet: that form summed
+#   every K step inside the tensor cores' accumulator and failed the GPU test at 8,192 tokens
+#   (1 and 1,000 passed); the step's products now start from zero (the kernel's comment), which
+#   no GPU has run yet.
 LOGIT_DOT = "tf32x3"
 
 
@@ -220,9 +222,12 @@ def _mhc_pre_partial_kernel(
             rest = w - w1.to(tl.float32)  # exact, as is the next difference
             w2 = rest.to(tl.bfloat16)
             w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(xs, w3, acc)  # the smallest term first
-            acc = tl.dot(xs, w2, acc)
-            acc = tl.dot(xs, w1, acc)
+            # the step's products from zero, then one float32 add: the running sum must not
+            # stay in the tensor cores' accumulator, whose additions truncate (so does Triton's
+            # own tf32x3); 86 K steps of that at 8k tokens drifted past float32's 1e-5
+            step = tl.dot(xs, w3)  # the smallest term first
+            step = tl.dot(xs, w2, step)
+            acc += tl.dot(xs, w1, step)
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
     row = part_ptr + (s * T + t[:, None]) * (MP + 1)
