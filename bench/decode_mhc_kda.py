@@ -38,7 +38,10 @@ REPLAYS = 30
 HC, HD = 4, 4096  # mHC streams, hidden size
 HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
 # the pre's switches (kernels/triton/mhc.py), each timed beside the tree's setting: us_new_<name>
-MHC_VARIANTS = {"bf16_split": {"kernels.triton.mhc.LOGIT_DOT": "bf16_split"}}
+MHC_VARIANTS = {
+    "bf16_split": {"kernels.triton.mhc.LOGIT_DOT": "bf16_split"},
+    "sinkhorn_scalars": {"kernels.triton.mhc.SINKHORN_SCALARS": True},
+}
 
 
 def graph_us(fn, copies: list) -> float:

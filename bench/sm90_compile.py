@@ -140,8 +140,9 @@ def _cases(case: list[str]) -> None:
             r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
             torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
         )  # fmt: skip
-    for tokens in (1, 8, 16):
-        case[0] = f"mHC boundary, {tokens} tokens"
+    for tokens, scalars in ((1, False), (8, False), (16, False), (1, True)):
+        case[0] = f"mHC boundary, {tokens} tokens, Sinkhorn as scalars {scalars}"
+        mhc.SINKHORN_SCALARS = scalars
         mix = 24
         mhc_boundary(
             torch.empty(tokens, hd, dtype=bf), torch.empty(tokens, 4, hd, dtype=bf),
@@ -149,9 +150,9 @@ def _cases(case: list[str]) -> None:
             torch.empty(mix), torch.empty(3), 20, 1e-6, 1e-5, torch.empty(hd, dtype=bf), 1e-5,
             torch.zeros(16, dtype=torch.int32),
         )  # fmt: skip
-    for tokens, dot in ((1000, "tf32x3"), (8192, "bf16_split")):
-        case[0] = f"mHC pre + post, {tokens} tokens, {dot}"
-        mhc.LOGIT_DOT = dot
+    for tokens, dot, scalars in ((1000, "tf32x3", False), (8192, "bf16_split", True)):
+        case[0] = f"mHC pre + post, {tokens} tokens, {dot}, Sinkhorn as scalars {scalars}"
+        mhc.LOGIT_DOT, mhc.SINKHORN_SCALARS = dot, scalars
         streams = torch.empty(tokens, 4, hd, dtype=bf)
         mhc.mhc_pre(streams, torch.empty(24, 4 * hd), torch.empty(24), torch.empty(3), 20, 1e-6,
                     1e-5, torch.empty(hd, dtype=bf), 1e-5)  # fmt: skip

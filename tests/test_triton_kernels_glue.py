@@ -77,11 +77,11 @@ def _close(got, ref, dtype):
     assert err <= (1e-5 if dtype == torch.float32 else 1e-2) * scale, (err, scale)
 
 
-def _check_mhc(tokens, hc, hidden, dtype, device):
+def _check_mhc(tokens, hc, hidden, dtype, device, iters=20):
     from kernels.triton.mhc import mhc_post, mhc_pre
 
     streams, fn, base, scale, weight, out = _mhc_inputs(tokens, hc, hidden, dtype, device)
-    args = (fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
+    args = (fn, base, scale, iters, 1e-6, 1e-5, weight, 1e-5)
     got = mhc_pre(streams, *args)
     ref = mhc_ref.mhc_pre_reference(streams, *args)
     for g, r in zip(got[:2], ref[:2]):  # post, comb: float32 either way
@@ -130,20 +130,20 @@ def test_mhc_interpreter_bf16_split(tokens, hidden, monkeypatch):
     _check_mhc(tokens, 4, hidden, torch.bfloat16, "cpu")
 
 
-def _boundary_inputs(tokens, hc, hidden, dtype, device, seed=0):
+def _boundary_inputs(tokens, hc, hidden, dtype, device, seed=0, iters=20):
     """A sublayer's output, the streams it came from with their collapse's post and comb (the
     reference's, as the model has them), and the next collapse's parameters."""
     streams, fn, base, scale, weight, out = _mhc_inputs(tokens, hc, hidden, dtype, device, seed)
     _, prev_fn, prev_base, prev_scale, *_ = _mhc_inputs(1, hc, hidden, dtype, device, seed + 1)
     args = (prev_fn, prev_base, prev_scale, 20, 1e-6, 1e-5, weight, 1e-5)
     post, comb, _ = mhc_ref.mhc_pre_reference(streams, *args)
-    return (out, streams, post, comb, fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
+    return (out, streams, post, comb, fn, base, scale, iters, 1e-6, 1e-5, weight, 1e-5)
 
 
-def _check_boundary(tokens, hc, hidden, dtype, device):
+def _check_boundary(tokens, hc, hidden, dtype, device, iters=20):
     from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary
 
-    args = _boundary_inputs(tokens, hc, hidden, dtype, device)
+    args = _boundary_inputs(tokens, hc, hidden, dtype, device, iters=iters)
     counter = torch.zeros(BOUNDARY_MAX_TOKENS, dtype=torch.int32, device=device)
     # the outputs and scratch (new streams, x, partials) fit in the poisoned block twice over
     _poison(device, max(256 << 20, 2 * tokens * hidden * (hc + 1) * 4 + (64 << 20)))
@@ -196,6 +196,21 @@ def test_mhc_boundary_interpreter_post_then_pre(tokens, hidden, dtype, monkeypat
         monkeypatch.setattr(tmhc, name, lambda *a, n=name, f=real: calls.append(n) or f(*a))
     _check_boundary(tokens, 4, hidden, dtype, "cpu")
     assert calls == ["mhc_post", "mhc_pre"]
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hc", [(1, 4), (5, 3), (12, 4)])
+def test_mhc_interpreter_sinkhorn_scalars(tokens, hc, dtype, monkeypatch):
+    """SINKHORN_SCALARS: the pre's finish and the fused boundary (up to 8 tokens, one token a
+    finishing program; 12 tokens: blocks of 2, the tile form) at the references' tolerances;
+    hc 3: a mixing matrix that is no power of two."""
+    from kernels.triton import mhc as tmhc
+
+    monkeypatch.setattr(tmhc, "SINKHORN_SCALARS", True)
+    for iters in (20, 3):  # 3: far from convergence, so an iteration too few or many shows
+        _check_mhc(tokens, hc, 200, dtype, "cpu", iters)
+        _check_boundary(tokens, hc, 200, dtype, "cpu", iters)
 
 
 def _tiny_model():
@@ -410,6 +425,20 @@ def test_mhc_boundary_cuda_graph(tokens):
         torch.cuda.synchronize()
         _boundary_close(outs, args, torch.bfloat16)
         assert not counter.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 1000])
+def test_mhc_sinkhorn_scalars_gpu(tokens, monkeypatch):
+    """SINKHORN_SCALARS at rank 0 of TP8's shapes: the pre (its finish) and the boundary (fused
+    up to 16 tokens, one token a finishing program up to 8), bf16, the references' tolerances,
+    20 and 3 Sinkhorn iterations."""
+    from kernels.triton import mhc
+
+    monkeypatch.setattr(mhc, "SINKHORN_SCALARS", True)
+    for iters in (20, 3):
+        _check_mhc(tokens, 4, REAL_HD, torch.bfloat16, "cuda", iters)
+        _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda", iters)
 
 
 # Session 22's H200 run failed this at 8,192 tokens (1 and 1,000 passed; the run was cut before

@@ -63,6 +63,83 @@ def _sinkhorn(logits, m, iters, eps):
     return comb
 
 
+# One token's Sinkhorn as HC * HC scalars (SINKHORN_SCALARS: the pre's finish and the fused
+# boundary up to 8 tokens, one token a finishing program): each thread holds every entry, so no
+# step waits on a cross-lane reduction. The tile form's 2 x iters dependent reductions cost 2.4 of
+# the 9.6 us of a one-token boundary on the H200 (bench.decode_mhc_kda's us_new_sinkhorn_1).
+SINKHORN_SCALARS = False
+
+
+@triton.jit
+def _row_norm(c, eps, HC: tl.constexpr):
+    """Each row of the row-major HC x HC scalars c (a tuple) over its sum + eps."""
+    out = ()
+    for r in tl.static_range(HC):
+        total = c[r * HC]
+        for j in tl.static_range(1, HC):
+            total = total + c[r * HC + j]
+        for j in tl.static_range(HC):
+            out = out + (c[r * HC + j] / (total + eps),)
+    return out
+
+
+@triton.jit
+def _col_norm(c, eps, HC: tl.constexpr):
+    """Each column of c over its sum + eps."""
+    totals = ()
+    for j in tl.static_range(HC):
+        total = c[j]
+        for r in tl.static_range(1, HC):
+            total = total + c[r * HC + j]
+        totals = totals + (total + eps,)
+    out = ()
+    for q in tl.static_range(HC * HC):
+        out = out + (c[q] / totals[q % HC],)
+    return out
+
+
+@triton.jit
+def _sinkhorn_scalars(c, iters, eps, HC: tl.constexpr):
+    """_sinkhorn of one token's logits c (row-major scalars): row softmax + eps, a column
+    normalisation, then iters - 1 row and column ones (kernels.mhc's reference)."""
+    soft = ()
+    for r in tl.static_range(HC):
+        top = c[r * HC]
+        for j in tl.static_range(1, HC):
+            top = tl.maximum(top, c[r * HC + j])
+        e = ()
+        for j in tl.static_range(HC):
+            e = e + (tl.exp(c[r * HC + j] - top),)
+        total = e[0]
+        for j in tl.static_range(1, HC):
+            total = total + e[j]
+        for j in tl.static_range(HC):
+            soft = soft + (e[j] / total + eps,)
+    c = _col_norm(soft, eps, HC)
+    for _ in range(iters - 1):
+        c = _col_norm(_row_norm(c, eps, HC), eps, HC)
+    return c
+
+
+@triton.jit
+def _sinkhorn_store(logits, m, comb_row, offs, iters, eps, HC: tl.constexpr, SCALARS: tl.constexpr):
+    """One token's comb from its logits tile ([.., P, P], valid where m) to comb_row + offs
+    (row-major HC x HC). SCALARS: the logits go there first and come back as scalars (past L1:
+    another thread may have stored them), the Sinkhorn runs on those, the result overwrites."""
+    if SCALARS:
+        tl.store(comb_row + offs, logits, mask=m)
+        tl.debug_barrier()  # every thread's stores precede the loads below
+        c = ()
+        for q in tl.static_range(HC * HC):
+            c = c + (tl.load(comb_row + q, cache_modifier=".cg"),)
+        c = _sinkhorn_scalars(c, iters, eps, HC)
+        tl.debug_barrier()  # every thread has read the logits before any result lands
+        for q in tl.static_range(HC * HC):
+            tl.store(comb_row + q, c[q])
+    else:
+        tl.store(comb_row + offs, _sinkhorn(logits, m, iters, eps), mask=m)
+
+
 @triton.jit
 def _collapse(base, pre, i, h, h_mask, dt, HC: tl.constexpr, HD: tl.constexpr, CACHE: tl.constexpr):
     """sum_j pre[j] * streams[j, h] for one token's block of channels h, rounded to the
@@ -259,6 +336,7 @@ def _mhc_pre_finish_kernel(
     HD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
+    SCALARS: tl.constexpr,  # SINKHORN_SCALARS
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0)
@@ -294,8 +372,7 @@ def _mhc_pre_finish_kernel(
     post = post_w * rstd * s1 + tl.load(base_ptr + HC + i, mask=vec_mask, other=0.0)
     tl.store(post_ptr + t * HC + i, 2.0 * tl.sigmoid(post), mask=vec_mask)
     logits = comb_w * rstd * s2 + tl.load(base_ptr + 2 * HC + r * HC + c, mask=m, other=0.0)
-    comb = _sinkhorn(logits, m, iters, eps)
-    tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=m)
+    _sinkhorn_store(logits, m, comb_ptr + t * HC * HC, r * HC + c, iters, eps, HC, SCALARS)
 
     base = x_ptr + t.to(tl.int64) * (HC * HD)
     out_row = out_ptr + t.to(tl.int64) * HD
@@ -376,6 +453,7 @@ def mhc_pre(
         HD=hidden,
         BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
         SPLITS=min(64, triton.next_power_of_2(splits)),
+        SCALARS=SINKHORN_SCALARS,
         num_warps=4,
         **LAUNCH,
     )
@@ -487,6 +565,7 @@ def _mhc_boundary_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    SCALARS: tl.constexpr,  # SINKHORN_SCALARS, with BLOCK_T 1
 ):
     tb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -570,9 +649,13 @@ def _mhc_boundary_kernel(
         tl.store(post2_ptr + tv[:, None] * HC + r[None, :], post, mask=vmask)
         comb_b = tl.load(base_ptr + 2 * HC + rc, mask=pm, other=0.0)
         logits = comb_w * rstd[:, None, None] * s2 + comb_b[None, :, :]
-        comb = _sinkhorn(logits, tm[:, None, None] & pm[None, :, :], iters, eps)
-        tl.store(comb2_ptr + tv[:, None, None] * HC * HC + rc[None, :, :], comb,
-                 mask=tm[:, None, None] & pm[None, :, :])  # fmt: skip
+        lm = tm[:, None, None] & pm[None, :, :]
+        if SCALARS:  # one token: t0
+            _sinkhorn_store(logits, lm, comb2_ptr + t0 * HC * HC, (tok[:, None, None] * HC * HC
+                            + rc[None, :, :]), iters, eps, HC, True)  # fmt: skip
+        else:
+            comb = _sinkhorn(logits, lm, iters, eps)
+            tl.store(comb2_ptr + tv[:, None, None] * HC * HC + rc[None, :, :], comb, mask=lm)
         for tt in range(0, n):  # the collapse of each token of the block, and its RMSNorm
             t = (t0 + tt).to(tl.int64)
             pre_t = tl.sum(tl.where(tok[:, None] == tt, pre, 0.0), axis=0)
@@ -658,6 +741,7 @@ def mhc_boundary(
         BLOCK_T=block_t,
         BLOCK_H=BOUNDARY_BLOCK_H,
         BLOCK_F=min(triton.next_power_of_2(hidden), BOUNDARY_BLOCK_F // p),
+        SCALARS=SINKHORN_SCALARS and block_t == 1,
         num_warps=8,
         **LAUNCH,
     )
