@@ -41,6 +41,8 @@ HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
 MHC_VARIANTS = {
     "bf16_split": {"kernels.triton.mhc.LOGIT_DOT": "bf16_split"},
     "sinkhorn_scalars": {"kernels.triton.mhc.SINKHORN_SCALARS": True},
+    # the boundary's channel blocks: 128 programs reading 12 KB of fn each, not 64 reading 24 KB
+    "block_h_32": {"kernels.triton.mhc.BOUNDARY_BLOCK_H": 32},
 }
 
 
