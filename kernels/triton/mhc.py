@@ -123,9 +123,10 @@ def _sinkhorn_scalars(c, iters, eps, HC: tl.constexpr):
 
 @triton.jit
 def _sinkhorn_store(logits, m, comb_row, offs, iters, eps, HC: tl.constexpr, SCALARS: tl.constexpr):
-    """One token's comb from its logits tile ([.., P, P], valid where m) to comb_row + offs
-    (row-major HC x HC). SCALARS: the logits go there first and come back as scalars (past L1:
-    another thread may have stored them), the Sinkhorn runs on those, the result overwrites."""
+    """The comb of a logits tile ([.., P, P] tokens, valid where m) to comb_row + offs (each
+    token row-major HC x HC). SCALARS (one token, at comb_row): the logits go there first and
+    come back as scalars (past L1: another thread may have stored them), the Sinkhorn runs on
+    those, the result overwrites."""
     if SCALARS:
         tl.store(comb_row + offs, logits, mask=m)
         tl.debug_barrier()  # every thread's stores precede the loads below
@@ -650,12 +651,8 @@ def _mhc_boundary_kernel(
         comb_b = tl.load(base_ptr + 2 * HC + rc, mask=pm, other=0.0)
         logits = comb_w * rstd[:, None, None] * s2 + comb_b[None, :, :]
         lm = tm[:, None, None] & pm[None, :, :]
-        if SCALARS:  # one token: t0
-            _sinkhorn_store(logits, lm, comb2_ptr + t0 * HC * HC, (tok[:, None, None] * HC * HC
-                            + rc[None, :, :]), iters, eps, HC, True)  # fmt: skip
-        else:
-            comb = _sinkhorn(logits, lm, iters, eps)
-            tl.store(comb2_ptr + tv[:, None, None] * HC * HC + rc[None, :, :], comb, mask=lm)
+        offs = tok[:, None, None] * HC * HC + rc[None, :, :]  # the block's tokens from t0
+        _sinkhorn_store(logits, lm, comb2_ptr + t0 * HC * HC, offs, iters, eps, HC, SCALARS)
         for tt in range(0, n):  # the collapse of each token of the block, and its RMSNorm
             t = (t0 + tt).to(tl.int64)
             pre_t = tl.sum(tl.where(tok[:, None] == tt, pre, 0.0), axis=0)
