@@ -37,12 +37,15 @@ HBM_BW = 4.23e12  # bytes/s: the H200's measured copy bandwidth (docs/BENCHMARKS
 REPLAYS = 30
 HC, HD = 4, 4096  # mHC streams, hidden size
 HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
-# the pre's switches (kernels/triton/mhc.py), each timed beside the tree's setting: us_new_<name>
+# the boundary's switches past 16 tokens (kernels/triton/mhc.py), each timed beside the tree's
+# setting: us_new_<name>. PREFILL_POST_PARTIAL: the expansion and the pre's partial sums in one
+# kernel; with its registers unbounded or at 64; aiming at about 2 programs per SM, not 8
+PP = "kernels.triton.mhc.PREFILL_POST_PARTIAL"
 MHC_VARIANTS = {
-    "bf16_split": {"kernels.triton.mhc.LOGIT_DOT": "bf16_split"},
-    "sinkhorn_scalars": {"kernels.triton.mhc.SINKHORN_SCALARS": True},
-    # the boundary's channel blocks: 128 programs reading 12 KB of fn each, not 64 reading 24 KB
-    "block_h_32": {"kernels.triton.mhc.BOUNDARY_BLOCK_H": 32},
+    "post_partial": {PP: True},
+    "post_partial_nreg255": {PP: True, "kernels.triton.mhc.POST_PARTIAL_MAXNREG": None},
+    "post_partial_nreg64": {PP: True, "kernels.triton.mhc.POST_PARTIAL_MAXNREG": 64},
+    "post_partial_264": {PP: True, "kernels.triton.mhc.POST_PARTIAL_PROGRAMS": 264},
 }
 
 

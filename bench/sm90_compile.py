@@ -140,9 +140,8 @@ def _cases(case: list[str]) -> None:
             r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
             torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
         )  # fmt: skip
-    for tokens, scalars in ((1, False), (8, False), (16, False), (1, True)):
-        case[0] = f"mHC boundary, {tokens} tokens, Sinkhorn as scalars {scalars}"
-        mhc.SINKHORN_SCALARS = scalars
+    for tokens in (1, 8, 16):
+        case[0] = f"mHC boundary, {tokens} tokens"
         mix = 24
         mhc_boundary(
             torch.empty(tokens, hd, dtype=bf), torch.empty(tokens, 4, hd, dtype=bf),
@@ -150,14 +149,17 @@ def _cases(case: list[str]) -> None:
             torch.empty(mix), torch.empty(3), 20, 1e-6, 1e-5, torch.empty(hd, dtype=bf), 1e-5,
             torch.zeros(16, dtype=torch.int32),
         )  # fmt: skip
-    for tokens, dot, scalars in ((1000, "tf32x3", False), (8192, "bf16_split", True)):
-        case[0] = f"mHC pre + post, {tokens} tokens, {dot}, Sinkhorn as scalars {scalars}"
-        mhc.LOGIT_DOT, mhc.SINKHORN_SCALARS = dot, scalars
-        streams = torch.empty(tokens, 4, hd, dtype=bf)
-        mhc.mhc_pre(streams, torch.empty(24, 4 * hd), torch.empty(24), torch.empty(3), 20, 1e-6,
-                    1e-5, torch.empty(hd, dtype=bf), 1e-5)  # fmt: skip
-        mhc.mhc_post(torch.empty(tokens, hd, dtype=bf), streams, torch.empty(tokens, 4),
-                     torch.empty(tokens, 4, 4))  # fmt: skip
+    for tokens, dtype in ((1000, torch.float32), (8192, bf)):  # tf32x3, bf16_split logits
+        case[0] = f"mHC pre + post, {tokens} tokens, {dtype}"
+        streams = torch.empty(tokens, 4, hd, dtype=dtype)
+        out, weight = torch.empty(tokens, hd, dtype=dtype), torch.empty(hd, dtype=dtype)
+        mixing = (torch.empty(24, 4 * hd), torch.empty(24), torch.empty(3), 20, 1e-6, 1e-5)
+        mhc.mhc_pre(streams, *mixing, weight, 1e-5)
+        mhc.mhc_post(out, streams, torch.empty(tokens, 4), torch.empty(tokens, 4, 4))
+        case[0] = f"mHC post + partial (PREFILL_POST_PARTIAL), {tokens} tokens, {dtype}"
+        mhc.mhc_post_pre(
+            out, streams, torch.empty(tokens, 4), torch.empty(tokens, 4, 4), *mixing, weight, 1e-5
+        )
     case[0] = "SwiGLU, dense MLP at TP8"
     gate_up = torch.empty(1, 2 * 1536, dtype=bf)
     swiglu(gate_up[:, :1536], gate_up[:, 1536:], 7.0)

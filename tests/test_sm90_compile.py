@@ -22,9 +22,10 @@ KERNELS = {
     "_down_kernel",
     "_mhc_boundary_kernel",
     "_swiglu_kernel",
-    "_mhc_pre_partial_kernel",  # the prefill's mHC pre (both LOGIT_DOT forms) and post
+    "_mhc_pre_partial_kernel",  # the prefill's mHC pre (both logit dots) and post
     "_mhc_pre_finish_kernel",
     "_mhc_post_kernel",
+    "_mhc_post_partial_kernel",  # PREFILL_POST_PARTIAL
 }
 
 

@@ -110,24 +110,11 @@ def test_mhc_interpreter_many_splits():
 
 
 @cpu_interp
-def test_mhc_interpreter_splits_past_one_block():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mhc_interpreter_splits_past_one_block(dtype):
     # hc*Hd 9216: 72 partials, summed 64 at a time (a full block, then a masked one), as a
-    # decode token's 128 at the real size
-    _check_mhc(1, 4, 2304, torch.float32, "cpu")
-
-
-@cpu_interp
-@pytest.mark.parametrize("tokens, hidden", [(37, 200), (1, 2304)])
-def test_mhc_interpreter_bf16_split(tokens, hidden, monkeypatch):
-    """The pre's LOGIT_DOT "bf16_split" (fn's tile as three bf16 terms against the bf16
-    streams) at float32's tolerance for post and comb, as tf32x3; float32 streams keep tf32x3.
-    Dropping one of the three terms fails it."""
-    from kernels.triton import mhc
-
-    monkeypatch.setattr(mhc, "LOGIT_DOT", "bf16_split")
-    assert mhc.logit_dot(torch.bfloat16) == "bf16_split"
-    assert mhc.logit_dot(torch.float32) == "tf32x3"
-    _check_mhc(tokens, 4, hidden, torch.bfloat16, "cpu")
+    # decode token's 128 at the real size; each logit dot (tf32x3, bf16_split)
+    _check_mhc(1, 4, 2304, dtype, "cpu")
 
 
 def _boundary_inputs(tokens, hc, hidden, dtype, device, seed=0, iters=20):
@@ -198,19 +185,34 @@ def test_mhc_boundary_interpreter_post_then_pre(tokens, hidden, dtype, monkeypat
     assert calls == ["mhc_post", "mhc_pre"]
 
 
-@cpu_interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,hc", [(1, 4), (5, 3), (12, 4)])
-def test_mhc_interpreter_sinkhorn_scalars(tokens, hc, dtype, monkeypatch):
-    """SINKHORN_SCALARS: the pre's finish and the fused boundary (up to 8 tokens, one token a
-    finishing program; 12 tokens: blocks of 2, the tile form) at the references' tolerances;
-    hc 3: a mixing matrix that is no power of two."""
+def _check_post_partial(tokens, hc, hidden, dtype, device, monkeypatch):
+    """PREFILL_POST_PARTIAL's boundary (mhc_post_pre, and neither mhc_post nor mhc_pre) at the
+    references' tolerances."""
     from kernels.triton import mhc as tmhc
 
-    monkeypatch.setattr(tmhc, "SINKHORN_SCALARS", True)
-    for iters in (20, 3):  # 3: far from convergence, so an iteration too few or many shows
-        _check_mhc(tokens, hc, 200, dtype, "cpu", iters)
-        _check_boundary(tokens, hc, 200, dtype, "cpu", iters)
+    monkeypatch.setattr(tmhc, "PREFILL_POST_PARTIAL", True)
+    for name in ("mhc_post", "mhc_pre"):
+        monkeypatch.setattr(tmhc, name, lambda *a, n=name: pytest.fail(f"{n} called"))
+    return _check_boundary(tokens, hc, hidden, dtype, device)
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mhc_interpreter_post_partial(dtype, monkeypatch):
+    """The expansion and the next collapse's partial sums in one kernel, then the pre's finish:
+    70 tokens (a ragged second block of 64), Hd 200 (a masked channel step, 4 slices of 64
+    channels); hc 3 with 20 tokens: masked streams and 15 mixing logits."""
+    _check_post_partial(70, 4, 200, dtype, "cpu", monkeypatch)
+    _check_post_partial(20, 3, 64, dtype, "cpu", monkeypatch)
+
+
+@cpu_interp
+@pytest.mark.parametrize("tokens", [1, 12])
+def test_mhc_interpreter_few_sinkhorn_iterations(tokens):
+    """3 Sinkhorn iterations, far from convergence, so an iteration too few or many shows: the
+    pre and the fused boundary (1 token: one finishing program a token; 12: blocks of 2)."""
+    _check_mhc(tokens, 4, 200, torch.float32, "cpu", iters=3)
+    _check_boundary(tokens, 4, 200, torch.float32, "cpu", iters=3)
 
 
 def _tiny_model():
@@ -428,35 +430,16 @@ def test_mhc_boundary_cuda_graph(tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 1000])
-def test_mhc_sinkhorn_scalars_gpu(tokens, monkeypatch):
-    """SINKHORN_SCALARS at rank 0 of TP8's shapes: the pre (its finish) and the boundary (fused
-    up to 16 tokens, one token a finishing program up to 8), bf16, the references' tolerances,
-    20 and 3 Sinkhorn iterations."""
-    from kernels.triton import mhc
+@pytest.mark.parametrize("tokens", [17, 1000, 8192])
+def test_mhc_post_partial_gpu(tokens, monkeypatch):
+    """PREFILL_POST_PARTIAL at rank 0 of TP8's shapes, bf16 and float32 (each logit dot), the
+    references' tolerances; a second call on the same inputs is bitwise equal."""
+    from kernels.triton.mhc import mhc_boundary
 
-    monkeypatch.setattr(mhc, "SINKHORN_SCALARS", True)
-    for iters in (20, 3):
-        _check_mhc(tokens, 4, REAL_HD, torch.bfloat16, "cuda", iters)
-        _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda", iters)
-
-
-# Session 22's H200 run failed this at 8,192 tokens (1 and 1,000 passed; the run was cut before
-# pytest printed why), with the K steps summed inside the tensor cores' accumulator (likely cause:
-# its truncating additions, 86 steps deep at 8k; the kernel now adds each step in float32). Until
-# a GPU run passes it, LOGIT_DOT stays tf32x3 and this case may fail (not strict).
-_SPLIT_8K = pytest.mark.xfail(reason="failed once on the H200; fix not yet run", strict=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 1000, pytest.param(8192, marks=_SPLIT_8K)])
-def test_mhc_pre_bf16_split_gpu(tokens, monkeypatch):
-    """The pre's "bf16_split" logits (the interpreter case's switch) at rank 0 of TP8's shapes,
-    bf16, at the tolerances tf32x3 meets."""
-    from kernels.triton import mhc
-
-    monkeypatch.setattr(mhc, "LOGIT_DOT", "bf16_split")
-    _check_mhc(tokens, 4, 4096, torch.bfloat16, "cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        args, first = _check_post_partial(tokens, 4, REAL_HD, dtype, "cuda", monkeypatch)
+        second = mhc_boundary(*args, torch.zeros(1, dtype=torch.int32, device="cuda"))
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 - mhc_mix: one program per token, the Sinkhorn loop in registers;
 - mhc_pre (collapse + RMSNorm) in two launches: (1) split-K partial sums of the mixing logits
-  (LOGIT_DOT: float32-accurate tensor-core dots of the raw streams with fn) and of the squares,
+  (logit_dot: float32-accurate tensor-core dots of the raw streams with fn) and of the squares,
   over programs of (token block, K slice) so a decode's one token still spreads fn's 1.5 MB
   over the SMs;
   (2) one program per token: the partials summed in a fixed order (deterministic), the RMS
@@ -32,19 +32,15 @@ import triton.language as tl
 from kernels.triton.pdl import LAUNCH, grid_dependency
 
 # The mixing logits' dot on tensor cores at float32's accuracy (IEEE float32 on CUDA cores made
-# the prefill's collapse compute-bound: 1.3 ms per call at 8,192 tokens of the real size):
-# - "tf32x3": three TF32 products of the hi/lo split of both operands, the streams converted to
-#   float32 first;
-# - "bf16_split" (bf16 streams; float32 ones take tf32x3): the streams go to the dot as they are
-#   (a bf16 value is exact), fn's float32 tile split into three bf16 terms w1 + w2 + w3 (each the
-#   rounding of what the previous left: 24 significant bits, fn's own), three bf16 products, so
-#   no conversion of the streams' tile and half its registers (70 against 156 at sm_90a).
-#   H200, rank 0 (bench.decode_mhc_kda): an 8,192-token boundary 466 us against 569 (the partial
-#   kernel 128 against 285), 1,024 tokens 89 against 104. Not the default yet: that form summed
-#   every K step inside the tensor cores' accumulator and failed the GPU test at 8,192 tokens
-#   (1 and 1,000 passed); the step's products now start from zero (the kernel's comment), which
-#   no GPU has run yet.
-LOGIT_DOT = "tf32x3"
+# the prefill's collapse compute-bound: 1.3 ms per call at 8,192 tokens of the real size),
+# logit_dot(dtype):
+# - float32 streams, "tf32x3": three TF32 products of the hi/lo split of both operands;
+# - bf16 streams, "bf16_split": the streams go to the dot as they are (a bf16 value is exact),
+#   fn's float32 tile split into three bf16 terms w1 + w2 + w3 (each the rounding of what the
+#   previous left: 24 significant bits, fn's own), three bf16 products, so no conversion of the
+#   streams' tile and half its registers (70 against 156 at sm_90a). Against tf32x3 on bf16
+#   streams (bench.decode_mhc_kda, rank 0): an 8,192-token boundary 466 against 569 us on the
+#   H200, 574 against 693 on the H100; 1,024 tokens 89 against 104 (H200), 96 against 109.
 
 
 @triton.jit
@@ -61,84 +57,6 @@ def _sinkhorn(logits, m, iters, eps):
         comb = comb / (tl.sum(comb, axis=-1, keep_dims=True) + eps)
         comb = comb / (tl.sum(comb, axis=-2, keep_dims=True) + eps)
     return comb
-
-
-# One token's Sinkhorn as HC * HC scalars (SINKHORN_SCALARS: the pre's finish and the fused
-# boundary up to 8 tokens, one token a finishing program): each thread holds every entry, so no
-# step waits on a cross-lane reduction. The tile form's 2 x iters dependent reductions cost 2.4 of
-# the 9.6 us of a one-token boundary on the H200 (bench.decode_mhc_kda's us_new_sinkhorn_1).
-SINKHORN_SCALARS = False
-
-
-@triton.jit
-def _row_norm(c, eps, HC: tl.constexpr):
-    """Each row of the row-major HC x HC scalars c (a tuple) over its sum + eps."""
-    out = ()
-    for r in tl.static_range(HC):
-        total = c[r * HC]
-        for j in tl.static_range(1, HC):
-            total = total + c[r * HC + j]
-        for j in tl.static_range(HC):
-            out = out + (c[r * HC + j] / (total + eps),)
-    return out
-
-
-@triton.jit
-def _col_norm(c, eps, HC: tl.constexpr):
-    """Each column of c over its sum + eps."""
-    totals = ()
-    for j in tl.static_range(HC):
-        total = c[j]
-        for r in tl.static_range(1, HC):
-            total = total + c[r * HC + j]
-        totals = totals + (total + eps,)
-    out = ()
-    for q in tl.static_range(HC * HC):
-        out = out + (c[q] / totals[q % HC],)
-    return out
-
-
-@triton.jit
-def _sinkhorn_scalars(c, iters, eps, HC: tl.constexpr):
-    """_sinkhorn of one token's logits c (row-major scalars): row softmax + eps, a column
-    normalisation, then iters - 1 row and column ones (kernels.mhc's reference)."""
-    soft = ()
-    for r in tl.static_range(HC):
-        top = c[r * HC]
-        for j in tl.static_range(1, HC):
-            top = tl.maximum(top, c[r * HC + j])
-        e = ()
-        for j in tl.static_range(HC):
-            e = e + (tl.exp(c[r * HC + j] - top),)
-        total = e[0]
-        for j in tl.static_range(1, HC):
-            total = total + e[j]
-        for j in tl.static_range(HC):
-            soft = soft + (e[j] / total + eps,)
-    c = _col_norm(soft, eps, HC)
-    for _ in range(iters - 1):
-        c = _col_norm(_row_norm(c, eps, HC), eps, HC)
-    return c
-
-
-@triton.jit
-def _sinkhorn_store(logits, m, comb_row, offs, iters, eps, HC: tl.constexpr, SCALARS: tl.constexpr):
-    """The comb of a logits tile ([.., P, P] tokens, valid where m) to comb_row + offs (each
-    token row-major HC x HC). SCALARS (one token, at comb_row): the logits go there first and
-    come back as scalars (past L1: another thread may have stored them), the Sinkhorn runs on
-    those, the result overwrites."""
-    if SCALARS:
-        tl.store(comb_row + offs, logits, mask=m)
-        tl.debug_barrier()  # every thread's stores precede the loads below
-        c = ()
-        for q in tl.static_range(HC * HC):
-            c = c + (tl.load(comb_row + q, cache_modifier=".cg"),)
-        c = _sinkhorn_scalars(c, iters, eps, HC)
-        tl.debug_barrier()  # every thread has read the logits before any result lands
-        for q in tl.static_range(HC * HC):
-            tl.store(comb_row + q, c[q])
-    else:
-        tl.store(comb_row + offs, _sinkhorn(logits, m, iters, eps), mask=m)
 
 
 @triton.jit
@@ -272,7 +190,7 @@ def _mhc_pre_partial_kernel(
     MP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,  # LOGIT_DOT's
+    PRECISION: tl.constexpr,  # logit_dot's
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
     pid_t = tl.program_id(0)
@@ -295,7 +213,7 @@ def _mhc_pre_partial_kernel(
         x = xs.to(tl.float32)
         w = tl.load(fn_ptr + m[None, :] * K + k[:, None], mask=m_mask[None, :] & k_mask[:, None])
         sq += tl.sum(x * x, axis=1)
-        if PRECISION == "bf16_split":  # xs is bf16 (LOGIT_DOT)
+        if PRECISION == "bf16_split":  # xs is bf16 (logit_dot)
             w1 = w.to(tl.bfloat16)
             rest = w - w1.to(tl.float32)  # exact, as is the next difference
             w2 = rest.to(tl.bfloat16)
@@ -337,7 +255,6 @@ def _mhc_pre_finish_kernel(
     HD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
-    SCALARS: tl.constexpr,  # SINKHORN_SCALARS
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0)
@@ -373,16 +290,65 @@ def _mhc_pre_finish_kernel(
     post = post_w * rstd * s1 + tl.load(base_ptr + HC + i, mask=vec_mask, other=0.0)
     tl.store(post_ptr + t * HC + i, 2.0 * tl.sigmoid(post), mask=vec_mask)
     logits = comb_w * rstd * s2 + tl.load(base_ptr + 2 * HC + r * HC + c, mask=m, other=0.0)
-    _sinkhorn_store(logits, m, comb_ptr + t * HC * HC, r * HC + c, iters, eps, HC, SCALARS)
+    tl.store(comb_ptr + t * HC * HC + r * HC + c, _sinkhorn(logits, m, iters, eps), mask=m)
 
     base = x_ptr + t.to(tl.int64) * (HC * HD)
     out_row = out_ptr + t.to(tl.int64) * HD
     _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
 
 
+def _pre_finish(
+    part: torch.Tensor | None,
+    splits: int,
+    x: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    weight: torch.Tensor,
+    rms_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The collapse's second launch: part [splits, T, MP + 1] (the logits' and the squares'
+    partial sums of the streams x [T, hc, Hd]; None for no tokens) -> (post, comb, the normed
+    collapse)."""
+    tokens, hc, hidden = x.shape
+    dev = x.device
+    post = torch.empty(tokens, hc, device=dev, dtype=torch.float32)
+    comb = torch.empty(tokens, hc, hc, device=dev, dtype=torch.float32)
+    out = torch.empty(tokens, hidden, device=dev, dtype=x.dtype)
+    if tokens == 0:
+        return post, comb, out
+    _mhc_pre_finish_kernel[(tokens,)](
+        part,
+        x,
+        base.contiguous().float(),
+        scale.contiguous().float(),
+        weight.contiguous(),
+        post,
+        comb,
+        out,
+        tokens,
+        splits,
+        iters,
+        eps,
+        norm_eps,
+        rms_eps,
+        HC=hc,
+        P=triton.next_power_of_2(hc),
+        MP=part.shape[2] - 1,
+        HD=hidden,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        SPLITS=min(64, triton.next_power_of_2(splits)),
+        num_warps=4,
+        **LAUNCH,
+    )
+    return post, comb, out
+
+
 def logit_dot(dtype: torch.dtype) -> str:
-    """The mixing logits' dot for streams of this dtype (LOGIT_DOT)."""
-    return "bf16_split" if LOGIT_DOT == "bf16_split" and dtype == torch.bfloat16 else "tf32x3"
+    """The mixing logits' dot for streams of this dtype (the comment above _sinkhorn)."""
+    return "bf16_split" if dtype == torch.bfloat16 else "tf32x3"
 
 
 def mhc_pre(
@@ -401,13 +367,10 @@ def mhc_pre(
     mix = fn.shape[0]
     assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, streams.shape)
     assert weight.dtype == streams.dtype, "the RMSNorm weight is held in the streams' dtype"
-    dev = streams.device
-    post = torch.empty(tokens, hc, device=dev, dtype=torch.float32)
-    comb = torch.empty(tokens, hc, hc, device=dev, dtype=torch.float32)
-    out = torch.empty(tokens, hidden, device=dev, dtype=streams.dtype)
-    if tokens == 0:
-        return post, comb, out
     x = streams.contiguous()
+    dev = x.device
+    if tokens == 0:
+        return _pre_finish(None, 0, x, base, scale, iters, eps, norm_eps, weight, rms_eps)
     k = hc * hidden
     mp = triton.next_power_of_2(mix)
     block_t = 16 if tokens <= 16 else 64
@@ -433,32 +396,7 @@ def mhc_pre(
         num_warps=4,
         **LAUNCH,
     )
-    _mhc_pre_finish_kernel[(tokens,)](
-        part,
-        x,
-        base.contiguous().float(),
-        scale.contiguous().float(),
-        weight.contiguous(),
-        post,
-        comb,
-        out,
-        tokens,
-        splits,
-        iters,
-        eps,
-        norm_eps,
-        rms_eps,
-        HC=hc,
-        P=triton.next_power_of_2(hc),
-        MP=mp,
-        HD=hidden,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
-        SPLITS=min(64, triton.next_power_of_2(splits)),
-        SCALARS=SINKHORN_SCALARS,
-        num_warps=4,
-        **LAUNCH,
-    )
-    return post, comb, out
+    return _pre_finish(part, splits, x, base, scale, iters, eps, norm_eps, weight, rms_eps)
 
 
 @triton.jit
@@ -515,6 +453,153 @@ def mhc_post(
     return new
 
 
+# Past BOUNDARY_MAX_TOKENS (prefill), the boundary as two launches, not three: the expansion
+# and the next collapse's partial sums in one kernel (mhc_post_partial: each new stream's tile
+# goes to the logits' dot from registers), then the pre's finish. It saves the partial kernel's
+# read of the new streams (32 KB a token of the real size's 112). Off until timed on a GPU.
+PREFILL_POST_PARTIAL = False
+POST_PARTIAL_BLOCK_H = 64  # channels of each stream a step; 64 tokens a program
+POST_PARTIAL_PROGRAMS = 1056  # programs aimed at: 8 per SM of an H200, so the last wave is short
+# registers a thread may hold: unbounded, ptxas takes 255 (one 8-warp program per SM); at 128
+# (and at 64) sm_90a compiles it without spills (bench/sm90_compile.py)
+POST_PARTIAL_MAXNREG = 128
+
+
+# T not specialized (it varies with the token count); h_per_split is (divisible by 16: unknown,
+# the channel offsets' alignment is too, and every load goes out 2 bytes at a time)
+@triton.jit(do_not_specialize=["T"])
+def _mhc_post_partial_kernel(
+    out_ptr,  # [T, HD] the sublayer's output
+    res_ptr,  # [T, HC, HD] the streams its input was collapsed from
+    post_ptr,  # [T, HC] float32: that collapse's post
+    comb_ptr,  # [T, HC, HC] float32: and comb
+    fn_ptr,  # [MIX, HC * HD] float32: the next collapse's mixing projection
+    new_ptr,  # [T, HC, HD] out: the new streams
+    part_ptr,  # [S, T, MP + 1] float32 out: as _mhc_pre_partial_kernel's
+    T,
+    h_per_split,  # channels of every stream per program (a multiple of BLOCK_H)
+    HC: tl.constexpr,
+    HD: tl.constexpr,
+    MIX: tl.constexpr,
+    MP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PRECISION: tl.constexpr,  # logit_dot's
+):
+    grid_dependency()  # first: kernels/triton/pdl.py
+    s = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    t64 = t.to(tl.int64)
+    dt = new_ptr.dtype.element_ty
+    K = HC * HD
+    m = tl.arange(0, MP)
+    # each token's post and comb rounded to the streams' dtype (as _mhc_post_kernel), [BLOCK_T]
+    # vectors: post[i], then comb[j * HC + i]
+    p = ()
+    for i in tl.static_range(HC):
+        p = p + (tl.load(post_ptr + t64 * HC + i, mask=t_mask, other=0.0).to(dt).to(tl.float32),)
+    c = ()
+    for q in tl.static_range(HC * HC):
+        cq = tl.load(comb_ptr + t64 * HC * HC + q, mask=t_mask, other=0.0)
+        c = c + (cq.to(dt).to(tl.float32),)
+    acc = tl.zeros([BLOCK_T, MP], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    h_start = s * h_per_split
+    for h0 in range(h_start, h_start + h_per_split, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = h < HD
+        tm = t_mask[:, None] & h_mask[None, :]
+        o = tl.load(out_ptr + t64[:, None] * HD + h[None, :], mask=tm, other=0.0).to(tl.float32)
+        r = ()
+        for j in tl.static_range(HC):
+            rj = tl.load(res_ptr + t64[:, None] * K + j * HD + h[None, :], mask=tm, other=0.0)
+            r = r + (rj.to(tl.float32),)
+        for i in tl.static_range(HC):
+            mixed = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for j in tl.static_range(HC):
+                mixed += c[j * HC + i][:, None] * r[j]
+            a = (p[i][:, None] * o).to(dt).to(tl.float32)
+            new = (a + mixed.to(dt).to(tl.float32)).to(dt)  # zero off the mask
+            tl.store(new_ptr + t64[:, None] * K + i * HD + h[None, :], new, mask=tm)
+            x = new.to(tl.float32)
+            sq += tl.sum(x * x, axis=1)
+            w = tl.load(
+                fn_ptr + m[None, :] * K + (i * HD + h)[:, None],
+                mask=(m < MIX)[None, :] & h_mask[:, None],
+                other=0.0,
+            )
+            if PRECISION == "bf16_split":  # as _mhc_pre_partial_kernel's
+                w1 = w.to(tl.bfloat16)
+                rest = w - w1.to(tl.float32)
+                w2 = rest.to(tl.bfloat16)
+                w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+                step = tl.dot(new, w3)
+                step = tl.dot(new, w2, step)
+                acc += tl.dot(new, w1, step)
+            else:
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    row = part_ptr + (s * T + t64[:, None]) * (MP + 1)
+    tl.store(row + m[None, :], acc, mask=t_mask[:, None])
+    tl.store(part_ptr + (s * T + t64) * (MP + 1) + MP, sq, mask=t_mask)
+
+
+def mhc_post_pre(
+    out: torch.Tensor,
+    residual: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    iters: int,
+    eps: float,
+    norm_eps: float,
+    weight: torch.Tensor,
+    rms_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mhc_post then mhc_pre in two launches (PREFILL_POST_PARTIAL): programs of (64 tokens,
+    a slice of every stream's channels) expand, store the new streams and dot them with fn's
+    columns; the pre's finish sums the slices' partials. Returns (new streams, post, comb, x)."""
+    tokens, hc, hidden = residual.shape
+    mix = fn.shape[0]
+    assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
+    new = torch.empty(tokens, hc, hidden, device=residual.device, dtype=residual.dtype)
+    if tokens == 0:
+        return new, *_pre_finish(None, 0, new, base, scale, iters, eps, norm_eps, weight, rms_eps)
+    mp = triton.next_power_of_2(mix)
+    block_t, block_h = 64, POST_PARTIAL_BLOCK_H
+    t_blocks = triton.cdiv(tokens, block_t)
+    h_blocks = triton.cdiv(hidden, block_h)
+    splits = max(1, min(h_blocks, triton.cdiv(POST_PARTIAL_PROGRAMS, t_blocks)))
+    h_per_split = triton.cdiv(h_blocks, splits) * block_h
+    splits = triton.cdiv(hidden, h_per_split)
+    part = torch.empty(splits, tokens, mp + 1, device=residual.device, dtype=torch.float32)
+    _mhc_post_partial_kernel[(t_blocks, splits)](
+        out.contiguous(),
+        residual.contiguous(),
+        post.contiguous().float(),
+        comb.contiguous().float(),
+        fn.contiguous().float(),
+        new,
+        part,
+        tokens,
+        h_per_split,
+        HC=hc,
+        HD=hidden,
+        MIX=mix,
+        MP=mp,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        PRECISION=logit_dot(residual.dtype),
+        num_warps=8,
+        num_stages=1,  # the loads are issued a step at a time (3: 82 KB of shared memory)
+        **({"maxnreg": POST_PARTIAL_MAXNREG} if POST_PARTIAL_MAXNREG else {}),
+        **LAUNCH,
+    )
+    return new, *_pre_finish(part, splits, new, base, scale, iters, eps, norm_eps, weight, rms_eps)
+
+
 # The fused boundary: batches of up to this many tokens (decode, EAGLE verify, short chunks);
 # larger ones run mhc_post + mhc_pre (three launches, but each tile of fn serves a block of
 # tokens there, through tf32x3 tensor-core dots): the fused kernel reads fn once per block of at
@@ -566,7 +651,6 @@ def _mhc_boundary_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
-    SCALARS: tl.constexpr,  # SINKHORN_SCALARS, with BLOCK_T 1
 ):
     tb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -652,7 +736,7 @@ def _mhc_boundary_kernel(
         logits = comb_w * rstd[:, None, None] * s2 + comb_b[None, :, :]
         lm = tm[:, None, None] & pm[None, :, :]
         offs = tok[:, None, None] * HC * HC + rc[None, :, :]  # the block's tokens from t0
-        _sinkhorn_store(logits, lm, comb2_ptr + t0 * HC * HC, offs, iters, eps, HC, SCALARS)
+        tl.store(comb2_ptr + t0 * HC * HC + offs, _sinkhorn(logits, lm, iters, eps), mask=lm)
         for tt in range(0, n):  # the collapse of each token of the block, and its RMSNorm
             t = (t0 + tt).to(tl.int64)
             pre_t = tl.sum(tl.where(tok[:, None] == tt, pre, 0.0), axis=0)
@@ -684,6 +768,9 @@ def mhc_boundary(
     leaves zero) sums them in a fixed order, runs the Sinkhorn and collapses + normalises.
     Larger batches: mhc_post, then mhc_pre."""
     tokens, hc, hidden = residual.shape
+    if tokens > BOUNDARY_MAX_TOKENS and PREFILL_POST_PARTIAL:
+        args = (fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
+        return mhc_post_pre(out, residual, post, comb, *args)
     if tokens > BOUNDARY_MAX_TOKENS:
         new = mhc_post(out, residual, post, comb)
         return new, *mhc_pre(new, fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
@@ -738,7 +825,6 @@ def mhc_boundary(
         BLOCK_T=block_t,
         BLOCK_H=BOUNDARY_BLOCK_H,
         BLOCK_F=min(triton.next_power_of_2(hidden), BOUNDARY_BLOCK_F // p),
-        SCALARS=SINKHORN_SCALARS and block_t == 1,
         num_warps=8,
         **LAUNCH,
     )
