@@ -39,13 +39,14 @@ HC, HD = 4, 4096  # mHC streams, hidden size
 HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
 # the boundary's switches past 16 tokens (kernels/triton/mhc.py), each timed beside the tree's
 # setting: us_new_<name>. PREFILL_POST_PARTIAL: the expansion and the pre's partial sums in one
-# kernel; with its registers unbounded or at 64; aiming at about 2 programs per SM, not 8
+# kernel; with its registers unbounded or at 64; aiming at about 2 programs per SM, not 8; 8 warps
 PP = "kernels.triton.mhc.PREFILL_POST_PARTIAL"
 MHC_VARIANTS = {
     "post_partial": {PP: True},
     "post_partial_nreg255": {PP: True, "kernels.triton.mhc.POST_PARTIAL_MAXNREG": None},
     "post_partial_nreg64": {PP: True, "kernels.triton.mhc.POST_PARTIAL_MAXNREG": 64},
     "post_partial_264": {PP: True, "kernels.triton.mhc.POST_PARTIAL_PROGRAMS": 264},
+    "post_partial_8warps": {PP: True, "kernels.triton.mhc.POST_PARTIAL_WARPS": 8},
 }
 
 

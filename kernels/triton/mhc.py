@@ -454,15 +454,19 @@ def mhc_post(
 
 
 # Past BOUNDARY_MAX_TOKENS (prefill), the boundary as two launches, not three: the expansion
-# and the next collapse's partial sums in one kernel (mhc_post_partial: each new stream's tile
-# goes to the logits' dot from registers), then the pre's finish. It saves the partial kernel's
-# read of the new streams (32 KB a token of the real size's 112). Off until timed on a GPU.
+# and the next collapse's partial sums in one kernel (each new stream's tile goes to the logits'
+# dot from registers), then the pre's finish. It saves the partial kernel's read of the new
+# streams (32 KB a token of the real size's 112). Off until timed on a GPU.
 PREFILL_POST_PARTIAL = False
 POST_PARTIAL_BLOCK_H = 64  # channels of each stream a step; 64 tokens a program
 POST_PARTIAL_PROGRAMS = 1056  # programs aimed at: 8 per SM of an H200, so the last wave is short
-# registers a thread may hold: unbounded, ptxas takes 255 (one 8-warp program per SM); at 128
+# registers a thread may hold: unbounded, ptxas takes 255 (two 4-warp programs per SM); at 128
 # (and at 64) sm_90a compiles it without spills (bench/sm90_compile.py)
 POST_PARTIAL_MAXNREG = 128
+# 4: one tensor-core layout for the three dots of bf16_split, as the pre's partial kernel (with
+# 8, sm_90a gave the first two dots one layout and the last another, and the H100 missed
+# float32's tolerance by 1e-3 in bf16; the H100 run's loads were unvectorized too)
+POST_PARTIAL_WARPS = 4
 
 
 # T not specialized (it varies with the token count); h_per_split is (divisible by 16: unknown,
@@ -592,7 +596,7 @@ def mhc_post_pre(
         BLOCK_T=block_t,
         BLOCK_H=block_h,
         PRECISION=logit_dot(residual.dtype),
-        num_warps=8,
+        num_warps=POST_PARTIAL_WARPS,
         num_stages=1,  # the loads are issued a step at a time (3: 82 KB of shared memory)
         **({"maxnreg": POST_PARTIAL_MAXNREG} if POST_PARTIAL_MAXNREG else {}),
         **LAUNCH,
