@@ -4,10 +4,10 @@
 
 - mhc_boundary (bf16; the mixing is float32 whatever the weights): the old boundary, mhc_post
   then mhc_pre (three launches), against mhc_boundary (one launch up to BOUNDARY_MAX_TOKENS;
-  past it, mhc_post then mhc_pre), hc 4 x Hd 4096, fn [24, 16384]; us_new_<name>: the same with
-  MHC_VARIANTS' switches of the pre, us_new_sinkhorn_1 with 1 Sinkhorn iteration (of 20). Past
-  BOUNDARY_MAX_TOKENS (prefill sizes: --batches 1024,8192) also each kernel's device time in one
-  eager call, per variant ("mhc_kernels_eager").
+  past it, mhc_post then mhc_pre), hc 4 x Hd 4096, fn [24, 16384]; us_new_sinkhorn_1: the same
+  with 1 Sinkhorn iteration (of 20). Past BOUNDARY_MAX_TOKENS (prefill sizes: --batches
+  1024,8192) also each kernel's device time in one eager call ("mhc_kernels_eager"; with PDL a
+  kernel's time includes its wait for the one before).
 - kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
   --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
   GEMMs in FP8; f_b_proj, g_b_proj, the fused core as it was before f_b/g_b moved in, o_proj)
@@ -37,17 +37,6 @@ HBM_BW = 4.23e12  # bytes/s: the H200's measured copy bandwidth (docs/BENCHMARKS
 REPLAYS = 30
 HC, HD = 4, 4096  # mHC streams, hidden size
 HEADS, DIM = 8, 128  # KDA heads of rank 0 of TP8, head size
-# the boundary's switches past 16 tokens (kernels/triton/mhc.py), each timed beside the tree's
-# setting: us_new_<name>. PREFILL_POST_PARTIAL: the expansion and the pre's partial sums in one
-# kernel; with its registers unbounded or at 64; aiming at about 2 programs per SM, not 8; 8 warps
-PP = "kernels.triton.mhc.PREFILL_POST_PARTIAL"
-MHC_VARIANTS = {
-    "post_partial": {PP: True},
-    "post_partial_nreg255": {PP: True, "kernels.triton.mhc.POST_PARTIAL_MAXNREG": None},
-    "post_partial_nreg64": {PP: True, "kernels.triton.mhc.POST_PARTIAL_MAXNREG": 64},
-    "post_partial_264": {PP: True, "kernels.triton.mhc.POST_PARTIAL_PROGRAMS": 264},
-    "post_partial_8warps": {PP: True, "kernels.triton.mhc.POST_PARTIAL_WARPS": 8},
-}
 
 
 def graph_us(fn, copies: list) -> float:
@@ -144,24 +133,15 @@ def bench_mhc(batch: int) -> None:
         args = (c["out"], c["streams"], c["post"], c["comb"], c["fn"], c["base"], c["scale"])
         return mhc_boundary(*args, iters, *mixing[1:], c["weight"], 1e-5, c["counter"])
 
-    from bench.fast_path import switched
-
     us_old, us_new = graph_us(old, copies), graph_us(new, copies)
-    more = {}
-    for name, sets in MHC_VARIANTS.items():
-        with switched(sets):
-            more[f"us_new_{name}"] = graph_us(new, copies)
-    # a diagnostic, not a variant: one Sinkhorn iteration in place of 20 prices the serial
-    # mixing the finishing program does per token
-    more["us_new_sinkhorn_1"] = graph_us(lambda c: new(c, 1), copies)
+    # a diagnostic: one Sinkhorn iteration in place of 20 prices the serial mixing the finishing
+    # program does per token
+    more = {"us_new_sinkhorn_1": graph_us(lambda c: new(c, 1), copies)}
     floor = fn_bytes + act_bytes
     row("mhc_boundary", batch, "bf16", us_old, us_new, floor, launches(new, copies[0]), **more)
     if batch > BOUNDARY_MAX_TOKENS:  # post, then the pre's two kernels: where the time goes
-        for name, sets in {"base": {}, **MHC_VARIANTS}.items():
-            with switched(sets):
-                times = kernel_times(new, copies[0])
-            us = [(k, round(t, 2)) for k, t in times]
-            print(json.dumps(dict(name="mhc_kernels_eager", batch=batch, variant=name, us=us)))
+        us = [(k, round(t, 2)) for k, t in kernel_times(new, copies[0])]
+        print(json.dumps(dict(name="mhc_kernels_eager", batch=batch, us=us)))
 
 
 # ---------------------------------------------------------------------------------------------

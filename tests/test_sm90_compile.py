@@ -25,7 +25,6 @@ KERNELS = {
     "_mhc_pre_partial_kernel",  # the prefill's mHC pre (both logit dots) and post
     "_mhc_pre_finish_kernel",
     "_mhc_post_kernel",
-    "_mhc_post_partial_kernel",  # PREFILL_POST_PARTIAL
 }
 
 

@@ -185,27 +185,6 @@ def test_mhc_boundary_interpreter_post_then_pre(tokens, hidden, dtype, monkeypat
     assert calls == ["mhc_post", "mhc_pre"]
 
 
-def _check_post_partial(tokens, hc, hidden, dtype, device, monkeypatch):
-    """PREFILL_POST_PARTIAL's boundary (mhc_post_pre, and neither mhc_post nor mhc_pre) at the
-    references' tolerances."""
-    from kernels.triton import mhc as tmhc
-
-    monkeypatch.setattr(tmhc, "PREFILL_POST_PARTIAL", True)
-    for name in ("mhc_post", "mhc_pre"):
-        monkeypatch.setattr(tmhc, name, lambda *a, n=name: pytest.fail(f"{n} called"))
-    return _check_boundary(tokens, hc, hidden, dtype, device)
-
-
-@cpu_interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mhc_interpreter_post_partial(dtype, monkeypatch):
-    """The expansion and the next collapse's partial sums in one kernel, then the pre's finish:
-    70 tokens (a ragged second block of 64), Hd 200 (a masked channel step, 4 slices of 64
-    channels); hc 3 with 20 tokens: masked streams and 15 mixing logits."""
-    _check_post_partial(70, 4, 200, dtype, "cpu", monkeypatch)
-    _check_post_partial(20, 3, 64, dtype, "cpu", monkeypatch)
-
-
 @cpu_interp
 @pytest.mark.parametrize("tokens", [1, 12])
 def test_mhc_interpreter_few_sinkhorn_iterations(tokens):
@@ -427,19 +406,6 @@ def test_mhc_boundary_cuda_graph(tokens):
         torch.cuda.synchronize()
         _boundary_close(outs, args, torch.bfloat16)
         assert not counter.any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [17, 1000, 8192])
-def test_mhc_post_partial_gpu(tokens, monkeypatch):
-    """PREFILL_POST_PARTIAL at rank 0 of TP8's shapes, bf16 and float32 (each logit dot), the
-    references' tolerances; a second call on the same inputs is bitwise equal."""
-    from kernels.triton.mhc import mhc_boundary
-
-    for dtype in (torch.bfloat16, torch.float32):
-        args, first = _check_post_partial(tokens, 4, REAL_HD, dtype, "cuda", monkeypatch)
-        second = mhc_boundary(*args, torch.zeros(1, dtype=torch.int32, device="cuda"))
-        assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @pytest.mark.gpu

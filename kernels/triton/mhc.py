@@ -41,6 +41,10 @@ from kernels.triton.pdl import LAUNCH, grid_dependency
 #   streams' tile and half its registers (70 against 156 at sm_90a). Against tf32x3 on bf16
 #   streams (bench.decode_mhc_kda, rank 0): an 8,192-token boundary 466 against 569 us on the
 #   H200, 574 against 693 on the H100; 1,024 tokens 89 against 104 (H200), 96 against 109.
+#   Measured and dropped (2026-12-05): the expansion and these partial sums in one kernel, each
+#   new stream's tile dotted from registers (saving the partial's 32 KB a token of re-read):
+#   2.8 ms against 0.47 an 8k boundary on the H200 even with 16-byte loads, and off float32's
+#   tolerance in bf16 (notebook, session 23).
 
 
 @triton.jit
@@ -297,55 +301,6 @@ def _mhc_pre_finish_kernel(
     _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
 
 
-def _pre_finish(
-    part: torch.Tensor | None,
-    splits: int,
-    x: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    iters: int,
-    eps: float,
-    norm_eps: float,
-    weight: torch.Tensor,
-    rms_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The collapse's second launch: part [splits, T, MP + 1] (the logits' and the squares'
-    partial sums of the streams x [T, hc, Hd]; None for no tokens) -> (post, comb, the normed
-    collapse)."""
-    tokens, hc, hidden = x.shape
-    dev = x.device
-    post = torch.empty(tokens, hc, device=dev, dtype=torch.float32)
-    comb = torch.empty(tokens, hc, hc, device=dev, dtype=torch.float32)
-    out = torch.empty(tokens, hidden, device=dev, dtype=x.dtype)
-    if tokens == 0:
-        return post, comb, out
-    _mhc_pre_finish_kernel[(tokens,)](
-        part,
-        x,
-        base.contiguous().float(),
-        scale.contiguous().float(),
-        weight.contiguous(),
-        post,
-        comb,
-        out,
-        tokens,
-        splits,
-        iters,
-        eps,
-        norm_eps,
-        rms_eps,
-        HC=hc,
-        P=triton.next_power_of_2(hc),
-        MP=part.shape[2] - 1,
-        HD=hidden,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
-        SPLITS=min(64, triton.next_power_of_2(splits)),
-        num_warps=4,
-        **LAUNCH,
-    )
-    return post, comb, out
-
-
 def logit_dot(dtype: torch.dtype) -> str:
     """The mixing logits' dot for streams of this dtype (the comment above _sinkhorn)."""
     return "bf16_split" if dtype == torch.bfloat16 else "tf32x3"
@@ -367,10 +322,13 @@ def mhc_pre(
     mix = fn.shape[0]
     assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, streams.shape)
     assert weight.dtype == streams.dtype, "the RMSNorm weight is held in the streams' dtype"
-    x = streams.contiguous()
-    dev = x.device
+    dev = streams.device
+    post = torch.empty(tokens, hc, device=dev, dtype=torch.float32)
+    comb = torch.empty(tokens, hc, hc, device=dev, dtype=torch.float32)
+    out = torch.empty(tokens, hidden, device=dev, dtype=streams.dtype)
     if tokens == 0:
-        return _pre_finish(None, 0, x, base, scale, iters, eps, norm_eps, weight, rms_eps)
+        return post, comb, out
+    x = streams.contiguous()
     k = hc * hidden
     mp = triton.next_power_of_2(mix)
     block_t = 16 if tokens <= 16 else 64
@@ -396,7 +354,31 @@ def mhc_pre(
         num_warps=4,
         **LAUNCH,
     )
-    return _pre_finish(part, splits, x, base, scale, iters, eps, norm_eps, weight, rms_eps)
+    _mhc_pre_finish_kernel[(tokens,)](
+        part,
+        x,
+        base.contiguous().float(),
+        scale.contiguous().float(),
+        weight.contiguous(),
+        post,
+        comb,
+        out,
+        tokens,
+        splits,
+        iters,
+        eps,
+        norm_eps,
+        rms_eps,
+        HC=hc,
+        P=triton.next_power_of_2(hc),
+        MP=mp,
+        HD=hidden,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        SPLITS=min(64, triton.next_power_of_2(splits)),
+        num_warps=4,
+        **LAUNCH,
+    )
+    return post, comb, out
 
 
 @triton.jit
@@ -451,157 +433,6 @@ def mhc_post(
         **LAUNCH,
     )
     return new
-
-
-# Past BOUNDARY_MAX_TOKENS (prefill), the boundary as two launches, not three: the expansion
-# and the next collapse's partial sums in one kernel (each new stream's tile goes to the logits'
-# dot from registers), then the pre's finish. It saves the partial kernel's read of the new
-# streams (32 KB a token of the real size's 112). Off until timed on a GPU.
-PREFILL_POST_PARTIAL = False
-POST_PARTIAL_BLOCK_H = 64  # channels of each stream a step; 64 tokens a program
-POST_PARTIAL_PROGRAMS = 1056  # programs aimed at: 8 per SM of an H200, so the last wave is short
-# registers a thread may hold: unbounded, ptxas takes 255 (two 4-warp programs per SM); at 128
-# (and at 64) sm_90a compiles it without spills (bench/sm90_compile.py)
-POST_PARTIAL_MAXNREG = 128
-# 4: one tensor-core layout for the three dots of bf16_split, as the pre's partial kernel (with
-# 8, sm_90a gave the first two dots one layout and the last another, and the H100 missed
-# float32's tolerance by 1e-3 in bf16; the H100 run's loads were unvectorized too)
-POST_PARTIAL_WARPS = 4
-
-
-# T not specialized (it varies with the token count); h_per_split is (divisible by 16: unknown,
-# the channel offsets' alignment is too, and every load goes out 2 bytes at a time)
-@triton.jit(do_not_specialize=["T"])
-def _mhc_post_partial_kernel(
-    out_ptr,  # [T, HD] the sublayer's output
-    res_ptr,  # [T, HC, HD] the streams its input was collapsed from
-    post_ptr,  # [T, HC] float32: that collapse's post
-    comb_ptr,  # [T, HC, HC] float32: and comb
-    fn_ptr,  # [MIX, HC * HD] float32: the next collapse's mixing projection
-    new_ptr,  # [T, HC, HD] out: the new streams
-    part_ptr,  # [S, T, MP + 1] float32 out: as _mhc_pre_partial_kernel's
-    T,
-    h_per_split,  # channels of every stream per program (a multiple of BLOCK_H)
-    HC: tl.constexpr,
-    HD: tl.constexpr,
-    MIX: tl.constexpr,
-    MP: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    PRECISION: tl.constexpr,  # logit_dot's
-):
-    grid_dependency()  # first: kernels/triton/pdl.py
-    s = tl.program_id(1)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = t < T
-    t64 = t.to(tl.int64)
-    dt = new_ptr.dtype.element_ty
-    K = HC * HD
-    m = tl.arange(0, MP)
-    # each token's post and comb rounded to the streams' dtype (as _mhc_post_kernel), [BLOCK_T]
-    # vectors: post[i], then comb[j * HC + i]
-    p = ()
-    for i in tl.static_range(HC):
-        p = p + (tl.load(post_ptr + t64 * HC + i, mask=t_mask, other=0.0).to(dt).to(tl.float32),)
-    c = ()
-    for q in tl.static_range(HC * HC):
-        cq = tl.load(comb_ptr + t64 * HC * HC + q, mask=t_mask, other=0.0)
-        c = c + (cq.to(dt).to(tl.float32),)
-    acc = tl.zeros([BLOCK_T, MP], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    h_start = s * h_per_split
-    for h0 in range(h_start, h_start + h_per_split, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        h_mask = h < HD
-        tm = t_mask[:, None] & h_mask[None, :]
-        o = tl.load(out_ptr + t64[:, None] * HD + h[None, :], mask=tm, other=0.0).to(tl.float32)
-        r = ()
-        for j in tl.static_range(HC):
-            rj = tl.load(res_ptr + t64[:, None] * K + j * HD + h[None, :], mask=tm, other=0.0)
-            r = r + (rj.to(tl.float32),)
-        for i in tl.static_range(HC):
-            mixed = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-            for j in tl.static_range(HC):
-                mixed += c[j * HC + i][:, None] * r[j]
-            a = (p[i][:, None] * o).to(dt).to(tl.float32)
-            new = (a + mixed.to(dt).to(tl.float32)).to(dt)  # zero off the mask
-            tl.store(new_ptr + t64[:, None] * K + i * HD + h[None, :], new, mask=tm)
-            x = new.to(tl.float32)
-            sq += tl.sum(x * x, axis=1)
-            w = tl.load(
-                fn_ptr + m[None, :] * K + (i * HD + h)[:, None],
-                mask=(m < MIX)[None, :] & h_mask[:, None],
-                other=0.0,
-            )
-            if PRECISION == "bf16_split":  # as _mhc_pre_partial_kernel's
-                w1 = w.to(tl.bfloat16)
-                rest = w - w1.to(tl.float32)
-                w2 = rest.to(tl.bfloat16)
-                w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
-                step = tl.dot(new, w3)
-                step = tl.dot(new, w2, step)
-                acc += tl.dot(new, w1, step)
-            else:
-                acc = tl.dot(x, w, acc, input_precision=PRECISION)
-    row = part_ptr + (s * T + t64[:, None]) * (MP + 1)
-    tl.store(row + m[None, :], acc, mask=t_mask[:, None])
-    tl.store(part_ptr + (s * T + t64) * (MP + 1) + MP, sq, mask=t_mask)
-
-
-def mhc_post_pre(
-    out: torch.Tensor,
-    residual: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    iters: int,
-    eps: float,
-    norm_eps: float,
-    weight: torch.Tensor,
-    rms_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mhc_post then mhc_pre in two launches (PREFILL_POST_PARTIAL): programs of (64 tokens,
-    a slice of every stream's channels) expand, store the new streams and dot them with fn's
-    columns; the pre's finish sums the slices' partials. Returns (new streams, post, comb, x)."""
-    tokens, hc, hidden = residual.shape
-    mix = fn.shape[0]
-    assert mix == (2 + hc) * hc and fn.shape[1] == hc * hidden, (fn.shape, residual.shape)
-    new = torch.empty(tokens, hc, hidden, device=residual.device, dtype=residual.dtype)
-    if tokens == 0:
-        return new, *_pre_finish(None, 0, new, base, scale, iters, eps, norm_eps, weight, rms_eps)
-    mp = triton.next_power_of_2(mix)
-    block_t, block_h = 64, POST_PARTIAL_BLOCK_H
-    t_blocks = triton.cdiv(tokens, block_t)
-    h_blocks = triton.cdiv(hidden, block_h)
-    splits = max(1, min(h_blocks, triton.cdiv(POST_PARTIAL_PROGRAMS, t_blocks)))
-    h_per_split = triton.cdiv(h_blocks, splits) * block_h
-    splits = triton.cdiv(hidden, h_per_split)
-    part = torch.empty(splits, tokens, mp + 1, device=residual.device, dtype=torch.float32)
-    _mhc_post_partial_kernel[(t_blocks, splits)](
-        out.contiguous(),
-        residual.contiguous(),
-        post.contiguous().float(),
-        comb.contiguous().float(),
-        fn.contiguous().float(),
-        new,
-        part,
-        tokens,
-        h_per_split,
-        HC=hc,
-        HD=hidden,
-        MIX=mix,
-        MP=mp,
-        BLOCK_T=block_t,
-        BLOCK_H=block_h,
-        PRECISION=logit_dot(residual.dtype),
-        num_warps=POST_PARTIAL_WARPS,
-        num_stages=1,  # the loads are issued a step at a time (3: 82 KB of shared memory)
-        **({"maxnreg": POST_PARTIAL_MAXNREG} if POST_PARTIAL_MAXNREG else {}),
-        **LAUNCH,
-    )
-    return new, *_pre_finish(part, splits, new, base, scale, iters, eps, norm_eps, weight, rms_eps)
 
 
 # The fused boundary: batches of up to this many tokens (decode, EAGLE verify, short chunks);
@@ -772,9 +603,6 @@ def mhc_boundary(
     leaves zero) sums them in a fixed order, runs the Sinkhorn and collapses + normalises.
     Larger batches: mhc_post, then mhc_pre."""
     tokens, hc, hidden = residual.shape
-    if tokens > BOUNDARY_MAX_TOKENS and PREFILL_POST_PARTIAL:
-        args = (fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
-        return mhc_post_pre(out, residual, post, comb, *args)
     if tokens > BOUNDARY_MAX_TOKENS:
         new = mhc_post(out, residual, post, comb)
         return new, *mhc_pre(new, fn, base, scale, iters, eps, norm_eps, weight, rms_eps)
