@@ -570,8 +570,8 @@ def _mhc_boundary_kernel(
         comb_b = tl.load(base_ptr + 2 * HC + rc, mask=pm, other=0.0)
         logits = comb_w * rstd[:, None, None] * s2 + comb_b[None, :, :]
         lm = tm[:, None, None] & pm[None, :, :]
-        offs = tok[:, None, None] * HC * HC + rc[None, :, :]  # the block's tokens from t0
-        tl.store(comb2_ptr + t0 * HC * HC + offs, _sinkhorn(logits, lm, iters, eps), mask=lm)
+        comb2 = comb2_ptr + tv[:, None, None] * HC * HC + rc[None, :, :]
+        tl.store(comb2, _sinkhorn(logits, lm, iters, eps), mask=lm)
         for tt in range(0, n):  # the collapse of each token of the block, and its RMSNorm
             t = (t0 + tt).to(tl.int64)
             pre_t = tl.sum(tl.where(tok[:, None] == tt, pre, 0.0), axis=0)

@@ -65,13 +65,15 @@ GEMV_MAX_ROWS = 1
 GEMV_BLOCK_N = 16
 GEMV_BLOCK_K = 256
 GEMV_PROGRAMS = 396
-# weights of K <= GEMV_SHORT_K take 8-row N tiles by 512-wide K steps instead: the whole of a
+# weights of K <= GEMV_SHORT_K take GEMV_SHORT_BLOCK_N x GEMV_SHORT_BLOCK_K tiles instead: a
 # short row in 1-4 steps, so each program's loads are in flight at once (H200, bench.decode_gemm
 # --sweep, us at one row: KDA o_proj 4096 x 1024 3.81 against 5.00, DSA o_proj 6.09 against
 # 7.31, dense down 4.88 against 6.08; at K 4096 the dense gate_up 12.26 against 9.57 and the
 # lm_head 42.61 against 40.02 lose). The rank-0 step at batch 1: 4.675 / 4.589 ms against
 # 4.686 / 4.691 (graphs captured twice each, one process)
 GEMV_SHORT_K = 2048
+GEMV_SHORT_BLOCK_N = 8
+GEMV_SHORT_BLOCK_K = 512
 
 
 class SkinnyConfig(NamedTuple):
@@ -125,11 +127,12 @@ def gemv_config(
 ) -> SkinnyConfig:
     """The GEMV form's tiling for one row against an [n, k] dense weight (host ints): N tiles of
     block_n rows, K steps of block_k (all of k below it; both by default GEMV_BLOCK_N x
-    GEMV_BLOCK_K, or 8 x 512 for k <= GEMV_SHORT_K), split K until the programs reach
+    GEMV_BLOCK_K, or the GEMV_SHORT_ tiles for k <= GEMV_SHORT_K), split K until the programs reach
     target_programs (block_m 1: the form is told apart by it)."""
     short = k <= GEMV_SHORT_K
-    block_n = block_n or (8 if short else GEMV_BLOCK_N)
-    block_k = max(32, min(block_k or (512 if short else GEMV_BLOCK_K), triton.next_power_of_2(k)))
+    block_n = block_n or (GEMV_SHORT_BLOCK_N if short else GEMV_BLOCK_N)
+    block_k = block_k or (GEMV_SHORT_BLOCK_K if short else GEMV_BLOCK_K)
+    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
     steps = triton.cdiv(k, block_k)
     splits = max(1, min(steps, triton.cdiv(target_programs, triton.cdiv(n, block_n))))
     per = triton.cdiv(steps, splits)
