@@ -72,6 +72,7 @@ import torch
 import kernels
 from bench.step_costs import (
     allreduce_ms,
+    graph_kernels,
     graph_steps,
     hbm_floor,
     layer_kinds,
@@ -435,7 +436,8 @@ def stage_decode_mapped(b: Bench) -> None:
 
 def _trace_graph_steps(b: Bench, step, bs: int, context: int, variant: str) -> None:
     """Kernels per replayed decode step, their busy time and the graph's gaps (graph_steps),
-    the median over --trace-steps profiled steps."""
+    the median over --trace-steps profiled steps, and the kernels taking the most time
+    (graph_kernels; with PDL on, a kernel's time includes its wait for the one before)."""
     from torch.profiler import profile, record_function
 
     from serving.tools.trace_summary import load
@@ -448,7 +450,8 @@ def _trace_graph_steps(b: Bench, step, bs: int, context: int, variant: str) -> N
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        rows = graph_steps(load(path), "step")
+        trace = load(path)
+        rows = graph_steps(trace, "step")
     if not rows:
         b.run.record(
             stage="decode_graph_trace",
@@ -469,6 +472,7 @@ def _trace_graph_steps(b: Bench, step, bs: int, context: int, variant: str) -> N
         busy_ms=round(med["busy_us"] / 1000, 4),
         span_ms=round(med["span_us"] / 1000, 4),
         gap_ms=round(med["gap_us"] / 1000, 4),
+        top_kernels=graph_kernels(trace, "step"),
     )
 
 

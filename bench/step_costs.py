@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
@@ -184,13 +185,10 @@ def kernel_time_by_range(
     return totals, kernels, steps
 
 
-def graph_steps(trace: dict, step_label: str) -> list[dict[str, float]]:
-    """Per `step_label` range of a trace of replayed CUDA graphs: the kernels its launches ran
-    (a graph's kernels carry its cudaGraphLaunch's correlation id), their busy time (the union of
-    their intervals), their span (first start to last end) and the gap (span less busy: the
-    device idle between a step's dependent kernels, launch latency that a graph does not hide),
-    in us. Copies and memsets are left out of the count but kept in busy and span."""
-    from serving.tools.trace_summary import GPU_CATS, covered, union
+def _graph_step_events(trace: dict, step_label: str) -> list[list[dict]]:
+    """The device events of each `step_label` range of a trace of replayed CUDA graphs, in
+    time order (a graph's kernels carry its cudaGraphLaunch's correlation id)."""
+    from serving.tools.trace_summary import GPU_CATS
 
     events, host, parent, launch_at = launch_map(trace)
     per_step: dict[int, list[dict]] = {}
@@ -202,14 +200,46 @@ def graph_steps(trace: dict, step_label: str) -> list[dict[str, float]]:
             i = parent[i]
         if i is not None:
             per_step.setdefault(i, []).append(e)
+    return [per_step[i] for i in sorted(per_step, key=lambda i: host[i]["ts"])]
+
+
+def graph_steps(trace: dict, step_label: str) -> list[dict[str, float]]:
+    """Per `step_label` range of a trace of replayed CUDA graphs: the kernels its launches ran,
+    their busy time (the union of their intervals), their span (first start to last end) and the
+    gap (span less busy: the device idle between a step's dependent kernels, launch latency that
+    a graph does not hide), in us. Copies and memsets are left out of the count but kept in busy
+    and span."""
+    from serving.tools.trace_summary import covered, union
+
     rows = []
-    for i in sorted(per_step, key=lambda i: host[i]["ts"]):
-        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in per_step[i]]
+    for step in _graph_step_events(trace, step_label):
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in step]
         busy = covered(union(spans))
         span = max(end for _, end in spans) - min(start for start, _ in spans)
-        kernels = sum(e.get("cat") == "kernel" for e in per_step[i])
+        kernels = sum(e.get("cat") == "kernel" for e in step)
         rows.append({"kernels": kernels, "busy_us": busy, "span_us": span, "gap_us": span - busy})
     return rows
+
+
+def graph_kernels(trace: dict, step_label: str, top: int = 30) -> list[dict]:
+    """The `top` kernel names of replayed `step_label` ranges by device time: calls and us a step
+    (means over the steps), longest first. Under PDL a kernel's time includes its wait for the
+    one before (it starts early): trace with PDSERVE_PDL=0 for each kernel's own time."""
+    from serving.tools.trace_summary import short
+
+    steps = _graph_step_events(trace, step_label)
+    calls: dict[str, int] = defaultdict(int)
+    us: dict[str, float] = defaultdict(float)
+    for step in steps:
+        for e in step:
+            if e.get("cat") == "kernel":
+                calls[short(e["name"])] += 1
+                us[short(e["name"])] += float(e["dur"])
+    n = max(1, len(steps))
+    ranked = sorted(us, key=lambda name: -us[name])[:top]
+    return [
+        {"name": name, "calls": calls[name] / n, "us": round(us[name] / n, 2)} for name in ranked
+    ]
 
 
 def _routed(name: str) -> bool:

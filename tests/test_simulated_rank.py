@@ -496,16 +496,17 @@ def test_kernel_time_goes_to_the_range_around_its_launch():
 
 def test_graph_steps_count_a_replay_s_kernels_and_its_gaps():
     """A replayed graph's kernels share their cudaGraphLaunch's correlation id: each step range
-    gets its kernels' count, busy time (overlaps counted once), span and the idle gap between."""
-    from bench.step_costs import graph_steps
+    gets its kernels' count, busy time (overlaps counted once), span and the idle gap between;
+    graph_kernels ranks the kernel names by their time a step."""
+    from bench.step_costs import graph_kernels, graph_steps
 
     def host(name, cat, ts, dur, corr=None):
         args = {} if corr is None else {"correlation": corr}
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1,
                 "args": args}  # fmt: skip
 
-    def dev(corr, ts, dur, cat="kernel"):
-        return {"ph": "X", "cat": cat, "name": "k", "ts": ts, "dur": dur, "pid": 0, "tid": 7,
+    def dev(corr, ts, dur, cat="kernel", name="k"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7,
                 "args": {"correlation": corr}}  # fmt: skip
 
     events = [
@@ -513,14 +514,19 @@ def test_graph_steps_count_a_replay_s_kernels_and_its_gaps():
         host("cudaGraphLaunch", "cuda_runtime", 5, 2, corr=1),
         host("step", "user_annotation", 100, 50),
         host("cudaGraphLaunch", "cuda_runtime", 105, 2, corr=2),
-        dev(1, 1000, 10), dev(1, 1012, 10), dev(1, 1015, 3), dev(1, 1030, 5, "gpu_memset"),
-        dev(2, 2000, 20), dev(2, 2030, 10),
+        dev(1, 1000, 10), dev(1, 1012, 10, name="g"), dev(1, 1015, 3),
+        dev(1, 1030, 5, "gpu_memset"), dev(2, 2000, 20), dev(2, 2030, 10),
     ]  # fmt: skip
     rows = graph_steps({"traceEvents": events}, "step")
     assert rows == [
         {"kernels": 3, "busy_us": 25.0, "span_us": 35.0, "gap_us": 10.0},
         {"kernels": 2, "busy_us": 30.0, "span_us": 40.0, "gap_us": 10.0},
     ], rows
+    # by name, means over the two steps, longest first; the memset is no kernel
+    assert graph_kernels({"traceEvents": events}, "step") == [
+        {"name": "k", "calls": 2.0, "us": 21.5},
+        {"name": "g", "calls": 0.5, "us": 5.0},
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -649,14 +649,19 @@ def kda_decode(
 
 
 @triton.jit
-def _head_projection(a, w_ptr, s_ptr, stride_s, n, n_mask, r, r_mask, dt, R: tl.constexpr,
-                     FP8: tl.constexpr):  # fmt: skip
-    """Rows n of a [*, R] projection applied to one token's a [BLOCK_R] (float32 holding the
-    dtype's values): sum_r a[r] W[n, r] in float32, rounded to dt as the layer's Linear rounds
-    its output. FP8: W8A8 as kernels.fp8.block_fp8_linear (a quantized per token in one group
-    of <= 128, W's block scales per 128 rows), products and sums in float32."""
-    w = tl.load(w_ptr + n[:, None] * R + r[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                other=0.0).to(tl.float32)  # fmt: skip
+def _head_rows(w_ptr, n, n_mask, r, r_mask, R: tl.constexpr):
+    """Rows n of a [*, R] projection's weight, as stored (the model's dtype, or e4m3)."""
+    return tl.load(w_ptr + n[:, None] * R + r[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _head_projection(a, w, s_ptr, stride_s, n, n_mask, dt, FP8: tl.constexpr):
+    """A [*, R] projection's rows n (w, from _head_rows) applied to one token's a [BLOCK_R]
+    (float32 holding the dtype's values): sum_r a[r] W[n, r] in float32, rounded to dt as the
+    layer's Linear rounds its output. FP8: W8A8 as kernels.fp8.block_fp8_linear (a quantized per
+    token in one group of <= 128, W's block scales per 128 rows), products and sums in float32."""
+    w = w.to(tl.float32)
     if FP8:
         q, scale = quant_rows(a[None, :])
         a = tl.sum(q * scale[:, None], axis=0)  # the one group's dequantized values
@@ -711,9 +716,10 @@ def _kda_decode_layer_kernel(
     T: tl.constexpr, HISTORY: tl.constexpr,
     H: tl.constexpr, D: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BOUNDED: tl.constexpr, FP8: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    grid_dependency()  # first: kernels/triton/pdl.py
+    if not EARLY:
+        grid_dependency()  # first: kernels/triton/pdl.py
     i = tl.program_id(0)  # the request
     h = tl.program_id(1)
     split = tl.program_id(2)  # this program's columns of the head's state (its Dv block)
@@ -745,6 +751,21 @@ def _kda_decode_layer_kernel(
     wq_last = tl.load(w_ptr + ch * K + (K - 1), mask=dm, other=0.0)
     wk_last = tl.load(w_ptr + (H * D + ch) * K + (K - 1), mask=dm, other=0.0)
     wv_last = tl.load(w_ptr + (2 * H * D + chv) * K + (K - 1), mask=vm, other=0.0)
+    rate = tl.exp(tl.load(a_log_ptr + h))
+    dt_bias = tl.load(dt_bias_ptr + ch, mask=dm)
+    sm = dm[:, None] & vm[None, :]
+    s_ptrs = state_ptr + row * stride_sr + h * D * D + d[:, None] * D + dv[None, :]
+    s = tl.load(s_ptrs, mask=sm, other=0.0)  # [Dk, BLOCK_V] of the state, kept across the steps
+    r = tl.arange(0, BLOCK_R)
+    rm = r < R
+    if EARLY:
+        # EARLY_LOADS: the rows, weights and this layer's conv and recurrent state above, and
+        # this head's rows of f_b_proj (all of Dk) and this program's of g_b_proj for every
+        # step, before the wait: the kernel before this one (the layer's input projection)
+        # writes none of them (kernels/triton/pdl.py)
+        f_b = _head_rows(fb_ptr, ch, dm, r, rm, R)
+        g_b = _head_rows(gb_ptr, chv, vm, r, rm, R)
+        grid_dependency()
     hist_w = K - 1 + T  # conv history columns: the old state, then the step's inputs
     conv_hist = conv_hist_ptr + i.to(tl.int64) * (3 * H * D * hist_w)
     hist_dtype = conv_hist_ptr.dtype.element_ty  # the conv weights' (float32)
@@ -756,14 +777,7 @@ def _kda_decode_layer_kernel(
                      old_k.to(hist_dtype), mask=qk_mask)  # fmt: skip
         tl.store(conv_hist + (2 * H * D + chv)[:, None] * hist_w + jj[None, :],
                  old_v.to(hist_dtype), mask=v_mask)  # fmt: skip
-    rate = tl.exp(tl.load(a_log_ptr + h))
-    dt_bias = tl.load(dt_bias_ptr + ch, mask=dm)
     dt = q_ptr.dtype.element_ty
-    r = tl.arange(0, BLOCK_R)
-    rm = r < R
-    sm = dm[:, None] & vm[None, :]
-    s_ptrs = state_ptr + row * stride_sr + h * D * D + d[:, None] * D + dv[None, :]
-    s = tl.load(s_ptrs, mask=sm, other=0.0)  # [Dk, BLOCK_V] of the state, kept across the steps
     for t in tl.static_range(T):
         tok = tok0 + t
         x = tok * stride_x
@@ -791,7 +805,9 @@ def _kda_decode_layer_kernel(
         # the forget gate's per-channel log decay (f_b_proj: this head's rows of it), and beta
         # (sigmoid in the logits' dtype)
         f_a = tl.load(fa_ptr + tok * stride_fa + r, mask=rm, other=0.0).to(tl.float32)
-        f = _head_projection(f_a, fb_ptr, fbs_ptr, stride_ws, ch, dm, r, rm, dt, R, FP8)
+        if not EARLY:
+            f_b = _head_rows(fb_ptr, ch, dm, r, rm, R)
+        f = _head_projection(f_a, f_b, fbs_ptr, stride_ws, ch, dm, dt, FP8)
         f = f + dt_bias
         if BOUNDED:
             g = lower_bound * tl.sigmoid(rate * f)
@@ -809,7 +825,9 @@ def _kda_decode_layer_kernel(
         o = tl.sum(s * q[:, None], 0).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + tok * (H * D) + chv, o, mask=vm)  # before the norm (the finish)
         g_a = tl.load(ga_ptr + tok * stride_ga + r, mask=rm, other=0.0).to(tl.float32)
-        gate = _head_projection(g_a, gb_ptr, gbs_ptr, stride_ws, chv, vm, r, rm, dt, R, FP8)
+        if not EARLY:
+            g_b = _head_rows(gb_ptr, chv, vm, r, rm, R)
+        gate = _head_projection(g_a, g_b, gbs_ptr, stride_ws, chv, vm, dt, FP8)
         tl.store(gate_ptr + tok * (H * D) + chv, tl.sigmoid(gate), mask=vm)
     tl.store(s_ptrs, s, mask=sm)
     tl.store(v_slots, _conv_inputs(old_v, v_ptr, tok0, stride_x, chv, vm, jj, cdt, T, K).to(cdt),
@@ -844,6 +862,9 @@ def _kda_decode_layer_kernel(
 # splits double while the grid has fewer than DECODE_PROGRAMS programs. 1: a program per head.
 DV_SPLITS_MAX = 4
 DECODE_PROGRAMS = 128
+# The fused decode core reads its request rows, weights, conv state and recurrent state before
+# its PDL wait (False: everything after it)
+EARLY_LOADS = False
 
 
 def dv_splits(num_reqs: int, heads: int, block_d: int) -> int:
@@ -950,7 +971,7 @@ def kda_decode_layer(
         weights.eps, T=step_len, HISTORY=history is not None,
         H=heads, D=dim, K=ksize, R=rank, BLOCK_D=block_d,
         BLOCK_K=triton.next_power_of_2(ksize - 1), BLOCK_R=triton.next_power_of_2(rank),
-        BOUNDED=weights.lower_bound is not None, FP8=fp8, SPLITS=splits,
+        BOUNDED=weights.lower_bound is not None, FP8=fp8, SPLITS=splits, EARLY=EARLY_LOADS,
         num_warps=8 if dim >= 128 else 4,
         **LAUNCH,
     )  # fmt: skip

@@ -78,6 +78,9 @@ ROUTE_PROGRAMS = 132
 GATE_UP_PROGRAMS = 528
 GATE_UP_PROGRAMS_FP8 = 396
 DOWN_PROGRAMS = 528
+# tokens up to which an all-dense call (no FP8 weights) runs gate/up and down in the GEMV form
+# (_gemv_rows; 1 or 0: the tl.dot form at every count)
+GEMV_MAX_TOKENS = 0
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
@@ -99,6 +102,11 @@ def _split(k: int, column_blocks: int, programs: int) -> _Split:
     splits = max(1, min(steps, programs // column_blocks))
     k_split = triton.cdiv(steps, splits) * block_k
     return _Split(triton.cdiv(k, k_split), k_split, block_k)
+
+
+def gemv_form(tokens: int, any_fp8: bool) -> bool:
+    """Whether gate/up and down run the GEMV form (GEMV_MAX_TOKENS; FP8 weights never do)."""
+    return tokens <= GEMV_MAX_TOKENS and not any_fp8
 
 
 def route_counters(num_experts: int) -> int:
@@ -353,6 +361,42 @@ def route_slots(
 
 
 @triton.jit
+def _gemv_rows(
+    a_ptr,  # [K]: one token's row
+    w_ptr,  # [N_ROWS, K]
+    n,  # [BLOCK_N] row ids (those past N_ROWS read row N_ROWS - 1 and are never stored)
+    kk,
+    k_lo,
+    k_hi,
+    N_ROWS: tl.constexpr,
+    K: tl.constexpr,
+    EVEN: tl.constexpr,  # every step whole: no K masks
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """GEMV form (one dense token, no tl.dot, as kernels/triton/skinny_gemm.py's): sum over
+    k_lo <= k < k_hi of a[k] * w[n, k], float32 [BLOCK_N]. [BLOCK_N, BLOCK_K] weight tiles along
+    K (16-byte loads along each row), each loaded one step ahead of its use (loop-carried), the
+    products summed elementwise and reduced over K once at the end."""
+    rows = w_ptr + tl.minimum(n, N_ROWS - 1)[:, None] * K + kk[None, :]
+    if EVEN:
+        w_next = tl.load(rows + k_lo)
+    else:
+        w_next = tl.load(rows + k_lo, mask=(k_lo + kk < k_hi)[None, :], other=0.0)
+    prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = w_next
+        k1 = k0 + BLOCK_K
+        w_next = tl.load(rows + k1, mask=(k1 + kk < k_hi)[None, :], other=0.0)
+        if EVEN:
+            a = tl.load(a_ptr + k0 + kk)
+        else:
+            a = tl.load(a_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0)
+        prods += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    return tl.sum(prods, axis=1)
+
+
+@triton.jit
 def _gate_up_acc(
     x_ptr,
     T,
@@ -369,6 +413,7 @@ def _gate_up_acc(
     FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
+    GEMV: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -378,6 +423,12 @@ def _gate_up_acc(
     t = tl.arange(0, BLOCK_T)
     n = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
+    if GEMV:
+        k_hi = tl.minimum(k_lo + K_SPLIT, HD)
+        sum_g = _gemv_rows(x_ptr, wg_ptr, n, kk, k_lo, k_hi, INTER, HD, EVEN, BLOCK_N, BLOCK_K)
+        sum_u = _gemv_rows(x_ptr, wu_ptr, n, kk, k_lo, k_hi, INTER, HD, EVEN, BLOCK_N, BLOCK_K)
+        zeros = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)  # row 0 is the token's
+        return zeros + sum_g[None, :], zeros + sum_u[None, :]
     t_mask = t < T
     n_mask = n < INTER
     a_ptrs = x_ptr + t[:, None] * HD + kk[None, :]
@@ -508,6 +559,7 @@ def _gate_up_kernel(
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
     EVEN_SH: tl.constexpr,
+    GEMV: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -548,6 +600,7 @@ def _gate_up_kernel(
                 W_FP8,
                 IEEE,
                 EVEN,
+                GEMV,
                 BLOCK_T,
                 BLOCK_N,
                 BLOCK_K,
@@ -595,6 +648,7 @@ def _gate_up_kernel(
             SH_FP8,
             IEEE,
             EVEN_SH,
+            GEMV,
             BLOCK_T,
             BLOCK_N,
             BLOCK_K,
@@ -644,6 +698,7 @@ def _down_acc(
     FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
+    GEMV: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -653,6 +708,10 @@ def _down_acc(
     t = tl.arange(0, BLOCK_T)
     n = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
+    if GEMV:
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+        y = _gemv_rows(a_ptr, w_ptr, n, kk, k_lo, k_hi, HD, K, EVEN, BLOCK_N, BLOCK_K)
+        return tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32) + y[None, :]
     t_mask = t < T
     a_ptrs = a_ptr + t[:, None] * K + kk[None, :]
     w_offs = n[None, :] * K + kk[:, None]
@@ -709,6 +768,7 @@ def _down_kernel(
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
     EVEN_SH: tl.constexpr,
+    GEMV: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -743,6 +803,7 @@ def _down_kernel(
             W_FP8,
             IEEE,
             EVEN,
+            GEMV,
             BLOCK_T,
             BLOCK_N,
             BLOCK_K,
@@ -766,6 +827,7 @@ def _down_kernel(
             SH_FP8,
             IEEE,
             EVEN_SH,
+            GEMV,
             BLOCK_T,
             BLOCK_N,
             BLOCK_K_SH,
@@ -822,6 +884,7 @@ def experts_slots(
         for w, scale in ((sg, sg_scale), (sd, sd_scale)):
             assert w.dtype == (FP8 if scale is not None else x.dtype), (w.dtype, x.dtype)
     sh_fp8, sd_fp8 = sg_scale is not None, sd_scale is not None
+    gemv = gemv_form(tokens, w_fp8 or sh_fp8 or sd_fp8)
     nb, nb_sh, kb, hb = blocks(inter), blocks(inter_sh), blocks(hidden), blocks(hidden)
     assert counters.dtype == torch.int32
     assert counters.numel() >= expert_counters(hidden, inter, inter_sh)
@@ -884,6 +947,7 @@ def experts_slots(
         IEEE=ieee,
         EVEN=even_k and inter % BLOCK_N == 0,
         EVEN_SH=even_k and inter_sh % BLOCK_N == 0,
+        GEMV=gemv,
         BLOCK_T=BLOCK_T,
         BLOCK_N=BLOCK_N,
         BLOCK_K=gu.block_k,
@@ -937,6 +1001,7 @@ def experts_slots(
         IEEE=ieee,
         EVEN=even_n and inter % dn.k_split == 0 and dn.k_split % dn.block_k == 0,
         EVEN_SH=even_n and inter_sh % k_split_sh == 0,
+        GEMV=gemv,
         BLOCK_T=BLOCK_T,
         BLOCK_N=BLOCK_N,
         BLOCK_K=dn.block_k,

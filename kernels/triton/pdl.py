@@ -24,9 +24,14 @@ races its predecessor.
 
 One exception: loads of memory no kernel writes during a forward, the weights, may come before
 the wait, so their latency overlaps the previous kernel's tail (the skinny GEMM's GEMV form, the
-mHC boundary's fn, the router's first tile). Nothing else may: the previous grid may still be
-writing its outputs. (A weight converted by the kernel just before is no exception to this:
-torch's kernels never trigger early launch, so what follows one starts after it ends.)
+mHC boundary's fn, the router's first tile). (A weight converted by the kernel just before is no
+exception to this: torch's kernels never trigger early launch, so what follows one starts after
+it ends.) And one widening of it: when a PDL kernel starts, only the kernel right before it may
+still run (that one let it launch only after its own wait, so every kernel before that has
+completed), so memory that kernel never writes may be read before the wait too: the
+KDA decode core's EARLY_LOADS read the layer's conv and recurrent state there, which no kernel
+but the core itself (one step back) writes, behind the layer's input projection. Nothing else
+may: the previous grid may still be writing its outputs.
 """
 
 from __future__ import annotations
