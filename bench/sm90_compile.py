@@ -151,8 +151,10 @@ def _cases(case: list[str]) -> None:
             torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
         )  # fmt: skip
     tms.GEMV_MAX_TOKENS = gemv_default
-    for tokens in (1, 8, 16):
-        case[0] = f"mHC boundary, {tokens} tokens"
+    early_default = mhc.BOUNDARY_EARLY_LOADS
+    for tokens, early in ((1, False), (8, False), (16, False), (1, True)):
+        case[0] = f"mHC boundary, {tokens} tokens" + (", early loads" if early else "")
+        mhc.BOUNDARY_EARLY_LOADS = early
         mix = 24
         mhc_boundary(
             torch.empty(tokens, hd, dtype=bf), torch.empty(tokens, 4, hd, dtype=bf),
@@ -160,6 +162,7 @@ def _cases(case: list[str]) -> None:
             torch.empty(mix), torch.empty(3), 20, 1e-6, 1e-5, torch.empty(hd, dtype=bf), 1e-5,
             torch.zeros(16, dtype=torch.int32),
         )  # fmt: skip
+    mhc.BOUNDARY_EARLY_LOADS = early_default
     for tokens, dtype in ((1000, torch.float32), (8192, bf)):  # tf32x3, bf16_split logits
         case[0] = f"mHC pre + post, {tokens} tokens, {dtype}"
         streams = torch.empty(tokens, 4, hd, dtype=dtype)

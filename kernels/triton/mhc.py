@@ -444,6 +444,9 @@ def mhc_post(
 BOUNDARY_MAX_TOKENS = 16
 BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token block
 BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
+# one token a block (up to 8 tokens): the previous boundary's streams, post and comb read before
+# the PDL wait (False: after it)
+BOUNDARY_EARLY_LOADS = False
 
 
 def boundary_block_t(tokens: int) -> int:
@@ -451,6 +454,33 @@ def boundary_block_t(tokens: int) -> int:
     token), then up to 8 (fn read from L2 once per block; the finishing program collapses its
     block's tokens one after another)."""
     return min(8, triton.next_power_of_2(triton.cdiv(tokens, 8)))
+
+
+@triton.jit
+def _expansion_terms(
+    t,
+    res_ptr,
+    post_ptr,
+    comb_ptr,
+    i,
+    h,
+    cm,
+    dt,
+    HC: tl.constexpr,
+    K: tl.constexpr,
+    HD: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Token t's post weight per lane and its streams mixed by comb (sum_j comb[j, i] res[j, h]),
+    each term rounded to the streams' dtype dt as _mhc_post_kernel rounds it, float32."""
+    p = tl.load(post_ptr + t * HC + i, mask=cm, other=0.0).to(dt).to(tl.float32)
+    mixed = tl.zeros([P * BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(HC):
+        cji = tl.load(comb_ptr + t * HC * HC + j * HC + i, mask=cm, other=0.0)
+        rj = tl.load(res_ptr + t * K + j * HD + h, mask=cm, other=0.0).to(tl.float32)
+        mixed += cji.to(dt).to(tl.float32) * rj
+    return p, mixed
 
 
 # T not specialized (== 1, divisible by 16): one compiled variant per BLOCK_T, which the decode
@@ -486,6 +516,7 @@ def _mhc_boundary_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     tb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -505,18 +536,26 @@ def _mhc_boundary_kernel(
     )  # [MP, P * BLOCK_H], read once for the block's tokens
     # a weight, so loaded before the wait (kernels/triton/pdl.py's exception): its latency
     # overlaps the previous kernel's tail
+    EARLY_ONE: tl.constexpr = EARLY and BLOCK_T == 1
+    if EARLY_ONE:
+        # EARLY_LOADS (one token a block): the streams' mix, from the previous boundary's outputs,
+        # before the wait too: the kernel right before this one (the sublayer's last) writes
+        # none of them (kernels/triton/pdl.py); only `out` is its
+        p_early, mixed_early = _expansion_terms(
+            t0.to(tl.int64), res_ptr, post_ptr, comb_ptr, i, h, cm, dt, HC, K, HD, P, BLOCK_H
+        )
     grid_dependency()
     n = tl.minimum(T - t0, BLOCK_T)
     for tt in range(0, n):
         t = (t0 + tt).to(tl.int64)
         # the expansion, each term rounded to the streams' dtype (as _mhc_post_kernel)
         o = tl.load(out_ptr + t * HD + h, mask=cm, other=0.0).to(tl.float32)
-        p = tl.load(post_ptr + t * HC + i, mask=cm, other=0.0).to(dt).to(tl.float32)
-        mixed = tl.zeros([P * BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            cji = tl.load(comb_ptr + t * HC * HC + j * HC + i, mask=cm, other=0.0)
-            rj = tl.load(res_ptr + t * K + j * HD + h, mask=cm, other=0.0).to(tl.float32)
-            mixed += cji.to(dt).to(tl.float32) * rj
+        if EARLY_ONE:
+            p, mixed = p_early, mixed_early
+        else:
+            p, mixed = _expansion_terms(
+                t, res_ptr, post_ptr, comb_ptr, i, h, cm, dt, HC, K, HD, P, BLOCK_H
+            )
         new = ((p * o).to(dt).to(tl.float32) + mixed.to(dt).to(tl.float32)).to(dt)
         tl.store(new_ptr + t * K + i * HD + h, new, mask=cm)
         # the next collapse's partial logits (IEEE float32) and sum of squares (0 off the mask)
@@ -657,6 +696,7 @@ def mhc_boundary(
         BLOCK_T=block_t,
         BLOCK_H=BOUNDARY_BLOCK_H,
         BLOCK_F=min(triton.next_power_of_2(hidden), BOUNDARY_BLOCK_F // p),
+        EARLY=BOUNDARY_EARLY_LOADS,
         num_warps=8,
         **LAUNCH,
     )
