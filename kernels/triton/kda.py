@@ -864,7 +864,7 @@ DV_SPLITS_MAX = 4
 DECODE_PROGRAMS = 128
 # The fused decode core reads its request rows, weights, conv state and recurrent state before
 # its PDL wait (False: everything after it)
-EARLY_LOADS = False
+EARLY_LOADS = True
 
 
 def dv_splits(num_reqs: int, heads: int, block_d: int) -> int:

@@ -446,7 +446,7 @@ BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs
 BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
 # one token a block (up to 8 tokens): the previous boundary's streams, post and comb read before
 # the PDL wait (False: after it)
-BOUNDARY_EARLY_LOADS = False
+BOUNDARY_EARLY_LOADS = True
 
 
 def boundary_block_t(tokens: int) -> int:

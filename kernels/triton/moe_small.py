@@ -80,7 +80,7 @@ GATE_UP_PROGRAMS_FP8 = 396
 DOWN_PROGRAMS = 528
 # tokens up to which an all-dense call (no FP8 weights) runs gate/up and down in the GEMV form
 # (_gemv_rows; 1 or 0: the tl.dot form at every count)
-GEMV_MAX_TOKENS = 0
+GEMV_MAX_TOKENS = 1
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
