@@ -90,7 +90,6 @@ def _cases(case: list[str]) -> None:
     from kernels.moe_small import Experts, SharedExpert
     from kernels.triton import kda as tkda
     from kernels.triton import mhc
-    from kernels.triton import moe_small as tms
     from kernels.triton.mhc import mhc_boundary
     from kernels.triton.moe_small import counters_size, moe_small
     from kernels.triton.skinny_gemm import skinny_linear
@@ -99,16 +98,11 @@ def _cases(case: list[str]) -> None:
     r = RANK0
     bf = torch.bfloat16
     hd, h, d, rk, kc = r["hidden"], r["heads"], r["dim"], r["rank"], r["conv"]
-    early_default = tkda.EARLY_LOADS
-    for batch, step_len, dtype, fp8, early in (
-        (1, 1, bf, False, False), (8, 1, bf, False, False), (32, 1, bf, False, False),
-        (1, 2, bf, False, False), (32, 2, bf, False, False), (3, 1, torch.float32, False, False),
-        (3, 1, bf, True, False), (1, 1, bf, False, True), (1, 2, bf, False, True),
+    for batch, step_len, dtype, fp8 in (
+        (1, 1, bf, False), (8, 1, bf, False), (32, 1, bf, False), (1, 2, bf, False),
+        (32, 2, bf, False), (3, 1, torch.float32, False), (3, 1, bf, True),
     ):  # fmt: skip
-        case[0] = f"kda core, batch {batch}, step {step_len}, {dtype}, fp8 gates {fp8}" + (
-            ", early loads" if early else ""
-        )
-        tkda.EARLY_LOADS = early
+        case[0] = f"kda core, batch {batch}, step {step_len}, {dtype}, fp8 gates {fp8}"
         n = batch * step_len
         proj = torch.empty(n, 3 * h * d + 2 * rk + h, dtype=dtype)
         q, k, v = (proj[:, i * h * d : (i + 1) * h * d] for i in range(3))
@@ -126,7 +120,6 @@ def _cases(case: list[str]) -> None:
             torch.empty(64, 3 * h * d, kc - 1, dtype=dtype), torch.empty(64, h, d, d),
             torch.arange(batch), step_len, [] if step_len > 1 else None,
         )  # fmt: skip
-    tkda.EARLY_LOADS = early_default
     for rows, n, k in ((1, 3336, 4096), (1, 19360, 4096), (1, 4096, 1024), (2, 2048, 1536),
                        (8, 4096, 1024)):  # fmt: skip
         case[0] = f"skinny dense, {rows} rows, {n} x {k}"
@@ -138,23 +131,18 @@ def _cases(case: list[str]) -> None:
         case[0] = f"skinny FP8, {rows} rows"
         skinny_linear(torch.empty(rows, hd, dtype=bf), w8, s8)
     e, el, i, si = r["experts"], r["local"], r["inter"], r["shared_inter"]
-    gemv_default = tms.GEMV_MAX_TOKENS
     experts = Experts(torch.empty(el, 2 * i, hd, dtype=bf), torch.empty(el, hd, i, dtype=bf))
     shared = SharedExpert(*(torch.empty(si, hd, dtype=bf) for _ in range(2)),
                           torch.empty(hd, si, dtype=bf))  # fmt: skip
-    for tokens, gemv in ((1, 0), (1, 1), (4, 0), (16, 0)):
-        case[0] = f"small MoE, {tokens} tokens" + (", GEMV form" if gemv else "")
-        tms.GEMV_MAX_TOKENS = gemv
+    for tokens in (1, 4, 16):  # 1: the GEMV form
+        case[0] = f"small MoE, {tokens} tokens"
         moe_small(
             torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
             r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
             torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
         )  # fmt: skip
-    tms.GEMV_MAX_TOKENS = gemv_default
-    early_default = mhc.BOUNDARY_EARLY_LOADS
-    for tokens, early in ((1, False), (8, False), (16, False), (1, True)):
-        case[0] = f"mHC boundary, {tokens} tokens" + (", early loads" if early else "")
-        mhc.BOUNDARY_EARLY_LOADS = early
+    for tokens in (1, 8, 16):
+        case[0] = f"mHC boundary, {tokens} tokens"
         mix = 24
         mhc_boundary(
             torch.empty(tokens, hd, dtype=bf), torch.empty(tokens, 4, hd, dtype=bf),
@@ -162,7 +150,6 @@ def _cases(case: list[str]) -> None:
             torch.empty(mix), torch.empty(3), 20, 1e-6, 1e-5, torch.empty(hd, dtype=bf), 1e-5,
             torch.zeros(16, dtype=torch.int32),
         )  # fmt: skip
-    mhc.BOUNDARY_EARLY_LOADS = early_default
     for tokens, dtype in ((1000, torch.float32), (8192, bf)):  # tf32x3, bf16_split logits
         case[0] = f"mHC pre + post, {tokens} tokens, {dtype}"
         streams = torch.empty(tokens, 4, hd, dtype=dtype)

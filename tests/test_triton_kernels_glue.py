@@ -164,18 +164,6 @@ def test_mhc_boundary_interpreter(tokens, dtype):
 
 
 @cpu_interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mhc_boundary_interpreter_early_loads(dtype, monkeypatch):
-    """BOUNDARY_EARLY_LOADS: one token a block (up to 8 tokens) mixes the streams before the PDL
-    wait (no wait on a CPU: the same values); 37 tokens, blocks of 8, keep the loop's loads."""
-    from kernels.triton import mhc as tmhc
-
-    monkeypatch.setattr(tmhc, "BOUNDARY_EARLY_LOADS", True)
-    for tokens in (1, 8, 37):
-        _check_boundary(tokens, 4, 200, dtype, "cpu")
-
-
-@cpu_interp
 def test_mhc_boundary_interpreter_odd_hc_and_prefill():
     _check_boundary(3, 3, 64, torch.float32, "cpu")  # hc 3: masked streams, 15 mixing logits
     _check_boundary(130, 4, 64, torch.bfloat16, "cpu")  # past BOUNDARY_MAX_TOKENS: post, then pre
@@ -372,16 +360,6 @@ def test_mhc_boundary_gpu(tokens):
     _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, BENCH_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, REAL_HD, torch.float32, "cuda")
-
-
-@pytest.mark.gpu
-def test_mhc_boundary_gpu_early_loads(monkeypatch):
-    from kernels.triton import mhc as tmhc
-
-    monkeypatch.setattr(tmhc, "BOUNDARY_EARLY_LOADS", True)
-    for tokens in (1, 8):
-        _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda")
-        _check_boundary(tokens, 4, REAL_HD, torch.float32, "cuda")
 
 
 @pytest.mark.gpu

@@ -657,17 +657,12 @@ def test_kda_decode_layer_interpreter(dtype, lower_bound, monkeypatch):
 
 
 @cpu_interp
-@pytest.mark.parametrize(
-    "dtype, early", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
-)
-def test_kda_decode_layer_interpreter_split_heads(dtype, early, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_decode_layer_interpreter_split_heads(dtype):
     """The fused core with each head's state columns split four ways (what small batches get;
     the tests above hold one program per head), decode and verify, a head size that is not a
-    power of two; the split's counters are left zero. early: EARLY_LOADS (the state and weights
-    read before the PDL wait: the same values on a CPU, where there is no wait)."""
+    power of two; the split's counters are left zero."""
     from kernels.triton import kda as tkda
-
-    monkeypatch.setattr(tkda, "EARLY_LOADS", early)
 
     assert tkda.dv_splits(1, 2, 16) == 4 and tkda.dv_splits(64, 8, 128) == 1
     assert tkda.DV_SPLITS_MAX == 4
@@ -698,19 +693,6 @@ def test_kda_decode_layer_gpu(dtype, fp8):
     _run_kda_decode_layer(8, 128, 4, dtype, "cuda", None, tol, fp8=fp8)
     for step_len, batch in ((2, 1), (2, 32), (4, 8)):  # EAGLE's verify at 1 and 3 steps
         _run_kda_decode_layer(8, 128, batch, dtype, "cuda", -5.0, tol, step_len, fp8)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kda_decode_layer_gpu_early_loads(dtype, monkeypatch):
-    """EARLY_LOADS: the state and weights read before the PDL wait, behind the input projection
-    (at one row the skinny GEMV, itself a PDL kernel: the core starts while it runs)."""
-    from kernels.triton import kda as tkda
-
-    monkeypatch.setattr(tkda, "EARLY_LOADS", True)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    for batch, step_len in ((1, 1), (8, 1), (1, 2), (4, 4)):
-        _run_kda_decode_layer(8, 128, batch, dtype, "cuda", -5.0, tol, step_len)
 
 
 @pytest.mark.gpu

@@ -337,11 +337,11 @@ def test_experts_interpreter_odd_shapes(mode):
 @cpu_interp
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [TINY, ODD], ids=["tiny", "odd"])
-def test_experts_interpreter_gemv_form(shape, dtype, monkeypatch):
-    """One dense token in the GEMV form (no tl.dot): odd shapes mask K and clamp rows."""
+def test_experts_interpreter_gemv_form(shape, dtype):
+    """One dense token runs the GEMV form (no tl.dot; FP8 and two tokens do not): odd shapes
+    mask K and clamp rows."""
     from kernels.triton import moe_small as tms
 
-    monkeypatch.setattr(tms, "GEMV_MAX_TOKENS", 1)
     assert tms.gemv_form(1, False) and not tms.gemv_form(1, True) and not tms.gemv_form(2, False)
     _check_experts(1, shape, "dense", dtype, "cpu")
 
@@ -497,10 +497,8 @@ def test_experts_gpu(shape, mode, tokens):
 @pytest.mark.parametrize(
     "shape", [BENCH, pytest.param(REAL, marks=REAL_HBM)], ids=["bench", "real"]
 )
-def test_experts_gpu_gemv_form(shape, monkeypatch):
-    from kernels.triton import moe_small as tms
-
-    monkeypatch.setattr(tms, "GEMV_MAX_TOKENS", 1)
+def test_experts_gpu_gemv_form(shape):
+    """One dense token (the GEMV form) in bf16 and float32."""
     _check_experts(1, shape, "dense", torch.bfloat16, "cuda")
     _check_experts(1, shape, "dense", torch.float32, "cuda")
 
