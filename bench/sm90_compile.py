@@ -90,6 +90,7 @@ def _cases(case: list[str]) -> None:
     from kernels.moe_small import Experts, SharedExpert
     from kernels.triton import kda as tkda
     from kernels.triton import mhc
+    from kernels.triton import moe_small as tms
     from kernels.triton.mhc import mhc_boundary
     from kernels.triton.moe_small import counters_size, moe_small
     from kernels.triton.skinny_gemm import skinny_linear
@@ -141,6 +142,21 @@ def _cases(case: list[str]) -> None:
             r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
             torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
         )  # fmt: skip
+    e4m3 = torch.float8_e4m3fn
+    experts8 = Experts(
+        torch.empty(el, 2 * i, hd, dtype=e4m3),
+        torch.empty(el, hd, i, dtype=e4m3),
+        torch.empty(el, 2 * i // 128, hd // 128),
+        torch.empty(el, hd // 128, i // 128),
+    )
+    gemv_fp8, tms.GEMV_FP8 = tms.GEMV_FP8, True
+    case[0] = "small MoE, 1 token, routed FP8, the GEMV form"
+    moe_small(
+        torch.empty(1, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e), r["top_k"],
+        True, 2.5, (0, el), experts8, shared, 7.0,
+        torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
+    )  # fmt: skip
+    tms.GEMV_FP8 = gemv_fp8
     for tokens in (1, 8, 16):
         case[0] = f"mHC boundary, {tokens} tokens"
         mix = 24

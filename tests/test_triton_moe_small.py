@@ -335,15 +335,19 @@ def test_experts_interpreter_odd_shapes(mode):
 
 
 @cpu_interp
+@pytest.mark.parametrize("mode", ["dense", "fp8", "fp8_all"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [TINY, ODD], ids=["tiny", "odd"])
-def test_experts_interpreter_gemv_form(shape, dtype):
-    """One dense token runs the GEMV form (no tl.dot; FP8 and two tokens do not): odd shapes
-    mask K and clamp rows."""
+def test_experts_interpreter_gemv_form(shape, dtype, mode, monkeypatch):
+    """One token runs the GEMV form (no tl.dot; two tokens do not), block FP8 weights too while
+    GEMV_FP8 (W8A8: x quantized per group in gate/up, h's e4m3 values and scales in down): odd
+    shapes mask K and clamp rows."""
     from kernels.triton import moe_small as tms
 
-    assert tms.gemv_form(1, False) and not tms.gemv_form(1, True) and not tms.gemv_form(2, False)
-    _check_experts(1, shape, "dense", dtype, "cpu")
+    assert tms.gemv_form(1, False) and not tms.gemv_form(2, False)
+    monkeypatch.setattr(tms, "GEMV_FP8", mode != "dense")
+    assert tms.gemv_form(1, True) == (mode != "dense")
+    _check_experts(1, shape, mode, dtype, "cpu")
 
 
 @cpu_interp
@@ -497,10 +501,15 @@ def test_experts_gpu(shape, mode, tokens):
 @pytest.mark.parametrize(
     "shape", [BENCH, pytest.param(REAL, marks=REAL_HBM)], ids=["bench", "real"]
 )
-def test_experts_gpu_gemv_form(shape):
-    """One dense token (the GEMV form) in bf16 and float32."""
+def test_experts_gpu_gemv_form(shape, monkeypatch):
+    """One token in the GEMV form: dense in bf16 and float32, block FP8 (GEMV_FP8) in bf16."""
+    from kernels.triton import moe_small as tms
+
     _check_experts(1, shape, "dense", torch.bfloat16, "cuda")
     _check_experts(1, shape, "dense", torch.float32, "cuda")
+    monkeypatch.setattr(tms, "GEMV_FP8", True)
+    for mode in ("fp8", "fp8_all"):
+        _check_experts(1, shape, mode, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu

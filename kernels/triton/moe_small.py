@@ -14,16 +14,17 @@ signatures and results as kernels/moe_small.py (route_slots, experts_slots, moe_
 2. gate/up + SwiGLU (one launch): programs of (block of BLOCK_N intermediate columns, K split of
    Hd) loop over the used slots (their count is read from slot_expert, so no program is spent on
    an unused slot), each program reading its gate and up tiles of every picked expert once for
-   all T tokens (tokens padded to one 16-row tl.dot tile; one dense token, GEMV_MAX_TOKENS, in
-   the GEMV form instead: [BLOCK_N, BLOCK_K] tiles along K multiplied on the CUDA cores, no
-   padding and no shared-memory staging, as kernels/triton/skinny_gemm.py's GEMV). The shared
-   expert is one more expert of weight 1, in programs of its own. Each program stores float32
-   partial gate/up sums; the last program of each 128-column group (a counter per group, over
-   its column blocks and K splits) sums the splits in order, applies silu(min(gate, limit)) *
-   clamp(up, -limit, limit), rounds to x's dtype and stores the intermediate h, in FP8 quantized
-   per row group of 128 (the group is whole there, so the quantization happens once).
+   all T tokens (tokens padded to one 16-row tl.dot tile; one token, GEMV_MAX_TOKENS, in the
+   GEMV form instead, dense weights or, while GEMV_FP8, block FP8: [BLOCK_N, BLOCK_K] tiles
+   along K multiplied on the CUDA cores, no padding and no shared-memory staging, as
+   kernels/triton/skinny_gemm.py's GEMV). The shared expert is one more expert of weight 1, in
+   programs of its own. Each program stores float32 partial gate/up sums; the last program of
+   each 128-column group (a counter per group, over its column blocks and K splits) sums the
+   splits in order, applies silu(min(gate, limit)) * clamp(up, -limit, limit), rounds to x's
+   dtype and stores the intermediate h, in FP8 quantized per row group of 128 (the group is
+   whole there, so the quantization happens once).
 3. down + combine (one launch): programs of (block of BLOCK_N output columns, K split of I) loop
-   over the used slots and the shared expert (one dense token: the GEMV form too), adding
+   over the used slots and the shared expert (one token: the GEMV form too), adding
    weight[t] * (h @ w2[e]^T) in float32 in slot order; with several K splits the last program
    of a column block (a counter per block) sums the splits in order and stores the output in
    x's dtype. No float atomics: deterministic.
@@ -81,11 +82,15 @@ ROUTE_PROGRAMS = 132
 GATE_UP_PROGRAMS = 528
 GATE_UP_PROGRAMS_FP8 = 396
 DOWN_PROGRAMS = 528
-# tokens up to which an all-dense call (no FP8 weights) runs gate/up and down in the GEMV form
-# (_gemv_rows; 1 or 0: the tl.dot form at every count). One MoE layer of rank 0 at one token,
-# H100 (bench.decode_moe): 46.7 -> 34.6 us; the H200's rank-0 step with the KDA core's and the
-# mHC boundary's early loads: 4.94 -> 4.13 ms at batch 1
+# tokens up to which a dense call (an FP8 one too while GEMV_FP8) runs gate/up and down in the
+# GEMV form (_gemv_rows; 1 or 0: the tl.dot form at every count). One MoE layer of rank 0 at
+# one token, H100 (bench.decode_moe): 46.7 -> 34.6 us; the H200's rank-0 step with the KDA
+# core's and the mHC boundary's early loads: 4.94 -> 4.13 ms at batch 1
 GEMV_MAX_TOKENS = 1
+# block FP8 weights in the GEMV form too (W8A8, the tl.dot form's numerics): built 2026-12-05
+# without a GPU, off until an H200 times it against the tl.dot form (at one token the FP8 layer
+# took 59.7 us there, bf16's 29.8 before its GEMV form)
+GEMV_FP8 = False
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
@@ -110,8 +115,9 @@ def _split(k: int, column_blocks: int, programs: int) -> _Split:
 
 
 def gemv_form(tokens: int, any_fp8: bool) -> bool:
-    """Whether gate/up and down run the GEMV form (GEMV_MAX_TOKENS; FP8 weights never do)."""
-    return tokens <= GEMV_MAX_TOKENS and not any_fp8
+    """Whether gate/up and down run the GEMV form (GEMV_MAX_TOKENS; with FP8 weights only while
+    GEMV_FP8)."""
+    return tokens <= GEMV_MAX_TOKENS and (GEMV_FP8 or not any_fp8)
 
 
 def route_counters(num_experts: int) -> int:
@@ -367,22 +373,33 @@ def route_slots(
 
 @triton.jit
 def _gemv_rows(
-    a_ptr,  # [K]: one token's row
-    w_ptr,  # [N_ROWS, K]
-    n,  # [BLOCK_N] row ids (those past N_ROWS read row N_ROWS - 1 and are never stored)
+    a_ptr,  # [K]: one token's row (A_E4M3: its e4m3 values)
+    as_ptr,  # A_E4M3: [KB] the row's group scales
+    w_ptr,  # [N_ROWS, K]: dense, or e4m3 (W_FP8)
+    ws_ptr,  # W_FP8: [ceil(N_ROWS / GROUP), KB] block scales
+    n0,
     kk,
     k_lo,
     k_hi,
     N_ROWS: tl.constexpr,
     K: tl.constexpr,
+    KB: tl.constexpr,
     EVEN: tl.constexpr,  # every step whole: no K masks
+    W_FP8: tl.constexpr,
+    A_E4M3: tl.constexpr,  # W_FP8: a is quantized already (else each group is quantized here)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    """GEMV form (one dense token, no tl.dot, as kernels/triton/skinny_gemm.py's): sum over
-    k_lo <= k < k_hi of a[k] * w[n, k], float32 [BLOCK_N]. [BLOCK_N, BLOCK_K] weight tiles along
-    K (16-byte loads along each row), each loaded one step ahead of its use (loop-carried), the
-    products summed elementwise and reduced over K once at the end."""
+    """GEMV form (one token, no tl.dot, as kernels/triton/skinny_gemm.py's): sum over
+    k_lo <= k < k_hi of a[k] * w[n, k] for rows n0 .. n0 + BLOCK_N (those past N_ROWS read row
+    N_ROWS - 1 and are never stored), float32 [BLOCK_N]. [BLOCK_N, BLOCK_K] weight tiles along K
+    (16-byte loads along each row), each loaded one step ahead of its use (loop-carried), the
+    products summed elementwise and reduced over K once at the end. Block FP8 (W8A8 as the tl.dot
+    form): a K step is one group (BLOCK_K == GROUP, or all of K below it) and BLOCK_N rows lie in
+    one 128-row block, so the step's two scales fold into the activation: a's e4m3 values times
+    its group scale times the tile's weight scale, against the e4m3 weights."""
+    n = n0 + tl.arange(0, BLOCK_N)
     rows = w_ptr + tl.minimum(n, N_ROWS - 1)[:, None] * K + kk[None, :]
     if EVEN:
         w_next = tl.load(rows + k_lo)
@@ -394,10 +411,17 @@ def _gemv_rows(
         k1 = k0 + BLOCK_K
         w_next = tl.load(rows + k1, mask=(k1 + kk < k_hi)[None, :], other=0.0)
         if EVEN:
-            a = tl.load(a_ptr + k0 + kk)
+            a = tl.load(a_ptr + k0 + kk).to(tl.float32)
         else:
-            a = tl.load(a_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0)
-        prods += w.to(tl.float32) * a.to(tl.float32)[None, :]
+            a = tl.load(a_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
+        if W_FP8:
+            if A_E4M3:
+                a = a * tl.load(as_ptr + k0 // GROUP)
+            else:  # the group quantized as kernels.fp8.quantize_act: its e4m3 values x its scale
+                q, scale = quant_rows(a[None, :])
+                a = tl.sum(q * scale[:, None], axis=0)
+            a = a * tl.load(ws_ptr + (n0 // GROUP) * KB + k0 // GROUP)
+        prods += w.to(tl.float32) * a[None, :]
     return tl.sum(prods, axis=1)
 
 
@@ -430,8 +454,10 @@ def _gate_up_acc(
     kk = tl.arange(0, BLOCK_K)
     if GEMV:
         k_hi = tl.minimum(k_lo + K_SPLIT, HD)
-        sum_g = _gemv_rows(x_ptr, wg_ptr, n, kk, k_lo, k_hi, INTER, HD, EVEN, BLOCK_N, BLOCK_K)
-        sum_u = _gemv_rows(x_ptr, wu_ptr, n, kk, k_lo, k_hi, INTER, HD, EVEN, BLOCK_N, BLOCK_K)
+        sum_g = _gemv_rows(x_ptr, x_ptr, wg_ptr, sg_ptr, n0, kk, k_lo, k_hi, INTER, HD, KB, EVEN,
+                           FP8, False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
+        sum_u = _gemv_rows(x_ptr, x_ptr, wu_ptr, su_ptr, n0, kk, k_lo, k_hi, INTER, HD, KB, EVEN,
+                           FP8, False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
         zeros = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)  # row 0 is the token's
         return zeros + sum_g[None, :], zeros + sum_u[None, :]
     t_mask = t < T
@@ -715,7 +741,8 @@ def _down_acc(
     kk = tl.arange(0, BLOCK_K)
     if GEMV:
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        y = _gemv_rows(a_ptr, w_ptr, n, kk, k_lo, k_hi, HD, K, EVEN, BLOCK_N, BLOCK_K)
+        y = _gemv_rows(a_ptr, as_ptr, w_ptr, ws_ptr, n0, kk, k_lo, k_hi, HD, K, KB, EVEN, FP8, True,
+                       BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
         return tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32) + y[None, :]
     t_mask = t < T
     a_ptrs = a_ptr + t[:, None] * K + kk[None, :]
