@@ -914,7 +914,9 @@ def kda_decode_layer(
     output gated by the sigmoid. q, k, v: [B*step_len, H*D] with a contiguous last dim (views
     of one projection's output); f_a, g_a: [B*step_len, R] with contiguous last dims, row
     strides of their own (a stack whose parts run in different precisions hands back separate
-    tensors); b: [B*step_len, H].
+    tensors); b: [B*step_len, H]. Hazard: the request rows, weights, conv state and state are
+    read before the kernel's PDL wait (kernels/triton/pdl.py), so the kernel launched right
+    before it must not write them (here it is the layer's input projection).
     Returns [B*step_len, H*D] in q's dtype. With history, appends what the reference's
     (kda_uniform and causal_conv_uniform's) history holds, for a verify's roll-back: the conv
     inputs [B, 3*H*D, K-1+step_len] (old state ++ the step's inputs) and the state after each

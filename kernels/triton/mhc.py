@@ -635,7 +635,9 @@ def mhc_boundary(
     partial logits and sums of squares; the last program of a token block to arrive (counter:
     the call site's int32 buffer, at least cdiv(T, boundary_block_t(T)) zeros, which the kernel
     leaves zero) sums them in a fixed order, runs the Sinkhorn and collapses + normalises.
-    Larger batches: mhc_post, then mhc_pre."""
+    Hazard: up to 8 tokens, residual, post and comb are read before the PDL wait
+    (kernels/triton/pdl.py): the kernel launched right before must not write them (here it is
+    the sublayer's last, which writes only `out`). Larger batches: mhc_post, then mhc_pre."""
     tokens, hc, hidden = residual.shape
     if tokens > BOUNDARY_MAX_TOKENS:
         new = mhc_post(out, residual, post, comb)
