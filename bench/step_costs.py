@@ -233,8 +233,9 @@ def graph_kernels(trace: dict, step_label: str, top: int = 30) -> list[dict]:
     for step in steps:
         for e in step:
             if e.get("cat") == "kernel":
-                calls[short(e["name"])] += 1
-                us[short(e["name"])] += float(e["dur"])
+                name = short(e["name"])
+                calls[name] += 1
+                us[name] += float(e["dur"])
     n = max(1, len(steps))
     ranked = sorted(us, key=lambda name: -us[name])[:top]
     return [

@@ -66,6 +66,7 @@ from kernels.fp8 import FP8, blocks
 from kernels.moe_small import Experts, SharedExpert, num_slots
 from kernels.triton.e4m3 import quant_rows
 from kernels.triton.pdl import LAUNCH, grid_dependency
+from kernels.triton.skinny_gemm import gemv_rows
 
 MAX_TOKENS = 16  # one tl.dot M tile of tokens
 BLOCK_T = 16
@@ -83,9 +84,9 @@ GATE_UP_PROGRAMS = 528
 GATE_UP_PROGRAMS_FP8 = 396
 DOWN_PROGRAMS = 528
 # tokens up to which a dense call (an FP8 one too while GEMV_FP8) runs gate/up and down in the
-# GEMV form (_gemv_rows; 1 or 0: the tl.dot form at every count). One MoE layer of rank 0 at
-# one token, H100 (bench.decode_moe): 46.7 -> 34.6 us; the H200's rank-0 step with the KDA
-# core's and the mHC boundary's early loads: 4.94 -> 4.13 ms at batch 1
+# GEMV form (skinny_gemm.gemv_rows; 1 or 0: the tl.dot form at every count). One MoE layer of
+# rank 0 at one token, H100 (bench.decode_moe): 46.7 -> 34.6 us; the H200's rank-0 step with
+# the KDA core's and the mHC boundary's early loads: 4.94 -> 4.13 ms at batch 1
 GEMV_MAX_TOKENS = 1
 # block FP8 weights in the GEMV form too (W8A8, the tl.dot form's numerics): built 2026-12-05
 # without a GPU, off until an H200 times it against the tl.dot form (at one token the FP8 layer
@@ -372,60 +373,6 @@ def route_slots(
 
 
 @triton.jit
-def _gemv_rows(
-    a_ptr,  # [K]: one token's row (A_E4M3: its e4m3 values)
-    as_ptr,  # A_E4M3: [KB] the row's group scales
-    w_ptr,  # [N_ROWS, K]: dense, or e4m3 (W_FP8)
-    ws_ptr,  # W_FP8: [ceil(N_ROWS / GROUP), KB] block scales
-    n0,
-    kk,
-    k_lo,
-    k_hi,
-    N_ROWS: tl.constexpr,
-    K: tl.constexpr,
-    KB: tl.constexpr,
-    EVEN: tl.constexpr,  # every step whole: no K masks
-    W_FP8: tl.constexpr,
-    A_E4M3: tl.constexpr,  # W_FP8: a is quantized already (else each group is quantized here)
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    """GEMV form (one token, no tl.dot, as kernels/triton/skinny_gemm.py's): sum over
-    k_lo <= k < k_hi of a[k] * w[n, k] for rows n0 .. n0 + BLOCK_N (those past N_ROWS read row
-    N_ROWS - 1 and are never stored), float32 [BLOCK_N]. [BLOCK_N, BLOCK_K] weight tiles along K
-    (16-byte loads along each row), each loaded one step ahead of its use (loop-carried), the
-    products summed elementwise and reduced over K once at the end. Block FP8 (W8A8 as the tl.dot
-    form): a K step is one group (BLOCK_K == GROUP, or all of K below it) and BLOCK_N rows lie in
-    one 128-row block, so the step's two scales fold into the activation: a's e4m3 values times
-    its group scale times the tile's weight scale, against the e4m3 weights."""
-    n = n0 + tl.arange(0, BLOCK_N)
-    rows = w_ptr + tl.minimum(n, N_ROWS - 1)[:, None] * K + kk[None, :]
-    if EVEN:
-        w_next = tl.load(rows + k_lo)
-    else:
-        w_next = tl.load(rows + k_lo, mask=(k_lo + kk < k_hi)[None, :], other=0.0)
-    prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = w_next
-        k1 = k0 + BLOCK_K
-        w_next = tl.load(rows + k1, mask=(k1 + kk < k_hi)[None, :], other=0.0)
-        if EVEN:
-            a = tl.load(a_ptr + k0 + kk).to(tl.float32)
-        else:
-            a = tl.load(a_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
-        if W_FP8:
-            if A_E4M3:
-                a = a * tl.load(as_ptr + k0 // GROUP)
-            else:  # the group quantized as kernels.fp8.quantize_act: its e4m3 values x its scale
-                q, scale = quant_rows(a[None, :])
-                a = tl.sum(q * scale[:, None], axis=0)
-            a = a * tl.load(ws_ptr + (n0 // GROUP) * KB + k0 // GROUP)
-        prods += w.to(tl.float32) * a[None, :]
-    return tl.sum(prods, axis=1)
-
-
-@triton.jit
 def _gate_up_acc(
     x_ptr,
     T,
@@ -454,10 +401,10 @@ def _gate_up_acc(
     kk = tl.arange(0, BLOCK_K)
     if GEMV:
         k_hi = tl.minimum(k_lo + K_SPLIT, HD)
-        sum_g = _gemv_rows(x_ptr, x_ptr, wg_ptr, sg_ptr, n0, kk, k_lo, k_hi, INTER, HD, KB, EVEN,
-                           FP8, False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
-        sum_u = _gemv_rows(x_ptr, x_ptr, wu_ptr, su_ptr, n0, kk, k_lo, k_hi, INTER, HD, KB, EVEN,
-                           FP8, False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
+        sum_g = gemv_rows(x_ptr, x_ptr, wg_ptr, sg_ptr, n0, kk, k_lo, k_hi, INTER, HD, KB, EVEN,
+                          FP8, False, False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
+        sum_u = gemv_rows(x_ptr, x_ptr, wu_ptr, su_ptr, n0, kk, k_lo, k_hi, INTER, HD, KB, EVEN,
+                          FP8, False, False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
         zeros = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)  # row 0 is the token's
         return zeros + sum_g[None, :], zeros + sum_u[None, :]
     t_mask = t < T
@@ -741,8 +688,8 @@ def _down_acc(
     kk = tl.arange(0, BLOCK_K)
     if GEMV:
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        y = _gemv_rows(a_ptr, as_ptr, w_ptr, ws_ptr, n0, kk, k_lo, k_hi, HD, K, KB, EVEN, FP8, True,
-                       BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
+        y = gemv_rows(a_ptr, as_ptr, w_ptr, ws_ptr, n0, kk, k_lo, k_hi, HD, K, KB, EVEN, FP8, True,
+                      False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
         return tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32) + y[None, :]
     t_mask = t < T
     a_ptrs = a_ptr + t[:, None] * K + kk[None, :]

@@ -139,6 +139,66 @@ def gemv_config(
     return SkinnyConfig(1, block_n, block_k, triton.cdiv(steps, per), per, 4, 4)
 
 
+@triton.jit
+def gemv_rows(
+    a_ptr,  # [K]: one token's row (A_E4M3: its e4m3 values)
+    as_ptr,  # A_E4M3: [KB] the row's group scales
+    w_ptr,  # [N_ROWS, K]: dense, or e4m3 (W_FP8)
+    ws_ptr,  # W_FP8: [ceil(N_ROWS / GROUP), KB] block scales
+    n0,
+    kk,
+    k_lo,
+    k_hi,
+    N_ROWS,
+    K,
+    KB,
+    EVEN: tl.constexpr,  # every step whole: no K masks
+    W_FP8: tl.constexpr,
+    A_E4M3: tl.constexpr,  # W_FP8: a is quantized already (else each group is quantized here)
+    WAIT_AFTER_FIRST: tl.constexpr,  # the PDL wait after the first weight tile's load
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """The GEMV form (one token, no tl.dot): sum over k_lo <= k < k_hi of a[k] * w[n, k] for rows
+    n0 .. n0 + BLOCK_N (those past N_ROWS read row N_ROWS - 1 and are never stored), float32
+    [BLOCK_N]. [BLOCK_N, BLOCK_K] weight tiles along K (16-byte loads along each row), each
+    loaded one step ahead of its use (loop-carried), the products summed elementwise and reduced
+    over K once at the end. WAIT_AFTER_FIRST: the first tile is loaded before the PDL wait (the
+    weight is no kernel's output: kernels/triton/pdl.py), so its bytes arrive while the previous
+    kernel's last programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it
+    after the wait); the caller must not have waited. Block FP8 (W8A8 as the tl.dot forms): a K
+    step is one group (BLOCK_K == GROUP, or all of K below it) and BLOCK_N rows lie in one
+    128-row block, so the step's two scales fold into the activation: a's e4m3 values times its
+    group scale times the tile's weight scale, against the e4m3 weights."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    rows = w_ptr + tl.minimum(n, N_ROWS - 1)[:, None] * K + kk[None, :]
+    if EVEN:
+        w_next = tl.load(rows + k_lo)
+    else:
+        w_next = tl.load(rows + k_lo, mask=(k_lo + kk < k_hi)[None, :], other=0.0)
+    if WAIT_AFTER_FIRST:
+        grid_dependency()
+    prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w = w_next
+        k1 = k0 + BLOCK_K
+        w_next = tl.load(rows + k1, mask=(k1 + kk < k_hi)[None, :], other=0.0)
+        if EVEN:
+            a = tl.load(a_ptr + k0 + kk).to(tl.float32)
+        else:
+            a = tl.load(a_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
+        if W_FP8:
+            if A_E4M3:
+                a = a * tl.load(as_ptr + k0 // GROUP)
+            else:  # the group quantized as kernels.fp8.quantize_act: its e4m3 values x its scale
+                q, scale = quant_rows(a[None, :])
+                a = tl.sum(q * scale[:, None], axis=0)
+            a = a * tl.load(ws_ptr + (n0 // GROUP) * KB + k0 // GROUP)
+        prods += w.to(tl.float32) * a[None, :]
+    return tl.sum(prods, axis=1)
+
+
 # M, N, strides and split counts vary by call; specializing on them (== 1, divisible by 16)
 # would compile a kernel per shape and token count for nothing: the loads run along K
 @triton.jit(do_not_specialize=["M", "N", "KB", "stride_xm", "splits", "steps"])
@@ -180,26 +240,9 @@ def _skinny_kernel(
     n_safe = tl.minimum(n, N - 1)
     k_begin = pid_k * steps * BLOCK_K
     k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
-    if GEMV:
-        x_row = x_ptr + kk  # row 0 (M == 1)
-        w_rows = w_ptr + n_safe[:, None] * K + kk[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
-        # the weight one K step ahead of its use (loop-carried); the first before the PDL wait
-        # (the weight is no kernel's output: kernels/triton/pdl.py), so its bytes arrive while
-        # the previous kernel's last programs run (H200: 5.19 ms a rank-0 step at batch 1
-        # against 5.30 loading it after the wait)
-        w_next = tl.load(w_rows + k_begin, mask=(k_begin + kk < k_end)[None, :], other=0.0)
-        grid_dependency()
-        prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            w = w_next
-            k1 = k0 + BLOCK_K
-            w_next = tl.load(w_rows + k1, mask=(k1 + kk < k_end)[None, :], other=0.0)
-            if EVEN_K:
-                x = tl.load(x_row + k0)
-            else:
-                x = tl.load(x_row + k0, mask=(k0 + kk) < K, other=0.0)
-            prods += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        acc = tl.sum(prods, axis=1)[None, :]  # [1, BLOCK_N]
+    if GEMV:  # row 0 (M == 1)
+        acc = gemv_rows(x_ptr, x_ptr, w_ptr, ws_ptr, pid_n * BLOCK_N, kk, k_begin, k_end, N, K, KB,
+                        EVEN_K, False, False, True, BLOCK_N, BLOCK_K, GROUP)[None, :]  # fmt: skip
     else:
         x_ptrs = x_ptr + m_safe[:, None] * stride_xm + kk[None, :]
         w_ptrs = w_ptr + n_safe[None, :] * K + kk[:, None]
