@@ -9,7 +9,8 @@ A row: {"name", "batch", "dtype", "us_old", "us_new", "floor_us", "launches_old"
 a split-K GEMM and its reduction).
 - dtype bf16: us_old cuBLAS (F.linear, what a bf16 projection runs unless serving.layers.linear's
   SKINNY_DENSE_MAX_TOKENS says otherwise), us_new the skinny GEMM (one row: its GEMV form,
-  "form": "gemv", with us_dot the tl.dot form beside it);
+  "form": "gemv", with us_dot the tl.dot form beside it; 2-8 rows: us_gemv, the GEMV form at
+  those rows, which GEMV_MAX_ROWS keeps off by default);
 - dtype fp8: us_old the FP8 path before the skinny GEMM (block_fp8_linear's old backends:
   torch._scaled_mm with its activation quantization where the shape's probe passes, else the
   Triton GEMM with the quantization fused), us_new the skinny GEMM (the quantization inside),
@@ -97,7 +98,13 @@ def _inputs(m: int, k: int, copies: int, gen) -> list[torch.Tensor]:
 def rows_for(name: str, gen) -> list[dict]:
     from kernels.fp8 import quantize_weight
     from kernels.triton import fp8 as tfp8
-    from kernels.triton.skinny_gemm import GEMV_MAX_ROWS, skinny_config, skinny_linear
+    from kernels.triton.skinny_gemm import (
+        GEMV_MAX_ROWS,
+        GEMV_ROWS_LIMIT,
+        gemv_config,
+        skinny_config,
+        skinny_linear,
+    )
 
     n16, n8, k = RANK0_LINEARS[name]
     out = []
@@ -122,6 +129,10 @@ def rows_for(name: str, gen) -> list[dict]:
             dot = lambda x, w, cfg=cfg: skinny_linear(x, w, config=cfg)  # noqa: E731
             row["form"] = "gemv"
             row["us_dot"] = round(graph_us(dot, list(zip(xs, dense))), 2)
+        elif m <= GEMV_ROWS_LIMIT:  # the GEMV form beside (GEMV_MAX_ROWS keeps it off here)
+            cfg = gemv_config(n16, k, rows=m)
+            gemv = lambda x, w, cfg=cfg: skinny_linear(x, w, config=cfg)  # noqa: E731
+            row["us_gemv"] = round(graph_us(gemv, list(zip(xs, dense))), 2)
         out.append(row)
         if n8 is None:
             continue

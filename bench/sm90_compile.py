@@ -93,7 +93,7 @@ def _cases(case: list[str]) -> None:
     from kernels.triton import moe_small as tms
     from kernels.triton.mhc import mhc_boundary
     from kernels.triton.moe_small import counters_size, moe_small
-    from kernels.triton.skinny_gemm import skinny_linear
+    from kernels.triton.skinny_gemm import gemv_config, skinny_linear
     from kernels.triton.swiglu import swiglu
 
     r = RANK0
@@ -127,6 +127,10 @@ def _cases(case: list[str]) -> None:
         x = torch.empty(rows, k, dtype=bf)
         skinny_linear(x, torch.empty(n, k, dtype=bf))
         skinny_linear(x, torch.empty(n, k, dtype=bf), add=torch.empty(rows, n, dtype=bf))
+    for rows, n, k in ((2, 3336, 4096), (4, 4096, 1024), (8, 19360, 4096), (8, 2048, 1536)):
+        case[0] = f"skinny dense, the GEMV form, {rows} rows, {n} x {k}"
+        skinny_linear(torch.empty(rows, k, dtype=bf), torch.empty(n, k, dtype=bf),
+                      config=gemv_config(n, k, rows=rows))  # fmt: skip
     w8, s8 = quantize_weight(torch.randn(3344, hd))
     for rows in (1, 4):
         case[0] = f"skinny FP8, {rows} rows"
@@ -135,13 +139,19 @@ def _cases(case: list[str]) -> None:
     experts = Experts(torch.empty(el, 2 * i, hd, dtype=bf), torch.empty(el, hd, i, dtype=bf))
     shared = SharedExpert(*(torch.empty(si, hd, dtype=bf) for _ in range(2)),
                           torch.empty(hd, si, dtype=bf))  # fmt: skip
-    for tokens in (1, 4, 16):  # 1: the GEMV form
-        case[0] = f"small MoE, {tokens} tokens"
+    saved = tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K
+    for tokens, gemv_tokens, pair, block_k in (
+        (1, 1, saved[1], saved[2]), (4, 1, False, 128), (16, 1, False, 128), (2, 8, False, 128),
+        (8, 8, False, 128), (1, 1, True, 128), (1, 1, True, 256), (2, 8, True, 256),
+    ):  # fmt: skip
+        tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K = gemv_tokens, pair, block_k
+        case[0] = f"small MoE, {tokens} tokens, GEMV up to {gemv_tokens}, {pair=}, {block_k=}"
         moe_small(
             torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
             r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
             torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
         )  # fmt: skip
+    tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K = saved
     e4m3 = torch.float8_e4m3fn
     experts8 = Experts(
         torch.empty(el, 2 * i, hd, dtype=e4m3),
@@ -149,14 +159,12 @@ def _cases(case: list[str]) -> None:
         torch.empty(el, 2 * i // 128, hd // 128),
         torch.empty(el, hd // 128, i // 128),
     )
-    gemv_fp8, tms.GEMV_FP8 = tms.GEMV_FP8, True
-    case[0] = "small MoE, 1 token, routed FP8, the GEMV form"
+    case[0] = "small MoE, 1 token, routed FP8"
     moe_small(
         torch.empty(1, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e), r["top_k"],
         True, 2.5, (0, el), experts8, shared, 7.0,
         torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
     )  # fmt: skip
-    tms.GEMV_FP8 = gemv_fp8
     for tokens in (1, 8, 16):
         case[0] = f"mHC boundary, {tokens} tokens"
         mix = 24

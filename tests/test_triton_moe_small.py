@@ -335,19 +335,23 @@ def test_experts_interpreter_odd_shapes(mode):
 
 
 @cpu_interp
-@pytest.mark.parametrize("mode", ["dense", "fp8", "fp8_all"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [TINY, ODD], ids=["tiny", "odd"])
-def test_experts_interpreter_gemv_form(shape, dtype, mode, monkeypatch):
-    """One token runs the GEMV form (no tl.dot; two tokens do not), block FP8 weights too while
-    GEMV_FP8 (W8A8: x quantized per group in gate/up, h's e4m3 values and scales in down): odd
-    shapes mask K and clamp rows."""
+def test_experts_interpreter_gemv_form(shape, dtype, tokens, monkeypatch):
+    """Dense weights up to GEMV_MAX_TOKENS tokens run the GEMV form (no tl.dot): one token, and
+    3 and 8 (rows in a block of 4 and 8, the 4th row past T clamped to T - 1) with the switch
+    at 8; block FP8 never does. Odd shapes mask K and clamp weight rows. Gate and up in one
+    loop (GEMV_PAIR) at 1 and 3 tokens, in two at 8; 256-wide K steps at 3 tokens (the
+    shared expert's down then has fewer K splits than the routed experts')."""
     from kernels.triton import moe_small as tms
 
-    assert tms.gemv_form(1, False) and not tms.gemv_form(2, False)
-    monkeypatch.setattr(tms, "GEMV_FP8", mode != "dense")
-    assert tms.gemv_form(1, True) == (mode != "dense")
-    _check_experts(1, shape, mode, dtype, "cpu")
+    assert tms.gemv_form(1, False) and not tms.gemv_form(2, False) and not tms.gemv_form(1, True)
+    monkeypatch.setattr(tms, "GEMV_MAX_TOKENS", 8)
+    monkeypatch.setattr(tms, "GEMV_PAIR", tokens != 8)
+    monkeypatch.setattr(tms, "GEMV_BLOCK_K", 256 if tokens == 3 else 128)
+    assert tms.gemv_form(tokens, False) and not tms.gemv_form(9, False)
+    _check_experts(tokens, shape, "dense", dtype, "cpu")
 
 
 @cpu_interp
@@ -502,14 +506,20 @@ def test_experts_gpu(shape, mode, tokens):
     "shape", [BENCH, pytest.param(REAL, marks=REAL_HBM)], ids=["bench", "real"]
 )
 def test_experts_gpu_gemv_form(shape, monkeypatch):
-    """One token in the GEMV form: dense in bf16 and float32, block FP8 (GEMV_FP8) in bf16."""
+    """The GEMV form at 1 token (the default) and, with the switch at 8, at 2, 3 and 8 tokens:
+    bf16 and float32; gate and up in one loop with 256-wide K steps at 1 and 2."""
     from kernels.triton import moe_small as tms
 
     _check_experts(1, shape, "dense", torch.bfloat16, "cuda")
     _check_experts(1, shape, "dense", torch.float32, "cuda")
-    monkeypatch.setattr(tms, "GEMV_FP8", True)
-    for mode in ("fp8", "fp8_all"):
-        _check_experts(1, shape, mode, torch.bfloat16, "cuda")
+    monkeypatch.setattr(tms, "GEMV_MAX_TOKENS", 8)
+    for tokens in (2, 3, 8):
+        _check_experts(tokens, shape, "dense", torch.bfloat16, "cuda")
+    _check_experts(2, shape, "dense", torch.float32, "cuda")
+    monkeypatch.setattr(tms, "GEMV_PAIR", not tms.GEMV_PAIR)
+    monkeypatch.setattr(tms, "GEMV_BLOCK_K", 256)
+    for tokens in (1, 2):
+        _check_experts(tokens, shape, "dense", torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu

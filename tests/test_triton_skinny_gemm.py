@@ -104,14 +104,23 @@ def _check_fp8(m, n, k, dtype, device, interpreter=False):
 
 
 def _check_dense(m, n, k, device, dtype=torch.bfloat16):
-    """Both forms where both apply (one row: GEMV and tl.dot), and with addmm's C."""
-    from kernels.triton.skinny_gemm import GEMV_MAX_ROWS, skinny_config, skinny_linear
+    """Every form that applies (up to GEMV_ROWS_LIMIT rows: GEMV and tl.dot), and with addmm's
+    C."""
+    from kernels.triton.skinny_gemm import (
+        GEMV_MAX_ROWS,
+        GEMV_ROWS_LIMIT,
+        gemv_config,
+        skinny_config,
+        skinny_linear,
+    )
 
     gen = torch.Generator(device=device).manual_seed(n + k)
     w = (torch.randn(n, k, device=device, generator=gen) * k**-0.5).to(dtype)
     x = _x(m, k, dtype, device, seed=m + n)
     ref = F.linear(x.float(), w.float())
     configs = [None] + ([skinny_config(m, n, k, w.element_size())] if m <= GEMV_MAX_ROWS else [])
+    if GEMV_MAX_ROWS < m <= GEMV_ROWS_LIMIT:  # the GEMV form at rows past the default's
+        configs.append(gemv_config(n, k, rows=m))
     for config in configs:
         _poison(m, n, dtype, device)
         out = skinny_linear(x, w, config=config)
@@ -153,15 +162,16 @@ def test_gemv_form_splits_k_and_covers_every_row_interpreter():
 
     n, k = 45, 1000
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * k**-0.5).bfloat16()
-    x = _x(1, k, torch.bfloat16, "cpu", seed=4)
-    ref = F.linear(x.float(), w.float())
     tilings = {(1, 16, 256): 1, (12, 16, 256): 4, (40, 8, 128): 4, (3, 32, 512): 2}
-    for (target, block_n, block_k), splits in tilings.items():
-        cfg = gemv_config(n, k, target, block_n, block_k)
-        assert cfg.block_m == 1 and cfg.splits == splits, cfg
-        out = skinny_linear(x, w, config=cfg)
-        assert _rel_max(out, ref) <= 1e-2 and _rel_fro(out, ref) <= 5e-3, cfg
-        assert _counters_zero()
+    for rows, block_m in ((1, 1), (2, 2), (5, 8)):
+        x = _x(rows, k, torch.bfloat16, "cpu", seed=4)
+        ref = F.linear(x.float(), w.float())
+        for (target, block_n, block_k), splits in tilings.items():
+            cfg = gemv_config(n, k, target, block_n, block_k, rows=rows)
+            assert cfg.gemv and cfg.block_m == block_m and cfg.splits == splits, cfg
+            out = skinny_linear(x, w, config=cfg)
+            assert _rel_max(out, ref) <= 1e-2 and _rel_fro(out, ref) <= 5e-3, cfg
+            assert _counters_zero()
 
 
 @cpu_interp
@@ -223,13 +233,16 @@ def _rows_alone_equal_rows_together(device, k=520, n=300):
     """A row's bits do not depend on the rows beside it within one BLOCK_M: an eager decode of
     11 requests gives what its CUDA graph padded to 16 gives (tests/test_gpu.py's greedy
     equality), FP8 and bf16."""
-    from kernels.triton.skinny_gemm import skinny_linear
+    from kernels.triton.skinny_gemm import gemv_config, skinny_linear
 
     x = _x(16, k, torch.bfloat16, device, seed=5)
     w8, scale = _fp8_weight(n, k, device, seed=6)
     w = fp8_ref.dequantize(w8, scale).bfloat16()
     for weights in ((w8, scale), (w,)):
         assert torch.equal(skinny_linear(x[:11], *weights), skinny_linear(x, *weights)[:11])
+    # the GEMV form: within one power-of-two row block (5 rows and the graph's 8)
+    five, eight = (skinny_linear(x[:m], w, config=gemv_config(n, k, rows=m)) for m in (5, 8))
+    assert torch.equal(five, eight[:5])
 
 
 @cpu_interp

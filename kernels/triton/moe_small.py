@@ -14,10 +14,10 @@ signatures and results as kernels/moe_small.py (route_slots, experts_slots, moe_
 2. gate/up + SwiGLU (one launch): programs of (block of BLOCK_N intermediate columns, K split of
    Hd) loop over the used slots (their count is read from slot_expert, so no program is spent on
    an unused slot), each program reading its gate and up tiles of every picked expert once for
-   all T tokens (tokens padded to one 16-row tl.dot tile; one token, GEMV_MAX_TOKENS, in the
-   GEMV form instead, dense weights or, while GEMV_FP8, block FP8: [BLOCK_N, BLOCK_K] tiles
-   along K multiplied on the CUDA cores, no padding and no shared-memory staging, as
-   kernels/triton/skinny_gemm.py's GEMV). The shared expert is one more expert of weight 1, in
+   all T tokens (tokens padded to one 16-row tl.dot tile; up to GEMV_MAX_TOKENS tokens of dense
+   weights in the GEMV form instead, kernels/triton/skinny_gemm.gemv_rows: [BLOCK_N, BLOCK_K]
+   tiles along K multiplied on the CUDA cores, tokens in a power-of-two block of rows, no
+   shared-memory staging). The shared expert is one more expert of weight 1, in
    programs of its own. Each program stores float32 partial gate/up sums; the last program of
    each 128-column group (a counter per group, over its column blocks and K splits) sums the
    splits in order, applies silu(min(gate, limit)) * clamp(up, -limit, limit), rounds to x's
@@ -28,6 +28,8 @@ signatures and results as kernels/moe_small.py (route_slots, experts_slots, moe_
    weight[t] * (h @ w2[e]^T) in float32 in slot order; with several K splits the last program
    of a column block (a counter per block) sums the splits in order and stores the output in
    x's dtype. No float atomics: deterministic.
+BLOCK_T: 16 tokens in the tl.dot form; in the GEMV form next_power_of_2(T), so a token's bits
+depend on T's bucket (1, 2, 4, 8: the CUDA graphs' batch sizes), never on T itself.
 
 Block FP8 (W8A8 as kernels.moe.experts_fp8): x is quantized per token group of 128 in the gate/up
 K loop (each K step is one group; the same code as kernels/triton/e4m3.quant_rows, bit-equal to
@@ -66,7 +68,7 @@ from kernels.fp8 import FP8, blocks
 from kernels.moe_small import Experts, SharedExpert, num_slots
 from kernels.triton.e4m3 import quant_rows
 from kernels.triton.pdl import LAUNCH, grid_dependency
-from kernels.triton.skinny_gemm import gemv_rows
+from kernels.triton.skinny_gemm import GEMV_ROWS_LIMIT, gemv_rows
 
 MAX_TOKENS = 16  # one tl.dot M tile of tokens
 BLOCK_T = 16
@@ -83,15 +85,19 @@ ROUTE_PROGRAMS = 132
 GATE_UP_PROGRAMS = 528
 GATE_UP_PROGRAMS_FP8 = 396
 DOWN_PROGRAMS = 528
-# tokens up to which a dense call (an FP8 one too while GEMV_FP8) runs gate/up and down in the
-# GEMV form (skinny_gemm.gemv_rows; 1 or 0: the tl.dot form at every count). One MoE layer of
+# tokens up to which a dense call runs gate/up and down in the GEMV form (skinny_gemm.gemv_rows;
+# 0: the tl.dot form at every count; at most skinny_gemm.GEMV_ROWS_LIMIT). One MoE layer of
 # rank 0 at one token, H100 (bench.decode_moe): 46.7 -> 34.6 us; the H200's rank-0 step with
-# the KDA core's and the mHC boundary's early loads: 4.94 -> 4.13 ms at batch 1
+# the KDA core's and the mHC boundary's early loads: 4.94 -> 4.13 ms at batch 1. Block FP8
+# keeps the tl.dot form: its GEMV form (W8A8, both scales folded into the activation) made the
+# FP8 rank's step slower (H200 2026-12-05: 4.555 / 4.520 against 4.451 / 4.443 ms at batch 1).
 GEMV_MAX_TOKENS = 1
-# block FP8 weights in the GEMV form too (W8A8, the tl.dot form's numerics): built 2026-12-05
-# without a GPU, off until an H200 times it against the tl.dot form (at one token the FP8 layer
-# took 59.7 us there, bf16's 29.8 before its GEMV form)
-GEMV_FP8 = False
+# the GEMV form's K step (the tl.dot forms step one 128-wide FP8 group) and whether gate/up runs
+# gate and up in one loop (both weights' tiles in flight): a program's time at one token is its
+# chain of dependent loads (the H200's trace, PDL off: gate/up 20.6 us a layer for ~8 us of
+# bytes, 2 x 11 steps of 4 KB a program)
+GEMV_BLOCK_K = 128
+GEMV_PAIR = False
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
@@ -104,11 +110,12 @@ class _Split:
     block_k: int
 
 
-def _split(k: int, column_blocks: int, programs: int) -> _Split:
+def _split(k: int, column_blocks: int, programs: int, widest: int = GROUP) -> _Split:
     """Split K into as many ranges as column_blocks * splits <= programs allows (at least one;
-    host ints only). block_k divides GROUP, so in FP8 a K step never straddles a scale group,
-    and is >= 32 (e4m3 dots)."""
-    block_k = max(32, min(GROUP, triton.next_power_of_2(k)))
+    host ints only), in steps of block_k = min(widest, next_power_of_2(k)), at least 32. widest
+    GROUP (the tl.dot forms): block_k divides it, so in FP8 a K step never straddles a scale
+    group, and is >= 32 (e4m3 dots); the GEMV form's GEMV_BLOCK_K may be wider."""
+    block_k = max(32, min(widest, triton.next_power_of_2(k)))
     steps = triton.cdiv(k, block_k)
     splits = max(1, min(steps, programs // column_blocks))
     k_split = triton.cdiv(steps, splits) * block_k
@@ -116,9 +123,9 @@ def _split(k: int, column_blocks: int, programs: int) -> _Split:
 
 
 def gemv_form(tokens: int, any_fp8: bool) -> bool:
-    """Whether gate/up and down run the GEMV form (GEMV_MAX_TOKENS; with FP8 weights only while
-    GEMV_FP8)."""
-    return tokens <= GEMV_MAX_TOKENS and (GEMV_FP8 or not any_fp8)
+    """Whether gate/up and down run the GEMV form (up to GEMV_MAX_TOKENS tokens, dense only)."""
+    assert GEMV_MAX_TOKENS <= GEMV_ROWS_LIMIT, GEMV_MAX_TOKENS
+    return tokens <= GEMV_MAX_TOKENS and not any_fp8
 
 
 def route_counters(num_experts: int) -> int:
@@ -390,6 +397,7 @@ def _gate_up_acc(
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
     GEMV: tl.constexpr,
+    GEMV_PAIR: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -399,14 +407,16 @@ def _gate_up_acc(
     t = tl.arange(0, BLOCK_T)
     n = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    if GEMV:
+    if GEMV:  # dense; BLOCK_T rows, those past T reading row T - 1
         k_hi = tl.minimum(k_lo + K_SPLIT, HD)
-        sum_g = gemv_rows(x_ptr, x_ptr, wg_ptr, sg_ptr, n0, kk, k_lo, k_hi, INTER, HD, KB, EVEN,
-                          FP8, False, False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
-        sum_u = gemv_rows(x_ptr, x_ptr, wu_ptr, su_ptr, n0, kk, k_lo, k_hi, INTER, HD, KB, EVEN,
-                          FP8, False, False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
-        zeros = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)  # row 0 is the token's
-        return zeros + sum_g[None, :], zeros + sum_u[None, :]
+        if GEMV_PAIR:  # gate and up in one loop: both tiles in flight
+            return gemv_rows(x_ptr, HD, T, wg_ptr, wu_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
+                             False, True, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc_g, _ = gemv_rows(x_ptr, HD, T, wg_ptr, wg_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
+                             False, False, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+        acc_u, _ = gemv_rows(x_ptr, HD, T, wu_ptr, wu_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
+                             False, False, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+        return acc_g, acc_u
     t_mask = t < T
     n_mask = n < INTER
     a_ptrs = x_ptr + t[:, None] * HD + kk[None, :]
@@ -538,6 +548,7 @@ def _gate_up_kernel(
     EVEN: tl.constexpr,
     EVEN_SH: tl.constexpr,
     GEMV: tl.constexpr,
+    GEMV_PAIR: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -579,6 +590,7 @@ def _gate_up_kernel(
                 IEEE,
                 EVEN,
                 GEMV,
+                GEMV_PAIR,
                 BLOCK_T,
                 BLOCK_N,
                 BLOCK_K,
@@ -627,6 +639,7 @@ def _gate_up_kernel(
             IEEE,
             EVEN_SH,
             GEMV,
+            GEMV_PAIR,
             BLOCK_T,
             BLOCK_N,
             BLOCK_K,
@@ -686,11 +699,11 @@ def _down_acc(
     t = tl.arange(0, BLOCK_T)
     n = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    if GEMV:
+    if GEMV:  # dense; BLOCK_T rows, those past T reading row T - 1
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
-        y = gemv_rows(a_ptr, as_ptr, w_ptr, ws_ptr, n0, kk, k_lo, k_hi, HD, K, KB, EVEN, FP8, True,
-                      False, BLOCK_N, BLOCK_K, GROUP)  # fmt: skip
-        return tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32) + y[None, :]
+        y, _ = gemv_rows(a_ptr, K, T, w_ptr, w_ptr, n0, kk, k_lo, k_hi, HD, K, EVEN, False, False,
+                         BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+        return y
     t_mask = t < T
     a_ptrs = a_ptr + t[:, None] * K + kk[None, :]
     w_offs = n[None, :] * K + kk[:, None]
@@ -790,28 +803,31 @@ def _down_kernel(
         )
         weight = tl.load(slot_weight_ptr + j * T + t, mask=t_mask, other=0.0)
         acc += y * weight[:, None]
-    if HAS_SHARED:  # weight 1
-        acc += _down_acc(
-            h_sh_ptr,
-            h_sh_scale_ptr,
-            T,
-            sd_ptr,
-            sd_scale_ptr,
-            n0,
-            s * K_SPLIT_SH,
-            INTER_SH,
-            NB_SH,
-            HD,
-            K_SPLIT_SH,
-            SH_FP8,
-            IEEE,
-            EVEN_SH,
-            GEMV,
-            BLOCK_T,
-            BLOCK_N,
-            BLOCK_K_SH,
-            GROUP,
-        )
+    # the shared expert (weight 1); its K splits, of its own size, may end before the last split
+    # (the GEMV form loads a split's first tile before its loop: never past K)
+    if HAS_SHARED:
+        if s * K_SPLIT_SH < INTER_SH:
+            acc += _down_acc(
+                h_sh_ptr,
+                h_sh_scale_ptr,
+                T,
+                sd_ptr,
+                sd_scale_ptr,
+                n0,
+                s * K_SPLIT_SH,
+                INTER_SH,
+                NB_SH,
+                HD,
+                K_SPLIT_SH,
+                SH_FP8,
+                IEEE,
+                EVEN_SH,
+                GEMV,
+                BLOCK_T,
+                BLOCK_N,
+                BLOCK_K_SH,
+                GROUP,
+            )
     n = n0 + tl.arange(0, BLOCK_N)
     mask = t_mask[:, None] & (n < HD)[None, :]
     out_ptrs = out_ptr + t[:, None] * HD + n[None, :]
@@ -864,6 +880,7 @@ def experts_slots(
             assert w.dtype == (FP8 if scale is not None else x.dtype), (w.dtype, x.dtype)
     sh_fp8, sd_fp8 = sg_scale is not None, sd_scale is not None
     gemv = gemv_form(tokens, w_fp8 or sh_fp8 or sd_fp8)
+    block_t = triton.next_power_of_2(tokens) if gemv else BLOCK_T
     nb, nb_sh, kb, hb = blocks(inter), blocks(inter_sh), blocks(hidden), blocks(hidden)
     assert counters.dtype == torch.int32
     assert counters.numel() >= expert_counters(hidden, inter, inter_sh)
@@ -874,8 +891,12 @@ def experts_slots(
 
     n_blocks, n_blocks_sh = triton.cdiv(inter, BLOCK_N), triton.cdiv(inter_sh, BLOCK_N)
     fp8_gate_up = w_fp8 or sh_fp8
+    widest = GEMV_BLOCK_K if gemv else GROUP
     gu = _split(
-        hidden, n_blocks + n_blocks_sh, GATE_UP_PROGRAMS_FP8 if fp8_gate_up else GATE_UP_PROGRAMS
+        hidden,
+        n_blocks + n_blocks_sh,
+        GATE_UP_PROGRAMS_FP8 if fp8_gate_up else GATE_UP_PROGRAMS,
+        widest,
     )
     assert 2 * max(inter, inter_sh) * hidden < 2**31, "int32 offsets inside one expert"
     assert slots * gu.splits * tokens * 2 * inter < 2**31, "int32 offsets of the partials"
@@ -927,7 +948,8 @@ def experts_slots(
         EVEN=even_k and inter % BLOCK_N == 0,
         EVEN_SH=even_k and inter_sh % BLOCK_N == 0,
         GEMV=gemv,
-        BLOCK_T=BLOCK_T,
+        GEMV_PAIR=GEMV_PAIR,
+        BLOCK_T=block_t,
         BLOCK_N=BLOCK_N,
         BLOCK_K=gu.block_k,
         GROUP=GROUP,
@@ -938,9 +960,9 @@ def experts_slots(
     )
 
     d_blocks = triton.cdiv(hidden, BLOCK_N)
-    dn = _split(inter, d_blocks, DOWN_PROGRAMS)
+    dn = _split(inter, d_blocks, DOWN_PROGRAMS, widest)
     # the shared expert's K (its own intermediate size) in as many splits
-    block_k_sh = max(32, min(GROUP, triton.next_power_of_2(max(inter_sh, 1))))
+    block_k_sh = max(32, min(widest, triton.next_power_of_2(max(inter_sh, 1))))
     k_split_sh = max(1, triton.cdiv(triton.cdiv(inter_sh, dn.splits), block_k_sh)) * block_k_sh
     d_part = (
         torch.empty(dn.splits, tokens, hidden, device=dev, dtype=torch.float32)
@@ -981,7 +1003,7 @@ def experts_slots(
         EVEN=even_n and inter % dn.k_split == 0 and dn.k_split % dn.block_k == 0,
         EVEN_SH=even_n and inter_sh % k_split_sh == 0,
         GEMV=gemv,
-        BLOCK_T=BLOCK_T,
+        BLOCK_T=block_t,
         BLOCK_N=BLOCK_N,
         BLOCK_K=dn.block_k,
         BLOCK_K_SH=block_k_sh,

@@ -13,11 +13,12 @@ streams only ~30-60 GB/s). Before it, 1536 x 4096 at 32 tokens took 16.2 us in b
 Twins: torch.nn.functional.linear and kernels.fp8.block_fp8_linear (same results up to fp32
 summation order and, for bf16 outputs, one output rounding).
 
-One dense row (batch-1 decode, EAGLE's draft) runs the GEMV form (GEMV_MAX_ROWS): no tl.dot and
-no 16-row padding; each program holds a [BLOCK_N, BLOCK_K] tile of W, K contiguous (16-byte
-loads along each weight row), multiplies it by x's row on the CUDA cores and accumulates the
-products elementwise in float32, reducing over K once at the end. Its tiling (gemv_config) is
-its own: 256-wide K steps, 16-row N tiles (the tl.dot form's tiles are sized for a 16-row dot).
+Up to GEMV_MAX_ROWS dense rows (batch-1 decode, EAGLE's draft; EAGLE's 2-token verify and small
+batches where the switch allows) run the GEMV form (gemv_rows): no tl.dot and no 16-row padding;
+each program holds a [BLOCK_N, BLOCK_K] tile of W, K contiguous (16-byte loads along each weight
+row), and multiplies it by each of x's rows on the CUDA cores in float32. Its tiling
+(gemv_config) is its own: 256-wide K steps, 16-row N tiles (the tl.dot form's tiles are sized
+for a 16-row dot), rows in a power-of-two block (1, 2, 4, 8: CUDA graphs' batch buckets).
 
 Split K, deterministically: program (n tile, split) sums its share of K, writes the fp32 partial
 and counts itself in its tile's counter (an int32 atomic, acquire-release); the program that
@@ -57,8 +58,10 @@ DENSE_DTYPES = (torch.bfloat16, torch.float16)
 MIN_BLOCK_N = 32
 
 
-# dense rows up to which skinny_linear runs the GEMV form (1 or 0: the tl.dot form at every count)
+# dense rows up to which skinny_linear runs the GEMV form (0: the tl.dot form at every count; at
+# most GEMV_ROWS_LIMIT)
 GEMV_MAX_ROWS = 1
+GEMV_ROWS_LIMIT = 8
 # the GEMV form's tiling: BLOCK_N rows of W by BLOCK_K columns a step (16 x 256 bf16: 8 KB, one
 # 16-byte load per thread and row for 4 warps), GEMV_PROGRAMS programs aimed at (three per SM of
 # an H200); bench/decode_gemm.py --sweep times others
@@ -84,6 +87,7 @@ class SkinnyConfig(NamedTuple):
     steps: int  # BLOCK_K steps per split (the last split may have fewer)
     num_warps: int
     num_stages: int
+    gemv: bool = False  # the GEMV form (block_m rows, a power of two)
 
 
 def skinny_config(
@@ -124,11 +128,13 @@ def gemv_config(
     target_programs: int = GEMV_PROGRAMS,
     block_n: int | None = None,
     block_k: int | None = None,
+    rows: int = 1,
 ) -> SkinnyConfig:
-    """The GEMV form's tiling for one row against an [n, k] dense weight (host ints): N tiles of
-    block_n rows, K steps of block_k (all of k below it; both by default GEMV_BLOCK_N x
-    GEMV_BLOCK_K, or the GEMV_SHORT_ tiles for k <= GEMV_SHORT_K), split K until the programs reach
-    target_programs (block_m 1: the form is told apart by it)."""
+    """The GEMV form's tiling for `rows` rows against an [n, k] dense weight (host ints): the
+    rows in a block of next_power_of_2(rows), N tiles of block_n rows, K steps of block_k (all
+    of k below it; both by default GEMV_BLOCK_N x GEMV_BLOCK_K, or the GEMV_SHORT_ tiles for
+    k <= GEMV_SHORT_K), split K until the programs reach target_programs."""
+    assert 1 <= rows <= GEMV_ROWS_LIMIT, rows
     short = k <= GEMV_SHORT_K
     block_n = block_n or (GEMV_SHORT_BLOCK_N if short else GEMV_BLOCK_N)
     block_k = block_k or (GEMV_SHORT_BLOCK_K if short else GEMV_BLOCK_K)
@@ -136,67 +142,100 @@ def gemv_config(
     steps = triton.cdiv(k, block_k)
     splits = max(1, min(steps, triton.cdiv(target_programs, triton.cdiv(n, block_n))))
     per = triton.cdiv(steps, splits)
-    return SkinnyConfig(1, block_n, block_k, triton.cdiv(steps, per), per, 4, 4)
+    block_m = triton.next_power_of_2(rows)
+    return SkinnyConfig(block_m, block_n, block_k, triton.cdiv(steps, per), per, 4, 4, True)
 
 
 @triton.jit
 def gemv_rows(
-    a_ptr,  # [K]: one token's row (A_E4M3: its e4m3 values)
-    as_ptr,  # A_E4M3: [KB] the row's group scales
-    w_ptr,  # [N_ROWS, K]: dense, or e4m3 (W_FP8)
-    ws_ptr,  # W_FP8: [ceil(N_ROWS / GROUP), KB] block scales
+    a_ptr,  # [M, K] token rows, row stride stride_a, unit column stride
+    stride_a,
+    M,
+    w_ptr,  # [N_ROWS, K] dense
+    w2_ptr,  # PAIR: a second weight of w's shape (a MoE expert's up beside its gate)
     n0,
     kk,
     k_lo,
     k_hi,
     N_ROWS,
     K,
-    KB,
     EVEN: tl.constexpr,  # every step whole: no K masks
-    W_FP8: tl.constexpr,
-    A_E4M3: tl.constexpr,  # W_FP8: a is quantized already (else each group is quantized here)
     WAIT_AFTER_FIRST: tl.constexpr,  # the PDL wait after the first weight tile's load
+    PAIR: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # token rows computed (rows past M read row M - 1, never stored)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr,
 ):
-    """The GEMV form (one token, no tl.dot): sum over k_lo <= k < k_hi of a[k] * w[n, k] for rows
-    n0 .. n0 + BLOCK_N (those past N_ROWS read row N_ROWS - 1 and are never stored), float32
-    [BLOCK_N]. [BLOCK_N, BLOCK_K] weight tiles along K (16-byte loads along each row), each
-    loaded one step ahead of its use (loop-carried), the products summed elementwise and reduced
-    over K once at the end. WAIT_AFTER_FIRST: the first tile is loaded before the PDL wait (the
-    weight is no kernel's output: kernels/triton/pdl.py), so its bytes arrive while the previous
-    kernel's last programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it
-    after the wait); the caller must not have waited. Block FP8 (W8A8 as the tl.dot forms): a K
-    step is one group (BLOCK_K == GROUP, or all of K below it) and BLOCK_N rows lie in one
-    128-row block, so the step's two scales fold into the activation: a's e4m3 values times its
-    group scale times the tile's weight scale, against the e4m3 weights."""
+    """The GEMV form (a few token rows, no tl.dot): sum over k_lo <= k < k_hi of a[r, k] *
+    w[n, k] for rows n0 .. n0 + BLOCK_N (those past N_ROWS read row N_ROWS - 1 and are never
+    stored), float32 [BLOCK_R, BLOCK_N], and with PAIR the same of w2 (else the second result
+    is the first). [BLOCK_N, BLOCK_K] weight tiles along K (16-byte loads along each row), each
+    loaded one step ahead of its use (loop-carried) and multiplied by every token row on the
+    CUDA cores: the weight is read once for all rows, and with PAIR both weights' tiles are in
+    flight at once (a program's time is its chain of dependent loads, not its bytes). One row
+    sums the products elementwise and reduces over K once at the end; more rows reduce each
+    row's products every step (BLOCK_R accumulators of a whole tile would not fit the
+    registers), so a row's bits depend on BLOCK_R: callers pick BLOCK_R from a row count's
+    power-of-two bucket, as CUDA graphs pad batches (1, 2, 4, 8), never from the rows alone.
+    WAIT_AFTER_FIRST: the first tile is loaded before the PDL wait (the weight is no kernel's
+    output: kernels/triton/pdl.py), so its bytes arrive while the previous kernel's last
+    programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it after the
+    wait); the caller must not have waited. k_lo < k_hi: the first tile is loaded before the
+    loop (unmasked where EVEN)."""
     n = n0 + tl.arange(0, BLOCK_N)
-    rows = w_ptr + tl.minimum(n, N_ROWS - 1)[:, None] * K + kk[None, :]
+    offs = tl.minimum(n, N_ROWS - 1)[:, None] * K + kk[None, :]
+    first_mask = (k_lo + kk < k_hi)[None, :]
     if EVEN:
-        w_next = tl.load(rows + k_lo)
+        w_next = tl.load(w_ptr + offs + k_lo)
     else:
-        w_next = tl.load(rows + k_lo, mask=(k_lo + kk < k_hi)[None, :], other=0.0)
+        w_next = tl.load(w_ptr + offs + k_lo, mask=first_mask, other=0.0)
+    if PAIR:
+        if EVEN:
+            w2_next = tl.load(w2_ptr + offs + k_lo)
+        else:
+            w2_next = tl.load(w2_ptr + offs + k_lo, mask=first_mask, other=0.0)
     if WAIT_AFTER_FIRST:
         grid_dependency()
-    prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    r_idx = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    if BLOCK_R == 1:
+        prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        prods2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = w_next
         k1 = k0 + BLOCK_K
-        w_next = tl.load(rows + k1, mask=(k1 + kk < k_hi)[None, :], other=0.0)
-        if EVEN:
-            a = tl.load(a_ptr + k0 + kk).to(tl.float32)
+        next_mask = (k1 + kk < k_hi)[None, :]
+        w = w_next.to(tl.float32)
+        w_next = tl.load(w_ptr + offs + k1, mask=next_mask, other=0.0)
+        if PAIR:
+            w2 = w2_next.to(tl.float32)
+            w2_next = tl.load(w2_ptr + offs + k1, mask=next_mask, other=0.0)
+        if BLOCK_R == 1:
+            if EVEN:
+                a = tl.load(a_ptr + k0 + kk).to(tl.float32)
+            else:
+                a = tl.load(a_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
+            prods += w * a[None, :]
+            if PAIR:
+                prods2 += w2 * a[None, :]
         else:
-            a = tl.load(a_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
-        if W_FP8:
-            if A_E4M3:
-                a = a * tl.load(as_ptr + k0 // GROUP)
-            else:  # the group quantized as kernels.fp8.quantize_act: its e4m3 values x its scale
-                q, scale = quant_rows(a[None, :])
-                a = tl.sum(q * scale[:, None], axis=0)
-            a = a * tl.load(ws_ptr + (n0 // GROUP) * KB + k0 // GROUP)
-        prods += w.to(tl.float32) * a[None, :]
-    return tl.sum(prods, axis=1)
+            for r in tl.static_range(BLOCK_R):
+                a_row = a_ptr + tl.minimum(r, M - 1) * stride_a + k0 + kk
+                if EVEN:
+                    a = tl.load(a_row).to(tl.float32)
+                else:
+                    a = tl.load(a_row, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)
+                here = r_idx[:, None] == r
+                acc += tl.where(here, tl.sum(w * a[None, :], axis=1)[None, :], 0.0)
+                if PAIR:
+                    acc2 += tl.where(here, tl.sum(w2 * a[None, :], axis=1)[None, :], 0.0)
+    if BLOCK_R == 1:
+        acc += tl.sum(prods, axis=1)[None, :]
+        if PAIR:
+            acc2 += tl.sum(prods2, axis=1)[None, :]
+    if not PAIR:
+        acc2 = acc
+    return acc, acc2
 
 
 # M, N, strides and split counts vary by call; specializing on them (== 1, divisible by 16)
@@ -222,7 +261,7 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # FP8: GROUP, or all of K below it
     FP8_W: tl.constexpr,
-    GEMV: tl.constexpr,  # one dense row (BLOCK_M 1), no tl.dot (the module doc)
+    GEMV: tl.constexpr,  # a few dense rows, no tl.dot (the module doc)
     HAS_ADD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -240,9 +279,9 @@ def _skinny_kernel(
     n_safe = tl.minimum(n, N - 1)
     k_begin = pid_k * steps * BLOCK_K
     k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
-    if GEMV:  # row 0 (M == 1)
-        acc = gemv_rows(x_ptr, x_ptr, w_ptr, ws_ptr, pid_n * BLOCK_N, kk, k_begin, k_end, N, K, KB,
-                        EVEN_K, False, False, True, BLOCK_N, BLOCK_K, GROUP)[None, :]  # fmt: skip
+    if GEMV:  # BLOCK_M rows, those past M reading row M - 1
+        acc, _ = gemv_rows(x_ptr, stride_xm, M, w_ptr, w_ptr, pid_n * BLOCK_N, kk, k_begin, k_end,
+                           N, K, EVEN_K, True, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     else:
         x_ptrs = x_ptr + m_safe[:, None] * stride_xm + kk[None, :]
         w_ptrs = w_ptr + n_safe[None, :] * K + kk[:, None]
@@ -315,7 +354,7 @@ def skinny_linear(
     block scales [ceil(N/128), ceil(K/128)] float32 (W8A8, as kernels.fp8.block_fp8_linear).
     add: [M, N], summed with the product in float32 before the one rounding (torch.addmm's C).
     Returns [M, N] in x's dtype. config: gemv_config's for up to GEMV_MAX_ROWS dense rows, else
-    skinny_config's (another: bench/decode_gemm.py's --sweep; block_m 1 is the GEMV form)."""
+    skinny_config's (another: bench/decode_gemm.py's --sweep)."""
     (m, k), n = x.shape, w.shape[0]
     assert m <= MAX_TOKENS and w.shape[1] == k, (x.shape, w.shape)
     assert max(n, m) * k < 2**31, "skinny GEMM offsets exceed int32"
@@ -336,10 +375,10 @@ def skinny_linear(
         return y
     if config is None:
         gemv = not fp8 and m <= GEMV_MAX_ROWS
-        config = gemv_config(n, k) if gemv else skinny_config(m, n, k, w.element_size())
+        config = gemv_config(n, k, rows=m) if gemv else skinny_config(m, n, k, w.element_size())
     cfg = config
-    gemv = cfg.block_m == 1
-    assert not gemv or (m == 1 and not fp8), ("the GEMV form takes one dense row", m, cfg)
+    gemv = cfg.gemv
+    assert not gemv or (m <= cfg.block_m and not fp8), ("the GEMV form: dense, block_m rows", cfg)
     assert not fp8 or cfg.block_k == BLOCK or cfg.block_k >= k, cfg  # a K step is one group
     split_k = cfg.splits > 1
     if split_k:
