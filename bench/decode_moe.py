@@ -30,6 +30,8 @@ left out of both paths (one rank alone).
 --sweep times the small path alone for each (GATE_UP_PROGRAMS[_FP8], DOWN_PROGRAMS) of
 SWEEP_GATE_UP x SWEEP_DOWN (kernels/triton/moe_small.py's grid sizes: they decide the K splits),
 one row each with those two fields: the fastest pair per dtype is what the constants should say.
+In bf16 at 1 and 2 tokens (GEMV_MAX_TOKENS 2 while it runs) it crosses them with the GEMV form's
+(GEMV_PAIR, GEMV_BLOCK_K) of SWEEP_GEMV, fields gemv_pair and gemv_block_k.
 
 Timing: each path is captured in one CUDA graph over LAYERS layer copies (distinct weights and
 inputs; 1.8 GB of bf16 experts each, so no layer's weights survive in L2 until its next call),
@@ -39,6 +41,7 @@ replayed REPLAYS times; the median replay over LAYERS is the time per layer.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 
@@ -52,6 +55,7 @@ REPLAYS = 20
 TP = EP = 8
 SWEEP_GATE_UP = (264, 396, 528, 660)
 SWEEP_DOWN = (264, 528, 792)
+SWEEP_GEMV = ((False, 128), (True, 128), (False, 256), (True, 256))
 
 
 def _config():
@@ -204,6 +208,8 @@ def _sweep_rows(dtype: str, layers, gen: torch.Generator):
     mlp.SMALL_MOE_MAX_TOKENS = 16
     knob = "GATE_UP_PROGRAMS" if dtype == "bf16" else "GATE_UP_PROGRAMS_FP8"
     saved = getattr(moe_small, knob), moe_small.DOWN_PROGRAMS
+    saved_gemv = moe_small.GEMV_MAX_TOKENS, moe_small.GEMV_PAIR, moe_small.GEMV_BLOCK_K
+    moe_small.GEMV_MAX_TOKENS = 2
     try:
         for batch in BATCHES:
             xs = [
@@ -212,18 +218,22 @@ def _sweep_rows(dtype: str, layers, gen: torch.Generator):
             ]
             calls = [lambda moe=moe, x=x: moe(x) for moe, x in zip(layers, xs)]
             floor = statistics.mean(_floor_us(moe, [x]) for moe, x in zip(layers, xs))
-            for gate_up in SWEEP_GATE_UP:
-                for down in SWEEP_DOWN:
-                    setattr(moe_small, knob, gate_up)
-                    moe_small.DOWN_PROGRAMS = down
-                    us = _graph_us(calls)
-                    row = {"name": "moe_layer_small", "batch": batch, "dtype": dtype}
-                    row.update(gate_up_programs=gate_up, down_programs=down, us_new=round(us, 2))
-                    row.update(floor_us=round(floor, 2), new_over_floor=round(us / floor, 2))
-                    print(json.dumps(row), flush=True)
+            gemv_forms = SWEEP_GEMV if dtype == "bf16" and batch <= 2 else (None,)
+            for gemv, gate_up, down in itertools.product(gemv_forms, SWEEP_GATE_UP, SWEEP_DOWN):
+                setattr(moe_small, knob, gate_up)
+                moe_small.DOWN_PROGRAMS = down
+                row = {"name": "moe_layer_small", "batch": batch, "dtype": dtype}
+                if gemv is not None:
+                    moe_small.GEMV_PAIR, moe_small.GEMV_BLOCK_K = gemv
+                    row.update(gemv_pair=gemv[0], gemv_block_k=gemv[1])
+                us = _graph_us(calls)
+                row.update(gate_up_programs=gate_up, down_programs=down, us_new=round(us, 2))
+                row.update(floor_us=round(floor, 2), new_over_floor=round(us / floor, 2))
+                print(json.dumps(row), flush=True)
     finally:
         setattr(moe_small, knob, saved[0])
         moe_small.DOWN_PROGRAMS = saved[1]
+        moe_small.GEMV_MAX_TOKENS, moe_small.GEMV_PAIR, moe_small.GEMV_BLOCK_K = saved_gemv
 
 
 def main() -> None:

@@ -66,6 +66,7 @@ import triton.language as tl
 from kernels.fp8 import BLOCK as GROUP
 from kernels.fp8 import FP8, blocks
 from kernels.moe_small import Experts, SharedExpert, num_slots
+from kernels.triton import skinny_gemm
 from kernels.triton.e4m3 import quant_rows
 from kernels.triton.pdl import LAUNCH, grid_dependency
 from kernels.triton.skinny_gemm import GEMV_ROWS_LIMIT, gemv_rows
@@ -398,6 +399,7 @@ def _gate_up_acc(
     EVEN: tl.constexpr,
     GEMV: tl.constexpr,
     GEMV_PAIR: tl.constexpr,
+    GEMV_AHEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -411,11 +413,11 @@ def _gate_up_acc(
         k_hi = tl.minimum(k_lo + K_SPLIT, HD)
         if GEMV_PAIR:  # gate and up in one loop: both tiles in flight
             return gemv_rows(x_ptr, HD, T, wg_ptr, wu_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
-                             False, True, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+                             False, True, GEMV_AHEAD, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         acc_g, _ = gemv_rows(x_ptr, HD, T, wg_ptr, wg_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
-                             False, False, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+                             False, False, GEMV_AHEAD, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         acc_u, _ = gemv_rows(x_ptr, HD, T, wu_ptr, wu_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
-                             False, False, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+                             False, False, GEMV_AHEAD, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         return acc_g, acc_u
     t_mask = t < T
     n_mask = n < INTER
@@ -549,6 +551,7 @@ def _gate_up_kernel(
     EVEN_SH: tl.constexpr,
     GEMV: tl.constexpr,
     GEMV_PAIR: tl.constexpr,
+    GEMV_AHEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -591,6 +594,7 @@ def _gate_up_kernel(
                 EVEN,
                 GEMV,
                 GEMV_PAIR,
+                GEMV_AHEAD,
                 BLOCK_T,
                 BLOCK_N,
                 BLOCK_K,
@@ -640,6 +644,7 @@ def _gate_up_kernel(
             EVEN_SH,
             GEMV,
             GEMV_PAIR,
+            GEMV_AHEAD,
             BLOCK_T,
             BLOCK_N,
             BLOCK_K,
@@ -690,6 +695,7 @@ def _down_acc(
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
     GEMV: tl.constexpr,
+    GEMV_AHEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -702,7 +708,7 @@ def _down_acc(
     if GEMV:  # dense; BLOCK_T rows, those past T reading row T - 1
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
         y, _ = gemv_rows(a_ptr, K, T, w_ptr, w_ptr, n0, kk, k_lo, k_hi, HD, K, EVEN, False, False,
-                         BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+                         GEMV_AHEAD, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         return y
     t_mask = t < T
     a_ptrs = a_ptr + t[:, None] * K + kk[None, :]
@@ -761,6 +767,7 @@ def _down_kernel(
     EVEN: tl.constexpr,
     EVEN_SH: tl.constexpr,
     GEMV: tl.constexpr,
+    GEMV_AHEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -796,6 +803,7 @@ def _down_kernel(
             IEEE,
             EVEN,
             GEMV,
+            GEMV_AHEAD,
             BLOCK_T,
             BLOCK_N,
             BLOCK_K,
@@ -823,6 +831,7 @@ def _down_kernel(
                 IEEE,
                 EVEN_SH,
                 GEMV,
+                GEMV_AHEAD,
                 BLOCK_T,
                 BLOCK_N,
                 BLOCK_K_SH,
@@ -949,6 +958,7 @@ def experts_slots(
         EVEN_SH=even_k and inter_sh % BLOCK_N == 0,
         GEMV=gemv,
         GEMV_PAIR=GEMV_PAIR,
+        GEMV_AHEAD=skinny_gemm.GEMV_AHEAD,
         BLOCK_T=block_t,
         BLOCK_N=BLOCK_N,
         BLOCK_K=gu.block_k,
@@ -1003,6 +1013,7 @@ def experts_slots(
         EVEN=even_n and inter % dn.k_split == 0 and dn.k_split % dn.block_k == 0,
         EVEN_SH=even_n and inter_sh % k_split_sh == 0,
         GEMV=gemv,
+        GEMV_AHEAD=skinny_gemm.GEMV_AHEAD,
         BLOCK_T=block_t,
         BLOCK_N=BLOCK_N,
         BLOCK_K=dn.block_k,

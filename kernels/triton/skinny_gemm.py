@@ -62,6 +62,9 @@ MIN_BLOCK_N = 32
 # most GEMV_ROWS_LIMIT)
 GEMV_MAX_ROWS = 1
 GEMV_ROWS_LIMIT = 8
+# K steps the GEMV form loads a weight tile ahead of its use (gemv_rows' AHEAD; the small MoE's
+# too): 1, or 2 for twice the bytes in flight a program
+GEMV_AHEAD = 1
 # the GEMV form's tiling: BLOCK_N rows of W by BLOCK_K columns a step (16 x 256 bf16: 8 KB, one
 # 16-byte load per thread and row for 4 warps), GEMV_PROGRAMS programs aimed at (three per SM of
 # an H200); bench/decode_gemm.py --sweep times others
@@ -162,6 +165,7 @@ def gemv_rows(
     EVEN: tl.constexpr,  # every step whole: no K masks
     WAIT_AFTER_FIRST: tl.constexpr,  # the PDL wait after the first weight tile's load
     PAIR: tl.constexpr,
+    AHEAD: tl.constexpr,  # K steps a weight tile is loaded ahead of its use: 1 or 2
     BLOCK_R: tl.constexpr,  # token rows computed (rows past M read row M - 1, never stored)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -170,15 +174,16 @@ def gemv_rows(
     w[n, k] for rows n0 .. n0 + BLOCK_N (those past N_ROWS read row N_ROWS - 1 and are never
     stored), float32 [BLOCK_R, BLOCK_N], and with PAIR the same of w2 (else the second result
     is the first). [BLOCK_N, BLOCK_K] weight tiles along K (16-byte loads along each row), each
-    loaded one step ahead of its use (loop-carried) and multiplied by every token row on the
-    CUDA cores: the weight is read once for all rows, and with PAIR both weights' tiles are in
-    flight at once (a program's time is its chain of dependent loads, not its bytes). One row
+    loaded AHEAD steps ahead of its use (loop-carried) and multiplied by every token row on the
+    CUDA cores: the weight is read once for all rows; with PAIR both weights' tiles are in flight
+    at once, with AHEAD 2 two steps of each (a program's time at these sizes is its chain of
+    dependent loads, not its bytes). One row
     sums the products elementwise and reduces over K once at the end; more rows reduce each
     row's products every step (BLOCK_R accumulators of a whole tile would not fit the
     registers), so a row's bits depend on BLOCK_R: callers pick BLOCK_R from a row count's
     power-of-two bucket, as CUDA graphs pad batches (1, 2, 4, 8), never from the rows alone.
-    WAIT_AFTER_FIRST: the first tile is loaded before the PDL wait (the weight is no kernel's
-    output: kernels/triton/pdl.py), so its bytes arrive while the previous kernel's last
+    WAIT_AFTER_FIRST: the first AHEAD tiles are loaded before the PDL wait (the weight is no
+    kernel's output: kernels/triton/pdl.py), so their bytes arrive while the previous kernel's last
     programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it after the
     wait); the caller must not have waited. k_lo < k_hi: the first tile is loaded before the
     loop (unmasked where EVEN)."""
@@ -194,6 +199,12 @@ def gemv_rows(
             w2_next = tl.load(w2_ptr + offs + k_lo)
         else:
             w2_next = tl.load(w2_ptr + offs + k_lo, mask=first_mask, other=0.0)
+    if AHEAD == 2:  # the second step's tiles (masked: the range may hold one step)
+        second_mask = (k_lo + BLOCK_K + kk < k_hi)[None, :]
+        w_after = tl.load(w_ptr + offs + k_lo + BLOCK_K, mask=second_mask, other=0.0)
+        if PAIR:
+            w2_after = tl.load(w2_ptr + offs + k_lo + BLOCK_K, mask=second_mask, other=0.0)
+    tl.static_assert(AHEAD == 1 or AHEAD == 2)
     if WAIT_AFTER_FIRST:
         grid_dependency()
     r_idx = tl.arange(0, BLOCK_R)
@@ -203,13 +214,21 @@ def gemv_rows(
         prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         prods2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k1 = k0 + BLOCK_K
+        k1 = k0 + AHEAD * BLOCK_K  # the step whose tiles this one loads
         next_mask = (k1 + kk < k_hi)[None, :]
         w = w_next.to(tl.float32)
-        w_next = tl.load(w_ptr + offs + k1, mask=next_mask, other=0.0)
+        if AHEAD == 2:
+            w_next = w_after
+            w_after = tl.load(w_ptr + offs + k1, mask=next_mask, other=0.0)
+        else:
+            w_next = tl.load(w_ptr + offs + k1, mask=next_mask, other=0.0)
         if PAIR:
             w2 = w2_next.to(tl.float32)
-            w2_next = tl.load(w2_ptr + offs + k1, mask=next_mask, other=0.0)
+            if AHEAD == 2:
+                w2_next = w2_after
+                w2_after = tl.load(w2_ptr + offs + k1, mask=next_mask, other=0.0)
+            else:
+                w2_next = tl.load(w2_ptr + offs + k1, mask=next_mask, other=0.0)
         if BLOCK_R == 1:
             if EVEN:
                 a = tl.load(a_ptr + k0 + kk).to(tl.float32)
@@ -262,6 +281,7 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,  # FP8: GROUP, or all of K below it
     FP8_W: tl.constexpr,
     GEMV: tl.constexpr,  # a few dense rows, no tl.dot (the module doc)
+    GEMV_AHEAD: tl.constexpr,
     HAS_ADD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -281,7 +301,8 @@ def _skinny_kernel(
     k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
     if GEMV:  # BLOCK_M rows, those past M reading row M - 1
         acc, _ = gemv_rows(x_ptr, stride_xm, M, w_ptr, w_ptr, pid_n * BLOCK_N, kk, k_begin, k_end,
-                           N, K, EVEN_K, True, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                           N, K, EVEN_K, True, False, GEMV_AHEAD, BLOCK_M, BLOCK_N,
+                           BLOCK_K)  # fmt: skip
     else:
         x_ptrs = x_ptr + m_safe[:, None] * stride_xm + kk[None, :]
         w_ptrs = w_ptr + n_safe[None, :] * K + kk[:, None]
@@ -408,6 +429,7 @@ def skinny_linear(
         BLOCK_K=cfg.block_k,
         FP8_W=fp8,
         GEMV=gemv,
+        GEMV_AHEAD=GEMV_AHEAD,
         HAS_ADD=add is not None,
         SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0,
