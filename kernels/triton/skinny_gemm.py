@@ -150,6 +150,37 @@ def gemv_config(
 
 
 @triton.jit
+def _first_tiles(
+    ptrs, kk, k_lo, k_hi, EVEN: tl.constexpr, AHEAD: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The tiles in flight before gemv_rows' loop: step k_lo's (unmasked where EVEN) and, with
+    AHEAD 2, the next step's (masked: the range may hold one step; else a stand-in, never
+    read)."""
+    if EVEN:
+        first = tl.load(ptrs + k_lo)
+    else:
+        first = tl.load(ptrs + k_lo, mask=(k_lo + kk < k_hi)[None, :], other=0.0)
+    second = first
+    if AHEAD == 2:
+        k1 = k_lo + BLOCK_K
+        second = tl.load(ptrs + k1, mask=(k1 + kk < k_hi)[None, :], other=0.0)
+    return first, second
+
+
+@triton.jit
+def _next_tiles(ptrs, mask, w_next, w_after, AHEAD: tl.constexpr):
+    """One step of gemv_rows' loop: this step's tile in float32, and the tiles in flight after
+    it, the load of the step AHEAD on (ptrs, mask) among them."""
+    w = w_next.to(tl.float32)
+    if AHEAD == 2:
+        w_next = w_after
+        w_after = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        w_next = tl.load(ptrs, mask=mask, other=0.0)
+    return w, w_next, w_after
+
+
+@triton.jit
 def gemv_rows(
     a_ptr,  # [M, K] token rows, row stride stride_a, unit column stride
     stride_a,
@@ -187,24 +218,12 @@ def gemv_rows(
     programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it after the
     wait); the caller must not have waited. k_lo < k_hi: the first tile is loaded before the
     loop (unmasked where EVEN)."""
+    tl.static_assert(AHEAD == 1 or AHEAD == 2)
     n = n0 + tl.arange(0, BLOCK_N)
     offs = tl.minimum(n, N_ROWS - 1)[:, None] * K + kk[None, :]
-    first_mask = (k_lo + kk < k_hi)[None, :]
-    if EVEN:
-        w_next = tl.load(w_ptr + offs + k_lo)
-    else:
-        w_next = tl.load(w_ptr + offs + k_lo, mask=first_mask, other=0.0)
+    w_next, w_after = _first_tiles(w_ptr + offs, kk, k_lo, k_hi, EVEN, AHEAD, BLOCK_K)
     if PAIR:
-        if EVEN:
-            w2_next = tl.load(w2_ptr + offs + k_lo)
-        else:
-            w2_next = tl.load(w2_ptr + offs + k_lo, mask=first_mask, other=0.0)
-    if AHEAD == 2:  # the second step's tiles (masked: the range may hold one step)
-        second_mask = (k_lo + BLOCK_K + kk < k_hi)[None, :]
-        w_after = tl.load(w_ptr + offs + k_lo + BLOCK_K, mask=second_mask, other=0.0)
-        if PAIR:
-            w2_after = tl.load(w2_ptr + offs + k_lo + BLOCK_K, mask=second_mask, other=0.0)
-    tl.static_assert(AHEAD == 1 or AHEAD == 2)
+        w2_next, w2_after = _first_tiles(w2_ptr + offs, kk, k_lo, k_hi, EVEN, AHEAD, BLOCK_K)
     if WAIT_AFTER_FIRST:
         grid_dependency()
     r_idx = tl.arange(0, BLOCK_R)
@@ -216,19 +235,11 @@ def gemv_rows(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k1 = k0 + AHEAD * BLOCK_K  # the step whose tiles this one loads
         next_mask = (k1 + kk < k_hi)[None, :]
-        w = w_next.to(tl.float32)
-        if AHEAD == 2:
-            w_next = w_after
-            w_after = tl.load(w_ptr + offs + k1, mask=next_mask, other=0.0)
-        else:
-            w_next = tl.load(w_ptr + offs + k1, mask=next_mask, other=0.0)
+        w, w_next, w_after = _next_tiles(w_ptr + offs + k1, next_mask, w_next, w_after, AHEAD)
         if PAIR:
-            w2 = w2_next.to(tl.float32)
-            if AHEAD == 2:
-                w2_next = w2_after
-                w2_after = tl.load(w2_ptr + offs + k1, mask=next_mask, other=0.0)
-            else:
-                w2_next = tl.load(w2_ptr + offs + k1, mask=next_mask, other=0.0)
+            w2, w2_next, w2_after = _next_tiles(
+                w2_ptr + offs + k1, next_mask, w2_next, w2_after, AHEAD
+            )
         if BLOCK_R == 1:
             if EVEN:
                 a = tl.load(a_ptr + k0 + kk).to(tl.float32)
