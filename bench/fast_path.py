@@ -286,6 +286,17 @@ def own_tokens(vocab: int) -> tuple[int, int]:
     return low, min(vocab, low + share)
 
 
+def row_tokens(vocab: int, rows: int) -> list[int]:
+    """A token id per batch row, all different and all this rank's (own_tokens): rows fed one
+    token at one position over the same (mapped, zero) context would compute the same hidden
+    states and route to the same experts, so a batch's MoE would read one token's experts
+    instead of a real batch's (until 2026-12-05 the decode and EAGLE stages did just that)."""
+    low, high = own_tokens(vocab)
+    span = high - low - 1
+    assert span >= 1, (low, high)
+    return [low + 1 + i % span for i in range(rows)]
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -479,10 +490,10 @@ def _trace_graph_steps(b: Bench, step, bs: int, context: int, variant: str) -> N
 def _decode_steps(runner: ModelRunner, rows: list[int], start: int):
     """A function running one decode step of every row per call, at the next position."""
     position = [start]
-    token = own_tokens(runner.model.config.vocab_size)[0] + 1
+    tokens = row_tokens(runner.model.config.vocab_size, len(rows))
 
     def step() -> None:
-        runner.forward([StepInput(r, position[0], [token]) for r in rows])
+        runner.forward([StepInput(r, position[0], [t]) for r, t in zip(rows, tokens)])
         position[0] += 1
 
     return step
@@ -506,10 +517,10 @@ def _eagle_steps(spec: Eagle, rows: list[int], start: int):
     params = SamplingParams(temperature=0.0)
     states = [SamplingState(params, [], [], frozenset()) for _ in rows]
     positions = {r: start for r in rows}
-    token = own_tokens(spec.target.config.vocab_size)[0] + 1
+    tokens = row_tokens(spec.target.config.vocab_size, len(rows))
 
     def step() -> None:
-        proposals = [Proposal(r, positions[r], token) for r in rows]
+        proposals = [Proposal(r, positions[r], t) for r, t in zip(rows, tokens)]
         committed, _ = spec.step(proposals, states, [-1] * len(rows))
         for r, c in zip(rows, committed):
             positions[r] += len(c)
@@ -683,11 +694,6 @@ def stage_floor(b: Bench) -> None:
             ratio=round(ms / floor["floor_ms"], 2),
             **{k: round(v, 4) if k == "floor_ms" else int(v) for k, v in floor.items()},
         )
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _empty_cache() -> None:

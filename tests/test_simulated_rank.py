@@ -395,6 +395,23 @@ def test_engine_bench_runs_a_simulated_rank(v410_ckpt, tmp_path):
     assert longer[("decode", 1, 72)] > longer[("decode", 1, 40)]
 
 
+def test_bench_rows_decode_tokens_of_their_own():
+    """bench.fast_path feeds each batch row its own token of this rank's embedding shard: rows
+    of one token over one mapped context would route alike, and a batch's MoE would read one
+    token's experts (the b8 / b32 rank figures before 2026-12-05)."""
+    from bench.fast_path import own_tokens, row_tokens
+
+    set_state(ParallelState(3, 8, 8, simulated=True))
+    try:
+        low, high = own_tokens(1000)
+        tokens = row_tokens(1000, 32)
+    finally:
+        set_state(ParallelState())
+    assert (low, high) == (375, 500)
+    assert len(set(tokens)) == 32 and all(low < t < high for t in tokens), tokens
+    assert row_tokens(5, 6) == [1, 2, 3, 4, 1, 2]  # tp 1: past the vocabulary, it wraps
+
+
 def test_hbm_floor_of_the_real_rank(tmp_path):
     """Rank 0 of the real config at TP8/EP8 (meta device, no memory): a decode step at batch 1
     reads about 4.7 GB (2.5 GB of dense weights, lm_head shard included, and the one local
