@@ -335,9 +335,12 @@ def test_experts_interpreter_odd_shapes(mode):
 
 
 @cpu_interp
-@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize(
+    "shape,tokens",
+    [(TINY, 1), (TINY, 3), (TINY, 8), (ODD, 1), (ODD, 3)],  # ODD at 8: 17 s each, interpreted
+    ids=["tiny-1", "tiny-3", "tiny-8", "odd-1", "odd-3"],
+)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [TINY, ODD], ids=["tiny", "odd"])
 def test_experts_interpreter_gemv_form(shape, dtype, tokens, monkeypatch):
     """Dense weights up to GEMV_MAX_TOKENS tokens run the GEMV form (no tl.dot): one token, and
     3 and 8 (rows in a block of 4 and 8, the 4th row past T clamped to T - 1) with the switch
