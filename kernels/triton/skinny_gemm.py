@@ -208,14 +208,14 @@ def gemv_rows(
     loaded AHEAD steps ahead of its use (loop-carried) and multiplied by every token row on the
     CUDA cores: the weight is read once for all rows; with PAIR both weights' tiles are in flight
     at once, with AHEAD 2 two steps of each (a program's time at these sizes is its chain of
-    dependent loads, not its bytes). One row
-    sums the products elementwise and reduces over K once at the end; more rows reduce each
-    row's products every step (BLOCK_R accumulators of a whole tile would not fit the
-    registers), so a row's bits depend on BLOCK_R: callers pick BLOCK_R from a row count's
-    power-of-two bucket, as CUDA graphs pad batches (1, 2, 4, 8), never from the rows alone.
+    dependent loads, not its bytes). One row sums the products elementwise and reduces over K
+    once at the end; more rows reduce each row's products every step (BLOCK_R accumulators of a
+    whole tile would not fit the registers), so a row's bits depend on BLOCK_R: callers pick
+    BLOCK_R from a row count's power-of-two bucket, as CUDA graphs pad batches (1, 2, 4, 8),
+    never from the rows alone.
     WAIT_AFTER_FIRST: the first AHEAD tiles are loaded before the PDL wait (the weight is no
-    kernel's output: kernels/triton/pdl.py), so their bytes arrive while the previous kernel's last
-    programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it after the
+    kernel's output: kernels/triton/pdl.py), so their bytes arrive while the previous kernel's
+    last programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it after the
     wait); the caller must not have waited. k_lo < k_hi: the first tile is loaded before the
     loop (unmasked where EVEN)."""
     tl.static_assert(AHEAD == 1 or AHEAD == 2)
