@@ -1,6 +1,6 @@
 """Decode microbenchmarks of issue 43's points 4 and 5 at rank 0 of TP8 on one GPU:
 
-    python -m bench.decode_mhc_kda [--batches 1,8,32] [--only mhc|kda]
+    python -m bench.decode_mhc_kda [--batches 1,8,32] [--only mhc|kda] [--pre-sweep]
 
 - mhc_boundary (bf16; the mixing is float32 whatever the weights): the old boundary, mhc_post
   then mhc_pre (three launches), against mhc_boundary (one launch up to BOUNDARY_MAX_TOKENS;
@@ -8,6 +8,10 @@
   with 1 Sinkhorn iteration (of 20). Past BOUNDARY_MAX_TOKENS (prefill sizes: --batches
   1024,8192) also each kernel's device time in one eager call ("mhc_kernels_eager"; with PDL a
   kernel's time includes its wait for the one before).
+- --pre-sweep (prefill sizes, e.g. --batches 8192): mhc_pre alone (the collapse: its partial
+  and finish kernels) under each PRE_PARTIAL, then each PRE_FINISH of kernels/triton/mhc.py
+  (the other at its default), "mhc_pre_config" rows: us (graph), the two kernels' eager us, and
+  the largest difference from the default's outputs (max_diff; the default's row 0).
 - kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
   --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
   GEMMs in FP8; f_b_proj, g_b_proj, the fused core as it was before f_b/g_b moved in, o_proj)
@@ -142,6 +146,53 @@ def bench_mhc(batch: int) -> None:
     if batch > BOUNDARY_MAX_TOKENS:  # post, then the pre's two kernels: where the time goes
         us = [(k, round(t, 2)) for k, t in kernel_times(new, copies[0])]
         print(json.dumps(dict(name="mhc_kernels_eager", batch=batch, us=us)))
+
+
+PRE_PARTIALS = ((64, 64, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8), (32, 64, 4))
+PRE_FINISHES = ((1, 4096, 8), (4, 4096, 8), (8, 4096, 8), (16, 4096, 8), (8, 1024, 4))
+
+
+def sweep_pre(batch: int) -> None:
+    from kernels.triton import mhc
+
+    dev, dt = "cuda", torch.bfloat16
+    mix = (2 + HC) * HC
+    gen = torch.Generator(device=dev).manual_seed(batch)
+
+    def one() -> dict:
+        return dict(
+            streams=(torch.randn(batch, HC, HD, device=dev, generator=gen) * 3).to(dt),
+            fn=torch.randn(mix, HC * HD, device=dev, generator=gen) * (HC * HD) ** -0.5,
+            base=torch.randn(mix, device=dev, generator=gen) * 0.5,
+            scale=torch.rand(3, device=dev, generator=gen) + 0.5,
+            weight=(torch.rand(HD, device=dev, generator=gen) + 0.5).to(dt),
+        )
+
+    act_bytes = batch * HD * 2 * (HC + 1)
+    copies = [one() for _ in range(n_copies(mix * HC * HD * 4 + act_bytes))]
+
+    def pre(c):
+        args = (c["fn"], c["base"], c["scale"], 20, 1e-6, 1e-5, c["weight"], 1e-5)
+        return mhc.mhc_pre(c["streams"], *args)
+
+    default = (mhc.PRE_PARTIAL, mhc.PRE_FINISH)
+    configs = [default] + [(p, default[1]) for p in PRE_PARTIALS if p != default[0]]
+    configs += [(default[0], f) for f in PRE_FINISHES if f != default[1]]
+    ref = None
+    try:
+        for partial, finish in configs:
+            mhc.PRE_PARTIAL, mhc.PRE_FINISH = partial, finish
+            got = pre(copies[0])
+            ref = got if ref is None else ref
+            diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
+            us = graph_us(pre, copies)
+            kernels = [round(t, 2) for _, t in kernel_times(pre, copies[0])]
+            floor = act_bytes / HBM_BW * 1e6
+            line = dict(name="mhc_pre_config", batch=batch, partial=partial, finish=finish)
+            line.update(us=round(us, 2), kernels_eager_us=kernels, max_diff=diff)
+            print(json.dumps(dict(line, floor_us=round(floor, 2))), flush=True)
+    finally:
+        mhc.PRE_PARTIAL, mhc.PRE_FINISH = default
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,11 +371,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--only", choices=("mhc", "kda"))
+    parser.add_argument("--pre-sweep", action="store_true", help="mhc_pre's blocks (docstring)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.decode_mhc_kda needs a CUDA device")
     batches = [int(b) for b in args.batches.split(",")]
     for batch in batches:
+        if args.pre_sweep:
+            sweep_pre(batch)
+            continue
         if args.only in (None, "mhc"):
             bench_mhc(batch)
         if args.only in (None, "kda"):

@@ -104,6 +104,19 @@ def test_mhc_interpreter(tokens, dtype):
 
 
 @cpu_interp
+@pytest.mark.parametrize("finish", [(4, 64, 4), (8, 256, 8)])
+def test_mhc_interpreter_prefill_blocks(monkeypatch, finish):
+    """The collapse past 16 tokens with other blocks (PRE_PARTIAL, PRE_FINISH: what
+    bench.decode_mhc_kda --pre-sweep times): 37 tokens in finish blocks of 4 or 8 (a ragged
+    last one), Hd 200 in channel blocks of 64 (two passes, masked) or 256 (one)."""
+    from kernels.triton import mhc
+
+    monkeypatch.setattr(mhc, "PRE_PARTIAL", (32, 32, 4))
+    monkeypatch.setattr(mhc, "PRE_FINISH", finish)
+    _check_mhc(37, 4, 200, torch.bfloat16, "cpu")
+
+
+@cpu_interp
 def test_mhc_interpreter_many_splits():
     # hc*Hd 4096 over 128-wide K slices: 32 split-K partials summed by the finish kernel
     _check_mhc(2, 4, 1024, torch.bfloat16, "cpu")

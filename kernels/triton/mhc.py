@@ -235,11 +235,98 @@ def _mhc_pre_partial_kernel(
     tl.store(part_ptr + (s * T + t) * (MP + 1) + MP, sq, mask=t_mask)
 
 
+@triton.jit
+def _finish_tokens(
+    part_ptr,  # float32 partials: token t's split s at row (t * stride_t + s * stride_s) * (MP + 1)
+    stride_t,
+    stride_s,
+    n_splits,
+    x_ptr,  # [T, HC, HD] the streams to collapse
+    base_ptr,
+    scale_ptr,
+    nw_ptr,  # [HD] RMSNorm weight
+    post_ptr,  # [T, HC] float32 out
+    comb_ptr,  # [T, HC, HC] float32 out
+    out_ptr,  # [T, HD] out: the normed collapse
+    t0,
+    n,  # tokens t0 .. t0 + n - 1 (n <= BLOCK_T)
+    iters,
+    eps,
+    norm_eps,
+    rms_eps,
+    HC: tl.constexpr,
+    P: tl.constexpr,
+    MP: tl.constexpr,
+    HD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """The collapse's finish for a block of tokens, from the split partials of its mixing logits
+    (then the sum of squares of the raw rows, at MP): the partials summed SPLITS at a time, each
+    block as a tree, a fixed order (deterministic); the RMS factor applied to the logits (F.linear
+    of the normalised rows equals the factor times the linear of the raw rows); pre/post/comb as
+    mhc_mix for the block's tokens at once; then each token's collapse and RMSNorm."""
+    tok = tl.arange(0, BLOCK_T)
+    tm = tok < n
+    r = tl.arange(0, P)
+    rv = r < HC
+    rc = r[:, None] * HC + r[None, :]  # [P, P]: comb[row, col] at row * HC + col
+    pm = rv[:, None] & rv[None, :]
+    pre_w = tl.zeros([BLOCK_T, P], dtype=tl.float32)
+    post_w = tl.zeros([BLOCK_T, P], dtype=tl.float32)
+    comb_w = tl.zeros([BLOCK_T, P, P], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s0 in range(0, n_splits, SPLITS):
+        s = s0 + tl.arange(0, SPLITS)
+        ts = tm[:, None] & (s < n_splits)[None, :]  # [BLOCK_T, SPLITS]
+        row = (t0 + tok)[:, None] * stride_t + s[None, :] * stride_s
+        rows = part_ptr + row.to(tl.int64) * (MP + 1)
+        vm = ts[:, :, None] & rv[None, None, :]
+        vec = rows[:, :, None] + r[None, None, :]
+        pre_w += tl.sum(tl.load(vec, mask=vm, other=0.0, cache_modifier=CACHE), axis=1)
+        post_w += tl.sum(tl.load(vec + HC, mask=vm, other=0.0, cache_modifier=CACHE), axis=1)
+        cm = ts[:, :, None, None] & pm[None, None, :, :]
+        comb_w += tl.sum(
+            tl.load(
+                rows[:, :, None, None] + 2 * HC + rc[None, None, :, :],
+                mask=cm,
+                other=0.0,
+                cache_modifier=CACHE,
+            ),
+            axis=1,
+        )
+        sq += tl.sum(tl.load(rows + MP, mask=ts, other=0.0, cache_modifier=CACHE), axis=1)
+    rstd = 1.0 / tl.sqrt(sq / (HC * HD) + norm_eps)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    pre = tl.load(base_ptr + r, mask=rv, other=0.0)[None, :]
+    pre = tl.sigmoid(pre_w * rstd[:, None] * s0 + pre) + eps  # [BLOCK_T, P]
+    post = tl.load(base_ptr + HC + r, mask=rv, other=0.0)[None, :]
+    post = 2.0 * tl.sigmoid(post_w * rstd[:, None] * s1 + post)
+    tv = (t0 + tok).to(tl.int64)
+    tl.store(post_ptr + tv[:, None] * HC + r[None, :], post, mask=tm[:, None] & rv[None, :])
+    comb_b = tl.load(base_ptr + 2 * HC + rc, mask=pm, other=0.0)
+    logits = comb_w * rstd[:, None, None] * s2 + comb_b[None, :, :]
+    lm = tm[:, None, None] & pm[None, :, :]
+    comb = comb_ptr + tv[:, None, None] * HC * HC + rc[None, :, :]
+    tl.store(comb, _sinkhorn(logits, lm, iters, eps), mask=lm)
+    for tt in range(0, n):  # the collapse of each token of the block, and its RMSNorm
+        t = (t0 + tt).to(tl.int64)
+        pre_t = tl.sum(tl.where(tok[:, None] == tt, pre, 0.0), axis=0)
+        _collapse_norm(
+            x_ptr + t * (HC * HD), pre_t, r, nw_ptr, out_ptr + t * HD, rms_eps, HC, HD, BLOCK_H,
+            CACHE,
+        )  # fmt: skip
+
+
 # T and splits not specialized (== 1, divisible by 16): both vary with the token count, and each
 # specialization would be one more compiled variant
 @triton.jit(do_not_specialize=["T", "splits"])
 def _mhc_pre_finish_kernel(
-    part_ptr,
+    part_ptr,  # [S, T, MP + 1] float32 (_mhc_pre_partial_kernel's)
     x_ptr,  # [T, HC, HD] streams
     base_ptr,
     scale_ptr,
@@ -257,48 +344,24 @@ def _mhc_pre_finish_kernel(
     P: tl.constexpr,
     MP: tl.constexpr,
     HD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
-    t = tl.program_id(0)
-    i = tl.arange(0, P)
-    vec_mask = i < HC
-    r = tl.arange(0, P)[:, None]
-    c = tl.arange(0, P)[None, :]
-    m = (r < HC) & (c < HC)
-    pre_w = tl.zeros([P], dtype=tl.float32)
-    post_w = tl.zeros([P], dtype=tl.float32)
-    comb_w = tl.zeros([P, P], dtype=tl.float32)
-    sq = 0.0
-    comb_off = 2 * HC + r * HC + c
-    # SPLITS partials at a time, each block summed as a tree: a fixed order (deterministic)
-    # without a serial load per partial (a decode's one token has ~128 of them)
-    for s0 in range(0, splits, SPLITS):
-        s = s0 + tl.arange(0, SPLITS)
-        s_mask = s < splits
-        row = part_ptr + (s * T + t).to(tl.int64) * (MP + 1)
-        vm = s_mask[:, None] & vec_mask[None, :]
-        pre_w += tl.sum(tl.load(row[:, None] + i[None, :], mask=vm, other=0.0), axis=0)
-        post_w += tl.sum(tl.load(row[:, None] + HC + i[None, :], mask=vm, other=0.0), axis=0)
-        cm = s_mask[:, None, None] & m[None, :, :]
-        comb_w += tl.sum(
-            tl.load(row[:, None, None] + comb_off[None, :, :], mask=cm, other=0.0), axis=0
-        )
-        sq += tl.sum(tl.load(row + MP, mask=s_mask, other=0.0))
-    rstd = 1.0 / tl.sqrt(sq / (HC * HD) + norm_eps)
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(pre_w * rstd * s0 + tl.load(base_ptr + i, mask=vec_mask, other=0.0)) + eps
-    post = post_w * rstd * s1 + tl.load(base_ptr + HC + i, mask=vec_mask, other=0.0)
-    tl.store(post_ptr + t * HC + i, 2.0 * tl.sigmoid(post), mask=vec_mask)
-    logits = comb_w * rstd * s2 + tl.load(base_ptr + 2 * HC + r * HC + c, mask=m, other=0.0)
-    tl.store(comb_ptr + t * HC * HC + r * HC + c, _sinkhorn(logits, m, iters, eps), mask=m)
+    t0 = tl.program_id(0) * BLOCK_T
+    n = tl.minimum(T - t0, BLOCK_T)
+    _finish_tokens(
+        part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr, out_ptr,
+        t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, SPLITS, BLOCK_H, "",
+    )  # fmt: skip
 
-    base = x_ptr + t.to(tl.int64) * (HC * HD)
-    out_row = out_ptr + t.to(tl.int64) * HD
-    _collapse_norm(base, pre, i, nw_ptr, out_row, rms_eps, HC, HD, BLOCK_H, "")
+
+# The collapse past 16 tokens (prefill sizes): the partial kernel's (tokens, K step, warps) per
+# program and the finish kernel's (tokens, channel block, warps); `bench.decode_mhc_kda
+# --pre-sweep` times mhc_pre alone over a grid of them.
+PRE_PARTIAL = (64, 64, 4)
+PRE_FINISH = (1, 1024, 4)
 
 
 def logit_dot(dtype: torch.dtype) -> str:
@@ -331,8 +394,11 @@ def mhc_pre(
     x = streams.contiguous()
     k = hc * hidden
     mp = triton.next_power_of_2(mix)
-    block_t = 16 if tokens <= 16 else 64
-    block_k = 128 if block_t == 16 else 64
+    if tokens <= 16:
+        block_t, block_k, warps, finish_t, finish_h, finish_warps = 16, 128, 4, 1, 1024, 4
+    else:
+        block_t, block_k, warps = PRE_PARTIAL
+        finish_t, finish_h, finish_warps = PRE_FINISH
     t_blocks = triton.cdiv(tokens, block_t)
     # about two programs per SM (132 on the H200) however few the tokens
     splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(264, t_blocks)))
@@ -351,10 +417,10 @@ def mhc_pre(
         BLOCK_T=block_t,
         BLOCK_K=block_k,
         PRECISION=logit_dot(streams.dtype),
-        num_warps=4,
+        num_warps=warps,
         **LAUNCH,
     )
-    _mhc_pre_finish_kernel[(tokens,)](
+    _mhc_pre_finish_kernel[(triton.cdiv(tokens, finish_t),)](
         part,
         x,
         base.contiguous().float(),
@@ -373,9 +439,10 @@ def mhc_pre(
         P=triton.next_power_of_2(hc),
         MP=mp,
         HD=hidden,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
-        SPLITS=min(64, triton.next_power_of_2(splits)),
-        num_warps=4,
+        BLOCK_T=finish_t,
+        BLOCK_H=min(finish_h, triton.next_power_of_2(hidden)),
+        SPLITS=min(64 // finish_t, triton.next_power_of_2(splits)),
+        num_warps=finish_warps,
         **LAUNCH,
     )
     return post, comb, out
@@ -565,53 +632,11 @@ def _mhc_boundary_kernel(
     count = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
     if count == NB - 1:
         tl.store(counter_ptr + tb, 0)  # for the next call (a graph replay): nothing else reads it
-        tok = tl.arange(0, BLOCK_T)
-        s = tl.arange(0, NB_P)
-        r = tl.arange(0, P)
-        tm = tok < n
-        rows = part_ptr + ((t0 + tok)[:, None] * NB + s[None, :]).to(tl.int64) * (MP + 1)
-        ts = tm[:, None] & (s < NB)[None, :]  # [BLOCK_T, NB_P]
-        # the partials summed as a tree over the channel blocks: a fixed order
-        vm = ts[:, :, None] & (r < HC)[None, None, :]
-        vec = rows[:, :, None] + r[None, None, :]
-        pre_w = tl.sum(tl.load(vec, mask=vm, other=0.0, cache_modifier=".cg"), axis=1)
-        post_w = tl.sum(tl.load(vec + HC, mask=vm, other=0.0, cache_modifier=".cg"), axis=1)
-        rc = r[:, None] * HC + r[None, :]  # [P, P]: comb[row, col] at row * HC + col
-        pm = (r < HC)[:, None] & (r < HC)[None, :]
-        cmask = ts[:, :, None, None] & pm[None, None, :, :]
-        comb_w = tl.sum(
-            tl.load(
-                rows[:, :, None, None] + 2 * HC + rc[None, None, :, :],
-                mask=cmask,
-                other=0.0,
-                cache_modifier=".cg",
-            ),
-            axis=1,
-        )  # [BLOCK_T, P, P]
-        sq = tl.sum(tl.load(rows + MP, mask=ts, other=0.0, cache_modifier=".cg"), axis=1)
-        # F.linear of the normalised rows = the RMS factor times the linear of the raw rows
-        rstd = 1.0 / tl.sqrt(sq / K + norm_eps)
-        s0 = tl.load(scale_ptr)
-        s1 = tl.load(scale_ptr + 1)
-        s2 = tl.load(scale_ptr + 2)
-        vmask = tm[:, None] & (r < HC)[None, :]
-        pre = tl.load(base_ptr + r, mask=r < HC, other=0.0)[None, :]
-        pre = tl.sigmoid(pre_w * rstd[:, None] * s0 + pre) + eps  # [BLOCK_T, P]
-        post = tl.load(base_ptr + HC + r, mask=r < HC, other=0.0)[None, :]
-        post = 2.0 * tl.sigmoid(post_w * rstd[:, None] * s1 + post)
-        tv = (t0 + tok).to(tl.int64)
-        tl.store(post2_ptr + tv[:, None] * HC + r[None, :], post, mask=vmask)
-        comb_b = tl.load(base_ptr + 2 * HC + rc, mask=pm, other=0.0)
-        logits = comb_w * rstd[:, None, None] * s2 + comb_b[None, :, :]
-        lm = tm[:, None, None] & pm[None, :, :]
-        comb2 = comb2_ptr + tv[:, None, None] * HC * HC + rc[None, :, :]
-        tl.store(comb2, _sinkhorn(logits, lm, iters, eps), mask=lm)
-        for tt in range(0, n):  # the collapse of each token of the block, and its RMSNorm
-            t = (t0 + tt).to(tl.int64)
-            pre_t = tl.sum(tl.where(tok[:, None] == tt, pre, 0.0), axis=0)
-            _collapse_norm(
-                new_ptr + t * K, pre_t, r, nw_ptr, x_ptr + t * HD, rms_eps, HC, HD, BLOCK_F, ".cg"
-            )
+        _finish_tokens(
+            part_ptr, NB, 1, NB, new_ptr, base_ptr, scale_ptr, nw_ptr, post2_ptr, comb2_ptr,
+            x_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, NB_P, BLOCK_F,
+            ".cg",
+        )  # fmt: skip
 
 
 def mhc_boundary(
