@@ -9,7 +9,8 @@
   1024,8192) also each kernel's device time in one eager call ("mhc_kernels_eager"; with PDL a
   kernel's time includes its wait for the one before).
 - --pre-sweep (prefill sizes, e.g. --batches 8192): mhc_pre alone (the collapse: its partial
-  and finish kernels) under each PRE_PARTIAL, then each PRE_FINISH of kernels/triton/mhc.py
+  and finish kernels) under each PRE_PARTIAL (with PRE_PARTIAL_PRESPLIT), then each PRE_FINISH of
+  kernels/triton/mhc.py
   (the other at its default), "mhc_pre_config" rows: us (graph), the two kernels' eager us, and
   the largest difference from the default's outputs (max_diff; the default's row 0).
 - kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
@@ -148,7 +149,11 @@ def bench_mhc(batch: int) -> None:
         print(json.dumps(dict(name="mhc_kernels_eager", batch=batch, us=us)))
 
 
-PRE_PARTIALS = ((64, 64, 4), (64, 128, 4), (64, 64, 8), (128, 64, 8), (32, 64, 4))
+# (tokens, K step, warps, fn split once) per partial program; (tokens, channels, warps) per finish
+PRE_PARTIALS = (
+    ((64, 64, 4), True), ((64, 128, 4), False), ((64, 64, 8), False), ((128, 64, 8), False),
+    ((32, 64, 4), False), ((128, 64, 8), True), ((64, 128, 4), True),
+)  # fmt: skip
 PRE_FINISHES = ((1, 4096, 8), (4, 4096, 8), (8, 4096, 8), (16, 4096, 8), (8, 1024, 4))
 
 
@@ -175,13 +180,13 @@ def sweep_pre(batch: int) -> None:
         args = (c["fn"], c["base"], c["scale"], 20, 1e-6, 1e-5, c["weight"], 1e-5)
         return mhc.mhc_pre(c["streams"], *args)
 
-    default = (mhc.PRE_PARTIAL, mhc.PRE_FINISH)
+    default = ((mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH)
     configs = [default] + [(p, default[1]) for p in PRE_PARTIALS if p != default[0]]
     configs += [(default[0], f) for f in PRE_FINISHES if f != default[1]]
     ref = None
     try:
         for partial, finish in configs:
-            mhc.PRE_PARTIAL, mhc.PRE_FINISH = partial, finish
+            (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH = partial, finish
             got = pre(copies[0])
             ref = got if ref is None else ref
             diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
@@ -192,7 +197,7 @@ def sweep_pre(batch: int) -> None:
             line.update(us=round(us, 2), kernels_eager_us=kernels, max_diff=diff)
             print(json.dumps(dict(line, floor_us=round(floor, 2))), flush=True)
     finally:
-        mhc.PRE_PARTIAL, mhc.PRE_FINISH = default
+        (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH = default
 
 
 # ---------------------------------------------------------------------------------------------

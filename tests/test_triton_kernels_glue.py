@@ -117,6 +117,25 @@ def test_mhc_interpreter_prefill_blocks(monkeypatch, finish):
 
 
 @cpu_interp
+def test_mhc_interpreter_presplit_is_the_split():
+    """fn's bf16_split terms made once (split_bf16x3, PRE_PARTIAL_PRESPLIT) give the very
+    logits the per-tile split does: the same terms, dotted in the same order (bitwise)."""
+    from kernels.triton import mhc
+
+    streams, fn, base, scale, weight, _ = _mhc_inputs(37, 4, 200, torch.bfloat16, "cpu")
+    args = (fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
+    per_tile = mhc.mhc_pre(streams, *args)
+    mhc.PRE_PARTIAL_PRESPLIT = True
+    try:
+        once = mhc.mhc_pre(streams, *args)
+    finally:
+        mhc.PRE_PARTIAL_PRESPLIT = False
+    assert all(torch.equal(a, b) for a, b in zip(per_tile, once))
+    terms = mhc.split_bf16x3(fn).float()
+    assert torch.equal(terms.sum(0), fn) and not torch.equal(terms[0], fn)
+
+
+@cpu_interp
 def test_mhc_interpreter_many_splits():
     # hc*Hd 4096 over 128-wide K slices: 32 split-K partials summed by the finish kernel
     _check_mhc(2, 4, 1024, torch.bfloat16, "cpu")

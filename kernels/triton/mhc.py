@@ -185,7 +185,7 @@ def mhc_mix_triton(
 @triton.jit
 def _mhc_pre_partial_kernel(
     x_ptr,  # [T, K] the flattened streams
-    fn_ptr,  # [MIX, K] float32
+    fn_ptr,  # [MIX, K] float32; bf16_presplit: [3, MIX, K] bf16 (split_bf16x3)
     part_ptr,  # [S, T, MP + 1] float32: logits partials, then the sum of squares
     T,
     K,
@@ -194,7 +194,7 @@ def _mhc_pre_partial_kernel(
     MP: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,  # logit_dot's
+    PRECISION: tl.constexpr,  # logit_dot's, or bf16_presplit
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
     pid_t = tl.program_id(0)
@@ -215,13 +215,22 @@ def _mhc_pre_partial_kernel(
             other=0.0,
         )
         x = xs.to(tl.float32)
-        w = tl.load(fn_ptr + m[None, :] * K + k[:, None], mask=m_mask[None, :] & k_mask[:, None])
+        w_at = fn_ptr + m[None, :] * K + k[:, None]
+        w_mask = m_mask[None, :] & k_mask[:, None]
         sq += tl.sum(x * x, axis=1)
-        if PRECISION == "bf16_split":  # xs is bf16 (logit_dot)
+        if PRECISION == "bf16_presplit":  # fn_ptr: split_bf16x3's [3, MIX, K], so no conversion
+            w1 = tl.load(w_at, mask=w_mask, other=0.0)
+            w2 = tl.load(w_at + MIX * K, mask=w_mask, other=0.0)
+            w3 = tl.load(w_at + 2 * MIX * K, mask=w_mask, other=0.0)
+        elif PRECISION == "bf16_split":  # xs is bf16 (logit_dot)
+            w = tl.load(w_at, mask=w_mask)
             w1 = w.to(tl.bfloat16)
             rest = w - w1.to(tl.float32)  # exact, as is the next difference
             w2 = rest.to(tl.bfloat16)
             w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+        else:
+            w = tl.load(w_at, mask=w_mask)
+        if PRECISION != "tf32x3":
             # the step's products from zero, then one float32 add: the running sum must not
             # stay in the tensor cores' accumulator, whose additions truncate (so does Triton's
             # own tf32x3); 86 K steps of that at 8k tokens drifted past float32's 1e-5
@@ -233,6 +242,31 @@ def _mhc_pre_partial_kernel(
     row = part_ptr + (s * T + t[:, None]) * (MP + 1)
     tl.store(row + m[None, :], acc, mask=t_mask[:, None])
     tl.store(part_ptr + (s * T + t) * (MP + 1) + MP, sq, mask=t_mask)
+
+
+@triton.jit
+def _split_bf16x3_kernel(w_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    grid_dependency()  # first: kernels/triton/pdl.py
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    w = tl.load(w_ptr + i, mask=mask)
+    w1 = w.to(tl.bfloat16)
+    rest = w - w1.to(tl.float32)
+    w2 = rest.to(tl.bfloat16)
+    tl.store(out_ptr + i, w1, mask=mask)
+    tl.store(out_ptr + N + i, w2, mask=mask)
+    tl.store(out_ptr + 2 * N + i, (rest - w2.to(tl.float32)).to(tl.bfloat16), mask=mask)
+
+
+def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
+    """float32 w -> [3, *w.shape] bf16 terms w1 + w2 + w3 = w (24 significant bits), as
+    _mhc_pre_partial_kernel's bf16_split makes them per tile: one launch of ~4 MB for the
+    prefill's partial kernel to load instead of converting fn in every token block."""
+    w = w.contiguous().float()
+    out = torch.empty(3, *w.shape, device=w.device, dtype=torch.bfloat16)
+    block = 4096
+    _split_bf16x3_kernel[(triton.cdiv(w.numel(), block),)](w, out, w.numel(), BLOCK=block, **LAUNCH)
+    return out
 
 
 @triton.jit
@@ -360,7 +394,9 @@ def _mhc_pre_finish_kernel(
 # The collapse past 16 tokens (prefill sizes): the partial kernel's (tokens, K step, warps) per
 # program and the finish kernel's (tokens, channel block, warps); `bench.decode_mhc_kda
 # --pre-sweep` times mhc_pre alone over a grid of them.
+# PRE_PARTIAL_PRESPLIT: the bf16_split terms of fn made once a call (split_bf16x3), not per tile.
 PRE_PARTIAL = (64, 64, 4)
+PRE_PARTIAL_PRESPLIT = False
 PRE_FINISH = (1, 1024, 4)
 
 
@@ -405,9 +441,13 @@ def mhc_pre(
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
+    precision = logit_dot(streams.dtype)
+    weights = fn.contiguous().float()
+    if tokens > 16 and PRE_PARTIAL_PRESPLIT and precision == "bf16_split":
+        precision, weights = "bf16_presplit", split_bf16x3(weights)
     _mhc_pre_partial_kernel[(t_blocks, splits)](
         x,
-        fn.contiguous().float(),
+        weights,
         part,
         tokens,
         k,
@@ -416,7 +456,7 @@ def mhc_pre(
         MP=mp,
         BLOCK_T=block_t,
         BLOCK_K=block_k,
-        PRECISION=logit_dot(streams.dtype),
+        PRECISION=precision,
         num_warps=warps,
         **LAUNCH,
     )
