@@ -117,19 +117,17 @@ def test_mhc_interpreter_prefill_blocks(monkeypatch, finish):
 
 
 @cpu_interp
-def test_mhc_interpreter_presplit_is_the_split():
+def test_mhc_interpreter_presplit_is_the_split(monkeypatch):
     """fn's bf16_split terms made once (split_bf16x3, PRE_PARTIAL_PRESPLIT) give the very
     logits the per-tile split does: the same terms, dotted in the same order (bitwise)."""
     from kernels.triton import mhc
 
     streams, fn, base, scale, weight, _ = _mhc_inputs(37, 4, 200, torch.bfloat16, "cpu")
     args = (fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
+    monkeypatch.setattr(mhc, "PRE_PARTIAL_PRESPLIT", False)
     per_tile = mhc.mhc_pre(streams, *args)
-    mhc.PRE_PARTIAL_PRESPLIT = True
-    try:
-        once = mhc.mhc_pre(streams, *args)
-    finally:
-        mhc.PRE_PARTIAL_PRESPLIT = False
+    monkeypatch.setattr(mhc, "PRE_PARTIAL_PRESPLIT", True)
+    once = mhc.mhc_pre(streams, *args)
     assert all(torch.equal(a, b) for a, b in zip(per_tile, once))
     terms = mhc.split_bf16x3(fn).float()
     assert torch.equal(terms.sum(0), fn) and not torch.equal(terms[0], fn)

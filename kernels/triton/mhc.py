@@ -392,12 +392,16 @@ def _mhc_pre_finish_kernel(
 
 
 # The collapse past 16 tokens (prefill sizes): the partial kernel's (tokens, K step, warps) per
-# program and the finish kernel's (tokens, channel block, warps); `bench.decode_mhc_kda
-# --pre-sweep` times mhc_pre alone over a grid of them.
-# PRE_PARTIAL_PRESPLIT: the bf16_split terms of fn made once a call (split_bf16x3), not per tile.
+# program and the finish kernel's (tokens, channel block, warps); PRE_PARTIAL_PRESPLIT: the
+# bf16_split terms of fn made once a call (split_bf16x3), not per tile in every token block.
+# `bench.decode_mhc_kda --pre-sweep` times mhc_pre alone over a grid of them; on an H100
+# (2026-12-05, one run, us at 8,192 / 1,024 tokens): (64, 64, 4) split per tile, (1, 1024, 4)
+# (the defaults before) 300.1 / 55.7; split once 252.4 / 51.3; finish (1, 4096, 8): one
+# program a token, its collapse held in registers (one read of the streams) 285.0 / 50.9; finish
+# blocks of 4-16 tokens 287.7-296.4 at 8k; partial blocks of 128 tokens x 8 warps 269.0.
 PRE_PARTIAL = (64, 64, 4)
-PRE_PARTIAL_PRESPLIT = False
-PRE_FINISH = (1, 1024, 4)
+PRE_PARTIAL_PRESPLIT = True
+PRE_FINISH = (1, 4096, 8)
 
 
 def logit_dot(dtype: torch.dtype) -> str:
