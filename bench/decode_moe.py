@@ -28,8 +28,9 @@ intermediate 2048, shared expert 2048 / 8 = 256, random weights and inputs. The 
 left out of both paths (one rank alone).
 
 --sweep times the small path alone for each (GATE_UP_PROGRAMS[_FP8], DOWN_PROGRAMS) of
-SWEEP_GATE_UP x SWEEP_DOWN (kernels/triton/moe_small.py's grid sizes: they decide the K splits),
-one row each with those two fields: the fastest pair per dtype is what the constants should say.
+SWEEP_GATE_UP x SWEEP_DOWN, the GEMV form's GEMV_GATE_UP_PROGRAMS and GEMV_DOWN_PROGRAMS alike
+(kernels/triton/moe_small.py's grid sizes: they decide the K splits), one row each with those
+two fields: the fastest pair per dtype and form is what the constants should say.
 In bf16 at 1 and 2 tokens (GEMV_MAX_TOKENS 2 while it runs) it crosses them with the GEMV form's
 (GEMV_PAIR, GEMV_BLOCK_K) of SWEEP_GEMV, fields gemv_pair and gemv_block_k.
 
@@ -207,7 +208,8 @@ def _sweep_rows(dtype: str, layers, gen: torch.Generator):
     hidden = layers[0].config.hidden_size
     mlp.SMALL_MOE_MAX_TOKENS = 16
     knob = "GATE_UP_PROGRAMS" if dtype == "bf16" else "GATE_UP_PROGRAMS_FP8"
-    saved = getattr(moe_small, knob), moe_small.DOWN_PROGRAMS
+    grids = (knob, "DOWN_PROGRAMS", "GEMV_GATE_UP_PROGRAMS", "GEMV_DOWN_PROGRAMS")
+    saved = [getattr(moe_small, name) for name in grids]
     saved_gemv = moe_small.GEMV_MAX_TOKENS, moe_small.GEMV_PAIR, moe_small.GEMV_BLOCK_K
     moe_small.GEMV_MAX_TOKENS = 2
     try:
@@ -220,8 +222,8 @@ def _sweep_rows(dtype: str, layers, gen: torch.Generator):
             floor = statistics.mean(_floor_us(moe, [x]) for moe, x in zip(layers, xs))
             gemv_forms = SWEEP_GEMV if dtype == "bf16" and batch <= 2 else (None,)
             for gemv, gate_up, down in itertools.product(gemv_forms, SWEEP_GATE_UP, SWEEP_DOWN):
-                setattr(moe_small, knob, gate_up)
-                moe_small.DOWN_PROGRAMS = down
+                for name, value in zip(grids, (gate_up, down, gate_up, down)):
+                    setattr(moe_small, name, value)  # the GEMV form's grids too (1 token)
                 row = {"name": "moe_layer_small", "batch": batch, "dtype": dtype}
                 if gemv is not None:
                     moe_small.GEMV_PAIR, moe_small.GEMV_BLOCK_K = gemv
@@ -231,8 +233,8 @@ def _sweep_rows(dtype: str, layers, gen: torch.Generator):
                 row.update(floor_us=round(floor, 2), new_over_floor=round(us / floor, 2))
                 print(json.dumps(row), flush=True)
     finally:
-        setattr(moe_small, knob, saved[0])
-        moe_small.DOWN_PROGRAMS = saved[1]
+        for name, value in zip(grids, saved):
+            setattr(moe_small, name, value)
         moe_small.GEMV_MAX_TOKENS, moe_small.GEMV_PAIR, moe_small.GEMV_BLOCK_K = saved_gemv
 
 

@@ -82,10 +82,13 @@ BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns 
 # (its K loop quantizes x: 3 fit); down 64-72 (7 fit); the router's select 78-142 up to 8 tokens
 # and 200 at 16 (8 warps: 1 fits), so the router gets one program per SM. The H200 A/B sets
 # these (python -m bench.decode_moe --sweep).
+# The GEMV form (GEMV_MAX_TOKENS) has grids of its own.
 ROUTE_PROGRAMS = 132
 GATE_UP_PROGRAMS = 528
 GATE_UP_PROGRAMS_FP8 = 396
 DOWN_PROGRAMS = 528
+GEMV_GATE_UP_PROGRAMS = 528
+GEMV_DOWN_PROGRAMS = 528
 # tokens up to which a dense call runs gate/up and down in the GEMV form (skinny_gemm.gemv_rows;
 # 0: the tl.dot form at every count; at most skinny_gemm.GEMV_ROWS_LIMIT). One MoE layer of
 # rank 0 at one token, H100 (bench.decode_moe): 46.7 -> 34.6 us; the H200's rank-0 step with
@@ -901,12 +904,12 @@ def experts_slots(
     n_blocks, n_blocks_sh = triton.cdiv(inter, BLOCK_N), triton.cdiv(inter_sh, BLOCK_N)
     fp8_gate_up = w_fp8 or sh_fp8
     widest = GEMV_BLOCK_K if gemv else GROUP
-    gu = _split(
-        hidden,
-        n_blocks + n_blocks_sh,
-        GATE_UP_PROGRAMS_FP8 if fp8_gate_up else GATE_UP_PROGRAMS,
-        widest,
-    )
+    if gemv:
+        gate_up_programs, down_programs = GEMV_GATE_UP_PROGRAMS, GEMV_DOWN_PROGRAMS
+    else:
+        gate_up_programs = GATE_UP_PROGRAMS_FP8 if fp8_gate_up else GATE_UP_PROGRAMS
+        down_programs = DOWN_PROGRAMS
+    gu = _split(hidden, n_blocks + n_blocks_sh, gate_up_programs, widest)
     assert 2 * max(inter, inter_sh) * hidden < 2**31, "int32 offsets inside one expert"
     assert slots * gu.splits * tokens * 2 * inter < 2**31, "int32 offsets of the partials"
     part = torch.empty(slots, gu.splits, tokens, 2 * inter, device=dev, dtype=torch.float32)
@@ -970,7 +973,7 @@ def experts_slots(
     )
 
     d_blocks = triton.cdiv(hidden, BLOCK_N)
-    dn = _split(inter, d_blocks, DOWN_PROGRAMS, widest)
+    dn = _split(inter, d_blocks, down_programs, widest)
     # the shared expert's K (its own intermediate size) in as many splits
     block_k_sh = max(32, min(widest, triton.next_power_of_2(max(inter_sh, 1))))
     k_split_sh = max(1, triton.cdiv(triton.cdiv(inter_sh, dn.splits), block_k_sh)) * block_k_sh
