@@ -99,9 +99,11 @@ GEMV_MAX_TOKENS = 1
 # the GEMV form's K step (the tl.dot forms step one 128-wide FP8 group) and whether gate/up runs
 # gate and up in one loop (both weights' tiles in flight): a program's time at one token is its
 # chain of dependent loads (the H200's trace, PDL off: gate/up 20.6 us a layer for ~8 us of
-# bytes, 2 x 11 steps of 4 KB a program)
+# bytes, 2 x 11 steps of 4 KB a program). One layer at one token, H100 (bench.decode_moe --sweep,
+# 2026-12-05), us at the default grids / the best grid: apart 32.6 / 29.2, paired 28.8 / 26.4;
+# K 256 paired 29.0 / 26.5 (so K stays 128).
 GEMV_BLOCK_K = 128
-GEMV_PAIR = False
+GEMV_PAIR = True
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
