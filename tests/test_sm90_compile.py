@@ -24,6 +24,7 @@ KERNELS = {
     "_swiglu_kernel",
     "_mhc_pre_partial_kernel",  # the prefill's mHC pre (both logit dots) and post
     "_mhc_pre_finish_kernel",
+    "_split_bf16x3_kernel",  # its fn split once a call
     "_mhc_post_kernel",
 }
 
