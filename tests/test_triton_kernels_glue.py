@@ -107,13 +107,14 @@ def test_mhc_interpreter(tokens, dtype):
 @pytest.mark.parametrize("finish", [(4, 64, 4), (8, 256, 8)])
 def test_mhc_interpreter_prefill_blocks(monkeypatch, finish):
     """The collapse past 16 tokens with other blocks (PRE_PARTIAL, PRE_FINISH: what
-    bench.decode_mhc_kda --pre-sweep times): 37 tokens in finish blocks of 4 or 8 (a ragged
-    last one), Hd 200 in channel blocks of 64 (two passes, masked) or 256 (one)."""
+    bench.decode_mhc_kda --pre-sweep times): 20 tokens (past 16: the prefill's blocks) in
+    finish blocks of 4 or 8 (a ragged last one), Hd 200 in channel blocks of 64 (two passes,
+    masked) or 256 (one)."""
     from kernels.triton import mhc
 
     monkeypatch.setattr(mhc, "PRE_PARTIAL", (32, 32, 4))
     monkeypatch.setattr(mhc, "PRE_FINISH", finish)
-    _check_mhc(37, 4, 200, torch.bfloat16, "cpu")
+    _check_mhc(20, 4, 200, torch.bfloat16, "cpu")
 
 
 @cpu_interp
@@ -122,7 +123,7 @@ def test_mhc_interpreter_presplit_is_the_split(monkeypatch):
     logits the per-tile split does: the same terms, dotted in the same order (bitwise)."""
     from kernels.triton import mhc
 
-    streams, fn, base, scale, weight, _ = _mhc_inputs(37, 4, 200, torch.bfloat16, "cpu")
+    streams, fn, base, scale, weight, _ = _mhc_inputs(20, 4, 64, torch.bfloat16, "cpu")
     args = (fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
     monkeypatch.setattr(mhc, "PRE_PARTIAL_PRESPLIT", False)
     per_tile = mhc.mhc_pre(streams, *args)
