@@ -6,9 +6,9 @@
   then mhc_pre (three launches), against mhc_boundary (one launch up to BOUNDARY_MAX_TOKENS;
   past it, mhc_post then mhc_pre), hc 4 x Hd 4096, fn [24, 16384]; us_new_sinkhorn_1: the same
   with 1 Sinkhorn iteration (of 20); us_new_sinkhorn_reciprocal_{True,False}: with
-  kernels/triton/mhc.py's SINKHORN_RECIPROCAL the other way. Past BOUNDARY_MAX_TOKENS (prefill sizes: --batches
-  1024,8192) also each kernel's device time in one eager call ("mhc_kernels_eager"; with PDL a
-  kernel's time includes its wait for the one before).
+  kernels/triton/mhc.py's SINKHORN_RECIPROCAL the other way. Past BOUNDARY_MAX_TOKENS (prefill
+  sizes: --batches 1024,8192) also each kernel's device time in one eager call
+  ("mhc_kernels_eager"; with PDL a kernel's time includes its wait for the one before).
 - --pre-sweep (prefill sizes, e.g. --batches 8192): mhc_pre alone (the collapse: its partial
   and finish kernels) under each PRE_PARTIAL (with PRE_PARTIAL_PRESPLIT), then each PRE_FINISH of
   kernels/triton/mhc.py
