@@ -5,10 +5,9 @@
 - mhc_boundary (bf16; the mixing is float32 whatever the weights): the old boundary, mhc_post
   then mhc_pre (three launches), against mhc_boundary (one launch up to BOUNDARY_MAX_TOKENS;
   past it, mhc_post then mhc_pre), hc 4 x Hd 4096, fn [24, 16384]; us_new_sinkhorn_1: the same
-  with 1 Sinkhorn iteration (of 20); us_new_sinkhorn_reciprocal_{True,False}: with
-  kernels/triton/mhc.py's SINKHORN_RECIPROCAL the other way. Past BOUNDARY_MAX_TOKENS (prefill
-  sizes: --batches 1024,8192) also each kernel's device time in one eager call
-  ("mhc_kernels_eager"; with PDL a kernel's time includes its wait for the one before).
+  with 1 Sinkhorn iteration (of 20). Past BOUNDARY_MAX_TOKENS (prefill sizes: --batches
+  1024,8192) also each kernel's device time in one eager call ("mhc_kernels_eager"; with PDL a
+  kernel's time includes its wait for the one before).
 - --pre-sweep (prefill sizes, e.g. --batches 8192): mhc_pre alone (the collapse: its partial
   and finish kernels) under each PRE_PARTIAL (with PRE_PARTIAL_PRESPLIT), then each PRE_FINISH of
   kernels/triton/mhc.py
@@ -104,7 +103,6 @@ def row(name, batch, dtype, us_old, us_new, floor_bytes, launches_new, **more_us
 
 
 def bench_mhc(batch: int) -> None:
-    from kernels.triton import mhc
     from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary, mhc_post, mhc_pre
 
     dev, dt = "cuda", torch.bfloat16
@@ -144,11 +142,6 @@ def bench_mhc(batch: int) -> None:
     # a diagnostic: one Sinkhorn iteration in place of 20 prices the serial mixing the finishing
     # program does per token
     more = {"us_new_sinkhorn_1": graph_us(lambda c: new(c, 1), copies)}
-    mhc.SINKHORN_RECIPROCAL = not mhc.SINKHORN_RECIPROCAL  # the other normalisation's cost
-    try:
-        more["us_new_sinkhorn_reciprocal_" + str(mhc.SINKHORN_RECIPROCAL)] = graph_us(new, copies)
-    finally:
-        mhc.SINKHORN_RECIPROCAL = not mhc.SINKHORN_RECIPROCAL
     floor = fn_bytes + act_bytes
     row("mhc_boundary", batch, "bf16", us_old, us_new, floor, launches(new, copies[0]), **more)
     if batch > BOUNDARY_MAX_TOKENS:  # post, then the pre's two kernels: where the time goes

@@ -218,13 +218,9 @@ def test_mhc_boundary_interpreter_post_then_pre(tokens, hidden, dtype, monkeypat
 
 @cpu_interp
 @pytest.mark.parametrize("tokens", [1, 12])
-def test_mhc_interpreter_few_sinkhorn_iterations(tokens, monkeypatch):
+def test_mhc_interpreter_few_sinkhorn_iterations(tokens):
     """3 Sinkhorn iterations, far from convergence, so an iteration too few or many shows: the
-    pre and the fused boundary (1 token: one finishing program a token; 12: blocks of 2); at
-    12 tokens the normalisations by reciprocals (SINKHORN_RECIPROCAL)."""
-    from kernels.triton import mhc
-
-    monkeypatch.setattr(mhc, "SINKHORN_RECIPROCAL", tokens == 12)
+    pre and the fused boundary (1 token: one finishing program a token; 12: blocks of 2)."""
     _check_mhc(tokens, 4, 200, torch.float32, "cpu", iters=3)
     _check_boundary(tokens, 4, 200, torch.float32, "cpu", iters=3)
 

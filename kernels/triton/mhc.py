@@ -47,37 +47,19 @@ from kernels.triton.pdl import LAUNCH, grid_dependency
 #   tolerance in bf16 (notebook, session 23).
 
 
-# The Sinkhorn's normalisations as one reciprocal per row / column sum times the elements (five
-# reciprocals a thread and iteration at one token instead of eight divisions): off until timed
-# (bench.decode_mhc_kda's us_new_sinkhorn_reciprocal).
-SINKHORN_RECIPROCAL = False
-
-
 @triton.jit
-def _normalise(comb, axis: tl.constexpr, eps, RECIPROCAL: tl.constexpr):
-    """comb / (its sum over axis + eps); RECIPROCAL: times the sum's reciprocal instead, one
-    reciprocal per sum rather than a division per element (within float32's rounding of it)."""
-    total = tl.sum(comb, axis=axis, keep_dims=True) + eps
-    if RECIPROCAL:
-        return comb * (1.0 / total)
-    return comb / total
-
-
-@triton.jit
-def _sinkhorn(logits, m, iters, eps, RECIPROCAL: tl.constexpr):
+def _sinkhorn(logits, m, iters, eps):
     """Mixing logits [..., P, P] (valid where m) -> row softmax + eps, then iters column/row
     normalisations (the last is a column one), as kernels.mhc's reference; over the last two
-    axes, so a [P, P] tile is one token and a [BLOCK_T, P, P] tile several. Hazard: every thread
-    of the program holds a copy of the tile (64 at one token, 8 warps), so the loop's cost is
-    its instruction count (divisions and shuffles x copies), not its latency alone."""
+    axes, so a [P, P] tile is one token and a [BLOCK_T, P, P] tile several."""
     logits = tl.where(m, logits, float("-inf"))
     logits = logits - tl.max(logits, axis=-1, keep_dims=True)
     e = tl.where(m, tl.exp(logits), 0.0)
     comb = tl.where(m, e / tl.sum(e, axis=-1, keep_dims=True) + eps, 0.0)
-    comb = _normalise(comb, -2, eps, RECIPROCAL)
+    comb = comb / (tl.sum(comb, axis=-2, keep_dims=True) + eps)
     for _ in range(iters - 1):
-        comb = _normalise(comb, -1, eps, RECIPROCAL)
-        comb = _normalise(comb, -2, eps, RECIPROCAL)
+        comb = comb / (tl.sum(comb, axis=-1, keep_dims=True) + eps)
+        comb = comb / (tl.sum(comb, axis=-2, keep_dims=True) + eps)
     return comb
 
 
@@ -152,7 +134,6 @@ def _mhc_mix_kernel(
     eps,
     HC: tl.constexpr,
     P: tl.constexpr,
-    SINKHORN_RECIPROCAL: tl.constexpr,
 ):
     t = tl.program_id(0)
     width = (2 + HC) * HC
@@ -173,7 +154,7 @@ def _mhc_mix_kernel(
     m = (r < HC) & (c < HC)
     offs = 2 * HC + r * HC + c
     logits = tl.load(row + offs, mask=m, other=0.0) * s2 + tl.load(base_ptr + offs, mask=m)
-    comb = _sinkhorn(logits, m, iters, eps, SINKHORN_RECIPROCAL)
+    comb = _sinkhorn(logits, m, iters, eps)
     tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=m)
 
 
@@ -197,7 +178,6 @@ def mhc_mix_triton(
             eps,
             HC=hc,
             P=triton.next_power_of_2(hc),
-            SINKHORN_RECIPROCAL=SINKHORN_RECIPROCAL,
         )
     return pre, post, comb
 
@@ -316,7 +296,6 @@ def _finish_tokens(
     SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     CACHE: tl.constexpr,
-    SINKHORN_RECIPROCAL: tl.constexpr,
 ):
     """The collapse's finish for a block of tokens, from the split partials of its mixing logits
     (then the sum of squares of the raw rows, at MP): the partials summed SPLITS at a time, each
@@ -367,7 +346,7 @@ def _finish_tokens(
     logits = comb_w * rstd[:, None, None] * s2 + comb_b[None, :, :]
     lm = tm[:, None, None] & pm[None, :, :]
     comb = comb_ptr + tv[:, None, None] * HC * HC + rc[None, :, :]
-    tl.store(comb, _sinkhorn(logits, lm, iters, eps, SINKHORN_RECIPROCAL), mask=lm)
+    tl.store(comb, _sinkhorn(logits, lm, iters, eps), mask=lm)
     for tt in range(0, n):  # the collapse of each token of the block, and its RMSNorm
         t = (t0 + tt).to(tl.int64)
         pre_t = tl.sum(tl.where(tok[:, None] == tt, pre, 0.0), axis=0)
@@ -402,7 +381,6 @@ def _mhc_pre_finish_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
-    SINKHORN_RECIPROCAL: tl.constexpr,
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
     t0 = tl.program_id(0) * BLOCK_T
@@ -410,7 +388,6 @@ def _mhc_pre_finish_kernel(
     _finish_tokens(
         part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr, out_ptr,
         t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, SPLITS, BLOCK_H, "",
-        SINKHORN_RECIPROCAL,
     )  # fmt: skip
 
 
@@ -509,7 +486,6 @@ def mhc_pre(
         BLOCK_T=finish_t,
         BLOCK_H=min(finish_h, triton.next_power_of_2(hidden)),
         SPLITS=min(64 // finish_t, triton.next_power_of_2(splits)),
-        SINKHORN_RECIPROCAL=SINKHORN_RECIPROCAL,
         num_warps=finish_warps,
         **LAUNCH,
     )
@@ -648,7 +624,6 @@ def _mhc_boundary_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
-    SINKHORN_RECIPROCAL: tl.constexpr,
 ):
     tb = tl.program_id(0)
     hb = tl.program_id(1)
@@ -704,7 +679,7 @@ def _mhc_boundary_kernel(
         _finish_tokens(
             part_ptr, NB, 1, NB, new_ptr, base_ptr, scale_ptr, nw_ptr, post2_ptr, comb2_ptr,
             x_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, NB_P, BLOCK_F,
-            ".cg", SINKHORN_RECIPROCAL,
+            ".cg",
         )  # fmt: skip
 
 
@@ -787,7 +762,6 @@ def mhc_boundary(
         BLOCK_T=block_t,
         BLOCK_H=BOUNDARY_BLOCK_H,
         BLOCK_F=min(triton.next_power_of_2(hidden), BOUNDARY_BLOCK_F // p),
-        SINKHORN_RECIPROCAL=SINKHORN_RECIPROCAL,
         num_warps=8,
         **LAUNCH,
     )
