@@ -102,41 +102,50 @@ def row(name, batch, dtype, us_old, us_new, floor_bytes, launches_new, **more_us
 # ---------------------------------------------------------------------------------------------
 
 
+MIX = (2 + HC) * HC
+MIXING = (20, 1e-6, 1e-5)  # Sinkhorn iterations, the mixing's eps, the RMS factor's eps
+
+
+def mhc_inputs(batch: int, gen: torch.Generator) -> dict:
+    """One boundary's random inputs on the GPU: the sublayer output, the streams, the previous
+    collapse's post and comb, the next collapse's fn/base/scale, its RMSNorm weight (bf16) and
+    the fused boundary's counters."""
+    from kernels.triton.mhc import BOUNDARY_MAX_TOKENS
+
+    dev, dt = "cuda", torch.bfloat16
+
+    def rand(*shape, scale=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, device=dev, generator=gen) * scale).to(dtype)
+
+    return dict(
+        out=rand(batch, HD, dtype=dt),
+        streams=rand(batch, HC, HD, scale=3.0, dtype=dt),
+        post=torch.rand(batch, HC, device=dev, generator=gen) * 2,
+        comb=torch.rand(batch, HC, HC, device=dev, generator=gen) * 0.5,
+        fn=rand(MIX, HC * HD, scale=(HC * HD) ** -0.5),
+        base=rand(MIX, scale=0.5),
+        scale=torch.rand(3, device=dev, generator=gen) + 0.5,
+        weight=(torch.rand(HD, device=dev, generator=gen) + 0.5).to(dt),
+        counter=torch.zeros(BOUNDARY_MAX_TOKENS, dtype=torch.int32, device=dev),
+    )
+
+
 def bench_mhc(batch: int) -> None:
     from kernels.triton.mhc import BOUNDARY_MAX_TOKENS, mhc_boundary, mhc_post, mhc_pre
 
-    dev, dt = "cuda", torch.bfloat16
-    mix = (2 + HC) * HC
-    gen = torch.Generator(device=dev).manual_seed(batch)
+    gen = torch.Generator(device="cuda").manual_seed(batch)
 
-    def one() -> dict:
-        def rand(*shape, scale=1.0, dtype=torch.float32):
-            return (torch.randn(*shape, device=dev, generator=gen) * scale).to(dtype)
-
-        return dict(
-            out=rand(batch, HD, dtype=dt),
-            streams=rand(batch, HC, HD, scale=3.0, dtype=dt),
-            post=torch.rand(batch, HC, device=dev, generator=gen) * 2,
-            comb=torch.rand(batch, HC, HC, device=dev, generator=gen) * 0.5,
-            fn=rand(mix, HC * HD, scale=(HC * HD) ** -0.5),
-            base=rand(mix, scale=0.5),
-            scale=torch.rand(3, device=dev, generator=gen) + 0.5,
-            weight=(torch.rand(HD, device=dev, generator=gen) + 0.5).to(dt),
-            counter=torch.zeros(BOUNDARY_MAX_TOKENS, dtype=torch.int32, device=dev),
-        )
-
-    fn_bytes = mix * HC * HD * 4
+    fn_bytes = MIX * HC * HD * 4
     act_bytes = batch * HD * 2 * (2 * HC + 2)  # streams in and out, the output, the next input
-    copies = [one() for _ in range(n_copies(fn_bytes + act_bytes))]
-    mixing = (20, 1e-6, 1e-5)
+    copies = [mhc_inputs(batch, gen) for _ in range(n_copies(fn_bytes + act_bytes))]
 
     def old(c):
         new = mhc_post(c["out"], c["streams"], c["post"], c["comb"])
-        return mhc_pre(new, c["fn"], c["base"], c["scale"], *mixing, c["weight"], 1e-5)
+        return mhc_pre(new, c["fn"], c["base"], c["scale"], *MIXING, c["weight"], 1e-5)
 
-    def new(c, iters=mixing[0]):
+    def new(c, iters=MIXING[0]):
         args = (c["out"], c["streams"], c["post"], c["comb"], c["fn"], c["base"], c["scale"])
-        return mhc_boundary(*args, iters, *mixing[1:], c["weight"], 1e-5, c["counter"])
+        return mhc_boundary(*args, iters, *MIXING[1:], c["weight"], 1e-5, c["counter"])
 
     us_old, us_new = graph_us(old, copies), graph_us(new, copies)
     # a diagnostic: one Sinkhorn iteration in place of 20 prices the serial mixing the finishing
@@ -149,35 +158,24 @@ def bench_mhc(batch: int) -> None:
         print(json.dumps(dict(name="mhc_kernels_eager", batch=batch, us=us)))
 
 
-# (tokens, K step, warps, fn split once) per partial program; (tokens, channels, warps) per finish
+# (tokens, K step, warps, fn split once) per partial program; (tokens, channels, warps) per finish;
+# the defaults before session 26 first: ((64, 64, 4), per tile), (1, 1024, 4)
 PRE_PARTIALS = (
-    ((64, 64, 4), True), ((64, 128, 4), False), ((64, 64, 8), False), ((128, 64, 8), False),
+    ((64, 64, 4), False), ((64, 128, 4), False), ((64, 64, 8), False), ((128, 64, 8), False),
     ((32, 64, 4), False), ((128, 64, 8), True), ((64, 128, 4), True),
 )  # fmt: skip
-PRE_FINISHES = ((1, 4096, 8), (4, 4096, 8), (8, 4096, 8), (16, 4096, 8), (8, 1024, 4))
+PRE_FINISHES = ((1, 1024, 4), (4, 4096, 8), (8, 4096, 8), (16, 4096, 8), (8, 1024, 4))
 
 
 def sweep_pre(batch: int) -> None:
     from kernels.triton import mhc
 
-    dev, dt = "cuda", torch.bfloat16
-    mix = (2 + HC) * HC
-    gen = torch.Generator(device=dev).manual_seed(batch)
-
-    def one() -> dict:
-        return dict(
-            streams=(torch.randn(batch, HC, HD, device=dev, generator=gen) * 3).to(dt),
-            fn=torch.randn(mix, HC * HD, device=dev, generator=gen) * (HC * HD) ** -0.5,
-            base=torch.randn(mix, device=dev, generator=gen) * 0.5,
-            scale=torch.rand(3, device=dev, generator=gen) + 0.5,
-            weight=(torch.rand(HD, device=dev, generator=gen) + 0.5).to(dt),
-        )
-
-    act_bytes = batch * HD * 2 * (HC + 1)
-    copies = [one() for _ in range(n_copies(mix * HC * HD * 4 + act_bytes))]
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    act_bytes = batch * HD * 2 * (HC + 1)  # the streams read, the normed collapse written
+    copies = [mhc_inputs(batch, gen) for _ in range(n_copies(MIX * HC * HD * 4 + act_bytes))]
 
     def pre(c):
-        args = (c["fn"], c["base"], c["scale"], 20, 1e-6, 1e-5, c["weight"], 1e-5)
+        args = (c["fn"], c["base"], c["scale"], *MIXING, c["weight"], 1e-5)
         return mhc.mhc_pre(c["streams"], *args)
 
     default = ((mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH)

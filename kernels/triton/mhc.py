@@ -183,6 +183,16 @@ def mhc_mix_triton(
 
 
 @triton.jit
+def _bf16x3(w):
+    """float32 w -> bf16 terms (w1, w2, w3), w1 + w2 + w3 = w: each the rounding of what the
+    previous left (24 significant bits, float32's own; both differences are exact)."""
+    w1 = w.to(tl.bfloat16)
+    rest = w - w1.to(tl.float32)
+    w2 = rest.to(tl.bfloat16)
+    return w1, w2, (rest - w2.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
 def _mhc_pre_partial_kernel(
     x_ptr,  # [T, K] the flattened streams
     fn_ptr,  # [MIX, K] float32; bf16_presplit: [3, MIX, K] bf16 (split_bf16x3)
@@ -223,11 +233,7 @@ def _mhc_pre_partial_kernel(
             w2 = tl.load(w_at + MIX * K, mask=w_mask, other=0.0)
             w3 = tl.load(w_at + 2 * MIX * K, mask=w_mask, other=0.0)
         elif PRECISION == "bf16_split":  # xs is bf16 (logit_dot)
-            w = tl.load(w_at, mask=w_mask)
-            w1 = w.to(tl.bfloat16)
-            rest = w - w1.to(tl.float32)  # exact, as is the next difference
-            w2 = rest.to(tl.bfloat16)
-            w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+            w1, w2, w3 = _bf16x3(tl.load(w_at, mask=w_mask))
         else:
             w = tl.load(w_at, mask=w_mask)
         if PRECISION != "tf32x3":
@@ -249,13 +255,10 @@ def _split_bf16x3_kernel(w_ptr, out_ptr, N, BLOCK: tl.constexpr):
     grid_dependency()  # first: kernels/triton/pdl.py
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < N
-    w = tl.load(w_ptr + i, mask=mask)
-    w1 = w.to(tl.bfloat16)
-    rest = w - w1.to(tl.float32)
-    w2 = rest.to(tl.bfloat16)
+    w1, w2, w3 = _bf16x3(tl.load(w_ptr + i, mask=mask))
     tl.store(out_ptr + i, w1, mask=mask)
     tl.store(out_ptr + N + i, w2, mask=mask)
-    tl.store(out_ptr + 2 * N + i, (rest - w2.to(tl.float32)).to(tl.bfloat16), mask=mask)
+    tl.store(out_ptr + 2 * N + i, w3, mask=mask)
 
 
 def split_bf16x3(w: torch.Tensor) -> torch.Tensor:
