@@ -27,7 +27,7 @@ Shapes: hidden 4096, 288 experts of which rank 0 holds 36 (ids 0..35), top-8, ex
 intermediate 2048, shared expert 2048 / 8 = 256, random weights and inputs. The all-reduce is
 left out of both paths (one rank alone).
 
---sweep times the small path alone for each (GATE_UP_PROGRAMS[_FP8], DOWN_PROGRAMS) of
+--sweep times the small path alone for each (GATE_UP_PROGRAMS[_FP8], DOWN_PROGRAMS[_FP8]) of
 SWEEP_GATE_UP x SWEEP_DOWN, the GEMV form's GEMV_GATE_UP_PROGRAMS and GEMV_DOWN_PROGRAMS alike
 (kernels/triton/moe_small.py's grid sizes: they decide the K splits), one row each with those
 two fields: the fastest pair per dtype and form is what the constants should say.
@@ -207,8 +207,13 @@ def _sweep_rows(dtype: str, layers, gen: torch.Generator):
 
     hidden = layers[0].config.hidden_size
     mlp.SMALL_MOE_MAX_TOKENS = 16
-    knob = "GATE_UP_PROGRAMS" if dtype == "bf16" else "GATE_UP_PROGRAMS_FP8"
-    grids = (knob, "DOWN_PROGRAMS", "GEMV_GATE_UP_PROGRAMS", "GEMV_DOWN_PROGRAMS")
+    fp8 = "" if dtype == "bf16" else "_FP8"
+    grids = (
+        f"GATE_UP_PROGRAMS{fp8}",
+        f"DOWN_PROGRAMS{fp8}",
+        "GEMV_GATE_UP_PROGRAMS",
+        "GEMV_DOWN_PROGRAMS",
+    )
     saved = [getattr(moe_small, name) for name in grids]
     saved_gemv = moe_small.GEMV_MAX_TOKENS, moe_small.GEMV_PAIR, moe_small.GEMV_BLOCK_K
     moe_small.GEMV_MAX_TOKENS = 2

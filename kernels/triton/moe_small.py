@@ -82,11 +82,15 @@ BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns 
 # (its K loop quantizes x: 3 fit); down 64-72 (7 fit); the router's select 78-142 up to 8 tokens
 # and 200 at 16 (8 warps: 1 fits), so the router gets one program per SM. The H200 A/B sets
 # these (python -m bench.decode_moe --sweep).
-# The GEMV form (GEMV_MAX_TOKENS) has grids of its own.
+# The GEMV form (GEMV_MAX_TOKENS) has grids of its own. The tl.dot form in bf16: 660 x 792, was
+# 528 x 528 (one layer at 4 / 8 tokens, H100 sweep: 138.7 / 231.2 -> 124.2 / 192.1 us; rank 0 cut
+# to 28 layers, H100, EAGLE's step at batch 1 (its 2-token verify): 5.090 -> 4.794 ms, decode
+# unchanged: docs/BENCHMARKS.md). FP8 keeps its own, unmeasured at these grids.
 ROUTE_PROGRAMS = 132
-GATE_UP_PROGRAMS = 528
+GATE_UP_PROGRAMS = 660
 GATE_UP_PROGRAMS_FP8 = 396
-DOWN_PROGRAMS = 528
+DOWN_PROGRAMS = 792
+DOWN_PROGRAMS_FP8 = 528
 GEMV_GATE_UP_PROGRAMS = 528
 GEMV_DOWN_PROGRAMS = 528
 # tokens up to which a dense call runs gate/up and down in the GEMV form (skinny_gemm.gemv_rows;
@@ -910,7 +914,7 @@ def experts_slots(
         gate_up_programs, down_programs = GEMV_GATE_UP_PROGRAMS, GEMV_DOWN_PROGRAMS
     else:
         gate_up_programs = GATE_UP_PROGRAMS_FP8 if fp8_gate_up else GATE_UP_PROGRAMS
-        down_programs = DOWN_PROGRAMS
+        down_programs = DOWN_PROGRAMS_FP8 if w_fp8 or sd_fp8 else DOWN_PROGRAMS
     gu = _split(hidden, n_blocks + n_blocks_sh, gate_up_programs, widest)
     assert 2 * max(inter, inter_sh) * hidden < 2**31, "int32 offsets inside one expert"
     assert slots * gu.splits * tokens * 2 * inter < 2**31, "int32 offsets of the partials"
