@@ -83,12 +83,15 @@ BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns 
 # and 200 at 16 (8 warps: 1 fits), so the router gets one program per SM. The H200 A/B sets
 # these (python -m bench.decode_moe --sweep).
 # The GEMV form (GEMV_MAX_TOKENS) has grids of its own. The tl.dot form in bf16: 660 x 792, was
-# 528 x 528 (one layer at 4 / 8 tokens, H100 sweep: 138.7 / 231.2 -> 124.2 / 192.1 us; rank 0 cut
-# to 28 layers, H100, EAGLE's step at batch 1 (its 2-token verify): 5.090 -> 4.794 ms, decode
-# unchanged: docs/BENCHMARKS.md). FP8 keeps its own, unmeasured at these grids.
+# 528 x 528 (one layer at 4 / 8 tokens, H100 sweep: 139.3 / 232.4 -> 123.8 / 194.3 us; rank 0 cut
+# to 28 layers, H100, medians of three interleaved: EAGLE's step at batch 1 (its 2-token verify)
+# 5.125 -> 4.934 ms, decode at batch 2 3.743 -> 3.566, at batch 1 unchanged: docs/BENCHMARKS.md).
+# FP8: gate/up 528, was 396 (one layer at 1 token 68.98 -> 59.06
+# us; the FP8 28-layer rank's decode at batch 1 2.992 -> 2.883 ms, medians of three); its down
+# stays 528 (792: 2.961).
 ROUTE_PROGRAMS = 132
 GATE_UP_PROGRAMS = 660
-GATE_UP_PROGRAMS_FP8 = 396
+GATE_UP_PROGRAMS_FP8 = 528
 DOWN_PROGRAMS = 792
 DOWN_PROGRAMS_FP8 = 528
 GEMV_GATE_UP_PROGRAMS = 528

@@ -59,11 +59,15 @@ MIN_BLOCK_N = 32
 
 
 # dense rows up to which skinny_linear runs the GEMV form (0: the tl.dot form at every count; at
-# most GEMV_ROWS_LIMIT)
-GEMV_MAX_ROWS = 1
+# most GEMV_ROWS_LIMIT). 2 since 2026-12-06: rank 0 cut to 28 layers, H100, medians of three
+# interleaved: EAGLE's step at batch 1 (its 2-token verify) 4.934 -> 4.786 ms, decode at batch 2
+# 3.566 -> 3.414 (per shape at 2 rows the GEMV form wins on short K and loses on lm_head, MLA
+# q_b, DSA o_proj and dense down: the step nets the difference)
+GEMV_MAX_ROWS = 2
 GEMV_ROWS_LIMIT = 8
 # K steps the GEMV form loads a weight tile ahead of its use (gemv_rows' AHEAD; the small MoE's
-# too): 1, or 2 for twice the bytes in flight a program
+# too): 1, or 2 for twice the bytes in flight a program (28-layer rank, H100, 2026-12-06, medians
+# of three: decode at batch 1 2.603 -> 2.621 ms, EAGLE 4.731 -> 4.747: no gain)
 GEMV_AHEAD = 1
 # the GEMV form's tiling: BLOCK_N rows of W by BLOCK_K columns a step (16 x 256 bf16: 8 KB, one
 # 16-byte load per thread and row for 4 warps), GEMV_PROGRAMS programs aimed at (three per SM of

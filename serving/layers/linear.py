@@ -13,11 +13,13 @@ lacks.
 Several projections of one input run as one GEMM: serving/layers/stacked_projections.py.
 
 Kernels: a dense weight runs dense_linear: cuBLAS (F.linear, addmm), or on the fast path the skinny
-GEMM's GEMV form (kernels/triton/skinny_gemm.py) up to SKINNY_DENSE_MAX_TOKENS rows, 1. Measured at
+GEMM's GEMV form (kernels/triton/skinny_gemm.py) up to SKINNY_DENSE_MAX_TOKENS rows, 2. Measured at
 rank 0 of TP8's shapes (docs/BENCHMARKS.md): one row alone, the GEMV is 1-17% faster than cuBLAS per
 shape (H100); in the H200's decode step at batch 1 it takes 56 launches out (cuBLAS's split-K
-reductions among them) and ties on time (5.19 ms against 5.16). From 2 rows the skinny GEMM's tl.dot
-form is 1.1-2.8x slower than cuBLAS, so cuBLAS keeps them. The Triton kernels take part in
+reductions among them) and ties on time (5.19 ms against 5.16). At 2 rows (EAGLE's verify at batch
+1) it wins on some shapes and loses on others, and the step nets a gain (rank 0 cut to 28 layers,
+H100: EAGLE's step 4.934 -> 4.786 ms). From 3 rows the skinny GEMM's tl.dot form is 1.1-2.8x slower
+than cuBLAS, so cuBLAS keeps them. The Triton kernels take part in
 programmatic dependent launch; a cuBLAS launch ends the overlap on both sides. A block-FP8 weight on
 the fast path (kernels.fast_path) runs kernels/triton/fp8.block_fp8_linear (the skinny GEMM up to a
 few rows, then torch._scaled_mm or Triton); the CPU and PDSERVE_TORCH_KERNELS=1 run kernels/fp8.py.
@@ -41,7 +43,7 @@ from serving.distributed import all_gather_last, state, tp_all_reduce
 
 # token rows up to which a dense weight on the fast path runs the skinny GEMM, not cuBLAS (the
 # module doc); bench.fast_path --variant times the decode step both ways
-SKINNY_DENSE_MAX_TOKENS = 1
+SKINNY_DENSE_MAX_TOKENS = 2
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
