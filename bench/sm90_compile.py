@@ -91,7 +91,6 @@ def _cases(case: list[str]) -> None:
     from kernels.triton import kda as tkda
     from kernels.triton import mhc
     from kernels.triton import moe_small as tms
-    from kernels.triton import skinny_gemm as tsk
     from kernels.triton.mhc import mhc_boundary
     from kernels.triton.moe_small import counters_size, moe_small
     from kernels.triton.skinny_gemm import gemv_config, skinny_linear
@@ -128,15 +127,13 @@ def _cases(case: list[str]) -> None:
         x = torch.empty(rows, k, dtype=bf)
         skinny_linear(x, torch.empty(n, k, dtype=bf))
         skinny_linear(x, torch.empty(n, k, dtype=bf), add=torch.empty(rows, n, dtype=bf))
-    for rows, n, k, ahead in (
-        (2, 3336, 4096, 1), (4, 4096, 1024, 1), (8, 19360, 4096, 1), (8, 2048, 1536, 1),
-        (1, 3336, 4096, 2), (1, 4096, 1024, 2),
+    for rows, n, k in (
+        (2, 3336, 4096), (4, 4096, 1024), (8, 19360, 4096), (8, 2048, 1536), (1, 3336, 4096),
+        (1, 4096, 1024),
     ):  # fmt: skip
-        ahead, tsk.GEMV_AHEAD = tsk.GEMV_AHEAD, ahead
-        case[0] = f"skinny dense, the GEMV form, {rows} rows, {n} x {k}, {tsk.GEMV_AHEAD} ahead"
+        case[0] = f"skinny dense, the GEMV form, {rows} rows, {n} x {k}"
         skinny_linear(torch.empty(rows, k, dtype=bf), torch.empty(n, k, dtype=bf),
                       config=gemv_config(n, k, rows=rows))  # fmt: skip
-        tsk.GEMV_AHEAD = ahead
     w8, s8 = quantize_weight(torch.randn(3344, hd))
     for rows in (1, 4):
         case[0] = f"skinny FP8, {rows} rows"
@@ -145,22 +142,19 @@ def _cases(case: list[str]) -> None:
     experts = Experts(torch.empty(el, 2 * i, hd, dtype=bf), torch.empty(el, hd, i, dtype=bf))
     shared = SharedExpert(*(torch.empty(si, hd, dtype=bf) for _ in range(2)),
                           torch.empty(hd, si, dtype=bf))  # fmt: skip
-    saved = tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K, tsk.GEMV_AHEAD
-    for tokens, gemv_tokens, pair, block_k, ahead in (
-        (1, 1, saved[1], saved[2], saved[3]), (4, 1, False, 128, 1), (16, 1, False, 128, 1),
-        (2, 8, False, 128, 1), (8, 8, False, 128, 1), (1, 1, True, 128, 1),
-        (1, 1, True, 256, 1), (2, 8, True, 256, 1), (1, 1, True, 128, 2), (1, 1, False, 128, 2),
+    saved = tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K
+    for tokens, gemv_tokens, pair, block_k in (
+        (1, 1, saved[1], saved[2]), (4, 1, False, 128), (16, 1, False, 128), (2, 8, False, 128),
+        (8, 8, False, 128), (1, 1, True, 256), (2, 8, True, 256), (1, 1, False, 128),
     ):  # fmt: skip
         tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K = gemv_tokens, pair, block_k
-        tsk.GEMV_AHEAD = ahead
-        case[0] = (f"small MoE, {tokens} tokens, GEMV up to {gemv_tokens}, {pair=}, {block_k=}, "
-                   f"{ahead=}")  # fmt: skip
+        case[0] = f"small MoE, {tokens} tokens, GEMV up to {gemv_tokens}, {pair=}, {block_k=}"
         moe_small(
             torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
             r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
             torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
         )  # fmt: skip
-    tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K, tsk.GEMV_AHEAD = saved
+    tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K = saved
     e4m3 = torch.float8_e4m3fn
     experts8 = Experts(
         torch.empty(el, 2 * i, hd, dtype=e4m3),

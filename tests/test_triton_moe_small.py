@@ -346,16 +346,13 @@ def test_experts_interpreter_gemv_form(shape, dtype, tokens, monkeypatch):
     3 and 8 (rows in a block of 4 and 8, the 4th row past T clamped to T - 1) with the switch
     at 8; block FP8 never does. Odd shapes mask K and clamp weight rows. Gate and up in one
     loop (GEMV_PAIR) at 1 and 3 tokens, in two at 8; 256-wide K steps at 3 tokens (the
-    shared expert's down then has fewer K splits than the routed experts'); tiles loaded two
-    steps ahead (GEMV_AHEAD) at 1 and 8."""
+    shared expert's down then has fewer K splits than the routed experts')."""
     from kernels.triton import moe_small as tms
-    from kernels.triton import skinny_gemm
 
     assert tms.gemv_form(1, False) and not tms.gemv_form(2, False) and not tms.gemv_form(1, True)
     monkeypatch.setattr(tms, "GEMV_MAX_TOKENS", 8)
     monkeypatch.setattr(tms, "GEMV_PAIR", tokens != 8)
     monkeypatch.setattr(tms, "GEMV_BLOCK_K", 256 if tokens == 3 else 128)
-    monkeypatch.setattr(skinny_gemm, "GEMV_AHEAD", 1 if tokens == 3 else 2)
     assert tms.gemv_form(tokens, False) and not tms.gemv_form(9, False)
     _check_experts(tokens, shape, "dense", dtype, "cpu")
 

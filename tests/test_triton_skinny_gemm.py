@@ -155,15 +155,11 @@ def test_skinny_bf16_interpreter(m, n, k):
 
 
 @cpu_interp
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_gemv_form_splits_k_and_covers_every_row_interpreter(ahead, monkeypatch):
+def test_gemv_form_splits_k_and_covers_every_row_interpreter():
     """The GEMV form at tilings that split K into uneven parts (the last split shorter, one
-    partial K step) and leave N tiles partly past N, against F.linear, its tiles loaded one and
-    two steps ahead; a mutation that skips a split or an N tile's last rows fails here."""
-    from kernels.triton import skinny_gemm
+    partial K step) and leave N tiles partly past N, against F.linear; a mutation that skips a
+    split or an N tile's last rows fails here."""
     from kernels.triton.skinny_gemm import gemv_config, skinny_linear
-
-    monkeypatch.setattr(skinny_gemm, "GEMV_AHEAD", ahead)
 
     n, k = 45, 1000
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(1)) * k**-0.5).bfloat16()

@@ -66,7 +66,6 @@ import triton.language as tl
 from kernels.fp8 import BLOCK as GROUP
 from kernels.fp8 import FP8, blocks
 from kernels.moe_small import Experts, SharedExpert, num_slots
-from kernels.triton import skinny_gemm
 from kernels.triton.e4m3 import quant_rows
 from kernels.triton.pdl import LAUNCH, grid_dependency
 from kernels.triton.skinny_gemm import GEMV_ROWS_LIMIT, gemv_rows
@@ -411,7 +410,6 @@ def _gate_up_acc(
     EVEN: tl.constexpr,
     GEMV: tl.constexpr,
     GEMV_PAIR: tl.constexpr,
-    GEMV_AHEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -425,11 +423,11 @@ def _gate_up_acc(
         k_hi = tl.minimum(k_lo + K_SPLIT, HD)
         if GEMV_PAIR:  # gate and up in one loop: both tiles in flight
             return gemv_rows(x_ptr, HD, T, wg_ptr, wu_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
-                             False, True, GEMV_AHEAD, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+                             False, True, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         acc_g, _ = gemv_rows(x_ptr, HD, T, wg_ptr, wg_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
-                             False, False, GEMV_AHEAD, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+                             False, False, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         acc_u, _ = gemv_rows(x_ptr, HD, T, wu_ptr, wu_ptr, n0, kk, k_lo, k_hi, INTER, HD, EVEN,
-                             False, False, GEMV_AHEAD, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+                             False, False, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         return acc_g, acc_u
     t_mask = t < T
     n_mask = n < INTER
@@ -563,7 +561,6 @@ def _gate_up_kernel(
     EVEN_SH: tl.constexpr,
     GEMV: tl.constexpr,
     GEMV_PAIR: tl.constexpr,
-    GEMV_AHEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -606,7 +603,6 @@ def _gate_up_kernel(
                 EVEN,
                 GEMV,
                 GEMV_PAIR,
-                GEMV_AHEAD,
                 BLOCK_T,
                 BLOCK_N,
                 BLOCK_K,
@@ -656,7 +652,6 @@ def _gate_up_kernel(
             EVEN_SH,
             GEMV,
             GEMV_PAIR,
-            GEMV_AHEAD,
             BLOCK_T,
             BLOCK_N,
             BLOCK_K,
@@ -707,7 +702,6 @@ def _down_acc(
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
     GEMV: tl.constexpr,
-    GEMV_AHEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -720,7 +714,7 @@ def _down_acc(
     if GEMV:  # dense; BLOCK_T rows, those past T reading row T - 1
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
         y, _ = gemv_rows(a_ptr, K, T, w_ptr, w_ptr, n0, kk, k_lo, k_hi, HD, K, EVEN, False, False,
-                         GEMV_AHEAD, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
+                         BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         return y
     t_mask = t < T
     a_ptrs = a_ptr + t[:, None] * K + kk[None, :]
@@ -779,7 +773,6 @@ def _down_kernel(
     EVEN: tl.constexpr,
     EVEN_SH: tl.constexpr,
     GEMV: tl.constexpr,
-    GEMV_AHEAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -815,7 +808,6 @@ def _down_kernel(
             IEEE,
             EVEN,
             GEMV,
-            GEMV_AHEAD,
             BLOCK_T,
             BLOCK_N,
             BLOCK_K,
@@ -843,7 +835,6 @@ def _down_kernel(
                 IEEE,
                 EVEN_SH,
                 GEMV,
-                GEMV_AHEAD,
                 BLOCK_T,
                 BLOCK_N,
                 BLOCK_K_SH,
@@ -970,7 +961,6 @@ def experts_slots(
         EVEN_SH=even_k and inter_sh % BLOCK_N == 0,
         GEMV=gemv,
         GEMV_PAIR=GEMV_PAIR,
-        GEMV_AHEAD=skinny_gemm.GEMV_AHEAD,
         BLOCK_T=block_t,
         BLOCK_N=BLOCK_N,
         BLOCK_K=gu.block_k,
@@ -1025,7 +1015,6 @@ def experts_slots(
         EVEN=even_n and inter % dn.k_split == 0 and dn.k_split % dn.block_k == 0,
         EVEN_SH=even_n and inter_sh % k_split_sh == 0,
         GEMV=gemv,
-        GEMV_AHEAD=skinny_gemm.GEMV_AHEAD,
         BLOCK_T=block_t,
         BLOCK_N=BLOCK_N,
         BLOCK_K=dn.block_k,

@@ -65,10 +65,6 @@ MIN_BLOCK_N = 32
 # q_b, DSA o_proj and dense down: the step nets the difference)
 GEMV_MAX_ROWS = 2
 GEMV_ROWS_LIMIT = 8
-# K steps the GEMV form loads a weight tile ahead of its use (gemv_rows' AHEAD; the small MoE's
-# too): 1, or 2 for twice the bytes in flight a program (28-layer rank, H100, 2026-12-06, medians
-# of three: decode at batch 1 2.603 -> 2.621 ms, EAGLE 4.731 -> 4.747: no gain)
-GEMV_AHEAD = 1
 # the GEMV form's tiling: BLOCK_N rows of W by BLOCK_K columns a step (16 x 256 bf16: 8 KB, one
 # 16-byte load per thread and row for 4 warps), GEMV_PROGRAMS programs aimed at (three per SM of
 # an H200); bench/decode_gemm.py --sweep times others
@@ -154,34 +150,13 @@ def gemv_config(
 
 
 @triton.jit
-def _first_tiles(
-    ptrs, kk, k_lo, k_hi, EVEN: tl.constexpr, AHEAD: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """The tiles in flight before gemv_rows' loop: step k_lo's (unmasked where EVEN) and, with
-    AHEAD 2, the next step's (masked: the range may hold one step; else a stand-in, never
-    read)."""
+def _first_tile(ptrs, kk, k_lo, k_hi, EVEN: tl.constexpr):
+    """Step k_lo's tile, in flight before gemv_rows' loop (unmasked where EVEN)."""
     if EVEN:
         first = tl.load(ptrs + k_lo)
     else:
         first = tl.load(ptrs + k_lo, mask=(k_lo + kk < k_hi)[None, :], other=0.0)
-    second = first
-    if AHEAD == 2:
-        k1 = k_lo + BLOCK_K
-        second = tl.load(ptrs + k1, mask=(k1 + kk < k_hi)[None, :], other=0.0)
-    return first, second
-
-
-@triton.jit
-def _next_tiles(ptrs, mask, w_next, w_after, AHEAD: tl.constexpr):
-    """One step of gemv_rows' loop: this step's tile in float32, and the tiles in flight after
-    it, the load of the step AHEAD on (ptrs, mask) among them."""
-    w = w_next.to(tl.float32)
-    if AHEAD == 2:
-        w_next = w_after
-        w_after = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        w_next = tl.load(ptrs, mask=mask, other=0.0)
-    return w, w_next, w_after
+    return first
 
 
 @triton.jit
@@ -200,7 +175,6 @@ def gemv_rows(
     EVEN: tl.constexpr,  # every step whole: no K masks
     WAIT_AFTER_FIRST: tl.constexpr,  # the PDL wait after the first weight tile's load
     PAIR: tl.constexpr,
-    AHEAD: tl.constexpr,  # K steps a weight tile is loaded ahead of its use: 1 or 2
     BLOCK_R: tl.constexpr,  # token rows computed (rows past M read row M - 1, never stored)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -209,25 +183,23 @@ def gemv_rows(
     w[n, k] for rows n0 .. n0 + BLOCK_N (those past N_ROWS read row N_ROWS - 1 and are never
     stored), float32 [BLOCK_R, BLOCK_N], and with PAIR the same of w2 (else the second result
     is the first). [BLOCK_N, BLOCK_K] weight tiles along K (16-byte loads along each row), each
-    loaded AHEAD steps ahead of its use (loop-carried) and multiplied by every token row on the
+    loaded one step ahead of its use (loop-carried) and multiplied by every token row on the
     CUDA cores: the weight is read once for all rows; with PAIR both weights' tiles are in flight
-    at once, with AHEAD 2 two steps of each (a program's time at these sizes is its chain of
-    dependent loads, not its bytes). One row sums the products elementwise and reduces over K
-    once at the end; more rows reduce each row's products every step (BLOCK_R accumulators of a
-    whole tile would not fit the registers), so a row's bits depend on BLOCK_R: callers pick
-    BLOCK_R from a row count's power-of-two bucket, as CUDA graphs pad batches (1, 2, 4, 8),
-    never from the rows alone.
-    WAIT_AFTER_FIRST: the first AHEAD tiles are loaded before the PDL wait (the weight is no
-    kernel's output: kernels/triton/pdl.py), so their bytes arrive while the previous kernel's
-    last programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it after the
+    at once (a program's time at these sizes is its chain of dependent loads, not its bytes).
+    One row sums the products elementwise and reduces over K once at the end; more rows reduce
+    each row's products every step (BLOCK_R accumulators of a whole tile would not fit the
+    registers), so a row's bits depend on BLOCK_R: callers pick BLOCK_R from a row count's
+    power-of-two bucket, as CUDA graphs pad batches (1, 2, 4, 8), never from the rows alone.
+    WAIT_AFTER_FIRST: the first tiles are loaded before the PDL wait (the weight is no kernel's
+    output: kernels/triton/pdl.py), so their bytes arrive while the previous kernel's last
+    programs run (H200: 5.19 ms a rank-0 step at batch 1 against 5.30 loading it after the
     wait); the caller must not have waited. k_lo < k_hi: the first tile is loaded before the
     loop (unmasked where EVEN)."""
-    tl.static_assert(AHEAD == 1 or AHEAD == 2)
     n = n0 + tl.arange(0, BLOCK_N)
     offs = tl.minimum(n, N_ROWS - 1)[:, None] * K + kk[None, :]
-    w_next, w_after = _first_tiles(w_ptr + offs, kk, k_lo, k_hi, EVEN, AHEAD, BLOCK_K)
+    w_next = _first_tile(w_ptr + offs, kk, k_lo, k_hi, EVEN)
     if PAIR:
-        w2_next, w2_after = _first_tiles(w2_ptr + offs, kk, k_lo, k_hi, EVEN, AHEAD, BLOCK_K)
+        w2_next = _first_tile(w2_ptr + offs, kk, k_lo, k_hi, EVEN)
     if WAIT_AFTER_FIRST:
         grid_dependency()
     r_idx = tl.arange(0, BLOCK_R)
@@ -237,13 +209,13 @@ def gemv_rows(
         prods = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         prods2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k1 = k0 + AHEAD * BLOCK_K  # the step whose tiles this one loads
+        k1 = k0 + BLOCK_K  # the step whose tiles this one loads
         next_mask = (k1 + kk < k_hi)[None, :]
-        w, w_next, w_after = _next_tiles(w_ptr + offs + k1, next_mask, w_next, w_after, AHEAD)
+        w = w_next.to(tl.float32)
+        w_next = tl.load(w_ptr + offs + k1, mask=next_mask, other=0.0)
         if PAIR:
-            w2, w2_next, w2_after = _next_tiles(
-                w2_ptr + offs + k1, next_mask, w2_next, w2_after, AHEAD
-            )
+            w2 = w2_next.to(tl.float32)
+            w2_next = tl.load(w2_ptr + offs + k1, mask=next_mask, other=0.0)
         if BLOCK_R == 1:
             if EVEN:
                 a = tl.load(a_ptr + k0 + kk).to(tl.float32)
@@ -296,7 +268,6 @@ def _skinny_kernel(
     BLOCK_K: tl.constexpr,  # FP8: GROUP, or all of K below it
     FP8_W: tl.constexpr,
     GEMV: tl.constexpr,  # a few dense rows, no tl.dot (the module doc)
-    GEMV_AHEAD: tl.constexpr,
     HAS_ADD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -316,8 +287,7 @@ def _skinny_kernel(
     k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
     if GEMV:  # BLOCK_M rows, those past M reading row M - 1
         acc, _ = gemv_rows(x_ptr, stride_xm, M, w_ptr, w_ptr, pid_n * BLOCK_N, kk, k_begin, k_end,
-                           N, K, EVEN_K, True, False, GEMV_AHEAD, BLOCK_M, BLOCK_N,
-                           BLOCK_K)  # fmt: skip
+                           N, K, EVEN_K, True, False, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
     else:
         x_ptrs = x_ptr + m_safe[:, None] * stride_xm + kk[None, :]
         w_ptrs = w_ptr + n_safe[None, :] * K + kk[:, None]
@@ -444,7 +414,6 @@ def skinny_linear(
         BLOCK_K=cfg.block_k,
         FP8_W=fp8,
         GEMV=gemv,
-        GEMV_AHEAD=GEMV_AHEAD,
         HAS_ADD=add is not None,
         SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0,
