@@ -79,15 +79,14 @@ BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns 
 # bytes in flight (one picked expert is 33.5 MB of gate/up in bf16). Registers a thread, from
 # Triton 3.6's sm_90 compile (4 warps): gate/up 96 in bf16 (5 programs fit an SM) and 150 in FP8
 # (its K loop quantizes x: 3 fit); down 64-72 (7 fit); the router's select 78-142 up to 8 tokens
-# and 200 at 16 (8 warps: 1 fits), so the router gets one program per SM. The H200 A/B sets
-# these (python -m bench.decode_moe --sweep).
+# and 200 at 16 (8 warps: 1 fits), so the router gets one program per SM. Set by the rank's
+# A/B (bench.fast_path --variant), the one-layer sweep (python -m bench.decode_moe --sweep) beside.
 # The GEMV form (GEMV_MAX_TOKENS) has grids of its own. The tl.dot form in bf16: 660 x 792, was
 # 528 x 528 (one layer at 4 / 8 tokens, H100 sweep: 139.3 / 232.4 -> 123.8 / 194.3 us; rank 0 cut
 # to 28 layers, H100, medians of three interleaved: EAGLE's step at batch 1 (its 2-token verify)
 # 5.125 -> 4.934 ms, decode at batch 2 3.743 -> 3.566, at batch 1 unchanged: docs/BENCHMARKS.md).
-# FP8: gate/up 528, was 396 (one layer at 1 token 68.98 -> 59.06
-# us; the FP8 28-layer rank's decode at batch 1 2.992 -> 2.883 ms, medians of three); its down
-# stays 528 (792: 2.961).
+# FP8: gate/up 528, was 396 (one layer at 1 token 68.98 -> 59.06 us; the FP8 28-layer rank's
+# decode at batch 1 2.992 -> 2.883 ms, medians of three); its down stays 528 (792: 2.961).
 ROUTE_PROGRAMS = 132
 GATE_UP_PROGRAMS = 660
 GATE_UP_PROGRAMS_FP8 = 528
