@@ -19,10 +19,10 @@ shape (H100); in the H200's decode step at batch 1 it takes 56 launches out (cuB
 reductions among them) and ties on time (5.19 ms against 5.16). At 2 rows (EAGLE's verify at batch
 1) it wins on some shapes and loses on others, and the step nets a gain (rank 0 cut to 28 layers,
 H100: EAGLE's step 4.934 -> 4.786 ms). From 3 rows the skinny GEMM's tl.dot form is 1.1-2.8x slower
-than cuBLAS, so cuBLAS keeps them. The Triton kernels take part in
-programmatic dependent launch; a cuBLAS launch ends the overlap on both sides. A block-FP8 weight on
-the fast path (kernels.fast_path) runs kernels/triton/fp8.block_fp8_linear (the skinny GEMM up to a
-few rows, then torch._scaled_mm or Triton); the CPU and PDSERVE_TORCH_KERNELS=1 run kernels/fp8.py.
+than cuBLAS, so cuBLAS keeps them. The Triton kernels take part in programmatic dependent launch;
+a cuBLAS launch ends the overlap on both sides. A block-FP8 weight on the fast path
+(kernels.fast_path) runs kernels/triton/fp8.block_fp8_linear (the skinny GEMM up to a few rows,
+then torch._scaled_mm or Triton); the CPU and PDSERVE_TORCH_KERNELS=1 run kernels/fp8.py.
 
 Block FP8: a module with a `kind` (FP8_KINDS) can hold its weights as float8_e4m3fn beside
 float32 block scales `<param>_scale_inv` (hold_fp8, called by the loader before it fills them)
@@ -42,7 +42,9 @@ from serving.config import FP8_KINDS
 from serving.distributed import all_gather_last, state, tp_all_reduce
 
 # token rows up to which a dense weight on the fast path runs the skinny GEMM, not cuBLAS (the
-# module doc); bench.fast_path --variant times the decode step both ways
+# module doc); bench.fast_path --variant times the decode step both ways. Hazard: rows past
+# kernels/triton/skinny_gemm.GEMV_MAX_ROWS take its tl.dot form, which loses to cuBLAS, so the
+# two move together (set both in a variant)
 SKINNY_DENSE_MAX_TOKENS = 2
 
 
