@@ -19,7 +19,8 @@
   mostly padding, and the fn tile is read once per block of tokens anyway); the last program of
   a token block to arrive (an atomic counter per block, "the last program finishes") sums the
   partials in a fixed order and does what mhc_pre's finish kernel does, for each token of its
-  block, with the collapse held in registers (one read of the new streams). Past
+  block, with the collapse held in registers (one read of the new streams); the program that
+  arrived just before it runs the Sinkhorn meanwhile (BOUNDARY_SPLIT_FINISH). Past
   BOUNDARY_MAX_TOKENS: mhc_post then mhc_pre.
 """
 
@@ -736,15 +737,15 @@ def mhc_boundary(
     rms_eps: float,
     counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """kernels.mhc.mhc_boundary_reference: the expansion of `out` onto the streams, then the
-    next collapse with its RMSNorm. Up to BOUNDARY_MAX_TOKENS tokens in one launch: programs of
-    (token block, BOUNDARY_BLOCK_H channels of every stream) write the new streams and their
-    partial logits and sums of squares; the last program of a token block to arrive (counter:
-    the call site's int32 buffer, at least cdiv(T, boundary_block_t(T)) zeros, which the kernel
-    leaves zero) sums them in a fixed order, runs the Sinkhorn and collapses + normalises.
-    Hazard: up to 8 tokens, residual, post and comb are read before the PDL wait
-    (kernels/triton/pdl.py): the kernel launched right before must not write them (here it is
-    the sublayer's last, which writes only `out`). Larger batches: mhc_post, then mhc_pre."""
+    """kernels.mhc.mhc_boundary_reference: the expansion of `out` onto the streams, then the next
+    collapse with its RMSNorm. Up to BOUNDARY_MAX_TOKENS tokens in one launch: programs of (token
+    block, BOUNDARY_BLOCK_H channels of every stream) write the new streams and their partial logits
+    and sums of squares; the last program of a token block to arrive (counter: the call site's int32
+    buffer, at least cdiv(T, boundary_block_t(T)) zeros, which the kernel leaves zero) sums them in
+    a fixed order and collapses + normalises, the one before it (BOUNDARY_SPLIT_FINISH; on CUDA)
+    running the Sinkhorn beside it. Hazard: up to 8 tokens, residual, post and comb are read before
+    the PDL wait (kernels/triton/pdl.py): the kernel launched right before must not write them (here
+    it is the sublayer's last, which writes only `out`). Larger batches: mhc_post, then mhc_pre."""
     tokens, hc, hidden = residual.shape
     if tokens > BOUNDARY_MAX_TOKENS:
         new = mhc_post(out, residual, post, comb)
