@@ -11,7 +11,11 @@ read), and the kernel with the launch's specialization is compiled by Triton's o
 backend (ptxas ships with Triton), its cubin's resource usage read by cuobjdump.
 
 One JSON line per compiled variant: {"case", "kernel", "ok", "registers", "local_bytes",
-"shared_bytes", "pdl_waits", "error"}; local_bytes > 0 is a register spill. Exit status 1 if a
+"shared_bytes", "pdl_waits", "acquire_loads", "volatile_loads", "error"}; local_bytes > 0 is a
+register spill. A program that waits on another of its grid (the mHC boundary's split finish)
+polls with acquire loads (`ld.global.gpu.acquire`, tl.atomic_add(ptr, 0, sem="acquire") with
+its value used); a volatile load (`ld.volatile`) orders nothing after it: ptxas moved a load
+above such a loop in session 28's fused router, so it is flagged too. Exit status 1 if a
 variant fails to compile or spills. tests/test_sm90_compile.py runs it in a subprocess (it
 patches torch.cuda's device queries for PDL, so it gets a process of its own).
 """
@@ -74,6 +78,8 @@ def _intercept(rows: list[dict], case: list[str]) -> None:
             local_bytes=found.get("LOCAL"),
             shared_bytes=compiled.metadata.shared,
             pdl_waits=compiled.asm["ptx"].count("griddepcontrol.wait"),
+            acquire_loads=compiled.asm["ptx"].count("ld.global.gpu.acquire"),
+            volatile_loads=compiled.asm["ptx"].count("ld.volatile"),
         )
         rows.append(row)
         return None
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines), flush=True)
     if args.out:
         Path(args.out).write_text("".join(line + "\n" for line in lines))
-    bad = [r for r in rows if not r["ok"] or r.get("local_bytes")]
+    bad = [r for r in rows if not r["ok"] or r.get("local_bytes") or r.get("volatile_loads")]
     return 1 if bad or not rows else 0
 
 
