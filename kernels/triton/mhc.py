@@ -694,12 +694,13 @@ def _mhc_boundary_kernel(
     if SPLIT_FINISH:
         # two finishing programs side by side: the last to arrive collapses (post, x), the one
         # before it waits for the last's arrival, then runs the Sinkhorn (comb) and resets the
-        # counter. Hazard: a wait on a later program's arrival: safe while every program of a
-        # token block can be resident at once with one waiting program a block (64 programs a
-        # block of 8 warps), never under the interpreter, which runs programs one by one. The
-        # poll is the acquire itself, its value the loop's condition (sm_90a: LDG.STRONG.GPU +
-        # CCTL.IVALL in the loop, the partials' loads after it): Triton drops an atomic whose
-        # value is unused, and ptxas moves later loads above a volatile-load loop.
+        # counter. Hazard: a wait on a later program's arrival. It cannot deadlock: one program
+        # a token block waits (at most 8 a grid) and every other runs to its end without
+        # waiting, so the last one always gets an SM, whatever the dispatch order; but never
+        # under the interpreter, which runs programs one by one. The poll is the acquire itself,
+        # its value the loop's condition (sm_90a: LDG.STRONG.GPU + CCTL.IVALL in the loop, the
+        # partials' loads after it): Triton drops an atomic whose value is unused, and ptxas
+        # moves later loads above a volatile-load loop.
         if count == NB - 1:
             _finish_tokens(
                 part_ptr, NB, 1, NB, new_ptr, base_ptr, scale_ptr, nw_ptr, post2_ptr, comb2_ptr,
