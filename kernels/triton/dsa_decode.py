@@ -40,7 +40,6 @@ counters.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -48,6 +47,7 @@ import triton
 import triton.language as tl
 
 from kernels.dsa_decode import IndexQuery, IndexWrite, StepLayout
+from kernels.triton import INTERPRETER
 from kernels.triton.online_softmax import online_softmax_update
 from kernels.triton.pdl import LAUNCH, grid_dependency
 from kernels.triton.sparse_mla import _num_sms  # interpreter: 4, so tests meet several splits
@@ -1039,7 +1039,7 @@ def step_attention(
     part_lse = torch.empty(t, splits, heads, device=q_abs.device, dtype=torch.float32)
     block_r = triton.next_power_of_2(rank)
     prec = "ieee" if q_abs.dtype == torch.float32 else "tf32"
-    stages = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"num_stages": pl.num_stages}
+    stages = {} if INTERPRETER else {"num_stages": pl.num_stages}
     _mla_split_kernel[(t, splits)](
         q_abs,
         latent,

@@ -26,12 +26,11 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import INTERPRETER
 from kernels.triton.pdl import LAUNCH, grid_dependency
 
 # The mixing logits' dot on tensor cores at float32's accuracy (IEEE float32 on CUDA cores made
@@ -570,7 +569,6 @@ BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at on
 # kernel's comment). H100, bench.decode_mhc_kda, three runs each interleaved: 9.41 -> 6.96 us at
 # 1 token, 13.36 -> 11.07 at 8; the 28-layer rank's decode at batch 8 6.58 -> 6.30 ms (medians)
 BOUNDARY_SPLIT_FINISH = True
-_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # runs programs one at a time
 
 
 def boundary_block_t(tokens: int) -> int:
@@ -691,6 +689,14 @@ def _mhc_boundary_kernel(
     # every other program's stores; the partials and streams are read past L1 (.cg)
     tl.debug_barrier()
     count = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
+    if count == NB - 1:  # the last: post and the collapse (with SPLIT_FINISH), else all
+        if not SPLIT_FINISH:
+            tl.store(counter_ptr + tb, 0)  # for the next call (a graph replay): none reads it
+        _finish_tokens(
+            part_ptr, NB, 1, NB, new_ptr, base_ptr, scale_ptr, nw_ptr, post2_ptr, comb2_ptr,
+            x_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, NB_P, BLOCK_F,
+            ".cg", 1 if SPLIT_FINISH else 0,
+        )  # fmt: skip
     if SPLIT_FINISH:
         # two finishing programs side by side: the last to arrive collapses (post, x), the one
         # before it waits for the last's arrival, then runs the Sinkhorn (comb) and resets the
@@ -701,13 +707,7 @@ def _mhc_boundary_kernel(
         # its value the loop's condition (sm_90a: LDG.STRONG.GPU + CCTL.IVALL in the loop, the
         # partials' loads after it): Triton drops an atomic whose value is unused, and ptxas
         # moves later loads above a volatile-load loop.
-        if count == NB - 1:
-            _finish_tokens(
-                part_ptr, NB, 1, NB, new_ptr, base_ptr, scale_ptr, nw_ptr, post2_ptr, comb2_ptr,
-                x_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, NB_P,
-                BLOCK_F, ".cg", 1,
-            )  # fmt: skip
-        elif count == NB - 2:
+        if count == NB - 2:
             seen = tl.atomic_add(counter_ptr + tb, 0, sem="acquire")
             while seen < NB:
                 seen = tl.atomic_add(counter_ptr + tb, 0, sem="acquire")
@@ -717,13 +717,6 @@ def _mhc_boundary_kernel(
                 x_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, NB_P,
                 BLOCK_F, ".cg", 2,
             )  # fmt: skip
-    elif count == NB - 1:
-        tl.store(counter_ptr + tb, 0)  # for the next call (a graph replay): nothing else reads it
-        _finish_tokens(
-            part_ptr, NB, 1, NB, new_ptr, base_ptr, scale_ptr, nw_ptr, post2_ptr, comb2_ptr,
-            x_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, NB_P, BLOCK_F,
-            ".cg",
-        )  # fmt: skip
 
 
 def mhc_boundary(
@@ -805,7 +798,7 @@ def mhc_boundary(
         BLOCK_T=block_t,
         BLOCK_H=BOUNDARY_BLOCK_H,
         BLOCK_F=min(triton.next_power_of_2(hidden), BOUNDARY_BLOCK_F // p),
-        SPLIT_FINISH=BOUNDARY_SPLIT_FINISH and blocks >= 2 and not _INTERPRETER,
+        SPLIT_FINISH=BOUNDARY_SPLIT_FINISH and blocks >= 2 and not INTERPRETER,
         num_warps=8,
         **LAUNCH,
     )

@@ -44,13 +44,13 @@ closing the gap to 70% of bandwidth needs a wgmma / warp-specialised kernel (Fla
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import INTERPRETER
 from kernels.triton.online_softmax import online_softmax_update
 
 _LOG2E = 1.4426950408889634
@@ -281,8 +281,7 @@ def sparse_mla_attention(
     num_hb = triton.cdiv(heads, pl.block_h)
     block_r = triton.next_power_of_2(rank)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    stages = {} if interp else {"num_stages": pl.num_stages}
+    stages = {} if INTERPRETER else {"num_stages": pl.num_stages}
     if splits > 1:
         part_o = torch.empty(n, heads, splits, rank, device=q.device, dtype=torch.float32)
         part_lse = torch.empty(n, heads, splits, device=q.device, dtype=torch.float32)

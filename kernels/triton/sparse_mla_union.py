@@ -36,13 +36,12 @@ loads.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.sparse_mla_union import block_queries
+from kernels.triton import INTERPRETER
 from kernels.triton.online_softmax import online_softmax_update
 
 _LOG2E = 1.4426950408889634
@@ -181,9 +180,8 @@ def sparse_mla_union(
     fp32 = q.dtype == torch.float32
     hp = triton.next_power_of_2(heads)
     qb = block_queries(heads, q.dtype)
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
     # ptxas -v, sm_90a, 8 warps: fp32 spills nothing at 1 stage and ~0.4 KB at 2
-    stages = {} if interp else {"num_stages": num_stages or (1 if fp32 else 2)}
+    stages = {} if INTERPRETER else {"num_stages": num_stages or (1 if fp32 else 2)}
     _union_kernel[(tiles.shape[0],)](
         q,
         latent,
