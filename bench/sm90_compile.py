@@ -16,8 +16,10 @@ register spill. A program that waits on another of its grid (the mHC boundary's 
 polls with acquire loads (`ld.global.gpu.acquire`, tl.atomic_add(ptr, 0, sem="acquire") with
 its value used); a volatile load (`ld.volatile`) orders nothing after it: ptxas moved a load
 above such a loop in session 28's fused router, so it is flagged too. Exit status 1 if a
-variant fails to compile or spills. tests/test_sm90_compile.py runs it in a subprocess (it
-patches torch.cuda's device queries for PDL, so it gets a process of its own).
+variant fails to compile, spills, polls with a volatile load or holds more shared memory than
+an sm_90 program may (SHARED_MAX: it would fail at launch). tests/test_sm90_compile.py runs it
+in a subprocess (it patches torch.cuda's device queries for PDL, so it gets a process of its
+own).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+SHARED_MAX = 232448  # bytes of shared memory a program may hold on sm_90 (227 KB)
 RANK0 = dict(hidden=4096, heads=8, dim=128, rank=128, conv=4, experts=288, local=36, inter=2048,
              shared_inter=256, top_k=8)  # fmt: skip
 
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text("".join(line + "\n" for line in lines))
     bad = [r for r in rows if not r["ok"] or r.get("local_bytes") or r.get("volatile_loads")]
+    bad += [r for r in rows if (r.get("shared_bytes") or 0) > SHARED_MAX]
     return 1 if bad or not rows else 0
 
 
