@@ -1,5 +1,6 @@
-"""Compile the decode step's Triton kernels (and the prefill's mHC) for the H200 (sm_90a) on a CPU,
-at rank 0 of TP8/EP8's real shapes, with programmatic dependent launch on as the H200 runs them:
+"""Compile the decode step's Triton kernels (and the prefill's mHC, EAGLE's KDA roll-back) for
+the H200 (sm_90a) on a CPU, at rank 0 of TP8/EP8's real shapes, with programmatic dependent
+launch on as the H200 runs them:
 
     python -m bench.sm90_compile [--out compile.jsonl]
 
@@ -100,10 +101,12 @@ def _cases(case: list[str]) -> None:
     from kernels.triton import kda as tkda
     from kernels.triton import mhc
     from kernels.triton import moe_small as tms
+    from kernels.triton.kda_roll_back import kda_roll_back
     from kernels.triton.mhc import mhc_boundary
     from kernels.triton.moe_small import counters_size, moe_small
     from kernels.triton.skinny_gemm import gemv_config, skinny_linear
     from kernels.triton.swiglu import swiglu
+    from serving.memory.cache import KDALayerCache
 
     r = RANK0
     bf = torch.bfloat16
@@ -193,6 +196,11 @@ def _cases(case: list[str]) -> None:
         mixing = (torch.empty(24, 4 * hd), torch.empty(24), torch.empty(3), 20, 1e-6, 1e-5)
         mhc.mhc_pre(streams, *mixing, weight, 1e-5)
         mhc.mhc_post(out, streams, torch.empty(tokens, 4), torch.empty(tokens, 4, 4))
+    case[0] = "EAGLE's KDA roll-back, batch 2, 2 verify positions"
+    caches = [KDALayerCache(torch.empty(8, 3 * h * d, 3, dtype=bf), torch.empty(8, h, d, d))] * 2
+    history = [[torch.empty(2, 3 * h * d, 5, dtype=bf), torch.empty(2, 2, h, d, d)]] * 2
+    at = torch.zeros(2, dtype=torch.int64)
+    kda_roll_back(caches, history, at, at)
     case[0] = "SwiGLU, dense MLP at TP8"
     gate_up = torch.empty(1, 2 * 1536, dtype=bf)
     swiglu(gate_up[:, :1536], gate_up[:, 1536:], 7.0)

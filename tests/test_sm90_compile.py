@@ -26,6 +26,7 @@ KERNELS = {
     "_mhc_pre_finish_kernel",
     "_split_bf16x3_kernel",  # its fn split once a call
     "_mhc_post_kernel",
+    "_kda_roll_back_kernel",  # EAGLE's roll-back
 }
 
 

@@ -182,7 +182,7 @@ class Eagle:
         """Steps 4 and 5. committed: [B, N+1] committed tokens, padded after last[b] (the index
         of the bonus token) with any token id. Leaves the next d1 in the aux rows."""
         n = self.steps + 1
-        restore_kda_states(self.pool.target, verified.kda_history, rows, last)
+        restore_kda_states(self.pool.target, verified, rows, last)
         batch = ForwardBatch.uniform(
             committed.flatten(), rows, positions, n, self.pool.req_to_token, max_seq_len
         )

@@ -26,6 +26,9 @@ class Verified:
     logits: torch.Tensor  # [B*(N+1), V] target logits at positions n..n+N
     hidden: torch.Tensor  # [B*(N+1), Hd] target hiddens there (the draft's catch-up input)
     kda_history: dict[int, list[torch.Tensor]]
+    # the fast path's roll-back table (kernels/triton/kda_roll_back.py), made at the first
+    # roll-back from these outputs (a captured program's: in its warm-up)
+    kda_table: tuple | None = None
 
 
 class SpecGraphs:

@@ -5,10 +5,20 @@ grid positions an accepted run crossed."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from kernels import fast_path
 from serving.forward_batch import to_device
 from serving.memory.cache import ModelCache
+
+if TYPE_CHECKING:
+    from serving.speculative.graphs import Verified
+
+# the fast path's roll-back in one launch (off: the torch ops below, eight launches a KDA layer;
+# bench.fast_path's A/B switch)
+ROLL_BACK_ONE_LAUNCH = True
 
 
 def _kda_states_at(
@@ -23,12 +33,20 @@ def _kda_states_at(
 
 
 def restore_kda_states(
-    cache: ModelCache,
-    history: dict[int, list[torch.Tensor]],
-    rows: torch.Tensor,
-    last: torch.Tensor,
+    cache: ModelCache, verified: Verified, rows: torch.Tensor, last: torch.Tensor
 ) -> None:
-    """Set each row's KDA state to the one after chunk position last[b] (0-based)."""
+    """Set each row's KDA state to the one after chunk position last[b] (0-based), from the
+    verify program's history. On the fast path one launch for every layer
+    (kernels/triton/kda_roll_back.py), its table of addresses kept on `verified` for the next
+    roll-back from the same outputs (a captured step's replays)."""
+    history = verified.kda_history
+    if ROLL_BACK_ONE_LAUNCH and fast_path(rows) and history:
+        from kernels.triton.kda_roll_back import kda_roll_back
+
+        caches = [cache.kda(layer) for layer in history]
+        inputs = list(history.values())
+        verified.kda_table = kda_roll_back(caches, inputs, rows, last, verified.kda_table)
+        return
     b = torch.arange(rows.numel(), device=rows.device)
     for layer, (conv_inputs, states) in history.items():
         kc = cache.kda(layer)
