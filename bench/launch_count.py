@@ -1,6 +1,6 @@
 """Kernel launches of one decode step, by layer kind, counted on a CPU (issue 43 point 1):
 
-    python -m bench.launch_count [--batch 1] [--preset tiny45] [--out launches.json]
+    python -m bench.launch_count [--batch 1] [--preset tiny45] [--eagle N] [--out launches.json]
 
 The engine runs the fast path on CPU tensors under Triton's interpreter (kernels.INTERPRETED;
 fla-core from PYTHONPATH where installed, `make test` puts it in .venv/fla-interp), on a
@@ -10,7 +10,10 @@ a torch op that launches a CUDA kernel (any op but views, allocations and scalar
 is counted once, cuBLAS may split it), by bench.step_costs.layer_kinds's labels: KDA, DSA, MoE
 (its shared expert too), dense MLP, mHC (collapse, boundary, expansion), lm_head, and rest
 (embedding, final norm, the logits' rows). A decode forward of a steady
-step is counted (the Nth, --step); the sampler is not. Widths change no launch count as long
+step is counted (the Nth, --step); the sampler is not. With --eagle N (chain drafts), the Nth
+EAGLE step's two device programs instead (draft steps + verify; KDA roll-back + the draft's
+catch-up), the draft's layers labelled too; its "rest" holds the roll-back, the draft chain's
+argmax and the stashes. Widths change no launch count as long
 as a batch takes the same paths: the small-batch MoE (at most SMALL_MOE_MAX_TOKENS tokens), the
 fused mHC boundary, DSA's step path. Without TP there are no collectives (the simulated rank's
 fake backend launches none either).
@@ -86,15 +89,13 @@ class Launches(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def counting(model, step: int) -> Iterator[Launches]:
-    """Counts the launches of `model`'s step-th decode forward (1-based) while open, by
-    bench.step_costs.layer_kinds's labels; a Triton launch counts once, the interpreter's own
-    work inside it not at all."""
+def _labelled(counter: Launches, *modules) -> Iterator[None]:
+    """While open: each Triton launch counted once (the interpreter's own work inside it not at
+    all), and every op charged to bench.step_costs.layer_kinds's label of `modules`' layer that
+    runs it."""
     import triton.runtime.interpreter as interpreter
 
     from bench.step_costs import layer_kinds
-
-    counter, decodes = Launches(), [0]
 
     def region(label: str, fn):
         @functools.wraps(fn)
@@ -114,6 +115,18 @@ def counting(model, step: int) -> Iterator[Launches]:
         finally:
             counter.in_kernel -= 1
 
+    interpreter.GridExecutor.__call__ = grid_call
+    try:
+        with layer_kinds(*modules, wrap=region):
+            yield
+    finally:
+        interpreter.GridExecutor.__call__ = launch
+
+
+@contextlib.contextmanager
+def counting(model, step: int) -> Iterator[Launches]:
+    """Counts the launches of `model`'s step-th decode forward (1-based) while open."""
+    counter, decodes = Launches(), [0]
     forward = model.forward
 
     def model_forward(fb, *args, **kwargs):
@@ -125,14 +138,43 @@ def counting(model, step: int) -> Iterator[Launches]:
         finally:
             counter.on = False
 
-    interpreter.GridExecutor.__call__ = grid_call
     model.forward = model_forward
     try:
-        with layer_kinds(model, wrap=region):
+        with _labelled(counter, model):
             yield counter
     finally:
         del model.forward  # back to the class's
-        interpreter.GridExecutor.__call__ = launch
+
+
+@contextlib.contextmanager
+def counting_eagle(spec, step: int) -> Iterator[Launches]:
+    """Counts the launches of the step-th EAGLE step (1-based) while open: its two device
+    programs (serving/speculative/eagle.py: the draft steps + verify, the KDA roll-back + the
+    draft's catch-up), the target's and the draft's layers labelled, the rest (embeddings, the
+    draft chain, the roll-back, the stashes) under "rest"; the acceptance between them is the
+    sampler's and is not counted."""
+    counter, steps = Launches(), [0]
+
+    def program(fn, first: bool):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            steps[0] += first
+            counter.on = steps[0] == step
+            try:
+                with counter:
+                    return fn(*args, **kwargs)
+            finally:
+                counter.on = False
+
+        return call
+
+    spec.draft_and_verify = program(spec.draft_and_verify, True)
+    spec.roll_back_and_catch_up = program(spec.roll_back_and_catch_up, False)
+    try:
+        with _labelled(counter, spec.target, spec.draft):
+            yield counter
+    finally:
+        del spec.draft_and_verify, spec.roll_back_and_catch_up  # back to the class's
 
 
 def summary(counter: Launches, config) -> dict:
@@ -156,7 +198,7 @@ def summary(counter: Launches, config) -> dict:
     return {"total": total, "by_kind": by_kind, "kernels": kernels}
 
 
-def count(ckpt: Path, batch: int, step: int, world: int) -> dict:
+def count(ckpt: Path, batch: int, step: int, world: int, eagle: int = 0) -> dict:
     from serving.engine.build import build_engine
     from serving.protocol import GenerateRequest
     from serving.sampling_params import SamplingParams
@@ -172,16 +214,27 @@ def count(ckpt: Path, batch: int, step: int, world: int) -> dict:
                 if world > 1
                 else ()
             ),
+            *(
+                (
+                    *("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(eagle)),
+                    *("--speculative-num-draft-tokens", str(eagle + 1)),
+                )
+                if eagle
+                else ()
+            ),
         ]
     )
     sched = build_engine(args)[0]
     for i in range(batch):
-        params = SamplingParams(max_new_tokens=step + 1, temperature=0.0, ignore_eos=True)
+        tokens = step * (eagle + 1) + 1  # enough for `step` steps at any accept length
+        params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
         sched.add(GenerateRequest(f"r{i}", list(range(3, 11 + i)), params))
-    with counting(sched.runner.model, step) as counter:
+    counted = counting_eagle(sched.spec, step) if eagle else counting(sched.runner.model, step)
+    with counted as counter:
         while sched.has_work:
             sched.step()
-    return {"batch": batch, "world": world, **summary(counter, sched.runner.model.config)}
+    found = {"batch": batch, "world": world, **summary(counter, sched.runner.model.config)}
+    return {**found, "eagle_steps": eagle} if eagle else found
 
 
 def main() -> None:
@@ -190,6 +243,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=2, help="which decode forward to count")
     ap.add_argument("--preset", default="tiny45")
     ap.add_argument("--world", type=int, default=8, help="rank 0 of TP/EP this size (1: none)")
+    ap.add_argument("--eagle", type=int, default=0, help="count an EAGLE step of this many drafts")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     # before Triton's import (the interpreter) and kernels' (INTERPRETED)
@@ -202,7 +256,7 @@ def main() -> None:
     patch_triton_interpreter()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp), preset=a.preset)
-        result = count(ckpt, a.batch, a.step, a.world)
+        result = count(ckpt, a.batch, a.step, a.world, a.eagle)
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:

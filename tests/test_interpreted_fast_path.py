@@ -44,12 +44,18 @@ DECODE_KERNELS = {
 # mHC: 7 boundaries, the first collapse (2) and the last expansion (1).
 DECODE_LAUNCHES = {"KDA": 6, "DSA": 14, "MoE": 9, "dense MLP": 3, "mHC": 10, "lm_head": 1,
                    "rest": 5}  # fmt: skip
+# An EAGLE step's (1 draft step) two device programs, the draft's layer counted with the target's
+# (bench.launch_count --eagle): the verify's 2 tokens per request take the decode kernels; its
+# "rest" holds the KDA roll-back (one launch), the draft's norms, the chain, the stashes.
+EAGLE_LAUNCHES = {"KDA": 6, "DSA": 21, "MoE": 12, "dense MLP": 3, "mHC": 10, "lm_head": 2,
+                  "rest": 47}  # fmt: skip
 
 
 def _run(ckpt, fast: bool, flags: tuple[str, ...], monkeypatch, launches_of: list | None = None):
     """Greedy tokens of two requests, and the Triton kernels launched (by name); launches_of
-    receives bench.launch_count's summary of the second decode step."""
-    from bench.launch_count import counting, summary
+    receives bench.launch_count's summary of the second decode step (with EAGLE: of the second
+    EAGLE step's two device programs)."""
+    from bench.launch_count import counting, counting_eagle, summary
 
     launches = count_launches(monkeypatch)
     monkeypatch.setattr(kernels, "INTERPRETED", fast)
@@ -67,7 +73,9 @@ def _run(ckpt, fast: bool, flags: tuple[str, ...], monkeypatch, launches_of: lis
         params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
         sched.add(GenerateRequest(f"r{i}", prompt, params))
     out: dict[str, list[int]] = {}
-    with counting(sched.runner.model, step=2) as counter:
+    eagle = sched.spec is not None
+    counted = counting_eagle(sched.spec, 2) if eagle else counting(sched.runner.model, step=2)
+    with counted as counter:
         while sched.has_work:
             for o in sched.step():
                 out.setdefault(o.rid, []).extend(o.new_token_ids)
@@ -100,6 +108,9 @@ def test_fast_path_eagle_equals_torch_path(tiny_ckpt, torch_tokens, monkeypatch)
     """EAGLE (1 draft step): the draft and the 2-token verify through the decode kernels (the
     verify's KDA core is kda_decode_layer over both tokens, recording the roll-back history; the
     roll-back of every KDA layer one launch)."""
-    tokens, launches = _run(tiny_ckpt, True, tuple(eagle_flags(1)), monkeypatch)
+    step = []
+    tokens, launches = _run(tiny_ckpt, True, tuple(eagle_flags(1)), monkeypatch, step)
     assert DECODE_KERNELS | {"_kda_roll_back_kernel"} <= set(launches), launches
     assert tokens == torch_tokens
+    by_kind = {k: v["triton"] + v["torch"] for k, v in step[0]["by_kind"].items()}
+    assert by_kind == EAGLE_LAUNCHES, step[0]["kernels"]
