@@ -99,12 +99,12 @@ def _local(shape):
 def _counters(shape, device, experts_only=False, shared=True):
     from kernels.triton.moe_small import counters_size, expert_counters
 
-    hidden, experts, _, inter, _, inter_sh = shape
+    hidden, _, _, inter, _, inter_sh = shape
     inter_sh = inter_sh if shared else 0
     if experts_only:
         size = expert_counters(hidden, inter, inter_sh)
     else:
-        size = counters_size(experts, hidden, inter, inter_sh)
+        size = counters_size(hidden, inter, inter_sh)
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 

@@ -3,9 +3,10 @@ signatures and results as kernels/moe_small.py (route_slots, experts_slots, moe_
 
 1. route (one launch): programs of (block of BLOCK_E experts, K split) compute router logits
    x @ W^T with fp32 accumulators (bf16 products are exact in fp32; float32 inputs use IEEE
-   dots) into per-split partials. The last split of an expert block (a counter per block) sums
-   the splits in order and writes the block's logits; the last expert block (one more counter)
-   selects: sigmoid, + correction bias for the choice only, top-k by k row maxima over one int64
+   dots) into per-split partials, each program one dot over its whole K range (its weight tile
+   is loaded before the PDL wait, so after it come only x's load and the dot). The last program
+   of the grid (one counter) sums the splits in order and selects: sigmoid, + correction bias
+   for the choice only, top-k by k row maxima over one int64
    key per (token, expert) (the choice's order-preserving bits above the inverted expert id: ties
    go to the lowest id, as kernels/triton/route.py), normalise, x scaling, and writes the slots:
    the distinct picked experts of this rank in ascending local id (EP: others' experts are not
@@ -88,6 +89,8 @@ BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns 
 # FP8: gate/up 528, was 396 (one layer at 1 token 68.98 -> 59.06 us; the FP8 28-layer rank's
 # decode at batch 1 2.992 -> 2.883 ms, medians of three); its down stays 528 (792: 2.961).
 ROUTE_PROGRAMS = 132
+ROUTE_COUNTERS = 1  # the router's: its programs done
+ROUTE_TILE_BYTES = 32768  # the router's x tile (BLOCK_T rows) and weight tile (BLOCK_E columns)
 GATE_UP_PROGRAMS = 660
 GATE_UP_PROGRAMS_FP8 = 528
 DOWN_PROGRAMS = 792
@@ -133,24 +136,29 @@ def _split(k: int, column_blocks: int, programs: int, widest: int = GROUP) -> _S
     return _Split(triton.cdiv(k, k_split), k_split, block_k)
 
 
+def _route_split(hidden: int, expert_blocks: int, itemsize: int) -> tuple[int, int]:
+    """(splits, k_split) of the router's K: one power-of-two range a program, loaded whole, as
+    many as expert_blocks * splits <= ROUTE_PROGRAMS allows, each operand's tile at most
+    ROUTE_TILE_BYTES (more splits where it would be more)."""
+    k_split = triton.next_power_of_2(triton.cdiv(hidden, max(1, ROUTE_PROGRAMS // expert_blocks)))
+    k_split = max(32, min(k_split, ROUTE_TILE_BYTES // (BLOCK_T * itemsize)))
+    return triton.cdiv(hidden, k_split), k_split
+
+
 def gemv_form(tokens: int, any_fp8: bool) -> bool:
     """Whether gate/up and down run the GEMV form (up to GEMV_MAX_TOKENS tokens, dense only)."""
     assert GEMV_MAX_TOKENS <= GEMV_ROWS_LIMIT, GEMV_MAX_TOKENS
     return tokens <= GEMV_MAX_TOKENS and not any_fp8
 
 
-def route_counters(num_experts: int) -> int:
-    return 1 + triton.cdiv(num_experts, BLOCK_E)
-
-
 def expert_counters(hidden: int, inter: int, shared_inter: int) -> int:
     return blocks(inter) + blocks(shared_inter) + triton.cdiv(hidden, BLOCK_N)
 
 
-def counters_size(num_experts: int, hidden: int, inter: int, shared_inter: int) -> int:
-    """int32 counters moe_small needs: num_experts the router's (all ranks'), inter and
-    shared_inter this rank's intermediate sizes (0: no shared expert in the kernels)."""
-    return route_counters(num_experts) + expert_counters(hidden, inter, shared_inter)
+def counters_size(hidden: int, inter: int, shared_inter: int) -> int:
+    """int32 counters moe_small needs: inter and shared_inter this rank's intermediate sizes (0:
+    no shared expert in the kernels)."""
+    return ROUTE_COUNTERS + expert_counters(hidden, inter, shared_inter)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,9 +171,8 @@ def _route_kernel(
     x_ptr,  # [T, HD]
     w_ptr,  # [E, HD]
     bias_ptr,  # [E] float32
-    part_ptr,  # [NEB, SPLITS, T, BLOCK_E] float32: partial logits
-    logits_ptr,  # [T, E] float32
-    counters_ptr,  # [1 + NEB] int32: expert blocks done, then K splits done per block
+    part_ptr,  # [SPLITS, T, NEB * BLOCK_E] float32: partial logits
+    counters_ptr,  # [1] int32: programs done
     slot_expert_ptr,  # [SLOTS] int32
     slot_weight_ptr,  # [SLOTS, T] float32
     T,
@@ -181,7 +188,6 @@ def _route_kernel(
     IEEE: tl.constexpr,
     SPLITS: tl.constexpr,
     K_SPLIT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     TP: tl.constexpr,
@@ -193,73 +199,58 @@ def _route_kernel(
     t = tl.arange(0, BLOCK_T)
     c = tl.arange(0, BLOCK_E)
     e = b * BLOCK_E + c
-    t_mask = t < T
-    e_mask = e < E
-    kk = tl.arange(0, BLOCK_K)
-    k_lo = s * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, HD)
-    w_cols = w_ptr + e[None, :] * HD + kk[:, None]  # [BLOCK_K, BLOCK_E]
-    # the router weight one K step ahead of its use (loop-carried), the first tile before the
-    # wait: a weight (kernels/triton/pdl.py's exception), its latency under the previous tail
-    w_next = tl.load(w_cols + k_lo, mask=e_mask[None, :] & (k_lo + kk < k_hi)[:, None], other=0.0)
+    kk = s * K_SPLIT + tl.arange(0, K_SPLIT)
+    k_mask = kk < HD
+    # the program's whole weight tile before the wait (a weight: kernels/triton/pdl.py's
+    # exception), so after it only x's load and one dot stand between the wait and the release
+    w = tl.load(
+        w_ptr + e[None, :] * HD + kk[:, None],
+        mask=(e < E)[None, :] & k_mask[:, None],
+        other=0.0,
+    )
     grid_dependency()
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = w_next
-        k1 = k0 + BLOCK_K
-        w_next = tl.load(w_cols + k1, mask=e_mask[None, :] & (k1 + kk < k_hi)[:, None], other=0.0)
-        a = tl.load(
-            x_ptr + t[:, None] * HD + (k0 + kk)[None, :],
-            mask=t_mask[:, None] & ((k0 + kk) < HD)[None, :],
-            other=0.0,
-        )
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
-    part_rows = (b * SPLITS * T + t[:, None]) * BLOCK_E + c[None, :]
-    tl.store(part_ptr + s * T * BLOCK_E + part_rows, acc, mask=t_mask[:, None])
+    a = tl.load(
+        x_ptr + t[:, None] * HD + kk[None, :], mask=(t < T)[:, None] & k_mask[None, :], other=0.0
+    )
+    if IEEE:
+        acc = tl.dot(a, w, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w)
+    stride: tl.constexpr = NEB * BLOCK_E
+    tl.store(part_ptr + (s * T + t[:, None]) * stride + e[None, :], acc, mask=(t < T)[:, None])
     tl.debug_barrier()  # every thread's partial precedes the release below
-    if tl.atomic_add(counters_ptr + 1 + b, 1, sem="acq_rel") == SPLITS - 1:
-        logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for i in tl.static_range(SPLITS):  # fixed order: deterministic
-            logits += tl.load(
-                part_ptr + i * T * BLOCK_E + part_rows,
-                mask=t_mask[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-        tl.store(
-            logits_ptr + t[:, None] * E + e[None, :],
+    if tl.atomic_add(counters_ptr, 1, sem="acq_rel") == NEB * SPLITS - 1:
+        # the last program of the grid sums every split in order (deterministic) and selects
+        tp = tl.arange(0, TP)
+        ep = tl.arange(0, EP)
+        mask = (tp < T)[:, None] & (ep < E)[None, :]
+        rows = part_ptr + tp[:, None] * stride + ep[None, :]
+        logits = tl.zeros([TP, EP], dtype=tl.float32)
+        for i in tl.static_range(SPLITS):
+            logits += tl.load(rows + i * T * stride, mask=mask, other=0.0, cache_modifier=".cg")
+        _select(
             logits,
-            mask=t_mask[:, None] & e_mask[None, :],
+            bias_ptr,
+            slot_expert_ptr,
+            slot_weight_ptr,
+            T,
+            SLOTS,
+            first,
+            scaling,
+            E,
+            E_LOCAL,
+            TOPK,
+            NORMALIZE,
+            TP,
+            EP,
+            SP,
         )
-        tl.store(counters_ptr + 1 + b, 0)
-        tl.debug_barrier()
-        if tl.atomic_add(counters_ptr, 1, sem="acq_rel") == NEB - 1:
-            _select(
-                logits_ptr,
-                bias_ptr,
-                slot_expert_ptr,
-                slot_weight_ptr,
-                T,
-                SLOTS,
-                first,
-                scaling,
-                E,
-                E_LOCAL,
-                TOPK,
-                NORMALIZE,
-                TP,
-                EP,
-                SP,
-            )
-            tl.store(counters_ptr, 0)
+        tl.store(counters_ptr, 0)
 
 
 @triton.jit
 def _select(
-    logits_ptr,
+    logits,  # [TP, EP] float32 (rows from T and columns from E: any value)
     bias_ptr,
     slot_expert_ptr,
     slot_weight_ptr,
@@ -279,12 +270,6 @@ def _select(
     e = tl.arange(0, EP)
     t_mask = t < T
     e_mask = e < E
-    logits = tl.load(
-        logits_ptr + t[:, None] * E + e[None, :],
-        mask=t_mask[:, None] & e_mask[None, :],
-        other=0.0,
-        cache_modifier=".cg",
-    )
     scores = tl.sigmoid(logits)
     choice = scores + tl.load(bias_ptr + e, mask=e_mask, other=0.0)[None, :]
     choice = tl.where(e_mask[None, :], choice, float("-inf"))
@@ -333,7 +318,7 @@ def route_slots(
     local: tuple[int, int] | None,
     counters: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.moe_small.route_slots in one launch; counters: route_counters(E) int32 zeros."""
+    """kernels.moe_small.route_slots in one launch; counters: ROUTE_COUNTERS int32 zeros."""
     tokens, hidden = x.shape
     experts = gate_weight.shape[0]
     first, num_local = local if local is not None else (0, experts)
@@ -346,17 +331,15 @@ def route_slots(
     assert tokens <= MAX_TOKENS, f"{tokens} tokens: the small MoE takes at most {MAX_TOKENS}"
     assert top_k <= experts and gate_weight.dtype == x.dtype, (top_k, gate_weight.dtype)
     neb = triton.cdiv(experts, BLOCK_E)
-    assert counters.dtype == torch.int32 and counters.numel() >= route_counters(experts)
-    split = _split(hidden, neb, ROUTE_PROGRAMS)
-    part = torch.empty(neb, split.splits, tokens, BLOCK_E, device=dev, dtype=torch.float32)
-    logits = torch.empty(tokens, experts, device=dev, dtype=torch.float32)
+    assert counters.dtype == torch.int32 and counters.numel() >= ROUTE_COUNTERS
+    splits, k_split = _route_split(hidden, neb, x.element_size())
+    part = torch.empty(splits, tokens, neb * BLOCK_E, device=dev, dtype=torch.float32)
     tp = max(2, triton.next_power_of_2(tokens))
-    _route_kernel[(neb * split.splits,)](
+    _route_kernel[(neb * splits,)](
         x.contiguous(),
         gate_weight.contiguous(),
         correction_bias.contiguous().float(),
         part,
-        logits,
         counters,
         slot_expert,
         slot_weight,
@@ -371,9 +354,8 @@ def route_slots(
         TOPK=top_k,
         NORMALIZE=normalize,
         IEEE=x.dtype == torch.float32,
-        SPLITS=split.splits,
-        K_SPLIT=split.k_split,
-        BLOCK_K=split.block_k,
+        SPLITS=splits,
+        K_SPLIT=k_split,
         BLOCK_T=BLOCK_T,
         BLOCK_E=BLOCK_E,
         TP=tp,
@@ -1040,10 +1022,11 @@ def moe_small(
     limit: float,
     counters: torch.Tensor,
 ) -> torch.Tensor:
-    """kernels.moe_small.moe_small in three launches; counters: counters_size(E, Hd, I, Is)
+    """kernels.moe_small.moe_small in three launches; counters: counters_size(Hd, I, Is)
     int32 zeros, owned by the call site."""
-    split = route_counters(gate_weight.shape[0])
     slot_expert, slot_weight = route_slots(
-        x, gate_weight, correction_bias, top_k, normalize, scaling, local, counters[:split]
+        x, gate_weight, correction_bias, top_k, normalize, scaling, local, counters[:ROUTE_COUNTERS]
     )
-    return experts_slots(x, slot_expert, slot_weight, experts, shared, limit, counters[split:])
+    return experts_slots(
+        x, slot_expert, slot_weight, experts, shared, limit, counters[ROUTE_COUNTERS:]
+    )

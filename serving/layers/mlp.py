@@ -159,7 +159,7 @@ class MoE(nn.Module):
         counters = self.small_counters
         if counters is None or counters.device != x.device:
             inter_sh = mlp.gate_proj.weight.shape[0] if inside else 0
-            size = counters_size(c.n_routed_experts, c.hidden_size, self.w2.shape[2], inter_sh)
+            size = counters_size(c.hidden_size, self.w2.shape[2], inter_sh)
             counters = self.small_counters = torch.zeros(size, dtype=torch.int32, device=x.device)
         out = moe_small(
             x,
