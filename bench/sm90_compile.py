@@ -1,6 +1,6 @@
-"""Compile the decode step's Triton kernels (and the prefill's mHC, EAGLE's KDA roll-back) for
-the H200 (sm_90a) on a CPU, at rank 0 of TP8/EP8's real shapes, with programmatic dependent
-launch on as the H200 runs them:
+"""Compile the decode step's Triton kernels (and the prefill's mHC, EAGLE's KDA roll-back and
+the draft's norms) for the H200 (sm_90a) on a CPU, at rank 0 of TP8/EP8's real shapes, with
+programmatic dependent launch on as the H200 runs them:
 
     python -m bench.sm90_compile [--out compile.jsonl]
 
@@ -104,6 +104,7 @@ def _cases(case: list[str]) -> None:
     from kernels.triton.kda_roll_back import kda_roll_back
     from kernels.triton.mhc import mhc_boundary
     from kernels.triton.moe_small import counters_size, moe_small
+    from kernels.triton.norm import add_rms_norm, rms_norm
     from kernels.triton.skinny_gemm import gemv_config, skinny_linear
     from kernels.triton.swiglu import swiglu
     from serving.memory.cache import KDALayerCache
@@ -164,7 +165,7 @@ def _cases(case: list[str]) -> None:
         moe_small(
             torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
             r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
-            torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
+            torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
         )  # fmt: skip
     tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K = saved
     e4m3 = torch.float8_e4m3fn
@@ -178,7 +179,7 @@ def _cases(case: list[str]) -> None:
     moe_small(
         torch.empty(1, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e), r["top_k"],
         True, 2.5, (0, el), experts8, shared, 7.0,
-        torch.zeros(counters_size(e, hd, i, si), dtype=torch.int32),
+        torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
     )  # fmt: skip
     for tokens in (1, 8, 16):
         case[0] = f"mHC boundary, {tokens} tokens"
@@ -204,6 +205,10 @@ def _cases(case: list[str]) -> None:
     case[0] = "SwiGLU, dense MLP at TP8"
     gate_up = torch.empty(1, 2 * 1536, dtype=bf)
     swiglu(gate_up[:, :1536], gate_up[:, 1536:], 7.0)
+    case[0] = "RMSNorm and the residual add + RMSNorm, EAGLE's draft at batch 1"
+    x, w = torch.empty(2, hd, dtype=bf), torch.empty(hd, dtype=bf)
+    rms_norm(x, w, 1e-5, out=torch.empty(2, 2 * hd, dtype=bf)[:, hd:])
+    add_rms_norm(x, x, w, 1e-5)
 
 
 def main(argv: list[str] | None = None) -> int:

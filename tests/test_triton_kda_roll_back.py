@@ -52,7 +52,7 @@ def _case(device, conv_dtype, heads=2, dk=8, dv=16, width=3, positions=3, batch=
             rand(batch, chans, width + positions, dtype=conv_dtype),
             rand(batch, positions, heads, dk, dv),
         ]
-    verified = Verified(torch.empty(0), torch.empty(0), torch.empty(0), history)
+    verified = Verified(torch.empty(0), torch.empty(0), torch.empty(0), history, batch=None)
     return _Cache(layers), verified
 
 

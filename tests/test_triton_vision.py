@@ -1,9 +1,10 @@
 """The vision tower's fused kernels (kernels/triton/vision.py: qkv_heads; kernels/triton/swiglu.py;
-kernels/triton/norm.py: add_rms_norm) against their torch twins (kernels/vision.py,
-kernels/moe.swiglu, kernels/norm.add_rms_norm), the MLP's stacked gate/up GEMM, and on CUDA the
-real-size tower on the fast path against the torch path. CPU cases run the kernels under
-TRITON_INTERPRET=1 (tests/triton_interp) at tiny shapes; GPU cases at the real ones (N = 1,024
-and 4,784 patches: 448x448 and 1280x720; width 1024, 16 heads of 64, MLP 4096).
+kernels/triton/norm.py: add_rms_norm, and rms_norm, which every RMSNorm runs on the fast path)
+against their torch twins (kernels/vision.py, kernels/moe.swiglu, kernels/norm), the MLP's
+stacked gate/up GEMM, and on CUDA the real-size tower on the fast path against the torch path.
+CPU cases run the kernels under TRITON_INTERPRET=1 (tests/triton_interp) at tiny shapes; GPU
+cases at the real ones (N = 1,024 and 4,784 patches: 448x448 and 1280x720; width 1024, 16
+heads of 64, MLP 4096).
 
 Tolerances. The kernels round where the references round, so only the norm's sum of squares
 (summed in another order) and exp / rsqrt (other implementations) differ: float32 to 1e-5 of
@@ -116,6 +117,23 @@ def _check_add_rms_norm(rows, d, dtype, device) -> None:
     _close(normed, want_normed, dtype)
 
 
+def _check_rms_norm(rows, d, dtype, device) -> None:
+    """From a strided x (every other row of a buffer) into a column slice of a wider buffer, its
+    neighbour columns untouched; and into a fresh tensor."""
+    from kernels.triton.norm import rms_norm
+
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    x = (torch.randn(2 * rows, d, generator=gen) * 3).to(dtype=dtype, device=device)[::2]
+    w = (1 + 0.2 * torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
+    want = norm_ref.rms_norm(x, w, 1e-6)
+    wide = torch.full((rows, 2 * d + 3), 7.0, dtype=dtype, device=device)
+    got = rms_norm(x, w, 1e-6, out=wide[:, d : 2 * d])
+    assert got.data_ptr() == wide[:, d:].data_ptr()
+    _close(got, want, dtype)
+    assert (wide[:, :d] == 7).all() and (wide[:, 2 * d :] == 7).all()
+    _close(rms_norm(x, w, 1e-6), want, dtype)
+
+
 # ---- CPU: the interpreter at tiny shapes ----
 
 
@@ -138,6 +156,13 @@ def test_swiglu_interp(dtype) -> None:
 @pytest.mark.parametrize("d", [64, 48])
 def test_add_rms_norm_interp(dtype, d) -> None:
     _check_add_rms_norm(6, d, dtype, "cpu")
+
+
+@cpu_interp
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 48])
+def test_rms_norm_interp(dtype, d) -> None:
+    _check_rms_norm(5, d, dtype, "cpu")
 
 
 def test_mlp_stack_follows_moves_and_loads() -> None:
@@ -196,6 +221,14 @@ def test_swiglu_real(dtype, rows) -> None:
 @pytest.mark.parametrize("rows", [1024, 4784])
 def test_add_rms_norm_real(dtype, rows) -> None:
     _check_add_rms_norm(rows, REAL.hidden_size, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [2, 8192])
+def test_rms_norm_real(dtype, rows) -> None:
+    # GLM-5.3-Flash's hidden (the draft's norms, the final norm)
+    _check_rms_norm(rows, 4096, dtype, "cuda")
 
 
 @pytest.mark.gpu

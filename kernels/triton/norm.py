@@ -1,13 +1,17 @@
-"""kernels/norm.py's add_rms_norm in one pass: one program per row reads x and delta once and
-writes their sum and its RMSNorm, with the reference's roundings (the sum rounded to the dtype;
-the norm in float32 from the rounded sum, rounded to the dtype, then scaled with the product
-rounded to it). Only the sum of squares is summed in another order than torch.rms_norm's."""
+"""kernels/norm.py's rms_norm and add_rms_norm, each one launch (torch's rms_norm with its dtype
+casts and the scale is four on CUDA): one program per row reads x (and delta) once and writes
+the RMSNorm (and the sum), with the reference's roundings (the sum rounded to the dtype; the
+norm in float32 from the rounded input, rounded to the dtype, then scaled with the product
+rounded to it). Only the sum of squares is summed in another order than torch.rms_norm's.
+Launched with programmatic dependent launch where the GPU has it (kernels/triton/pdl.py)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton.pdl import LAUNCH, grid_dependency
 
 
 @triton.jit
@@ -18,6 +22,8 @@ def _add_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     dt = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    grid_dependency()
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.load(delta_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
     total = (x + delta).to(dt)
@@ -25,8 +31,45 @@ def _add_rms_norm_kernel(
     t = total.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(t * t, axis=0) / D + eps)
     normed = (t * rstd).to(dt).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * D + offs, (w * normed).to(dt), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, x_stride, out_stride, eps, D: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    dt = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    grid_dependency()
+    t = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(t * t, axis=0) / D + eps)
+    normed = (t * rstd).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + offs, (w * normed).to(dt), mask=mask)
+
+
+def _warps(block: int) -> int:
+    return min(8, max(1, block // 256))
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [N, D] (rows may be strided), weight [D] -> RMSNorm [N, D] in x's dtype, into `out`
+    where given (any [N, D] view with unit column stride: a column slice of a wider buffer)."""
+    rows, d = x.shape
+    assert weight.shape == (d,) and x.stride(1) == 1, "weight or layout"
+    out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+    assert out.shape == x.shape and out.stride(1) == 1 and out.dtype == x.dtype, "out"
+    if rows:
+        block = triton.next_power_of_2(d)
+        _rms_norm_kernel[(rows,)](
+            x, weight, out, x.stride(0), out.stride(0), eps, D=d, BLOCK=block,
+            num_warps=_warps(block), **LAUNCH,
+        )  # fmt: skip
+    return out
 
 
 def add_rms_norm(
@@ -49,6 +92,7 @@ def add_rms_norm(
             eps,
             D=d,
             BLOCK=block,
-            num_warps=min(8, max(1, block // 256)),
+            num_warps=_warps(block),
+            **LAUNCH,
         )
     return total, out

@@ -29,7 +29,7 @@ from serving.config import ModelConfig
 from serving.forward_batch import ForwardBatch
 from serving.layers.linear import Linear
 from serving.layers.mlp import make_mlp
-from serving.layers.norm import RMSNorm
+from serving.layers.norm import RMSNorm, add_rms_norm
 from serving.memory.cache import ModelCache
 from serving.models.dsa import DSAttention
 from serving.models.glm5_next import ForwardOutput, Glm5NextForCausalLM
@@ -62,12 +62,15 @@ class NextNDraft(nn.Module):
         """batch.input_ids are the *next* tokens; target_hidden [T, Hd] aligns with them.
         images: (batch positions [K], embeddings [K, Hd]) of the next tokens that are image
         tokens, the rows the target took there."""
-        e = self.enorm(self.next_embeddings(target, batch, images))
-        x = self.eh_proj(torch.cat([e, self.hnorm(target_hidden.to(e.dtype))], dim=-1))
+        e = self.next_embeddings(target, batch, images)
+        pair = e.new_empty(e.shape[0], 2 * e.shape[1])  # cat(enorm(e), hnorm(h)), in place
+        self.enorm(e, out=pair[:, : e.shape[1]])
+        self.hnorm(target_hidden.to(e.dtype), out=pair[:, e.shape[1] :])
+        x = self.eh_proj(pair)
         attn, _ = self.self_attn(self.input_layernorm(x), batch, cache.dsa(self.layer), None)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        logits = target.project(self.shared_head_norm(x[batch.logit_index]))
+        x, h = add_rms_norm(x, attn, self.post_attention_layernorm)
+        x, h = add_rms_norm(x, self.mlp(h), self.shared_head_norm)
+        logits = target.project(h[batch.logit_index])
         return ForwardOutput(logits=logits, hidden=x)
 
     def next_embeddings(

@@ -47,11 +47,10 @@ from torch import nn
 
 from kernels import fast_path
 from kernels import moe as moe_kernels
-from kernels import norm as norm_kernels
 from kernels import vision as vision_kernels
 from serving.config import VisionConfig
 from serving.layers.linear import param
-from serving.layers.norm import RMSNorm
+from serving.layers.norm import RMSNorm, add_rms_norm
 
 Grid = tuple[int, int, int]  # (frames, rows, cols) of one image, in patches
 
@@ -219,16 +218,6 @@ class VisionBlock(nn.Module):
         and the norm after it are one op (add_rms_norm)."""
         x, normed = add_rms_norm(x, self.attn(normed, segments, cos, signed_sin), self.norm2)
         return add_rms_norm(x, self.mlp(normed), next_norm)
-
-
-def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, norm(x + delta)), in one pass on the fast path."""
-    fused = norm_kernels.add_rms_norm
-    if fast_path(x):
-        from kernels.triton.norm import add_rms_norm as fused
-    return fused(x, delta, norm.weight, norm.eps)
 
 
 class LayerNorm(nn.Module):

@@ -38,7 +38,7 @@ Under TP/EP every rank runs the device programs; rank 0 alone samples, and its f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,7 +74,6 @@ class PendingStep:
     graphs: SpecGraphs | None
     positions: torch.Tensor
     rows: torch.Tensor
-    seq_len: int = 0
 
 
 @dataclass
@@ -157,36 +156,38 @@ class Eagle:
         """tokens (y), positions (n), rows: [B]. Steps 1 and 2 of the module doc."""
         r2t = self.pool.req_to_token
         chain = [self.pool.aux.draft_token[rows]]
-        hidden = self.pool.aux.draft_hidden[rows]
+        if self.steps > 1:
+            hidden = self.pool.aux.draft_hidden[rows]
         for k in range(2, self.steps + 1):
             batch = ForwardBatch.uniform(chain[-1], rows, positions + k - 2, 1, r2t, max_seq_len)
             out = self.draft(self.target, batch, hidden, self.pool.draft)
             hidden = out.hidden
             chain.append(out.logits.argmax(-1))
-        chains = torch.stack(chain, dim=1)
+        chains = torch.stack(chain, dim=1) if len(chain) > 1 else chain[0][:, None]
         ids = torch.cat([tokens[:, None], chains], dim=1).flatten()
         batch = ForwardBatch.uniform(ids, rows, positions, self.steps + 1, r2t, max_seq_len)
         batch.kda_history = {}
         out = self.target(batch, self.pool.target)
-        return Verified(chains, out.logits, out.hidden, batch.kda_history)
+        return Verified(chains, out.logits, out.hidden, batch.kda_history, batch)
 
     def roll_back_and_catch_up(
         self,
         verified: Verified,
         rows: torch.Tensor,
-        positions: torch.Tensor,
         committed: torch.Tensor,
         last: torch.Tensor,
-        max_seq_len: int,
     ) -> None:
         """Steps 4 and 5. committed: [B, N+1] committed tokens, padded after last[b] (the index
         of the bonus token) with any token id. Leaves the next d1 in the aux rows."""
         n = self.steps + 1
         restore_kda_states(self.pool.target, verified, rows, last)
-        batch = ForwardBatch.uniform(
-            committed.flatten(), rows, positions, n, self.pool.req_to_token, max_seq_len
+        batch = replace(
+            verified.batch,  # rows and positions as the verify's: its token slots hold
+            input_ids=committed.flatten(),
+            logit_index=torch.arange(rows.shape[0], device=rows.device) * n + last,
+            kda_history=None,
+            derived={},
         )
-        batch.logit_index = torch.arange(rows.shape[0], device=rows.device) * n + last
         out = self.draft(self.target, batch, verified.hidden, self.pool.draft)
         self._stash(rows, out.hidden[batch.logit_index], out.logits)
 
@@ -242,7 +243,7 @@ class Eagle:
         tokens, positions, rows = inputs.unbind(0)
         seq_len = max_seq_len or int(host[1].max()) + self.steps + 1
         verified = self.draft_and_verify(tokens, positions, rows, seq_len)
-        return PendingStep(verified, None, positions, rows, seq_len)
+        return PendingStep(verified, None, positions, rows)
 
     def roll_back(
         self,
@@ -264,9 +265,7 @@ class Eagle:
         if pending.graphs is not None:
             pending.graphs.roll_back_and_catch_up(committed, last)
         else:
-            self.roll_back_and_catch_up(
-                pending.verified, pending.rows, pending.positions, committed, last, pending.seq_len
-            )
+            self.roll_back_and_catch_up(pending.verified, pending.rows, committed, last)
 
     # ---- one overlapped decode step, accepted on the device (nothing waits for it) ----
     def launch(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from serving.executor.cuda_graph import batch_ladder, capture
-from serving.forward_batch import resolve_future, upload
+from serving.forward_batch import ForwardBatch, resolve_future, upload
 from serving.memory.pool import MemoryPool
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ class Verified:
     logits: torch.Tensor  # [B*(N+1), V] target logits at positions n..n+N
     hidden: torch.Tensor  # [B*(N+1), Hd] target hiddens there (the draft's catch-up input)
     kda_history: dict[int, list[torch.Tensor]]
+    batch: ForwardBatch  # the verify's: the draft's catch-up runs over the same positions
     # the fast path's roll-back table (kernels/triton/kda_roll_back.py), made at the first
     # roll-back from these outputs (a captured program's: in its warm-up)
     kda_table: tuple | None = None
@@ -67,9 +68,7 @@ class SpecGraphs:
             pool_handle,
         )
         catch_up_graph, _ = capture(
-            lambda: self.catch_up(
-                verified, rows, positions, self.committed[:bs], self.last[:bs], self.max_seq_len
-            ),
+            lambda: self.catch_up(verified, rows, self.committed[:bs], self.last[:bs]),
             pool_handle,
         )
         return verify_graph, verified, catch_up_graph
