@@ -29,8 +29,7 @@ KERNELS = {
     "_split_bf16x3_kernel",  # its fn split once a call
     "_mhc_post_kernel",
     "_kda_roll_back_kernel",  # EAGLE's roll-back
-    "_rms_norm_kernel",  # every RMSNorm on the fast path (the final norm, the draft's)
-    "_add_rms_norm_kernel",  # the draft's residual adds
+    "_rms_norm_kernel",  # every RMSNorm on the fast path (the draft's with its residual adds)
 }
 
 
