@@ -79,8 +79,9 @@ BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns 
 # 132 SMs: a grid within one resident wave, with several programs per SM keeping enough weight
 # bytes in flight (one picked expert is 33.5 MB of gate/up in bf16). Registers a thread, from
 # Triton 3.6's sm_90 compile (4 warps): gate/up 96 in bf16 (5 programs fit an SM) and 150 in FP8
-# (its K loop quantizes x: 3 fit); down 64-72 (7 fit); the router's select 78-142 up to 8 tokens
-# and 200 at 16 (8 warps: 1 fits), so the router gets one program per SM. Set by the rank's
+# (its K loop quantizes x: 3 fit); down 64-72 (7 fit); the router 48-150 up to 8 tokens and 187
+# at 16 (8 warps: 1 fits), so its grid stays within one program per SM (72 at rank 0's shape:
+# K ranges of 1,024, the 32 KB tiles of ROUTE_TILE_BYTES). Set by the rank's
 # A/B (bench.fast_path --variant), the one-layer sweep (python -m bench.decode_moe --sweep) beside.
 # The GEMV form (GEMV_MAX_TOKENS) has grids of its own. The tl.dot form in bf16: 660 x 792, was
 # 528 x 528 (one layer at 4 / 8 tokens, H100 sweep: 139.3 / 232.4 -> 123.8 / 194.3 us; rank 0 cut
