@@ -63,17 +63,28 @@ def _table(batch: int, ctx: int, gen: torch.Generator) -> torch.Tensor:
     return (ids.view(batch, pages, 1) * PAGE + offs).view(batch, ctx).cuda()
 
 
-def _decode_slots(table: torch.Tensor, positions: torch.Tensor, gen) -> torch.Tensor:
-    """Slots like the indexer's: top pools at random among the complete ones, plus the tail."""
+def _decode_positions(table: torch.Tensor, positions: torch.Tensor, gen) -> torch.Tensor:
+    """Positions like the indexer's: top pools at random among the complete ones, plus the
+    tail (-1 = empty)."""
     from kernels.indexer import select_tokens
 
     scores = torch.rand(positions.numel(), table.shape[1] // KPOOL, generator=gen).cuda()
-    pos = select_tokens(scores, positions, KPOOL, TOPK // KPOOL, True)
-    if table.shape[0] == positions.numel():  # decode: one query per request row
+    return select_tokens(scores, positions, KPOOL, TOPK // KPOOL, True)
+
+
+def _slots_at(table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The cache slots at positions [N, W]: decode one query per request row, extend every
+    query in request row 0."""
+    if table.shape[0] == pos.shape[0]:
         rows = torch.arange(table.shape[0], device="cuda")
-    else:  # extend: every query in request row 0
-        rows = torch.zeros(positions.numel(), dtype=torch.int64, device="cuda")
+    else:
+        rows = torch.zeros(pos.shape[0], dtype=torch.int64, device="cuda")
     return torch.where(pos >= 0, table[rows[:, None], pos.clamp(min=0)], -1)
+
+
+def _decode_slots(table: torch.Tensor, positions: torch.Tensor, gen) -> torch.Tensor:
+    """Slots like the indexer's (_decode_positions' at the table)."""
+    return _slots_at(table, _decode_positions(table, positions, gen))
 
 
 def _sweep(fn, configs, timer=None) -> tuple[float, str] | None:
@@ -188,28 +199,39 @@ def bench_mla_extend(results, quick: bool, sweep: bool) -> None:
 def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
     """Rank 0 of TP8 (8 heads): an 8,192-token chunk after `start` cached tokens, the gather
     kernel (head block padded to 16) against the union kernel, alone and with the per-layer
-    selection mask it needs (what dsa.sparse_mla pays). Useful TFLOP/s count valid slots."""
+    selection mask it needs (what dsa.sparse_mla pays: the Triton mask from the indexer's
+    positions; beside it fe81f4e's way, the positions made slots at the indexer and the slots
+    made positions again for the torch mask). Useful TFLOP/s count valid slots."""
     from kernels import sparse_mla_union as union
     from kernels.triton.sparse_mla import sparse_mla_attention as gather
+    from kernels.triton.sparse_mla_union import selection_mask as tri_mask
     from kernels.triton.sparse_mla_union import sparse_mla_union as tri_union
 
     n, ctx = CHUNK, start + CHUNK
     table = _table(1, ctx, gen)
     latent = torch.randn(ctx + PAGE, R, device="cuda", dtype=torch.bfloat16)
     positions = torch.arange(start, ctx, device="cuda")
-    slots = _decode_slots(table, positions, gen)
+    pos = _decode_positions(table, positions, gen)
+    slots = _slots_at(table, pos)
     q = torch.randn(n, H_RANK, R, generator=gen).cuda().bfloat16()
     scale = 192**-0.5
-    positions_of = union.slot_positions(table, [0], [ctx], latent.shape[0])
-    mask = union.selection_mask(slots, positions_of, ctx)
+    mask = tri_mask(pos, ctx)
+    assert torch.equal(mask, union.selection_mask(pos, ctx))
     block_q = union.block_queries(H_RANK, q.dtype)
     tiles = union.union_tiles([start], [n], block_q).to(q.device)
     rows = torch.zeros(n, dtype=torch.int64, device="cuda")
     u_args = (q, latent, mask, scale, table, rows, tiles)
+    positions_of = torch.full((latent.shape[0],), -1, dtype=torch.int64, device="cuda")
+    positions_of[table[0, :ctx]] = torch.arange(ctx, device="cuda")
 
     def with_mask():
-        m = union.selection_mask(slots, positions_of, ctx)
-        return tri_union(q, latent, m, scale, table, rows, tiles)
+        return tri_union(q, latent, tri_mask(pos, ctx), scale, table, rows, tiles)
+
+    def with_slot_mask():  # fe81f4e: select_slots' conversion, then the mask from the slots
+        sl = _slots_at(table, pos)
+        back = torch.where(sl >= 0, positions_of[sl.clamp(min=0)], ctx)
+        m = torch.zeros(n, ctx + 1, dtype=torch.uint8, device="cuda").scatter_(1, back, 1)
+        return tri_union(q, latent, m[:, :ctx], scale, table, rows, tiles)
 
     useful = 4.0 * H_RANK * R * int((slots >= 0).sum())
     dense = (
@@ -221,6 +243,9 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
     t_union = _bench(lambda: tri_union(*u_args))
     t_skip = _bench(lambda: tri_union(*u_args, skip_empty=True))
     t_full = _bench(with_mask)
+    t_before = _bench(with_slot_mask)
+    t_mask = _bench(lambda: tri_mask(pos, ctx))
+    t_twin = _bench(lambda: union.selection_mask(pos, ctx))
     rows_out = [
         dict(kernel="sparse_mla 8 heads, gather", case=case, ms=t_gather, x11_ms=11 * t_gather),
         dict(kernel="sparse_mla 8 heads, union", case=case, ms=t_union, vs=t_gather / t_union,
@@ -229,8 +254,12 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
              vs=t_gather / t_skip),
         dict(kernel="sparse_mla 8 heads, mask + union", case=case, ms=t_full,
              vs=t_gather / t_full, x11_ms=11 * t_full),
+        dict(kernel="sparse_mla 8 heads, slots' mask + union (fe81f4e)", case=case, ms=t_before,
+             vs=t_gather / t_before, x11_ms=11 * t_before),
+        dict(kernel="selection mask, Triton from positions", case=case, ms=t_mask,
+             torch_ms=t_twin),
     ]  # fmt: skip
-    for r in rows_out:
+    for r in rows_out[:-1]:
         r["torch_ms"] = None
         r["tflops"] = useful / r["ms"] / 1e9
     if sweep:

@@ -9,7 +9,8 @@ req_to_token [rows, max_ctx]; query_rows [N] each query's request row; tiles [NT
 (first query, end query, key end) from union_tiles.
 out[n, h] = sum_p softmax_p(scale * q[n,h] . c_p) * c_p over the marked p, c_p =
 latent[req_to_token[query_rows[n], p]]: the same sum as kernels.sparse_mla.sparse_mla_attention
-over the same selection given as slots (selection_mask converts).
+over the same selection given as slots (req_to_token at each query's selected positions;
+selection_mask makes the positions a mask).
 Invariants: every query marks at least one position, all below its tile's key end; a tile's
 queries share one request row; the latent rows of its request's positions below the key end are
 written (finite): every one of them is gathered, marked or not, and an unmarked one weighs 0.
@@ -58,26 +59,12 @@ def union_tiles(starts: Sequence[int], lens: Sequence[int], block_q: int) -> tor
     return torch.tensor(tiles, dtype=torch.int64).reshape(-1, 3)
 
 
-def slot_positions(
-    req_to_token: torch.Tensor,
-    rows: Sequence[int],
-    ends: Sequence[int],
-    num_slots: int,
-) -> torch.Tensor:
-    """[num_slots] int64: the position each cache slot holds in rows' first ends[b] positions,
-    -1 elsewhere. A slot shared by two requests (a cached prefix) holds one position in both."""
-    out = torch.full((num_slots,), -1, dtype=torch.int64, device=req_to_token.device)
-    for row, end in zip(rows, ends):
-        out[req_to_token[row, :end]] = torch.arange(end, device=out.device)
-    return out
-
-
-def selection_mask(slots: torch.Tensor, positions_of: torch.Tensor, ctx_len: int) -> torch.Tensor:
-    """The selection slots [N, W] (-1 = empty) as mask [N, ctx_len] uint8 over positions
-    (positions_of from slot_positions; ctx_len above every selected position). Empty entries land
-    in a spare last column, so every write is a 1 and the scatter is deterministic."""
-    pos = torch.where(slots >= 0, positions_of[slots.clamp(min=0)], ctx_len)
-    mask = torch.zeros(slots.shape[0], ctx_len + 1, dtype=torch.uint8, device=slots.device)
+def selection_mask(positions: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """The selection as positions [N, W] in each query's request (-1 = empty) made mask
+    [N, ctx_len] uint8 (ctx_len above every selected position). Empty entries land in a spare
+    last column, so every write is a 1 and the scatter is deterministic."""
+    pos = torch.where(positions >= 0, positions, ctx_len)
+    mask = torch.zeros(positions.shape[0], ctx_len + 1, dtype=torch.uint8, device=pos.device)
     mask.scatter_(1, pos, 1)
     return mask[:, :ctx_len]
 

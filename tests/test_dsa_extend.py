@@ -1,12 +1,13 @@
-"""DSA's ragged extend (serving/layers/attention/dsa.py _extend), every request of a batch at once:
-prefix-cache hits starting at grid positions and chunks continuing at kpool-unaligned starts.
+"""DSA's ragged extend (serving/layers/attention/dsa.py select_positions), every request of a
+batch at once: prefix-cache hits starting at grid positions and chunks continuing at
+kpool-unaligned starts.
 
 CPU: the batch equals its requests run one by one (pooled keys written, the tail ring, the
-selected cache slots). GPU: the fast path (paged Triton scoring over every query at once) equals
-the torch references on the same batch, at the bench preset's indexer shape (16 heads, D 128,
-kpool 16, 32 pools selected), 32 hits of ~190 new tokens after 4,096 cached tokens. float32
-caches, so scores agree to IEEE rounding and the selections are equal as sets per token (the
-Triton selection lists them in another order).
+selected positions and their cache slots). GPU: the fast path (paged Triton scoring over every
+query at once) equals the torch references on the same batch, at the bench preset's indexer
+shape (16 heads, D 128, kpool 16, 32 pools selected), 32 hits of ~190 new tokens after 4,096
+cached tokens. float32 caches, so scores agree to IEEE rounding and the selections are equal as
+sets per token (the Triton selection lists them in another order).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import kernels
 from kernels import indexer as ref_idx
 from serving.forward_batch import ForwardBatch
-from serving.layers.attention.dsa import IndexerShape, select_slots
+from serving.layers.attention.dsa import IndexerShape, select_positions, selected_slots
 from serving.memory.cache import DSALayerCache
 
 PAGE = 64
@@ -70,7 +71,7 @@ def _clone(cache: DSALayerCache) -> DSALayerCache:
 def _one_by_one(shape, inputs, batch: ForwardBatch, cache: DSALayerCache) -> torch.Tensor:
     """The extend written per request, plainly: pools closing in its chunk (early members from
     its ring), its ring's last positions, then its queries scored over its own pools; the
-    selected positions as the row's cache slots (-1 stays -1)."""
+    selected positions (-1 = empty)."""
     q, k, gates, head_w, ape = inputs
     kp, ring, r2t = shape.kpool, cache.tail_slots, batch.req_to_token
     out, offset = [], 0
@@ -92,7 +93,7 @@ def _one_by_one(shape, inputs, batch: ForwardBatch, cache: DSALayerCache) -> tor
         scores = ref_idx.score_pools(q[part], head_w[part], pooled_keys[None], shape.head_dim**-0.5)
         positions = torch.arange(start, end)
         chosen = ref_idx.select_tokens(scores, positions, kp, shape.select_pools, True)
-        out.append(torch.where(chosen >= 0, r2t[row][chosen.clamp(min=0)], -1))
+        out.append(chosen)
         offset += n
     return torch.cat(out)
 
@@ -106,9 +107,16 @@ def test_batch_equals_its_requests_one_by_one():
     lens = [37, 3, 26, 1, 45, 11]
     cache, inputs, batch, _ = _setup("cpu", starts, lens, heads=4, dim=16, kp=kp, seed=1)
     alone = _clone(cache)
-    got = select_slots(shape, *inputs, batch, cache)
+    got = select_positions(shape, *inputs, batch, cache)
     want = _one_by_one(shape, inputs, batch, alone)
     assert torch.equal(got, want)
+    slots, offset = selected_slots(got, batch), 0
+    for n, row in zip(batch.lens_cpu, batch.rows_cpu):
+        part = slice(offset, offset + n)
+        table_row = batch.req_to_token[row]
+        assert torch.equal(slots[part][got[part] < 0], got[part][got[part] < 0])
+        assert torch.equal(slots[part][got[part] >= 0], table_row[got[part][got[part] >= 0]])
+        offset += n
     for name in ("index_keys", "tail_keys", "tail_gates"):
         assert torch.allclose(getattr(cache, name), getattr(alone, name), rtol=1e-6, atol=1e-6)
 
@@ -124,9 +132,9 @@ def test_fast_path_equals_the_references_on_32_hits():
     starts[-2:] = [4103, 2050]  # two chunks continuing at unaligned starts
     cache, inputs, batch, _ = _setup("cuda", starts, lens, heads=16, dim=128, kp=kp, seed=3)
     reference = _clone(cache)
-    got = select_slots(shape, *inputs, batch, cache)
+    got = select_positions(shape, *inputs, batch, cache)
     with kernels.torch_path():
-        want = select_slots(shape, *inputs, batch, reference)
+        want = select_positions(shape, *inputs, batch, reference)
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
     for name in ("index_keys", "tail_keys", "tail_gates"):
         a, b = getattr(cache, name), getattr(reference, name)

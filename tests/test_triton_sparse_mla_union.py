@@ -1,6 +1,6 @@
 """Sparse MLA over a tile's union of selections (kernels/sparse_mla_union.py and its Triton
 kernel) against the gather path (kernels.sparse_mla / kernels.triton.sparse_mla) on the same
-selections given as slots.
+selections given as slots; the selection mask (made from positions) against its torch twin.
 
 CPU cases run under TRITON_INTERPRET=1 at tiny shapes; GPU cases (`gpu`) run the rank's real
 shape (8 heads, R 512, W 2063, an 8,192-token chunk with no prefix and after 8k cached).
@@ -22,6 +22,7 @@ from kernels import indexer as ref_idx  # noqa: E402
 from kernels import sparse_mla_union as union  # noqa: E402
 from kernels.sparse_mla import sparse_mla_attention as ref_gather  # noqa: E402
 from kernels.triton.sparse_mla import sparse_mla_attention as tri_gather  # noqa: E402
+from kernels.triton.sparse_mla_union import selection_mask as tri_mask  # noqa: E402
 from kernels.triton.sparse_mla_union import sparse_mla_union as tri_union  # noqa: E402
 from tests.triton_interp import patch_triton_interpreter  # noqa: E402
 
@@ -79,11 +80,10 @@ class Case:
         rows = self.query_rows[:, None]
         return torch.where(pos >= 0, self.table[rows, pos.clamp(min=0)], -1)
 
-    def union_inputs(self, slots: torch.Tensor, dtype: torch.dtype):
-        inv = union.slot_positions(self.table, self.rows, self.ends, self.num_slots)
-        mask = union.selection_mask(slots, inv, max(self.ends))
+    def union_inputs(self, pos: torch.Tensor, dtype: torch.dtype):
+        mask = union.selection_mask(pos, max(self.ends))
         block_q = union.block_queries(self.q.shape[1], dtype)
-        tiles = union.union_tiles(self.starts, self.lens, block_q).to(slots.device)
+        tiles = union.union_tiles(self.starts, self.lens, block_q).to(pos.device)
         return mask, self.table, self.query_rows, tiles
 
 
@@ -107,7 +107,7 @@ def _disjoint_selection(case: Case, block_q: int) -> torch.Tensor:
 
 def _check(case: Case, pos: torch.Tensor, scale: float = 0.3, **launch) -> None:
     slots = case.slots(pos)
-    args = case.union_inputs(slots, case.q.dtype)
+    args = case.union_inputs(pos, case.q.dtype)
     ref = ref_gather(case.q, case.latent, slots, scale)
     twin = union.sparse_mla_union(case.q, case.latent, args[0], scale, *args[1:])
     assert _rel(twin, ref) < 1e-5
@@ -154,7 +154,7 @@ def test_union_interp_sparse_far_blocks():
     # a row must not hold a position twice
     rows = [torch.unique(r) for r in pos]
     pos = torch.stack([torch.cat([u.new_full((4 - len(u),), -1), u]) for u in rows])
-    mask = case.union_inputs(case.slots(pos), torch.float32)[0]
+    mask = case.union_inputs(pos, torch.float32)[0]
     assert not mask[:6, 48:80].any()
     for skip in (False, True):
         _check(case, pos, skip_empty=skip)
@@ -165,7 +165,7 @@ def test_union_interp_bf16():
     case = Case(REQUESTS, heads=4, rank=32, dtype=torch.bfloat16, device="cpu", seed=3)
     pos = case.indexer_selection(kpool=4, select_pools=3)
     slots = case.slots(pos)
-    args = case.union_inputs(slots, torch.bfloat16)
+    args = case.union_inputs(pos, torch.bfloat16)
     exact = ref_gather(case.q.float(), case.latent.float(), slots, 0.3)
     out = tri_union(case.q, case.latent, args[0], 0.3, *args[1:])
     twin = union.sparse_mla_union(case.q, case.latent, args[0], 0.3, *args[1:])
@@ -190,11 +190,25 @@ def test_union_tiles_and_rule():
 def test_selection_mask_round_trip():
     case = Case(REQUESTS, heads=2, rank=16, dtype=torch.float32, device="cpu", seed=4)
     pos = _scatter_empties(case.indexer_selection(kpool=4, select_pools=3), case.gen)
-    mask, *_ = case.union_inputs(case.slots(pos), torch.float32)
+    mask, *_ = case.union_inputs(pos, torch.float32)
     want = torch.zeros_like(mask, dtype=torch.bool)
     for n, row in enumerate(pos.tolist()):
         want[n, [p for p in row if p >= 0]] = True
     assert torch.equal(mask.bool(), want)
+
+
+@interp_only
+def test_triton_selection_mask_equals_the_twin():
+    """The Triton mask (a zero fill, one scatter launch) equals the torch twin's, with empty
+    entries and a position listed twice in a row; rows wider than one program's block."""
+    case = Case([(0, 40), (30, 9)], heads=2, rank=16, dtype=torch.float32, device="cpu", seed=7)
+    pos = _scatter_empties(case.indexer_selection(kpool=4, select_pools=3), case.gen)
+    pos[0, 0] = pos[0, 1] = 0  # a duplicate
+    ctx = max(case.ends)
+    assert torch.equal(tri_mask(pos, ctx), union.selection_mask(pos, ctx))
+    wide = torch.cat([pos, torch.full((pos.shape[0], 1030), -1), pos], dim=1)  # 2 blocks a row
+    assert torch.equal(tri_mask(wide, ctx), union.selection_mask(pos, ctx))
+    assert tri_mask(pos[:0], ctx).shape == (0, ctx)
 
 
 @interp_only
@@ -214,16 +228,17 @@ def test_dsa_sparse_mla_picks_and_agrees(monkeypatch, requests):
     batch = ForwardBatch.build(ids, case.rows, case.starts, case.lens, case.table)
     cache = DSALayerCache(case.latent, None, None, None)
     monkeypatch.setattr(dsa, "fast_path", lambda t: True)
-    out = dsa.sparse_mla(case.q, slots, batch, cache, 0.3)
+    out = dsa.sparse_mla(case.q, pos, batch, cache, 0.3)
     ref = ref_gather(case.q, case.latent, slots, 0.3)
     assert _rel(out, ref) < 1e-5
     took_union = union.union_pays(4, slots.shape[1], case.starts, case.lens)
     assert took_union == (requests is REQUESTS)
     assert any(k[0] == "sparse_mla_union" for k in batch.derived) == took_union
-    if took_union:  # a shared layer's call on the same selection reuses its mask
-        mask = batch.derived["sparse_mla_union_mask"][1]
-        assert torch.equal(dsa.sparse_mla(case.q, slots, batch, cache, 0.3), out)
-        assert batch.derived["sparse_mla_union_mask"][1] is mask
+    held = batch.derived["sparse_mla_selection"][1]
+    assert set(held) == ({"mask"} if took_union else {"slots"})
+    made = dict(held)  # a shared layer's call on the same selection reuses the mask or slots
+    assert torch.equal(dsa.sparse_mla(case.q, pos, batch, cache, 0.3), out)
+    assert all(held[name] is made[name] for name in made)
 
 
 # --------------------------------------------------------------------------- GPU, real shape
@@ -234,14 +249,14 @@ def _gpu_case(start: int, dtype: torch.dtype):
     with an 8,192-token chunk at `start`, pages of 64 shuffled over the cache."""
     case = Case([(start, 8192)], heads=8, rank=512, dtype=dtype, device="cuda", seed=5, page=64)
     pos = case.indexer_selection(kpool=16, select_pools=128)
-    return case, case.slots(pos)
+    return case, pos, case.slots(pos)
 
 
 @gpu
 @pytest.mark.parametrize("start, skip_empty", [(0, False), (0, True), (8192, False)])
 def test_union_gpu_bf16_real_shape(start, skip_empty):
-    case, slots = _gpu_case(start, torch.bfloat16)
-    args = case.union_inputs(slots, torch.bfloat16)
+    case, pos, slots = _gpu_case(start, torch.bfloat16)
+    args = case.union_inputs(pos, torch.bfloat16)
     exact = tri_gather(case.q.float(), case.latent.float(), slots, 576**-0.5)
     out = torch.full_like(case.q, float("nan"))
     tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], out=out, skip_empty=skip_empty)
@@ -253,8 +268,8 @@ def test_union_gpu_bf16_real_shape(start, skip_empty):
 
 @gpu
 def test_union_gpu_fp32_real_shape():
-    case, slots = _gpu_case(0, torch.float32)
-    args = case.union_inputs(slots, torch.float32)
+    case, pos, slots = _gpu_case(0, torch.float32)
+    args = case.union_inputs(pos, torch.float32)
     exact = tri_gather(case.q, case.latent, slots, 576**-0.5)
     out = torch.full_like(case.q, float("nan"))
     tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], out=out)
@@ -271,11 +286,14 @@ def test_dsa_sparse_mla_gpu_takes_the_union():
     from serving.layers.attention import dsa
     from serving.memory.cache import DSALayerCache
 
-    case, slots = _gpu_case(0, torch.bfloat16)
+    case, pos, slots = _gpu_case(0, torch.bfloat16)
     batch = ForwardBatch.build([1] * 8192, case.rows, case.starts, case.lens, case.table)
     cache = DSALayerCache(case.latent, None, None, None)
-    out = dsa.sparse_mla(case.q, slots, batch, cache, 576**-0.5)
-    again = dsa.sparse_mla(case.q, slots, batch, cache, 576**-0.5)
+    out = dsa.sparse_mla(case.q, pos, batch, cache, 576**-0.5)
+    again = dsa.sparse_mla(case.q, pos, batch, cache, 576**-0.5)
+    assert torch.equal(
+        batch.derived["sparse_mla_selection"][1]["mask"], case.union_inputs(pos, torch.bfloat16)[0]
+    )
     exact = tri_gather(case.q.float(), case.latent.float(), slots, 576**-0.5)
     assert any(k[0] == "sparse_mla_union" for k in batch.derived)
     assert _rel(out, exact) < 1e-2 and torch.equal(out, again)

@@ -24,7 +24,7 @@ from serving.layers.attention.dsa import (
     attend_step,
     is_step,
     query_step,
-    select_slots,
+    select_positions,
     sparse_mla,
     write_latent,
     write_step,
@@ -67,13 +67,14 @@ class Indexer(nn.Module):
         batch: ForwardBatch,
         cache: DSALayerCache,
     ) -> torch.Tensor:
-        """A ragged batch: writes its index keys, returns the selection [T, index_width] (cache
-        slots, -1 = empty). x_proj: X_PROJECTIONS applied to the layer's input; qi: wq_b's."""
+        """A ragged batch: writes its index keys, returns the selection [T, index_width]
+        (positions in each token's request, -1 = empty). x_proj: X_PROJECTIONS applied to the
+        layer's input; qi: wq_b's."""
         wk, gates, head_w = x_proj
         q = qi.view(-1, self.heads, self.d)
         k = F.layer_norm(wk, (self.d,), self.k_norm_weight, self.k_norm_bias, eps=K_NORM_EPS)
         head_w = head_w.float() * self.scale
-        return select_slots(
+        return select_positions(
             self.shape, q, k, gates, head_w, self.index_kpool_compress_ape, batch, cache
         )
 
@@ -128,7 +129,8 @@ class DSAttention(nn.Module):
         cache: DSALayerCache,
         shared_selection: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (output [T, Hd], the selection [T, W] for a later shared layer)."""
+        """Returns (output [T, Hd], the selection [T, W] for a later shared layer: cache slots on
+        the step path, positions on the extend path)."""
         q_a, kv_a, *indexer_in = self.in_proj(x)
         kv_b = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
         kv_b_nope, kv_b_v = kv_b[:, : self.nope], kv_b[:, self.nope :]

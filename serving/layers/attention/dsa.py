@@ -10,11 +10,13 @@ req_to_token[row, P*kpool] // kpool; the ring keeps the last tail_slots position
 Two paths. A step (decode, or a uniform batch of step_len tokens per request: EAGLE's verify and
 catch-up, the draft) runs write_step, query_step and attend_step (kernels/dsa_decode.py; on
 CUDA kernels/triton/dsa_decode.py, four launches); anything else (prefill chunks, ragged
-batches) runs write_latent, select_slots and sparse_mla (on CUDA, a chunk with little cached
-prefix at few heads per rank takes the union kernel: kernels/triton/sparse_mla_union.py).
-The selection a layer hands a later shared layer is the cache slots [T, W] (-1 = empty) its
-tokens attend, as a set: the step path lists them in another order than the extend path, and
-on CUDA in another order than on the CPU.
+batches) runs write_latent, select_positions and sparse_mla (on CUDA, a chunk with little
+cached prefix at few heads per rank takes the union kernel: kernels/triton/sparse_mla_union.py).
+The selection a layer hands a later shared layer (a forward runs one path in every layer) is
+what its tokens attend, as a set: on the step path the cache slots [T, W], on the extend path
+the positions [T, W] in each token's request (-1 = empty; the union kernel marks positions,
+the gather kernel reads slots). The step path lists them in another order than the extend path,
+and on CUDA in another order than on the CPU.
 Under TP the indexer is replicated (all its heads on every rank, as SGLang runs DeepSeek-V3.2's):
 every rank computes the same scores and selects the same tokens with no collective.
 """
@@ -144,74 +146,62 @@ def write_latent(latent: torch.Tensor, batch: ForwardBatch, cache: DSALayerCache
     cache.latent[batch.token_slots] = latent.to(cache.latent.dtype)
 
 
-def select_slots(
-    shape: IndexerShape,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    gates: torch.Tensor,
-    head_w: torch.Tensor,
-    ape: torch.Tensor,
-    batch: ForwardBatch,
-    cache: DSALayerCache,
-) -> torch.Tensor:
-    """Writes the batch's index keys (ring, closed pools), then returns the selection: the cache
-    slots [T, index_width] (-1 = empty) each new token attends.
-
-    q [T, Hi, D]; k, gates [T, D]; head_w [T, Hi] (times Hi^-0.5); ape [kpool, D]."""
-    positions = _extend(shape, q, k, gates, head_w, ape, batch, cache)
+def selected_slots(positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """The cache slots [T, W] (-1 = empty) at a selection's positions in each token's request."""
     rows = batch.req_rows[batch.token_req].unsqueeze(-1)
     return torch.where(positions >= 0, batch.req_to_token[rows, positions.clamp(min=0)], -1)
 
 
 def sparse_mla(
     q_abs: torch.Tensor,
-    slots: torch.Tensor,
+    positions: torch.Tensor,
     batch: ForwardBatch,
     cache: DSALayerCache,
     scale: float,
 ) -> torch.Tensor:
-    """Absorbed MLA [T, H, R] over the latents at the selected slots. On CUDA, when union_pays
-    (few heads per rank, the keys up to each query a small multiple of its selection: a chunk
-    with little cached prefix; host ints only) the union kernel walks tiles of queries over
-    their request's positions; otherwise the gather kernel runs one query per program."""
-    if not fast_path(q_abs):
-        return mla_kernels.sparse_mla_attention(q_abs, cache.latent, slots, scale)
-    heads, width = q_abs.shape[1], slots.shape[1]
-    if union_kernels.union_pays(heads, width, batch.starts_cpu, batch.lens_cpu):
-        from kernels.triton.sparse_mla_union import sparse_mla_union
+    """Absorbed MLA [T, H, R] over the latents at the selected positions. On CUDA, when
+    union_pays (few heads per rank, the keys up to each query a small multiple of its selection:
+    a chunk with little cached prefix; host ints only) the union kernel walks tiles of queries
+    over their request's positions, marked by a mask made from the positions; otherwise the
+    gather kernel runs one query per program over the positions' cache slots. A shared layer
+    attends its full layer's selection (the same tensor): the mask or the slots are made once."""
+    made = batch.derived.get("sparse_mla_selection")
+    if made is None or made[0] is not positions:
+        made = batch.derived["sparse_mla_selection"] = (positions, {})
+    held = made[1]
+    fast = fast_path(q_abs)
+    heads, width = q_abs.shape[1], positions.shape[1]
+    if fast and union_kernels.union_pays(heads, width, batch.starts_cpu, batch.lens_cpu):
+        from kernels.triton import sparse_mla_union as union_fast
 
-        positions_of, tiles, query_rows, ctx_len = _union_layout(q_abs, batch, cache)
-        # a shared layer attends its full layer's selection: the same tensor, the same mask
-        held = batch.derived.get("sparse_mla_union_mask")
-        if held is None or held[0] is not slots:
-            mask = union_kernels.selection_mask(slots, positions_of, ctx_len)
-            batch.derived["sparse_mla_union_mask"] = held = (slots, mask)
-        mask = held[1]
-        return sparse_mla_union(
-            q_abs, cache.latent, mask, scale, batch.req_to_token, query_rows, tiles
+        tiles, query_rows, ctx_len = _union_layout(q_abs, batch)
+        if "mask" not in held:
+            held["mask"] = union_fast.selection_mask(positions, ctx_len)
+        return union_fast.sparse_mla_union(
+            q_abs, cache.latent, held["mask"], scale, batch.req_to_token, query_rows, tiles
         )
-    from kernels.triton import sparse_mla as mla_kernels_fast
+    if "slots" not in held:
+        held["slots"] = selected_slots(positions, batch)
+    if fast:
+        from kernels.triton import sparse_mla as mla_kernels_fast
 
-    return mla_kernels_fast.sparse_mla_attention(q_abs, cache.latent, slots, scale)
+        return mla_kernels_fast.sparse_mla_attention(q_abs, cache.latent, held["slots"], scale)
+    return mla_kernels.sparse_mla_attention(q_abs, cache.latent, held["slots"], scale)
 
 
-def _union_layout(q_abs: torch.Tensor, batch: ForwardBatch, cache: DSALayerCache):
-    """(slot -> position map, tiles, each query's request row, context bound) of the union
-    kernel: once per forward (every DSA layer shares the page table and the latent cache's
-    size)."""
-    heads, slots_total = q_abs.shape[1], cache.latent.shape[0]
-    key = ("sparse_mla_union", heads, q_abs.dtype, slots_total)
+def _union_layout(q_abs: torch.Tensor, batch: ForwardBatch):
+    """(tiles, each query's request row, context bound) of the union kernel: once per forward
+    (every DSA layer shares the batch's layout)."""
+    heads = q_abs.shape[1]
+    key = ("sparse_mla_union", heads, q_abs.dtype)
     layout = batch.derived.get(key)
     if layout is None:
         ends = [s + n for s, n in zip(batch.starts_cpu, batch.lens_cpu)]
-        positions_of = union_kernels.slot_positions(
-            batch.req_to_token, batch.rows_cpu, ends, slots_total
-        )
         block_q = union_kernels.block_queries(heads, q_abs.dtype)
         tiles = union_kernels.union_tiles(batch.starts_cpu, batch.lens_cpu, block_q)
         tiles = upload(tiles, q_abs.device)  # pinned: a pageable copy waits for the device
         query_rows = batch.req_rows[batch.token_req]
-        layout = batch.derived[key] = (positions_of, tiles, query_rows, max(ends))
+        layout = batch.derived[key] = (tiles, query_rows, max(ends))
     return layout
 
 
@@ -225,10 +215,23 @@ def _indexer_ops(t: torch.Tensor):
     return idx_kernels
 
 
-def _extend(shape, q, k, gates, head_w, ape, batch: ForwardBatch, cache: DSALayerCache):
+def select_positions(
+    shape: IndexerShape,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gates: torch.Tensor,
+    head_w: torch.Tensor,
+    ape: torch.Tensor,
+    batch: ForwardBatch,
+    cache: DSALayerCache,
+) -> torch.Tensor:
     """A ragged extend, every request at once (a fixed number of launches per layer, whatever
-    the batch's requests). Order (hazard): the ring is read for the closing pools' early members
-    before this step's keys overwrite it."""
+    the batch's requests): writes the batch's index keys (ring, closed pools), then returns the
+    selection: the positions [T, index_width] in its request (-1 = empty) each new token
+    attends. Order (hazard): the ring is read for the closing pools' early members before this
+    step's keys overwrite it.
+
+    q [T, Hi, D]; k, gates [T, D]; head_w [T, Hi] (times Hi^-0.5); ape [kpool, D]."""
     kp = shape.kpool
     index = ExtendIndex.of(batch, kp, cache.tail_slots)
     ops = _indexer_ops(k)
