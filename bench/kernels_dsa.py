@@ -270,6 +270,15 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
             (f"BN{bn} w8 st{st}", dict(block_n=bn, num_warps=8, num_stages=st))
             for bn, st in ((64, 2), (64, 3), (32, 2), (32, 3), (32, 4), (16, 4))
         ]
+        base = tri_union(*u_args).float()
+        for label, kw in configs:  # each config's result against the default's
+            try:
+                got = tri_union(*u_args, **kw).float()
+            except Exception as exc:  # noqa: BLE001 - out of resources for a config etc.
+                print(f"  {label}: {type(exc).__name__}")
+                continue
+            rel = ((got - base).norm() / base.norm()).item()
+            print(f"  {label}: relative difference to the default {rel:.2e}")
         best = _sweep(lambda **kw: tri_union(*u_args, **kw), configs)
         if best:
             rows_out[1]["sweep_best"] = f"{best[1]}: {best[0]:.3f} ms"
