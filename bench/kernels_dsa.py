@@ -265,11 +265,14 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
         r["tflops"] = useful / r["ms"] / 1e9
     if sweep:
         # 8 warps (at 4 the [64, 512] fp32 accumulator alone is 256 registers a thread); from 3
-        # stages the slot loads are asynchronous copies too (sm_90a TTGIR)
+        # stages the slot loads are asynchronous copies too (sm_90a TTGIR); contiguous blocks
+        # (pages of PAGE hold whole blocks) keep a latent copy in flight from 3 stages
         configs = [
-            (f"BN{bn} w8 st{st}", dict(block_n=bn, num_warps=8, num_stages=st))
-            for bn, st in ((64, 2), (64, 3), (32, 2), (32, 3), (32, 4), (16, 4))
-        ]
+            (f"BN{bn} w8 st{st}{' contiguous' if c else ''}",
+             dict(block_n=bn, num_warps=8, num_stages=st, contiguous_blocks=bool(c)))
+            for bn, st, c in ((64, 2, 0), (64, 3, 0), (32, 2, 0), (32, 3, 0), (32, 4, 0),
+                              (64, 2, 1), (32, 3, 1), (32, 4, 1), (16, 4, 1))
+        ]  # fmt: skip
         base = tri_union(*u_args).float()
         for label, kw in configs:  # each config's result against the default's
             try:

@@ -161,6 +161,16 @@ def test_union_interp_sparse_far_blocks():
 
 
 @interp_only
+@pytest.mark.parametrize("block_n, stages", [(16, 1), (8, 3)])
+def test_union_interp_contiguous_blocks(block_n, stages):
+    """Key blocks addressed from their first slot (pages of 16 positions hold whole blocks),
+    the last block short of its tile's key end."""
+    case = Case(REQUESTS, heads=4, rank=32, dtype=torch.float32, device="cpu", seed=8, page=16)
+    pos = _scatter_empties(case.indexer_selection(kpool=4, select_pools=3), case.gen)
+    _check(case, pos, block_n=block_n, num_stages=stages, contiguous_blocks=True)
+
+
+@interp_only
 def test_union_interp_bf16():
     case = Case(REQUESTS, heads=4, rank=32, dtype=torch.bfloat16, device="cpu", seed=3)
     pos = case.indexer_selection(kpool=4, select_pools=3)
@@ -264,6 +274,19 @@ def test_union_gpu_bf16_real_shape(start, skip_empty):
     assert not out.isnan().any()
     assert _rel(out, exact) < 1e-2
     assert _rel(out, gathered) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("block_n, stages", [(64, 2), (32, 3), (32, 4)])
+def test_union_gpu_contiguous_blocks(block_n, stages):
+    """Key blocks addressed from their first slot: pages of 64 hold whole blocks."""
+    case, pos, slots = _gpu_case(0, torch.bfloat16)
+    args = case.union_inputs(pos, torch.bfloat16)
+    gathered = tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:])
+    out = tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], block_n=block_n,
+                    num_stages=stages, contiguous_blocks=True)  # fmt: skip
+    exact = tri_gather(case.q.float(), case.latent.float(), slots, 576**-0.5)
+    assert _rel(out, exact) < 1e-2 and _rel(out, gathered) < 1e-2
 
 
 @gpu

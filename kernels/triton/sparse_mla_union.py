@@ -53,13 +53,12 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _key_block(
-    q, kv_ptr, r2t_ptr, row, stride_kv, stride_r2t, offs_n, offs_r, r_mask, in_range, marked,
-    m_i, l_i, acc, qk_scale_log2, DOT_PREC: tl.constexpr,
+    q, kv_ptr, slot, stride_kv, offs_r, r_mask, in_range, marked, m_i, l_i, acc, qk_scale_log2,
+    DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    """One key block: gather its latent rows once (every position of the request's context in
-    it), fold them into every row's online softmax; rows that mark none of them keep their
-    state."""
-    slot = tl.load(r2t_ptr + row * stride_r2t + offs_n, mask=in_range, other=0)
+    """One key block: gather its latent rows (at `slot`, every position of the request's context
+    in it) once, fold them into every row's online softmax; rows that mark none of them keep
+    their state."""
     kv = tl.load(
         kv_ptr + slot[:, None] * stride_kv + offs_r[None, :],
         mask=in_range[:, None] & r_mask[None, :],
@@ -95,6 +94,7 @@ def _union_kernel(
     BLOCK_N: tl.constexpr,
     SKIP_EMPTY: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    CONTIG: tl.constexpr,
 ):
     t = tl.program_id(0)
     first = tl.load(tiles_ptr + t * 3)
@@ -118,9 +118,19 @@ def _union_kernel(
     l_i = tl.zeros([QB * HP], dtype=tl.float32)
     acc = tl.zeros([QB * HP, BLOCK_R], dtype=tl.float32)
     q_ids = first + tl.arange(0, QB)
+    r2t_row = r2t_ptr + row * stride_r2t
+    if CONTIG:
+        base = tl.load(r2t_row)  # the first key block's first slot
     for kb in range(0, key_end, BLOCK_N):
         offs_n = kb + tl.arange(0, BLOCK_N)
         in_range = offs_n < key_end
+        if CONTIG:  # the block's positions lie in one page: consecutive slots from its first
+            slot = base + tl.arange(0, BLOCK_N)
+            # the next block's first slot, carried: the latent load's address needs no load of
+            # its iteration, so the pipeliner issues it stages ahead
+            base = tl.load(r2t_row + tl.minimum(kb + BLOCK_N, key_end - 1))
+        else:
+            slot = tl.load(r2t_row + offs_n, mask=in_range, other=0)
         # one mask row per query (not per head: fewer 64-bit pointers held), spread to its rows
         marked_q = tl.load(
             mask_ptr + q_ids[:, None] * stride_mn + offs_n[None, :],
@@ -134,13 +144,13 @@ def _union_kernel(
         if SKIP_EMPTY:
             if tl.max(tl.max(marked_q, axis=1), axis=0) > 0:
                 m_i, l_i, acc = _key_block(
-                    q, kv_ptr, r2t_ptr, row, stride_kv, stride_r2t, offs_n, offs_r, r_mask,
-                    in_range, marked, m_i, l_i, acc, qk_scale_log2, DOT_PREC,
+                    q, kv_ptr, slot, stride_kv, offs_r, r_mask, in_range, marked, m_i, l_i, acc,
+                    qk_scale_log2, DOT_PREC,
                 )  # fmt: skip
         else:
             m_i, l_i, acc = _key_block(
-                q, kv_ptr, r2t_ptr, row, stride_kv, stride_r2t, offs_n, offs_r, r_mask,
-                in_range, marked, m_i, l_i, acc, qk_scale_log2, DOT_PREC,
+                q, kv_ptr, slot, stride_kv, offs_r, r_mask, in_range, marked, m_i, l_i, acc,
+                qk_scale_log2, DOT_PREC,
             )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -191,11 +201,17 @@ def sparse_mla_union(
     num_warps: int | None = None,
     num_stages: int | None = None,
     skip_empty: bool = False,
+    contiguous_blocks: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """As kernels.sparse_mla_union.sparse_mla_union; tiles must hold at most
     block_queries(H, q.dtype) queries each. The other keywords override the launch (tests and
-    tuning only)."""
+    tuning only). contiguous_blocks: the caller guarantees that every key block's positions
+    (block_n of them from a multiple of block_n) sit in consecutive cache slots, as a page
+    size that is a multiple of block_n does; then each block's latent rows are addressed from
+    one slot carried from the block before, and from 3 stages Triton keeps a latent copy in
+    flight during a block's dots (at the default every block's gather waits for its slot
+    load). Wrong where a block straddles two pages."""
     n, heads, rank = q.shape
     assert latent.shape[1] == rank and latent.stride(1) == 1 and mask.stride(1) == 1
     assert req_to_token.stride(1) == 1
@@ -236,6 +252,7 @@ def sparse_mla_union(
         QB=qb,
         BLOCK_N=block_n or (16 if fp32 else 64),
         SKIP_EMPTY=skip_empty,
+        CONTIG=contiguous_blocks,
         DOT_PREC="ieee" if fp32 else "tf32",
         num_warps=num_warps or (8 if qb * hp * rank >= 16 * 512 else 4),
         **stages,
