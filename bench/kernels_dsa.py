@@ -13,9 +13,10 @@ Rows:
   end of a 64k context): TFLOP/s counted on valid slots only (4 * H * R per slot).
 - sparse MLA prefill at rank 0 of TP8 (8 heads), an 8,192-token chunk with no prefix and after
   8k and 24k cached (--quick: no prefix only): the gather kernel against the union kernel
-  (kernels/triton/sparse_mla_union.py) alone, with skip_empty, and with the selection mask it
-  needs per layer (what dsa.sparse_mla runs); useful TFLOP/s on valid slots, the union's dense
-  rate, 11 layers' total, and which one union_pays picks.
+  (kernels/triton/sparse_mla_union.py) alone (whole pages of 64: blocks addressed from their
+  first slot; beside it a slot load a block), with skip_empty, and with the selection mask it
+  needs per layer (what dsa.sparse_mla runs; beside it fe81f4e's way); useful TFLOP/s on valid
+  slots, the union's dense rate, 11 layers' total, and which one union_pays picks.
 - indexer scoring at contexts 8k..64k (decode batches, and 8,192-query extend chunks at 8k and
   64k): GB/s (pooled keys read) and TFLOP/s; top-k selection; scoring + selection against the
   reference pipeline (gather + score_pools + select_tokens).
@@ -226,9 +227,9 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
     positions_of[table[0, :ctx]] = torch.arange(ctx, device="cuda")
 
     def with_mask():
-        return tri_union(q, latent, tri_mask(pos, ctx), scale, table, rows, tiles)
+        return tri_union(q, latent, tri_mask(pos, ctx), scale, table, rows, tiles, page_size=PAGE)
 
-    def with_slot_mask():  # fe81f4e: select_slots' conversion, then the mask from the slots
+    def with_slot_mask():  # fe81f4e: select_slots' conversion, the mask from the slots, gathers
         sl = _slots_at(table, pos)
         back = torch.where(sl >= 0, positions_of[sl.clamp(min=0)], ctx)
         m = torch.zeros(n, ctx + 1, dtype=torch.uint8, device="cuda").scatter_(1, back, 1)
@@ -241,7 +242,8 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
     picks = "union" if union.union_pays(H_RANK, W, [start], [n]) else "gather"
     case = f"8k chunk after {start // 1024}k cached (rule: {picks})"
     t_gather = _bench(lambda: gather(q, latent, slots, scale))
-    t_union = _bench(lambda: tri_union(*u_args))
+    t_union = _bench(lambda: tri_union(*u_args, page_size=PAGE))
+    t_slotwise = _bench(lambda: tri_union(*u_args))
     t_skip = _bench(lambda: tri_union(*u_args, skip_empty=True))
     t_full = _bench(with_mask)
     t_before = _bench(with_slot_mask)
@@ -251,6 +253,8 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
         dict(kernel="sparse_mla 8 heads, gather", case=case, ms=t_gather, x11_ms=11 * t_gather),
         dict(kernel="sparse_mla 8 heads, union", case=case, ms=t_union, vs=t_gather / t_union,
              dense_tflops=dense / t_union / 1e9),
+        dict(kernel="sparse_mla 8 heads, union, a slot load a block (page_size 1)", case=case,
+             ms=t_slotwise, vs=t_gather / t_slotwise),
         dict(kernel="sparse_mla 8 heads, union skip_empty", case=case, ms=t_skip,
              vs=t_gather / t_skip),
         dict(kernel="sparse_mla 8 heads, mask + union", case=case, ms=t_full,
@@ -269,7 +273,7 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
         # (pages of PAGE hold whole blocks) keep a latent copy in flight from 3 stages
         configs = [
             (f"BN{bn} w8 st{st}{' contiguous' if c else ''}",
-             dict(block_n=bn, num_warps=8, num_stages=st, contiguous_blocks=bool(c)))
+             dict(block_n=bn, num_warps=8, num_stages=st, page_size=PAGE if c else 1))
             for bn, st, c in ((64, 2, 0), (64, 3, 0), (32, 2, 0), (32, 3, 0), (32, 4, 0),
                               (64, 2, 1), (32, 3, 1), (32, 4, 1), (16, 4, 1))
         ]  # fmt: skip

@@ -12,6 +12,8 @@ sets per token (the Triton selection lists them in another order).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -58,14 +60,20 @@ def _setup(device: str, starts: list[int], lens: list[int], heads: int, dim: int
         for pool in range(start // kp, (start + n) // kp):
             cache.index_keys[table[row, pool * kp] // kp] = float("nan")
     to = lambda t: t.to(device)  # noqa: E731
-    cache = DSALayerCache(*(to(t) for t in vars(cache).values()))
+    cache = _tensors_mapped(cache, to)
     ids = [1] * total
     batch = ForwardBatch.build(ids, row_ids, starts, lens, to(table))
     return cache, tuple(to(t) for t in inputs), batch, row_ids
 
 
+def _tensors_mapped(cache: DSALayerCache, fn) -> DSALayerCache:
+    return dataclasses.replace(
+        cache, **{k: fn(v) for k, v in vars(cache).items() if torch.is_tensor(v)}
+    )
+
+
 def _clone(cache: DSALayerCache) -> DSALayerCache:
-    return DSALayerCache(*(t.clone() for t in vars(cache).values()))
+    return _tensors_mapped(cache, torch.Tensor.clone)
 
 
 def _one_by_one(shape, inputs, batch: ForwardBatch, cache: DSALayerCache) -> torch.Tensor:

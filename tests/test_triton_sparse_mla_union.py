@@ -167,7 +167,8 @@ def test_union_interp_contiguous_blocks(block_n, stages):
     the last block short of its tile's key end."""
     case = Case(REQUESTS, heads=4, rank=32, dtype=torch.float32, device="cpu", seed=8, page=16)
     pos = _scatter_empties(case.indexer_selection(kpool=4, select_pools=3), case.gen)
-    _check(case, pos, block_n=block_n, num_stages=stages, contiguous_blocks=True)
+    _check(case, pos, block_n=block_n, num_stages=stages, page_size=16)
+    _check(case, pos, block_n=32, page_size=16)  # a block over two pages: gathered per slot
 
 
 @interp_only
@@ -222,21 +223,24 @@ def test_triton_selection_mask_equals_the_twin():
 
 
 @interp_only
-@pytest.mark.parametrize("requests", [REQUESTS, [(200, 4), (0, 7)]])
-def test_dsa_sparse_mla_picks_and_agrees(monkeypatch, requests):
+@pytest.mark.parametrize(
+    "requests, page", [(REQUESTS, PAGE), (REQUESTS, 16), ([(200, 4), (0, 7)], PAGE)]
+)
+def test_dsa_sparse_mla_picks_and_agrees(monkeypatch, requests, page):
     """serving/layers/attention/dsa.py's extend wiring on the fast path (the Triton kernels under
-    the interpreter): REQUESTS take the union kernel, a short chunk after 200 cached tokens the
-    gather kernel (union_pays); both equal the reference on the batch's own selection."""
+    the interpreter): REQUESTS take the union kernel (pages of 16 hold its whole key blocks, of
+    4 not), a short chunk after 200 cached tokens the gather kernel (union_pays); each equals
+    the reference on the batch's own selection."""
     from serving.forward_batch import ForwardBatch
     from serving.layers.attention import dsa
     from serving.memory.cache import DSALayerCache
 
-    case = Case(requests, heads=4, rank=32, dtype=torch.float32, device="cpu", seed=6)
+    case = Case(requests, heads=4, rank=32, dtype=torch.float32, device="cpu", seed=6, page=page)
     pos = case.indexer_selection(kpool=4, select_pools=3)
     slots = case.slots(pos)
     ids = [1] * case.positions.numel()
     batch = ForwardBatch.build(ids, case.rows, case.starts, case.lens, case.table)
-    cache = DSALayerCache(case.latent, None, None, None)
+    cache = DSALayerCache(case.latent, None, None, None, page_size=page)
     monkeypatch.setattr(dsa, "fast_path", lambda t: True)
     out = dsa.sparse_mla(case.q, pos, batch, cache, 0.3)
     ref = ref_gather(case.q, case.latent, slots, 0.3)
@@ -284,7 +288,7 @@ def test_union_gpu_contiguous_blocks(block_n, stages):
     args = case.union_inputs(pos, torch.bfloat16)
     gathered = tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:])
     out = tri_union(case.q, case.latent, args[0], 576**-0.5, *args[1:], block_n=block_n,
-                    num_stages=stages, contiguous_blocks=True)  # fmt: skip
+                    num_stages=stages, page_size=64)  # fmt: skip
     exact = tri_gather(case.q.float(), case.latent.float(), slots, 576**-0.5)
     assert _rel(out, exact) < 1e-2 and _rel(out, gathered) < 1e-2
 
@@ -311,7 +315,7 @@ def test_dsa_sparse_mla_gpu_takes_the_union():
 
     case, pos, slots = _gpu_case(0, torch.bfloat16)
     batch = ForwardBatch.build([1] * 8192, case.rows, case.starts, case.lens, case.table)
-    cache = DSALayerCache(case.latent, None, None, None)
+    cache = DSALayerCache(case.latent, None, None, None, page_size=64)
     out = dsa.sparse_mla(case.q, pos, batch, cache, 576**-0.5)
     again = dsa.sparse_mla(case.q, pos, batch, cache, 576**-0.5)
     assert torch.equal(

@@ -43,6 +43,9 @@ class DSALayerCache:
     index_keys: torch.Tensor | None  # [slots // kpool, D] pooled keys
     tail_keys: torch.Tensor | None  # [rows, tail_slots, D] ring, position p at p % tail_slots
     tail_gates: torch.Tensor | None  # [rows, tail_slots, D]
+    # every page_size-aligned run of a request's positions sits in consecutive slots (the pool's
+    # pages; 1: no such guarantee): the union kernel addresses whole key blocks from one slot
+    page_size: int = 1
 
     @property
     def tail_slots(self) -> int:
@@ -94,6 +97,7 @@ def allocate_model_cache(
     layer_types: dict[int, str] | None = None,
     num_draft_tokens: int = 1,
     state_slots: int = 0,
+    page_size: int = 1,
 ) -> ModelCache:
     """Allocate caches for `layers` (default: every target layer) of `config`.
 
@@ -140,6 +144,7 @@ def allocate_model_cache(
             tail_gates=torch.zeros(rows, tail, d, dtype=dtype, device=device)
             if has_indexer
             else None,
+            page_size=page_size,
         )
     return ModelCache(req_to_token=req_to_token, layers=caches)
 

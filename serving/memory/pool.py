@@ -237,6 +237,7 @@ class MemoryPool:
             device,
             num_draft_tokens=plan.num_draft_tokens,
             state_slots=plan.state_slots,
+            page_size=plan.page_size,
         )
         self.aux = AuxRows.allocate(
             request_rows(self.req_to_token), config.hidden_size, dtype, device
@@ -256,6 +257,7 @@ class MemoryPool:
                 layers=[config.num_hidden_layers],
                 layer_types=config.draft_layer_types,
                 num_draft_tokens=plan.num_draft_tokens,
+                page_size=plan.page_size,
             )
 
         self.work = PoolWorkQueue(self._apply)  # resets, maps and loads: at once, or batched()

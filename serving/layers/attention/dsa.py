@@ -178,8 +178,9 @@ def sparse_mla(
         if "mask" not in held:
             held["mask"] = union_fast.selection_mask(positions, ctx_len)
         return union_fast.sparse_mla_union(
-            q_abs, cache.latent, held["mask"], scale, batch.req_to_token, query_rows, tiles
-        )
+            q_abs, cache.latent, held["mask"], scale, batch.req_to_token, query_rows, tiles,
+            page_size=cache.page_size,
+        )  # fmt: skip
     if "slots" not in held:
         held["slots"] = selected_slots(positions, batch)
     if fast:
