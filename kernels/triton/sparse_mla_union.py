@@ -1,14 +1,15 @@
 """Triton sparse MLA over the union of a tile of queries' selections (extend at few heads).
 
     sparse_mla_union(q, latent, mask, scale, req_to_token, query_rows, tiles, *, block_n=None,
-                     num_warps=None, num_stages=None, skip_empty=False, out=None) -> [N, H, R]
+                     num_warps=None, num_stages=None, page_size=1, skip_empty=False,
+                     out=None) -> [N, H, R]
     selection_mask(positions, ctx_len) -> [N, ctx_len] uint8
 
 Same signatures and semantics as kernels.sparse_mla_union's (tiles from its union_tiles with
-block_queries(H, dtype) queries a tile). The mask is a zero fill and one scatter launch straight
-from the indexer's positions: at an 8k chunk it is 67 MB written per full DSA layer, and the
-torch twin's where and scatter over [N, W] int64 cost more than the fill (each layer's mask was
-0.38 ms beside the union kernel's 2.20 before it came from positions in one launch).
+block_queries(H, dtype) queries a tile; page_size is this kernel's own: below). The mask is a
+zero fill and one scatter launch straight from the indexer's positions (H100, an 8k chunk at 8
+heads: 0.121 ms against the torch twin's 0.283; the mask + union kernel 2.29 ms against 3.10
+when the extend path made its positions slots and the mask came from the slots).
 
 Design. One program per tile: QB = block_queries(H, dtype) consecutive queries of one
 request, their QB x H (query, head) rows stacked into one [64, R] query tile (8 queries x 8 heads
@@ -27,15 +28,18 @@ block 64 KiB in shared memory; 2 stages. fp32 inputs (tests) use 32-row tiles (b
 the dtype), BLOCK_N = 16, 1 stage and IEEE dots; bf16 inputs use bf16 dots with fp32
 accumulation and round P to bf16 before P @ V, like the reference.
 
-Built offline for sm_90a (triton.compile + ptxas -v; not yet timed on a GPU): the bf16 default
-takes wgmma, 128 KiB of shared memory, 255 registers and ~0.4 KB of spills a thread (the gather
-kernel at BLOCK_H = 64: ~0.7 KB); BLOCK_N = 32 spills nothing (bench --sweep weighs the two);
-skip_empty adds ~0.8 KB in bf16, and in fp32 (tests only) its branch around the FMA dots spills
-~15 KB: slow, not wrong. Why the loop is as it is: masking the gather to the columns some query
-marks holds a per-column predicate through the dots (~1.2 KB of spills); prefetching the next
-block's slots and mask by hand doubles that again. Triton pipelines neither the slot nor the
-latent loads of this loop (no async copies in the TTGIR); the gather kernel pipelines its slot
-loads.
+Pipelining (Triton 3.6's sm_90a TTGIR, scratch-compiled on a CPU): at the default the latent
+loads are asynchronous copies one block ahead, but each waits for its block's slot load, so a
+block's gather and its dots do not overlap (from 3 stages the slot loads are asynchronous too).
+Where the cache's pages hold whole key blocks (page_size a multiple of BLOCK_N: serving's 64)
+a block's latent rows are addressed from its first slot, carried from the block before, so the
+latent load needs no load of its own iteration: from 3 stages one copy stays in flight during
+the dots (BLOCK_N 32: 164 KB of shared memory; 64 would need 257 KB). H100, an 8k chunk at 8
+heads (bench.kernels_dsa --sweep): BLOCK_N 64, 2 stages 2.018 ms with whole pages against 2.202
+gathered; 32 / 3 stages 2.761 against 2.858; so the default stays 64 / 2. 255 registers and a
+24-byte stack frame at the default (16 with whole pages); skip_empty's frame is 704 bytes
+(bf16). Why the loop is as it is: masking the gather to the columns some query marks holds a
+per-column predicate through the dots (~1.2 KB of spills).
 """
 
 from __future__ import annotations
