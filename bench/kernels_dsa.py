@@ -88,16 +88,20 @@ def _decode_slots(table: torch.Tensor, positions: torch.Tensor, gen) -> torch.Te
     return _slots_at(table, _decode_positions(table, positions, gen))
 
 
-def _sweep(fn, configs, timer=None) -> tuple[float, str] | None:
+def _sweep(fn, configs, timer=None, check=None) -> tuple[float, str] | None:
+    """Times fn(**kwargs) per config; check(result), where given, says how a config's result
+    stands against the default's (printed beside its time)."""
     timer = timer or _bench
     best = None
     for label, kwargs in configs:
+        run = functools.partial(fn, **kwargs)
         try:
-            t = timer(functools.partial(fn, **kwargs))
+            note = f" ({check(run())})" if check else ""
+            t = timer(run)
         except Exception as exc:  # noqa: BLE001 - out of resources for a config etc.
             print(f"  skip {label}: {type(exc).__name__}")
             continue
-        print(f"  {label}: {t:.4f} ms")
+        print(f"  {label}: {t:.4f} ms{note}")
         if best is None or t < best[0]:
             best = (t, label)
     return best
@@ -278,15 +282,12 @@ def _rank_prefill_case(start: int, sweep: bool, gen) -> list[dict]:
                               (64, 2, 1), (32, 3, 1), (32, 4, 1), (16, 4, 1))
         ]  # fmt: skip
         base = tri_union(*u_args).float()
-        for label, kw in configs:  # each config's result against the default's
-            try:
-                got = tri_union(*u_args, **kw).float()
-            except Exception as exc:  # noqa: BLE001 - out of resources for a config etc.
-                print(f"  {label}: {type(exc).__name__}")
-                continue
-            rel = ((got - base).norm() / base.norm()).item()
-            print(f"  {label}: relative difference to the default {rel:.2e}")
-        best = _sweep(lambda **kw: tri_union(*u_args, **kw), configs)
+
+        def against_default(got: torch.Tensor) -> str:
+            rel = ((got.float() - base).norm() / base.norm()).item()
+            return f"relative difference to the default {rel:.2e}"
+
+        best = _sweep(lambda **kw: tri_union(*u_args, **kw), configs, check=against_default)
         if best:
             rows_out[1]["sweep_best"] = f"{best[1]}: {best[0]:.3f} ms"
     return rows_out
