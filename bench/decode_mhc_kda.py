@@ -9,9 +9,9 @@
   1024,8192) also each kernel's device time in one eager call ("mhc_kernels_eager"; with PDL a
   kernel's time includes its wait for the one before).
 - --pre-sweep (prefill sizes, e.g. --batches 8192): mhc_pre alone (the collapse: its partial
-  and finish kernels) under each PRE_PARTIAL (with PRE_PARTIAL_PRESPLIT), then each PRE_FINISH of
-  kernels/triton/mhc.py
-  (the other at its default), "mhc_pre_config" rows: us (graph), the two kernels' eager us, and
+  and finish kernels) under each PRE_SINKHORN_TOKENS, then each PRE_PARTIAL (with
+  PRE_PARTIAL_PRESPLIT), then each PRE_FINISH of kernels/triton/mhc.py
+  (the others at their defaults), "mhc_pre_config" rows: us (graph), the two kernels' eager us, and
   the largest difference from the default's outputs (max_diff; the default's row 0).
 - kda_layer (bf16, and fp8: every projection of the layer held in block FP8, as
   --fp8-linears all holds them): the old decode step (in_proj: one GEMM in bf16, six W8A8
@@ -165,6 +165,7 @@ PRE_PARTIALS = (
     ((32, 64, 4), False), ((128, 64, 8), True), ((64, 128, 4), True),
 )  # fmt: skip
 PRE_FINISHES = ((1, 1024, 4), (4, 4096, 8), (8, 4096, 8), (16, 4096, 8), (8, 1024, 4))
+PRE_SINKHORNS = (0, 16, 64)  # tokens per Sinkhorn program of the finish (0: in every program)
 
 
 def sweep_pre(batch: int) -> None:
@@ -178,24 +179,32 @@ def sweep_pre(batch: int) -> None:
         args = (c["fn"], c["base"], c["scale"], *MIXING, c["weight"], 1e-5)
         return mhc.mhc_pre(c["streams"], *args)
 
-    default = ((mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH)
-    configs = [default] + [(p, default[1]) for p in PRE_PARTIALS if p != default[0]]
-    configs += [(default[0], f) for f in PRE_FINISHES if f != default[1]]
+    default = ((mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH, mhc.PRE_SINKHORN_TOKENS)
+    partial0, finish0, sinkhorn0 = default
+    configs = [default] + [(partial0, finish0, s) for s in PRE_SINKHORNS if s != sinkhorn0]
+    configs += [(p, finish0, sinkhorn0) for p in PRE_PARTIALS if p != partial0]
+    configs += [(partial0, f, sinkhorn0) for f in PRE_FINISHES if f != finish0]
     ref = None
     try:
-        for partial, finish in configs:
-            (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH = partial, finish
+        for config in configs:
+            (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH, mhc.PRE_SINKHORN_TOKENS = (
+                config
+            )
             got = pre(copies[0])
             ref = got if ref is None else ref
             diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
             us = graph_us(pre, copies)
             kernels = [round(t, 2) for _, t in kernel_times(pre, copies[0])]
             floor = act_bytes / HBM_BW * 1e6
+            partial, finish, sinkhorn = config
             line = dict(name="mhc_pre_config", batch=batch, partial=partial, finish=finish)
+            line.update(sinkhorn_tokens=sinkhorn)
             line.update(us=round(us, 2), kernels_eager_us=kernels, max_diff=diff)
             print(json.dumps(dict(line, floor_us=round(floor, 2))), flush=True)
     finally:
-        (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH = default
+        (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH, mhc.PRE_SINKHORN_TOKENS = (
+            default
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,6 +118,18 @@ def test_mhc_interpreter_prefill_blocks(monkeypatch, finish):
 
 
 @cpu_interp
+@pytest.mark.parametrize("sinkhorn_tokens", [0, 8])
+def test_mhc_interpreter_sinkhorn_programs(monkeypatch, sinkhorn_tokens):
+    """The prefill finish's Sinkhorn in every collapse program (0) or in programs of its own, 8
+    tokens a tile (20 tokens: a ragged last tile): post, comb and the collapse as the
+    reference's."""
+    from kernels.triton import mhc
+
+    monkeypatch.setattr(mhc, "PRE_SINKHORN_TOKENS", sinkhorn_tokens)
+    _check_mhc(20, 4, 200, torch.bfloat16, "cpu")
+
+
+@cpu_interp
 def test_mhc_interpreter_presplit_is_the_split(monkeypatch):
     """fn's bf16_split terms made once (split_bf16x3, PRE_PARTIAL_PRESPLIT) give the very
     logits the per-tile split does: the same terms, dotted in the same order (bitwise)."""

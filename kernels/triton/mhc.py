@@ -391,14 +391,39 @@ def _mhc_pre_finish_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     SPLITS: tl.constexpr,
+    SINKHORN_T: tl.constexpr,  # 0: each program's Sinkhorn its own; else PRE_SINKHORN_TOKENS
+    SINKHORN_SPLITS: tl.constexpr,
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
-    t0 = tl.program_id(0) * BLOCK_T
-    n = tl.minimum(T - t0, BLOCK_T)
-    _finish_tokens(
-        part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr, out_ptr,
-        t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, SPLITS, BLOCK_H, "",
-    )  # fmt: skip
+    pid = tl.program_id(0)
+    if SINKHORN_T == 0:
+        t0 = pid * BLOCK_T
+        n = tl.minimum(T - t0, BLOCK_T)
+        _finish_tokens(
+            part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr,
+            out_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, SPLITS,
+            BLOCK_H, "",
+        )  # fmt: skip
+    else:
+        # the first cdiv(T, SINKHORN_T) programs: comb for SINKHORN_T tokens at once (one
+        # [SINKHORN_T, P, P] tile); the rest: post and the collapse of BLOCK_T tokens each
+        sinkhorn_programs = tl.cdiv(T, SINKHORN_T)
+        if pid < sinkhorn_programs:
+            t0 = pid * SINKHORN_T
+            n = tl.minimum(T - t0, SINKHORN_T)
+            _finish_tokens(
+                part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr,
+                out_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, SINKHORN_T,
+                SINKHORN_SPLITS, BLOCK_H, "", 2,
+            )  # fmt: skip
+        else:
+            t0 = (pid - sinkhorn_programs) * BLOCK_T
+            n = tl.minimum(T - t0, BLOCK_T)
+            _finish_tokens(
+                part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr,
+                out_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, SPLITS,
+                BLOCK_H, "", 1,
+            )  # fmt: skip
 
 
 # The collapse past 16 tokens (prefill sizes): the partial kernel's (tokens, K step, warps) per
@@ -412,6 +437,10 @@ def _mhc_pre_finish_kernel(
 PRE_PARTIAL = (64, 64, 4)
 PRE_PARTIAL_PRESPLIT = True
 PRE_FINISH = (1, 4096, 8)
+# Past 16 tokens the finish launch's Sinkhorn (comb, needed only by the next expansion) runs in
+# programs of its own, this many tokens a [T, P, P] tile, beside the collapse programs, instead
+# of as a [1, P, P] tile's 40 serial normalisations in every collapse program; 0: the latter
+PRE_SINKHORN_TOKENS = 32
 
 
 def logit_dot(dtype: torch.dtype) -> str:
@@ -474,7 +503,11 @@ def mhc_pre(
         num_warps=warps,
         **LAUNCH,
     )
-    _mhc_pre_finish_kernel[(triton.cdiv(tokens, finish_t),)](
+    sinkhorn_t = PRE_SINKHORN_TOKENS if tokens > 16 else 0
+    finish_programs = triton.cdiv(tokens, finish_t)
+    if sinkhorn_t:
+        finish_programs += triton.cdiv(tokens, sinkhorn_t)
+    _mhc_pre_finish_kernel[(finish_programs,)](
         part,
         x,
         base.contiguous().float(),
@@ -496,6 +529,8 @@ def mhc_pre(
         BLOCK_T=finish_t,
         BLOCK_H=min(finish_h, triton.next_power_of_2(hidden)),
         SPLITS=min(64 // finish_t, triton.next_power_of_2(splits)),
+        SINKHORN_T=sinkhorn_t,
+        SINKHORN_SPLITS=min(max(1, 64 // max(1, sinkhorn_t)), triton.next_power_of_2(splits)),
         num_warps=finish_warps,
         **LAUNCH,
     )
