@@ -545,26 +545,31 @@ def _mhc_post_kernel(
     comb_ptr,  # [T, HC, HC] float32
     new_ptr,  # [T, HC, HD]
     HC: tl.constexpr,
+    P: tl.constexpr,
     HD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """Every new stream of one token's Hd block as one [P, BLOCK_H] tile, so each old stream is
+    loaded once (a loop over new streams reloaded each old one per new stream: 16 loads, not 4)."""
     grid_dependency()  # first: kernels/triton/pdl.py
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < HD
+    i = tl.arange(0, P)
+    i_mask = i < HC
     dt = new_ptr.dtype.element_ty
     o = tl.load(out_ptr + t * HD + h, mask=h_mask, other=0.0).to(tl.float32)
+    p = tl.load(post_ptr + t * HC + i, mask=i_mask, other=0.0).to(dt).to(tl.float32)
     res = t * (HC * HD) + h
-    for i in tl.static_range(HC):
-        p = tl.load(post_ptr + t * HC + i).to(dt).to(tl.float32)
-        mixed = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            cji = tl.load(comb_ptr + t * HC * HC + j * HC + i).to(dt).to(tl.float32)
-            rj = tl.load(res_ptr + res + j * HD, mask=h_mask, other=0.0).to(tl.float32)
-            mixed += cji * rj
-        a = (p * o).to(dt).to(tl.float32)
-        b = mixed.to(dt).to(tl.float32)
-        tl.store(new_ptr + res + i * HD, (a + b).to(dt), mask=h_mask)
+    mixed = tl.zeros([P, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(HC):  # mixed[i] = sum_j comb[j, i] res[j], j in order
+        cj = tl.load(comb_ptr + t * HC * HC + j * HC + i, mask=i_mask, other=0.0)
+        rj = tl.load(res_ptr + res + j * HD, mask=h_mask, other=0.0).to(tl.float32)
+        mixed += cj.to(dt).to(tl.float32)[:, None] * rj[None, :]
+    a = (p[:, None] * o[None, :]).to(dt).to(tl.float32)
+    b = mixed.to(dt).to(tl.float32)
+    new = new_ptr + t * (HC * HD) + i[:, None] * HD + h[None, :]
+    tl.store(new, (a + b).to(dt), mask=i_mask[:, None] & h_mask[None, :])
 
 
 def mhc_post(
@@ -583,6 +588,7 @@ def mhc_post(
         comb.contiguous().float(),
         new,
         HC=hc,
+        P=triton.next_power_of_2(hc),
         HD=hidden,
         BLOCK_H=block_h,
         num_warps=4,
