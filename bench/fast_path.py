@@ -586,7 +586,7 @@ def stage_profile(b: Bench) -> None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         prefill(runner, rows[0], ids)
         _sync()
-    tables[f"prefill_{n}"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+    tables[f"prefill_{n}"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(5):
             runner.forward([StepInput(rows[0], n + i, [low + 1])])

@@ -10,7 +10,8 @@ expert), GB/s against the 4.23 TB/s copy bandwidth, TFLOP/s (2 * T * k * 3 * I *
 kernels.moe.experts (sorted loop, host syncs) and, for T <= 128, kernels.moe.experts_dense.
 KDA (64 heads x 128, bf16 q/k/v, float32 g/beta/state): chunked prefill of one 8,192-token
 request and fused recurrent decode at batch 1, 32, 128 (bytes: state read + written, plus
-q/k/v/g/beta/o), and the causal conv, beside kernels.kda.
+q/k/v/g/beta/o), and the causal conv, beside kernels.kda; the conv also as rank 0 of TP8 runs it
+(conv_qkv_extend of 8 heads on the stacked projection's output).
 
 Block FP8 (--only fp8): the W8A8 linear (kernels/triton/fp8.py) at every quantized projection's
 real shape (TP1) for 8,192 tokens, TFLOP/s beside bf16 F.linear (cuBLAS) in the same run, with
@@ -190,7 +191,22 @@ def bench_kda(prefill_tokens: int, decode_batches, with_ref: bool) -> list[dict]
     nbytes = 2 * x.numel() * x.element_size()
     rows.append(_row("causal_conv_extend", f"C={chans}", prefill_tokens, ms, ref_ms, nbytes))
     print(_fmt(rows[-1]), flush=True)
-    del q, k, v, g, beta, state, x
+    # rank 0 of TP8: conv_qkv_extend on the stacked projection's output (q | k | v of 8 heads,
+    # then f_a, g_a and b: rows of 3,336 columns, an odd multiple of 8)
+    rank_heads = heads // 8
+    rank_chans = 3 * rank_heads * dim
+    stacked = torch.randn(prefill_tokens, rank_chans + 2 * dim + rank_heads, device=dev)
+    x_rank = stacked.bfloat16()[:, :rank_chans]
+    w_rank, state_rank = weight[:rank_chans].contiguous(), conv_state[:, :rank_chans].contiguous()
+    ms = _time(tkda.conv_qkv_extend, x_rank, w_rank, state_rank, sel, lens, rank_heads)
+    ref_ms = None
+    if with_ref:
+        ref_ms = _time(kda_ref.conv_qkv_extend, x_rank, w_rank, state_rank, sel, lens, rank_heads)
+    nbytes = 2 * x_rank.numel() * x_rank.element_size()
+    shape = f"C={rank_chans}, rows {stacked.shape[1]} apart"
+    rows.append(_row("conv_qkv_extend (rank 0)", shape, prefill_tokens, ms, ref_ms, nbytes))
+    print(_fmt(rows[-1]), flush=True)
+    del q, k, v, g, beta, state, x, stacked, x_rank
     torch.cuda.empty_cache()
 
     for batch in decode_batches:

@@ -385,13 +385,14 @@ def test_conv_gpu(dtype):
     _run_conv("decode", [1] * 8, chans, dtype, "cuda", False)
 
 
-def _run_conv_strided(lens, chans, dtype, device):
+def _run_conv_strided(lens, chans, dtype, device, extra=40):
     """The extend conv on a column view of a wider tensor (q | k | v as the first columns of the
-    stacked input projection's output, rows wider than the conv's channels)."""
+    stacked input projection's output, rows wider than the conv's channels; `extra` more
+    columns: a row stride that is an odd multiple of 8, as the KDA projection's, or odd)."""
     from kernels.triton import kda as tkda
 
     kernel, num_rows = 4, 16
-    wide, weight, state = _conv_inputs(sum(lens), chans + 40, kernel, num_rows, dtype, device)
+    wide, weight, state = _conv_inputs(sum(lens), chans + extra, kernel, num_rows, dtype, device)
     x, weight, state = wide[:, :chans], weight[:chans].contiguous(), state[:, :chans].contiguous()
     rows = _rows(len(lens), num_rows, device)
     state_ref = state.clone()
@@ -405,7 +406,8 @@ def _run_conv_strided(lens, chans, dtype, device):
 @cpu_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_interpreter_strided_input(dtype):
-    _run_conv_strided([1, 15, 16, 2], 24, dtype, "cpu")
+    _run_conv_strided([1, 15, 16, 2, 53], 24, dtype, "cpu")  # row stride 64
+    _run_conv_strided([1, 15, 53], 24, dtype, "cpu", extra=41)  # 65: one element aligned
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ cache of the last W inputs, ours is [R, C, K-1].
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import OrderedDict
 from itertools import accumulate
 from typing import NamedTuple
@@ -47,10 +48,38 @@ EXTEND_BLOCK_T = 32
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _conv_taps(
+    x_ptr, stride_x, w_ptr, state_ptr, row, start, t, c, t_mask, c_mask, stride_sr, stride_sc,
+    C: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    WITH_STATE: tl.constexpr,
+):  # fmt: skip
+    """sum_j w[c, j] * input[t + j - (K-1), c] in float32, j in order; an input position < 0
+    reads the old state (WITH_STATE; without it, those taps are zeros: the caller masks the
+    rows that need them)."""
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + c * K + j, mask=c_mask, other=0.0).to(tl.float32)
+        p = t + j - (K - 1)  # input position inside the request; < 0 reads the old state
+        tap = tl.load(
+            x_ptr + (start + p)[:, None].to(tl.int64) * stride_x + c[None, :],
+            mask=(t_mask & (p >= 0))[:, None] & c_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if WITH_STATE:  # exactly one of the two is nonzero: the sum is the tap itself
+            tap += tl.load(
+                state_ptr + row * stride_sr + c[None, :] * stride_sc + (p + K - 1)[:, None],
+                mask=(t_mask & (p < 0))[:, None] & c_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+        acc += tap * w[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["total"])
 def _conv_kernel(
-    x_ptr,  # [T, C] inputs of all requests back to back, rows stride_x apart
-    stride_x,
+    x_ptr,  # [T, C] inputs of all requests back to back, rows X_ALIGN * stride_x_units apart
+    stride_x_units,
     w_ptr,  # [C, K] float32
     state_ptr,  # [R, C, K-1] conv state (read only here)
     rows_ptr,  # [B] state row of each request
@@ -64,6 +93,8 @@ def _conv_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     SPLIT_QKV: tl.constexpr,  # BLOCK_C is one head: each third apart, q's and k's l2-normed
+    X_ALIGN: tl.constexpr,  # the row stride's power-of-two factor (<= 8): 16-byte bf16 loads
+    KP: tl.constexpr,  # next_power_of_2(K - 1): the rows of a request's first tile
 ):
     b = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -77,21 +108,37 @@ def _conv_kernel(
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     t_mask = t < n
     c_mask = c < C
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(K):
-        w = tl.load(w_ptr + c * K + j, mask=c_mask, other=0.0).to(tl.float32)
-        p = t + j - (K - 1)  # input position inside the request; < 0 reads the old state
-        from_x = tl.load(
-            x_ptr + (start + p)[:, None].to(tl.int64) * stride_x + c[None, :],
-            mask=(t_mask & (p >= 0))[:, None] & c_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        from_s = tl.load(
-            state_ptr + row * stride_sr + c[None, :] * stride_sc + (p + K - 1)[:, None],
-            mask=(t_mask & (p < 0))[:, None] & c_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += (from_x + from_s) * w[None, :]
+    # the stride as a multiple of X_ALIGN, so the compiler knows each row's alignment (an odd
+    # multiple of 8, e.g. the stacked KDA projection's 3,336 columns, is not specialized)
+    stride_x = stride_x_units * X_ALIGN
+    if pid_t * BLOCK_T < K - 1:
+        # a request's first K-1 tokens read the old state too: a tile of their own, so the
+        # state's loads (strided, 2 bytes each) and their registers stay out of the main tile
+        ts = tl.arange(0, KP)
+        ts_mask = (
+            (ts < K - 1) & (ts < n) & (ts >= pid_t * BLOCK_T) & (ts < pid_t * BLOCK_T + BLOCK_T)
+        )
+        acc = _conv_taps(
+            x_ptr, stride_x, w_ptr, state_ptr, row, start, ts, c, ts_mask, c_mask, stride_sr,
+            stride_sc, C, K, KP, BLOCK_C, True,
+        )  # fmt: skip
+        _conv_store(
+            acc, ts, ts_mask, c, c_mask, start, pid_c, total, out_ptr, C, BLOCK_C, SPLIT_QKV
+        )
+        t_mask = t_mask & (t >= K - 1)
+    acc = _conv_taps(
+        x_ptr, stride_x, w_ptr, state_ptr, row, start, t, c, t_mask, c_mask, stride_sr,
+        stride_sc, C, K, BLOCK_T, BLOCK_C, False,
+    )  # fmt: skip
+    _conv_store(acc, t, t_mask, c, c_mask, start, pid_c, total, out_ptr, C, BLOCK_C, SPLIT_QKV)
+
+
+@triton.jit
+def _conv_store(
+    acc, t, t_mask, c, c_mask, start, pid_c, total, out_ptr, C: tl.constexpr,
+    BLOCK_C: tl.constexpr, SPLIT_QKV: tl.constexpr,
+):  # fmt: skip
+    """SiLU of the taps' sum, then (SPLIT_QKV) q's and k's rows l2-normed, stored."""
     out = acc * tl.sigmoid(acc)
     if SPLIT_QKV:
         width = C // 3
@@ -178,9 +225,10 @@ def _conv_run(
         assert block_c * 3 * heads == chans and block_c == triton.next_power_of_2(block_c)
         out = torch.empty(3, x.shape[0], heads, block_c, device=x.device, dtype=x.dtype)
     grid = (num_reqs, triton.cdiv(max_len, block_t), triton.cdiv(chans, block_c))
+    x_align = math.gcd(x.stride(0), 8)
     _conv_kernel[grid](
         x,
-        x.stride(0),
+        x.stride(0) // x_align,
         weight,
         conv_state,
         rows,
@@ -194,6 +242,8 @@ def _conv_run(
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         SPLIT_QKV=heads is not None,
+        X_ALIGN=x_align,
+        KP=triton.next_power_of_2(max(1, kernel - 1)),
         num_warps=4,
     )
     if kernel > 1:
