@@ -9,9 +9,11 @@
   factor applied to the logits (F.linear of the normalised rows equals the factor times the
   linear of the raw rows), pre/post/comb as mhc_mix, then the collapse rounded to the streams'
   dtype and its RMSNorm; the collapse is computed twice (once for its sum of squares, once to
-  normalise) instead of stored and re-read, which would need a barrier;
-- mhc_post: one program per (token, Hd block), each term rounded to the streams' dtype as the
-  reference's bf16 ops round them. Run 5's prefill ran this as a cuBLAS batched 4x4 GEMM per
+  normalise) instead of stored and re-read, which would need a barrier. Past 16 tokens comb
+  (the Sinkhorn) runs in programs of PRE_SINKHORN_TOKENS tokens of the same launch instead;
+- mhc_post: one program per (token, Hd block), every new stream of it one tile (each old
+  stream read once), each term rounded to the streams' dtype as the reference's bf16 ops round
+  them. Run 5's prefill ran this as a cuBLAS batched 4x4 GEMM per
   token: 2.5 ms per call at 8,192 tokens, two per layer;
 - mhc_boundary (a decode-sized batch): mhc_post then mhc_pre in one launch. Programs of (token
   block, channel block) expand their channels of every stream (rounded as mhc_post) and dot them
