@@ -398,34 +398,25 @@ def _mhc_pre_finish_kernel(
 ):
     grid_dependency()  # first: kernels/triton/pdl.py
     pid = tl.program_id(0)
-    if SINKHORN_T == 0:
-        t0 = pid * BLOCK_T
-        n = tl.minimum(T - t0, BLOCK_T)
-        _finish_tokens(
-            part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr,
-            out_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, SPLITS,
-            BLOCK_H, "",
-        )  # fmt: skip
-    else:
+    if SINKHORN_T != 0:
         # the first cdiv(T, SINKHORN_T) programs: comb for SINKHORN_T tokens at once (one
         # [SINKHORN_T, P, P] tile); the rest: post and the collapse of BLOCK_T tokens each
         sinkhorn_programs = tl.cdiv(T, SINKHORN_T)
         if pid < sinkhorn_programs:
             t0 = pid * SINKHORN_T
-            n = tl.minimum(T - t0, SINKHORN_T)
             _finish_tokens(
                 part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr,
-                out_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, SINKHORN_T,
-                SINKHORN_SPLITS, BLOCK_H, "", 2,
+                out_ptr, t0, tl.minimum(T - t0, SINKHORN_T), iters, eps, norm_eps, rms_eps, HC,
+                P, MP, HD, SINKHORN_T, SINKHORN_SPLITS, BLOCK_H, "", 2,
             )  # fmt: skip
-        else:
-            t0 = (pid - sinkhorn_programs) * BLOCK_T
-            n = tl.minimum(T - t0, BLOCK_T)
-            _finish_tokens(
-                part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr,
-                out_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, SPLITS,
-                BLOCK_H, "", 1,
-            )  # fmt: skip
+            return
+        pid -= sinkhorn_programs
+    t0 = pid * BLOCK_T
+    _finish_tokens(
+        part_ptr, 1, T, splits, x_ptr, base_ptr, scale_ptr, nw_ptr, post_ptr, comb_ptr, out_ptr,
+        t0, tl.minimum(T - t0, BLOCK_T), iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T,
+        SPLITS, BLOCK_H, "", 1 if SINKHORN_T else 0,
+    )  # fmt: skip
 
 
 # The collapse past 16 tokens (prefill sizes): the partial kernel's (tokens, K step, warps) per
