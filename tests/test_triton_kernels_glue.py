@@ -126,7 +126,20 @@ def test_mhc_interpreter_sinkhorn_programs(monkeypatch, sinkhorn_tokens):
     from kernels.triton import mhc
 
     monkeypatch.setattr(mhc, "PRE_SINKHORN_TOKENS", sinkhorn_tokens)
+    monkeypatch.setattr(mhc, "PRE_SINKHORN_MAX_ROWS", 1 << 30)
     _check_mhc(20, 4, 200, torch.bfloat16, "cpu")
+
+
+def test_mhc_sinkhorn_programs_only_over_few_splits():
+    """A decode-sized batch past 16 tokens has its partials in many K splits (264 for the real
+    rank's 32 rows): its Sinkhorn stays in the collapse programs, where 32 of them share the
+    sums (one program summing 32 x 264 rows took 111 us a call on the H200); an 8k chunk's 3
+    splits go to Sinkhorn programs of PRE_SINKHORN_TOKENS tokens."""
+    from kernels.triton import mhc
+
+    assert mhc.sinkhorn_tokens(16, 1) == 0
+    assert mhc.sinkhorn_tokens(32, 264) == 0
+    assert mhc.sinkhorn_tokens(8192, 3) == mhc.PRE_SINKHORN_TOKENS > 0
 
 
 @cpu_interp

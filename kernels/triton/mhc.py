@@ -432,8 +432,21 @@ PRE_PARTIAL_PRESPLIT = True
 PRE_FINISH = (1, 4096, 8)
 # Past 16 tokens the finish launch's Sinkhorn (comb, needed only by the next expansion) runs in
 # programs of its own, this many tokens a [T, P, P] tile, beside the collapse programs, instead
-# of as a [1, P, P] tile's 40 serial normalisations in every collapse program; 0: the latter
+# of as a [1, P, P] tile's 40 serial normalisations in every collapse program; 0: the latter.
+# Only where a Sinkhorn program sums at most PRE_SINKHORN_MAX_ROWS partial rows (its tokens x the
+# partial kernel's K splits): the splits grow as the tokens shrink (about two partial programs an
+# SM), and one program summing 32 tokens x 264 splits took 111 us a call at a 32-row decode
+# batch on the H200 (10 of the step's 26.9 ms; session 33), where 32 collapse programs share it
 PRE_SINKHORN_TOKENS = 32
+PRE_SINKHORN_MAX_ROWS = 128
+
+
+def sinkhorn_tokens(tokens: int, splits: int) -> int:
+    """Tokens a Sinkhorn program of mhc_pre's finish launch takes (0: the Sinkhorn in every
+    collapse program), for a call of `tokens` tokens whose partials come in `splits` K splits."""
+    if tokens <= 16 or PRE_SINKHORN_TOKENS * splits > PRE_SINKHORN_MAX_ROWS:
+        return 0
+    return PRE_SINKHORN_TOKENS
 
 
 def logit_dot(dtype: torch.dtype) -> str:
@@ -496,7 +509,7 @@ def mhc_pre(
         num_warps=warps,
         **LAUNCH,
     )
-    sinkhorn_t = PRE_SINKHORN_TOKENS if tokens > 16 else 0
+    sinkhorn_t = sinkhorn_tokens(tokens, splits)
     finish_programs = triton.cdiv(tokens, finish_t)
     if sinkhorn_t:
         finish_programs += triton.cdiv(tokens, sinkhorn_t)
