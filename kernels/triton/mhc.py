@@ -9,8 +9,9 @@
   factor applied to the logits (F.linear of the normalised rows equals the factor times the
   linear of the raw rows), pre/post/comb as mhc_mix, then the collapse rounded to the streams'
   dtype and its RMSNorm; the collapse is computed twice (once for its sum of squares, once to
-  normalise) instead of stored and re-read, which would need a barrier. Past 16 tokens comb
-  (the Sinkhorn) runs in programs of PRE_SINKHORN_TOKENS tokens of the same launch instead;
+  normalise) instead of stored and re-read, which would need a barrier. Past 16 tokens, with
+  few K splits (sinkhorn_tokens), comb (the Sinkhorn) runs in programs of PRE_SINKHORN_TOKENS
+  tokens of the same launch instead;
 - mhc_post: one program per (token, Hd block), every new stream of it one tile (each old
   stream read once), each term rounded to the streams' dtype as the reference's bf16 ops round
   them. Run 5's prefill ran this as a cuBLAS batched 4x4 GEMM per
@@ -436,9 +437,13 @@ PRE_FINISH = (1, 4096, 8)
 # Only where a Sinkhorn program sums at most PRE_SINKHORN_MAX_ROWS partial rows (its tokens x the
 # partial kernel's K splits): the splits grow as the tokens shrink (about two partial programs an
 # SM), and one program summing 32 tokens x 264 splits took 111 us a call at a 32-row decode
-# batch on the H200 (10 of the step's 26.9 ms; session 33), where 32 collapse programs share it
-PRE_SINKHORN_TOKENS = 32
-PRE_SINKHORN_MAX_ROWS = 128
+# batch on the H200 (10 of the step's 26.9 ms; session 33), where 32 collapse programs share
+# them. mhc_pre on the H200 (`bench.decode_mhc_kda --pre-sweep`, session 33, us, in every
+# program / 32 / 64 tokens a Sinkhorn program): 64 tokens 20.0 / 118.7 / 48.4, 256 tokens 19.0 /
+# 41.1 / 30.5, 512 27.0 / 32.9 / 26.7, 1,024 46.8 / 42.5 / 38.7, 4,096 130.0 / 118.3 / 113.4,
+# 8,192 233.0 / 207.5 / 205.7
+PRE_SINKHORN_TOKENS = 64
+PRE_SINKHORN_MAX_ROWS = 2048
 
 
 def sinkhorn_tokens(tokens: int, splits: int) -> int:
