@@ -167,7 +167,7 @@ PRE_PARTIALS = (
 PRE_FINISHES = ((1, 1024, 4), (4, 4096, 8), (8, 4096, 8), (16, 4096, 8), (8, 1024, 4))
 # tokens per Sinkhorn program of the finish (0: in every program), each forced (whatever the
 # partial rows: PRE_SINKHORN_MAX_ROWS lifted)
-PRE_SINKHORNS = (0, 16, 32, 64)
+PRE_SINKHORNS = (0, 1, 16, 32, 64)
 
 
 def sweep_pre(batch: int) -> None:

@@ -118,10 +118,10 @@ def test_mhc_interpreter_prefill_blocks(monkeypatch, finish):
 
 
 @cpu_interp
-@pytest.mark.parametrize("sinkhorn_tokens", [0, 8])
+@pytest.mark.parametrize("sinkhorn_tokens", [0, 1, 8])
 def test_mhc_interpreter_sinkhorn_programs(monkeypatch, sinkhorn_tokens):
-    """The prefill finish's Sinkhorn in every collapse program (0) or in programs of its own, 8
-    tokens a tile (20 tokens: a ragged last tile): post, comb and the collapse as the
+    """The prefill finish's Sinkhorn in every collapse program (0) or in programs of its own,
+    1 or 8 tokens a tile (20 tokens: a ragged last tile): post, comb and the collapse as the
     reference's."""
     from kernels.triton import mhc
 
@@ -144,18 +144,25 @@ def test_mhc_sinkhorn_programs_only_over_few_splits():
 
 @cpu_interp
 def test_mhc_interpreter_presplit_is_the_split(monkeypatch):
-    """fn's bf16_split terms made once (split_bf16x3, PRE_PARTIAL_PRESPLIT) give the very
-    logits the per-tile split does: the same terms, dotted in the same order (bitwise)."""
+    """fn's bf16_split terms made once (split_bf16x3, PRE_PARTIAL_PRESPLIT; with more than one
+    token block: 70 tokens are two of 64) give the very logits the per-tile split does: the
+    same terms, dotted in the same order (bitwise)."""
     from kernels.triton import mhc
 
-    streams, fn, base, scale, weight, _ = _mhc_inputs(20, 4, 64, torch.bfloat16, "cpu")
+    tokens = mhc.PRE_PARTIAL[0] + 6
+    streams, fn, base, scale, weight, _ = _mhc_inputs(tokens, 4, 64, torch.bfloat16, "cpu")
     args = (fn, base, scale, 20, 1e-6, 1e-5, weight, 1e-5)
     monkeypatch.setattr(mhc, "PRE_PARTIAL_PRESPLIT", False)
     per_tile = mhc.mhc_pre(streams, *args)
     monkeypatch.setattr(mhc, "PRE_PARTIAL_PRESPLIT", True)
+    splits, split = [], mhc.split_bf16x3
+    monkeypatch.setattr(mhc, "split_bf16x3", lambda w: splits.append(w.shape) or split(w))
     once = mhc.mhc_pre(streams, *args)
+    assert splits == [fn.shape]  # two token blocks: fn split once a call
     assert all(torch.equal(a, b) for a, b in zip(per_tile, once))
-    terms = mhc.split_bf16x3(fn).float()
+    mhc.mhc_pre(streams[: mhc.PRE_PARTIAL[0]], *args)
+    assert splits == [fn.shape]  # one token block splits each tile once anyway: no extra launch
+    terms = split(fn).float()
     assert torch.equal(terms.sum(0), fn) and not torch.equal(terms[0], fn)
 
 

@@ -422,7 +422,9 @@ def _mhc_pre_finish_kernel(
 
 # The collapse past 16 tokens (prefill sizes): the partial kernel's (tokens, K step, warps) per
 # program and the finish kernel's (tokens, channel block, warps); PRE_PARTIAL_PRESPLIT: the
-# bf16_split terms of fn made once a call (split_bf16x3), not per tile in every token block.
+# bf16_split terms of fn made once a call (split_bf16x3), not per tile in every token block:
+# only with more than one token block (one block splits each tile once anyway; the extra launch
+# was 2.3 us a call at a 32-row decode batch on the H200, 90 a step).
 # `bench.decode_mhc_kda --pre-sweep` times mhc_pre alone over a grid of them; on an H100
 # (2026-12-05, one run, us at 8,192 / 1,024 tokens): (64, 64, 4) split per tile, (1, 1024, 4)
 # (the defaults before) 300.1 / 55.7; split once 252.4 / 51.3; finish (1, 4096, 8): one
@@ -497,7 +499,7 @@ def mhc_pre(
     part = torch.empty(splits, tokens, mp + 1, device=dev, dtype=torch.float32)
     precision = logit_dot(streams.dtype)
     weights = fn.contiguous().float()
-    if tokens > 16 and PRE_PARTIAL_PRESPLIT and precision == "bf16_split":
+    if t_blocks > 1 and PRE_PARTIAL_PRESPLIT and precision == "bf16_split":
         precision, weights = "bf16_presplit", split_bf16x3(weights)
     _mhc_pre_partial_kernel[(t_blocks, splits)](
         x,
