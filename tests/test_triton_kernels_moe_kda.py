@@ -211,8 +211,16 @@ def test_moe_align_interpreter(tokens, shape):
     _check_align(tokens, shape[1], shape[3], 16, "cpu")
 
 
+@cpu_interp
+@pytest.mark.parametrize("tokens", [2, 8])
+def test_moe_align_interpreter_rank_experts(tokens):
+    # rank 0's 36 local experts at decode batches: tiles as tall as the pairs and blocks (16
+    # and 64 rows), not the 256 the kernel takes for 2,048 pairs
+    _check_align(tokens, 36, 8, 16, "cpu")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 32, 128, 256])
+@pytest.mark.parametrize("tokens", [1, 8, 32, 128, 256])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_moe_align_gpu(tokens, block_m):
     _check_align(tokens, REAL[1], REAL[3], block_m, "cuda")
