@@ -190,7 +190,8 @@ def sweep_pre(batch: int) -> None:
     ref = None
     try:
         for config in configs:
-            (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH, sinkhorn = config
+            partial, finish, sinkhorn = config
+            (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH = partial, finish
             mhc.PRE_SINKHORN_TOKENS, mhc.PRE_SINKHORN_MAX_ROWS = sinkhorn
             got = pre(copies[0])
             ref = got if ref is None else ref
@@ -198,7 +199,6 @@ def sweep_pre(batch: int) -> None:
             us = graph_us(pre, copies)
             kernels = [round(t, 2) for _, t in kernel_times(pre, copies[0])]
             floor = act_bytes / HBM_BW * 1e6
-            partial, finish, sinkhorn = config
             line = dict(name="mhc_pre_config", batch=batch, partial=partial, finish=finish)
             line.update(sinkhorn_tokens=sinkhorn[0], sinkhorn_max_rows=sinkhorn[1])
             line.update(us=round(us, 2), kernels_eager_us=kernels, max_diff=diff)

@@ -543,7 +543,7 @@ def mhc_pre(
         BLOCK_H=min(finish_h, triton.next_power_of_2(hidden)),
         SPLITS=min(64 // finish_t, triton.next_power_of_2(splits)),
         SINKHORN_T=sinkhorn_t,
-        SINKHORN_SPLITS=min(max(1, 64 // max(1, sinkhorn_t)), triton.next_power_of_2(splits)),
+        SINKHORN_SPLITS=min(64 // sinkhorn_t, triton.next_power_of_2(splits)) if sinkhorn_t else 1,
         num_warps=finish_warps,
         **LAUNCH,
     )
