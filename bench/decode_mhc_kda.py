@@ -166,7 +166,7 @@ PRE_PARTIALS = (
 )  # fmt: skip
 PRE_FINISHES = ((1, 1024, 4), (4, 4096, 8), (8, 4096, 8), (16, 4096, 8), (8, 1024, 4))
 # tokens per Sinkhorn program of the finish (0: in every program), each forced (whatever the
-# partial rows: PRE_SINKHORN_MAX_ROWS lifted)
+# tokens and partial rows: PRE_SINKHORN_ONE_TOKEN_MAX 0, PRE_SINKHORN_MAX_ROWS lifted)
 PRE_SINKHORNS = (0, 1, 16, 32, 64)
 
 
@@ -181,10 +181,10 @@ def sweep_pre(batch: int) -> None:
         args = (c["fn"], c["base"], c["scale"], *MIXING, c["weight"], 1e-5)
         return mhc.mhc_pre(c["streams"], *args)
 
-    sinkhorn0 = (mhc.PRE_SINKHORN_TOKENS, mhc.PRE_SINKHORN_MAX_ROWS)
+    sinkhorn0 = (mhc.PRE_SINKHORN_TOKENS, mhc.PRE_SINKHORN_MAX_ROWS, mhc.PRE_SINKHORN_ONE_TOKEN_MAX)
     default = ((mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH, sinkhorn0)
     partial0, finish0, _ = default
-    configs = [default] + [(partial0, finish0, (s, 1 << 30)) for s in PRE_SINKHORNS]
+    configs = [default] + [(partial0, finish0, (s, 1 << 30, 0)) for s in PRE_SINKHORNS]
     configs += [(p, finish0, sinkhorn0) for p in PRE_PARTIALS if p != partial0]
     configs += [(partial0, f, sinkhorn0) for f in PRE_FINISHES if f != finish0]
     ref = None
@@ -192,7 +192,9 @@ def sweep_pre(batch: int) -> None:
         for config in configs:
             partial, finish, sinkhorn = config
             (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH = partial, finish
-            mhc.PRE_SINKHORN_TOKENS, mhc.PRE_SINKHORN_MAX_ROWS = sinkhorn
+            mhc.PRE_SINKHORN_TOKENS, mhc.PRE_SINKHORN_MAX_ROWS, mhc.PRE_SINKHORN_ONE_TOKEN_MAX = (
+                sinkhorn
+            )
             got = pre(copies[0])
             ref = got if ref is None else ref
             diff = max((g.float() - r.float()).abs().max().item() for g, r in zip(got, ref))
@@ -201,11 +203,14 @@ def sweep_pre(batch: int) -> None:
             floor = act_bytes / HBM_BW * 1e6
             line = dict(name="mhc_pre_config", batch=batch, partial=partial, finish=finish)
             line.update(sinkhorn_tokens=sinkhorn[0], sinkhorn_max_rows=sinkhorn[1])
+            line.update(sinkhorn_one_token_max=sinkhorn[2])
             line.update(us=round(us, 2), kernels_eager_us=kernels, max_diff=diff)
             print(json.dumps(dict(line, floor_us=round(floor, 2))), flush=True)
     finally:
         (mhc.PRE_PARTIAL, mhc.PRE_PARTIAL_PRESPLIT), mhc.PRE_FINISH, sinkhorn = default
-        mhc.PRE_SINKHORN_TOKENS, mhc.PRE_SINKHORN_MAX_ROWS = sinkhorn
+        mhc.PRE_SINKHORN_TOKENS, mhc.PRE_SINKHORN_MAX_ROWS, mhc.PRE_SINKHORN_ONE_TOKEN_MAX = (
+            sinkhorn
+        )
 
 
 # ---------------------------------------------------------------------------------------------

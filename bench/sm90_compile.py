@@ -190,7 +190,8 @@ def _cases(case: list[str]) -> None:
             torch.empty(mix), torch.empty(3), 20, 1e-6, 1e-5, torch.empty(hd, dtype=bf), 1e-5,
             torch.zeros(16, dtype=torch.int32),
         )  # fmt: skip
-    for tokens, dtype in ((1000, torch.float32), (8192, bf)):  # tf32x3, bf16_split logits
+    # tf32x3, bf16_split logits; 32: the Sinkhorn a program a token
+    for tokens, dtype in ((32, bf), (1000, torch.float32), (8192, bf)):
         case[0] = f"mHC pre + post, {tokens} tokens, {dtype}"
         streams = torch.empty(tokens, 4, hd, dtype=dtype)
         out, weight = torch.empty(tokens, hd, dtype=dtype), torch.empty(hd, dtype=dtype)

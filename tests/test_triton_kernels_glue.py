@@ -127,19 +127,22 @@ def test_mhc_interpreter_sinkhorn_programs(monkeypatch, sinkhorn_tokens):
 
     monkeypatch.setattr(mhc, "PRE_SINKHORN_TOKENS", sinkhorn_tokens)
     monkeypatch.setattr(mhc, "PRE_SINKHORN_MAX_ROWS", 1 << 30)
+    monkeypatch.setattr(mhc, "PRE_SINKHORN_ONE_TOKEN_MAX", 0)
     _check_mhc(20, 4, 200, torch.bfloat16, "cpu")
 
 
 def test_mhc_sinkhorn_programs_only_over_few_splits():
     """A decode-sized batch past 16 tokens has its partials in many K splits (264 for the real
-    rank's 32 rows): its Sinkhorn stays in the collapse programs, where 32 of them share the
-    sums (one program summing 32 x 264 rows took 111 us a call on the H200); an 8k chunk's 3
-    splits go to Sinkhorn programs of PRE_SINKHORN_TOKENS tokens."""
+    rank's 32 rows): its Sinkhorn runs in a program a token, which sums only that token's rows
+    (one program summing 32 x 264 rows took 111 us a call on the H200); past
+    PRE_SINKHORN_ONE_TOKEN_MAX tokens it stays in the collapse programs while the splits are
+    many, and an 8k chunk's 3 splits go to Sinkhorn programs of PRE_SINKHORN_TOKENS tokens."""
     from kernels.triton import mhc
 
     assert mhc.sinkhorn_tokens(16, 1) == 0
-    assert mhc.sinkhorn_tokens(32, 264) == 0
-    assert mhc.sinkhorn_tokens(8192, 3) == mhc.PRE_SINKHORN_TOKENS > 0
+    assert mhc.sinkhorn_tokens(32, 264) == 1
+    assert mhc.sinkhorn_tokens(mhc.PRE_SINKHORN_ONE_TOKEN_MAX + 1, 132) == 0
+    assert mhc.sinkhorn_tokens(8192, 3) == mhc.PRE_SINKHORN_TOKENS > 1
 
 
 @cpu_interp
@@ -219,10 +222,10 @@ def _boundary_close(got, args, dtype):
 
 @cpu_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 37])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 13, 37])
 def test_mhc_boundary_interpreter(tokens, dtype):
-    # hidden 200: a masked last block of channels (64 per program); 37 tokens: blocks of 8, the
-    # last one partial, each finished by its last program
+    # hidden 200: a masked last block of channels (64 per program); up to BOUNDARY_MAX_TOKENS
+    # each token finished by its last program; 37 tokens: post, then pre
     _check_boundary(tokens, 4, 200, dtype, "cpu")
 
 
@@ -252,7 +255,7 @@ def test_mhc_boundary_interpreter_post_then_pre(tokens, hidden, dtype, monkeypat
 @pytest.mark.parametrize("tokens", [1, 12])
 def test_mhc_interpreter_few_sinkhorn_iterations(tokens):
     """3 Sinkhorn iterations, far from convergence, so an iteration too few or many shows: the
-    pre and the fused boundary (1 token: one finishing program a token; 12: blocks of 2)."""
+    pre and the fused boundary (one finishing program a token)."""
     _check_mhc(tokens, 4, 200, torch.float32, "cpu", iters=3)
     _check_boundary(tokens, 4, 200, torch.float32, "cpu", iters=3)
 
@@ -415,11 +418,11 @@ REAL_HD, BENCH_HD = 4096, 2048  # rank 0 of TP8 (and the bench preset's hidden s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 32, 64, 128])
+@pytest.mark.parametrize("tokens", [1, 8, 16, 32, 64, 128])
 def test_mhc_boundary_gpu(tokens):
-    """The fused boundary at decode batches 1/8/32 and verify batches (2 and 4 tokens per
-    request at 32 requests), bf16 at the real and the bench preset's hidden size, float32 at
-    the real one."""
+    """The fused boundary at decode batches 1/8/16/32 and verify batches (2 and 4 tokens per
+    request at 32 requests; 16: EAGLE's verify at 8), bf16 at the real and the bench preset's
+    hidden size, float32 at the real one."""
     _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, BENCH_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, REAL_HD, torch.float32, "cuda")
