@@ -622,7 +622,7 @@ def mhc_post(
 # tokens there, through tensor-core dots): the fused kernel reads fn (1.5 MB) once per token
 # and multiplies on the CUDA cores. Measured on the H200 (bench.decode_mhc_kda, rank 0 of TP8):
 # 10.3 against post + pre's 16.6 us at 1 token, 13.9 against 17.4 at 8, 32.6 against 22.5 at 32.
-# One token a program at every size: H100, session 34 (scratch/boundary_sweep.py, one process,
+# One token a program at every size: H100, session 34 (the notebook's sweep, one process,
 # us at 8 / 16 / 24 / 32 tokens), blocks of 1 token 10.5 / 15.9 / 21.7 / 27.3, of 2 12.4 / 19.5 /
 # 26.7 / 33.8, of 4 14.6 / 17.8 / 18.3 / 26.3, of 8 22.7 / 22.8 / 25.9 / 29.8, against post + pre
 # 15.0 / 15.0 / 19.3 / 19.7: blocks never paid where the fused kernel does (the rule before ran
