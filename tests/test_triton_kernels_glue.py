@@ -420,9 +420,9 @@ REAL_HD, BENCH_HD = 4096, 2048  # rank 0 of TP8 (and the bench preset's hidden s
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 16, 32, 64, 128])
 def test_mhc_boundary_gpu(tokens):
-    """The fused boundary at decode batches 1/8/16/32 and verify batches (2 and 4 tokens per
-    request at 32 requests; 16: EAGLE's verify at 8), bf16 at the real and the bench preset's
-    hidden size, float32 at the real one."""
+    """mhc_boundary at decode batches 1/8/16/32 and verify batches (2 and 4 tokens per request at
+    32 requests; 16: EAGLE's verify at 8): the fused kernel up to 16 tokens, mhc_post + mhc_pre
+    past it; bf16 at the real and the bench preset's hidden size, float32 at the real one."""
     _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, BENCH_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, REAL_HD, torch.float32, "cuda")
