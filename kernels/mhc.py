@@ -5,8 +5,9 @@ expansion of the sublayer's output back onto the streams.
 These are the references. On CUDA, kernels/triton/mhc.py does a collapse in two launches, an
 expansion in one, and the boundary between two sublayers (one's expansion, the next one's
 collapse: mhc_boundary_reference) in one for a decode-sized batch, past it as that expansion
-and collapse (here about 20 and 6 ops, twice per layer: decode at TP8 is launch-bound); the
-Sinkhorn loop alone is ~40 tiny elementwise ops, one Triton program per token in mhc_mix.
+and collapse (here about 20 and 6 ops, twice per layer: decode at TP8 is launch-bound; the
+Sinkhorn loop alone is ~40 tiny elementwise ops). Pure torch on every device: the oracle the
+fast path is held to (PDSERVE_TORCH_KERNELS=1 on CUDA runs these and nothing else).
 """
 
 from __future__ import annotations
@@ -34,16 +35,6 @@ def mhc_mix_reference(
     return pre, post, comb
 
 
-def mhc_mix(
-    mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if mix.is_cuda:
-        from kernels.triton.mhc import mhc_mix_triton
-
-        return mhc_mix_triton(mix, base, scale, hc, iters, eps)
-    return mhc_mix_reference(mix, base, scale, hc, iters, eps)
-
-
 def mhc_pre_reference(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -56,13 +47,14 @@ def mhc_pre_reference(
     rms_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, hc, Hd] -> (post [T, hc], comb [T, hc, hc], x [T, Hd]): the mixing logits
-    F.linear(RMS-normalised flat streams, fn) in float32, pre/post/comb from them (mhc_mix),
-    the streams collapsed with pre (rounded to their dtype), then rms_norm(weight, rms_eps)."""
+    F.linear(RMS-normalised flat streams, fn) in float32, pre/post/comb from them
+    (mhc_mix_reference), the streams collapsed with pre (rounded to their dtype), then
+    rms_norm(weight, rms_eps)."""
     hc = streams.shape[1]
     flat = streams.flatten(1).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     mix = F.linear(flat, fn)
-    pre, post, comb = mhc_mix(mix, base, scale, hc, iters, eps)
+    pre, post, comb = mhc_mix_reference(mix, base, scale, hc, iters, eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(1).to(streams.dtype)
     return post, comb, rms_norm(collapsed, weight, rms_eps)
 

@@ -1,15 +1,15 @@
 """Triton versions of kernels/mhc.py's references (same signatures and results):
 
-- mhc_mix: one program per token, the Sinkhorn loop in registers;
 - mhc_pre (collapse + RMSNorm) in two launches: (1) split-K partial sums of the mixing logits
   (logit_dot: float32-accurate tensor-core dots of the raw streams with fn) and of the squares,
   over programs of (token block, K slice) so a decode's one token still spreads fn's 1.5 MB
   over the SMs;
   (2) one program per token: the partials summed in a fixed order (deterministic), the RMS
   factor applied to the logits (F.linear of the normalised rows equals the factor times the
-  linear of the raw rows), pre/post/comb as mhc_mix, then the collapse rounded to the streams'
-  dtype and its RMSNorm; the collapse is computed twice (once for its sum of squares, once to
-  normalise) instead of stored and re-read, which would need a barrier. Past 16 tokens, with
+  linear of the raw rows), pre/post/comb as kernels.mhc.mhc_mix_reference (the Sinkhorn loop
+  in registers), then the collapse rounded to the streams' dtype and its RMSNorm; the collapse
+  is computed twice (once for its sum of squares, once to normalise) instead of stored and
+  re-read, which would need a barrier. Past 16 tokens, with
   few K splits (sinkhorn_tokens), comb (the Sinkhorn) runs in programs of PRE_SINKHORN_TOKENS
   tokens of the same launch instead;
 - mhc_post: one program per (token, Hd block), every new stream of it one tile (each old
@@ -124,66 +124,6 @@ def _collapse_norm(
             h_mask = h < HD
             col = _collapse(base, pre, i, h, h_mask, dt, HC, HD, CACHE)
             _norm_store(col, rms, nw_ptr, out_row, h, h_mask, dt)
-
-
-@triton.jit
-def _mhc_mix_kernel(
-    mix_ptr,
-    base_ptr,
-    scale_ptr,
-    pre_ptr,
-    post_ptr,
-    comb_ptr,
-    iters,
-    eps,
-    HC: tl.constexpr,
-    P: tl.constexpr,
-):
-    t = tl.program_id(0)
-    width = (2 + HC) * HC
-    row = mix_ptr + t * width
-    i = tl.arange(0, P)
-    vec_mask = i < HC
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    pre = tl.load(row + i, mask=vec_mask, other=0.0) * s0 + tl.load(base_ptr + i, mask=vec_mask)
-    tl.store(pre_ptr + t * HC + i, tl.sigmoid(pre) + eps, mask=vec_mask)
-    post = tl.load(row + HC + i, mask=vec_mask, other=0.0) * s1
-    post += tl.load(base_ptr + HC + i, mask=vec_mask)
-    tl.store(post_ptr + t * HC + i, 2.0 * tl.sigmoid(post), mask=vec_mask)
-
-    r = tl.arange(0, P)[:, None]
-    c = tl.arange(0, P)[None, :]
-    m = (r < HC) & (c < HC)
-    offs = 2 * HC + r * HC + c
-    logits = tl.load(row + offs, mask=m, other=0.0) * s2 + tl.load(base_ptr + offs, mask=m)
-    comb = _sinkhorn(logits, m, iters, eps)
-    tl.store(comb_ptr + t * HC * HC + r * HC + c, comb, mask=m)
-
-
-def mhc_mix_triton(
-    mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mix = mix.contiguous().float()
-    n = mix.shape[0]
-    pre = torch.empty(n, hc, device=mix.device, dtype=torch.float32)
-    post = torch.empty_like(pre)
-    comb = torch.empty(n, hc, hc, device=mix.device, dtype=torch.float32)
-    if n:
-        _mhc_mix_kernel[(n,)](
-            mix,
-            base.contiguous().float(),
-            scale.contiguous().float(),
-            pre,
-            post,
-            comb,
-            iters,
-            eps,
-            HC=hc,
-            P=triton.next_power_of_2(hc),
-        )
-    return pre, post, comb
 
 
 @triton.jit
@@ -309,7 +249,8 @@ def _finish_tokens(
     (then the sum of squares of the raw rows, at MP): the partials summed SPLITS at a time, each
     block as a tree, a fixed order (deterministic); the RMS factor applied to the logits (F.linear
     of the normalised rows equals the factor times the linear of the raw rows); pre/post/comb as
-    mhc_mix for the block's tokens at once; then each token's collapse and RMSNorm."""
+    kernels.mhc.mhc_mix_reference for the block's tokens at once; then each token's collapse and
+    RMSNorm."""
     tok = tl.arange(0, BLOCK_T)
     tm = tok < n
     r = tl.arange(0, P)
