@@ -224,8 +224,8 @@ def _boundary_close(got, args, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13, 37])
 def test_mhc_boundary_interpreter(tokens, dtype):
-    # hidden 200: a masked last block of channels (64 per program); up to BOUNDARY_MAX_TOKENS
-    # each token finished by its last program; 37 tokens: post, then pre
+    # hidden 200: a masked last block of channels (64 per program); 13 tokens: blocks of 2, the
+    # last one partial, each finished by its last program; 37 tokens: post, then pre
     _check_boundary(tokens, 4, 200, dtype, "cpu")
 
 
@@ -255,7 +255,7 @@ def test_mhc_boundary_interpreter_post_then_pre(tokens, hidden, dtype, monkeypat
 @pytest.mark.parametrize("tokens", [1, 12])
 def test_mhc_interpreter_few_sinkhorn_iterations(tokens):
     """3 Sinkhorn iterations, far from convergence, so an iteration too few or many shows: the
-    pre and the fused boundary (one finishing program a token)."""
+    pre and the fused boundary (1 token: one finishing program a token; 12: blocks of 2)."""
     _check_mhc(tokens, 4, 200, torch.float32, "cpu", iters=3)
     _check_boundary(tokens, 4, 200, torch.float32, "cpu", iters=3)
 

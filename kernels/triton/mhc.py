@@ -16,14 +16,15 @@
   stream read once), each term rounded to the streams' dtype as the reference's bf16 ops round
   them. Run 5's prefill ran this as a cuBLAS batched 4x4 GEMM per
   token: 2.5 ms per call at 8,192 tokens, two per layer;
-- mhc_boundary (a decode-sized batch): mhc_post then mhc_pre in one launch. Programs of (token,
-  channel block) expand their channels of every stream (rounded as mhc_post) and dot them with
-  fn's columns in IEEE float32 (a one-token tensor-core tile would be mostly padding); the last
-  program of a token to arrive (an atomic counter per token, "the last program finishes") sums
-  the partials in a fixed order and does what mhc_pre's finish kernel does, with the collapse
-  held in registers (one read of the new streams); the program that arrived just before it runs
-  the Sinkhorn meanwhile (BOUNDARY_SPLIT_FINISH). Past BOUNDARY_MAX_TOKENS: mhc_post then
-  mhc_pre.
+- mhc_boundary (a decode-sized batch): mhc_post then mhc_pre in one launch. Programs of (token
+  block, channel block) expand their channels of every stream (rounded as mhc_post) and dot them
+  with fn's columns in IEEE float32 (at <= 8 tokens per program a tensor-core tile would be
+  mostly padding, and the fn tile is read once per block of tokens anyway); the last program of
+  a token block to arrive (an atomic counter per block, "the last program finishes") sums the
+  partials in a fixed order and does what mhc_pre's finish kernel does, for each token of its
+  block, with the collapse held in registers (one read of the new streams); the program that
+  arrived just before it runs the Sinkhorn meanwhile (BOUNDARY_SPLIT_FINISH). Past
+  BOUNDARY_MAX_TOKENS: mhc_post then mhc_pre.
 """
 
 from __future__ import annotations
@@ -560,21 +561,28 @@ def mhc_post(
 
 # The fused boundary: batches of up to this many tokens (decode, EAGLE verify, short chunks);
 # larger ones run mhc_post + mhc_pre (three launches, but each tile of fn serves a block of
-# tokens there, through tensor-core dots): the fused kernel reads fn (1.5 MB) once per token
-# and multiplies on the CUDA cores. Measured on the H200 (bench.decode_mhc_kda, rank 0 of TP8):
-# 10.3 against post + pre's 16.6 us at 1 token, 13.9 against 17.4 at 8, 32.6 against 22.5 at 32.
-# One token a program at every size: H100, session 34 (the notebook's sweep, one process,
-# us at 8 / 16 / 24 / 32 tokens), blocks of 1 token 10.5 / 15.9 / 21.7 / 27.3, of 2 12.4 / 19.5 /
-# 26.7 / 33.8, of 4 14.6 / 17.8 / 18.3 / 26.3, of 8 22.7 / 22.8 / 25.9 / 29.8, against post + pre
-# 15.0 / 15.0 / 19.3 / 19.7: blocks never paid where the fused kernel does (the rule before ran
-# 16 tokens in blocks of 2, 19.5 us), and past 16 post + pre wins
+# tokens there, through tf32x3 tensor-core dots): the fused kernel reads fn once per block of at
+# most 8 tokens and multiplies on the CUDA cores, which at prefill sizes is T/8 reads of 1.5 MB.
+# Measured on the H200 (bench.decode_mhc_kda, rank 0 of TP8): 10.3 against post + pre's 16.6 us
+# at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more.
+# Blocks of 2 at 9-16 tokens although a token a program is faster alone (H100, session 34:
+# 15.9 against 19.5 us at 16): in the decode step (H200, 45-layer rank 0, session 36) the
+# boundary traced PDL off 20.2 us a call against 23.3, and decode at 8 / 16 rows 8.46-8.53 /
+# 12.22-12.39 ms against 8.66-8.73 / 12.44-12.58 with 209fe56's token-a-program kernel.
 BOUNDARY_MAX_TOKENS = 16
-BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token
+BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token block
 BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
 # the fused boundary's finish in two programs at once (the Sinkhorn beside the collapse, the
 # kernel's comment). H100, bench.decode_mhc_kda, three runs each interleaved: 9.41 -> 6.96 us at
 # 1 token, 13.36 -> 11.07 at 8; the 28-layer rank's decode at batch 8 6.58 -> 6.30 ms (medians)
 BOUNDARY_SPLIT_FINISH = True
+
+
+def boundary_block_t(tokens: int) -> int:
+    """Tokens per program of the fused boundary: 1 up to 8 tokens (one finishing program per
+    token), then up to 8 (fn read from L2 once per block; the finishing program collapses its
+    block's tokens one after another)."""
+    return min(8, triton.next_power_of_2(triton.cdiv(tokens, 8)))
 
 
 @triton.jit
@@ -604,7 +612,9 @@ def _expansion_terms(
     return p, mixed
 
 
-@triton.jit
+# T not specialized (== 1, divisible by 16): one compiled variant per BLOCK_T, which the decode
+# graphs' capture and the start-up warm-up meet (serving/engine/kernel_warmup.py)
+@triton.jit(do_not_specialize=["T"])
 def _mhc_boundary_kernel(
     out_ptr,  # [T, HD] the sublayer's output
     res_ptr,  # [T, HC, HD] the streams its input was collapsed from
@@ -616,10 +626,11 @@ def _mhc_boundary_kernel(
     nw_ptr,  # [HD] the next RMSNorm's weight
     new_ptr,  # [T, HC, HD] out: the new streams
     part_ptr,  # [T, NB, MP + 1] float32 scratch: per channel block, logits then sum of squares
-    counter_ptr,  # [>= T] int32: arrivals per token, zero between calls
+    counter_ptr,  # [>= token blocks] int32: arrivals per token block, zero between calls
     post2_ptr,  # [T, HC] float32 out
     comb2_ptr,  # [T, HC, HC] float32 out
     x_ptr,  # [T, HD] out: the next sublayer's input (collapsed, RMS-normed)
+    T,
     iters,
     eps,
     norm_eps,
@@ -631,13 +642,14 @@ def _mhc_boundary_kernel(
     HD: tl.constexpr,
     NB: tl.constexpr,
     NB_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
     SPLIT_FINISH: tl.constexpr,
 ):
-    tb = tl.program_id(0)  # the token
-    t = tb.to(tl.int64)
+    tb = tl.program_id(0)
     hb = tl.program_id(1)
+    t0 = tb * BLOCK_T
     dt = new_ptr.dtype.element_ty
     K = HC * HD
     # this program's channels of every stream, flattened: stream i, channel h
@@ -650,23 +662,36 @@ def _mhc_boundary_kernel(
         fn_ptr + m[:, None] * K + (i * HD + h)[None, :],
         mask=(m < MIX)[:, None] & cm[None, :],
         other=0.0,
-    )  # [MP, P * BLOCK_H]
+    )  # [MP, P * BLOCK_H], read once for the block's tokens
     # a weight, so loaded before the wait (kernels/triton/pdl.py's exception): its latency
-    # overlaps the previous kernel's tail. The streams' mix, from the previous boundary's
-    # outputs, before the wait too: the kernel right before this one (the sublayer's last)
-    # writes none of them (kernels/triton/pdl.py), only `out`. H100, at 1 token: 9.67 -> 9.35 us
-    p, mixed = _expansion_terms(t, res_ptr, post_ptr, comb_ptr, i, h, cm, dt, HC, K, HD, P, BLOCK_H)
+    # overlaps the previous kernel's tail
+    if BLOCK_T == 1:
+        # one token a block (decode): the streams' mix, from the previous boundary's outputs,
+        # before the wait too: the kernel right before this one (the sublayer's last) writes
+        # none of them (kernels/triton/pdl.py), only `out`. H100, at 1 token: 9.67 -> 9.35 us
+        p_early, mixed_early = _expansion_terms(
+            t0.to(tl.int64), res_ptr, post_ptr, comb_ptr, i, h, cm, dt, HC, K, HD, P, BLOCK_H
+        )
     grid_dependency()
-    # the expansion, each term rounded to the streams' dtype (as _mhc_post_kernel)
-    o = tl.load(out_ptr + t * HD + h, mask=cm, other=0.0).to(tl.float32)
-    new = ((p * o).to(dt).to(tl.float32) + mixed.to(dt).to(tl.float32)).to(dt)
-    tl.store(new_ptr + t * K + i * HD + h, new, mask=cm)
-    # the next collapse's partial logits (IEEE float32) and sum of squares (0 off the mask)
-    x = new.to(tl.float32)
-    row = part_ptr + (t * NB + hb) * (MP + 1)
-    tl.store(row + m, tl.sum(fn * x[None, :], axis=1))
-    tl.store(row + MP, tl.sum(x * x))
-    # the last program of the token to arrive finishes it: every thread's stores are
+    n = tl.minimum(T - t0, BLOCK_T)
+    for tt in range(0, n):
+        t = (t0 + tt).to(tl.int64)
+        # the expansion, each term rounded to the streams' dtype (as _mhc_post_kernel)
+        o = tl.load(out_ptr + t * HD + h, mask=cm, other=0.0).to(tl.float32)
+        if BLOCK_T == 1:
+            p, mixed = p_early, mixed_early
+        else:
+            p, mixed = _expansion_terms(
+                t, res_ptr, post_ptr, comb_ptr, i, h, cm, dt, HC, K, HD, P, BLOCK_H
+            )
+        new = ((p * o).to(dt).to(tl.float32) + mixed.to(dt).to(tl.float32)).to(dt)
+        tl.store(new_ptr + t * K + i * HD + h, new, mask=cm)
+        # the next collapse's partial logits (IEEE float32) and sum of squares (0 off the mask)
+        x = new.to(tl.float32)
+        row = part_ptr + (t * NB + hb) * (MP + 1)
+        tl.store(row + m, tl.sum(fn * x[None, :], axis=1))
+        tl.store(row + MP, tl.sum(x * x))
+    # the last program of the token block to arrive finishes it: every thread's stores are
     # issued before the (one-thread) release, and the acquire orders the reads below after
     # every other program's stores; the partials and streams are read past L1 (.cg)
     tl.debug_barrier()
@@ -676,15 +701,15 @@ def _mhc_boundary_kernel(
             tl.store(counter_ptr + tb, 0)  # for the next call (a graph replay): none reads it
         _finish_tokens(
             part_ptr, NB, 1, NB, new_ptr, base_ptr, scale_ptr, nw_ptr, post2_ptr, comb2_ptr,
-            x_ptr, tb, 1, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, 1, NB_P, BLOCK_F, ".cg",
-            1 if SPLIT_FINISH else 0,
+            x_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, NB_P, BLOCK_F,
+            ".cg", 1 if SPLIT_FINISH else 0,
         )  # fmt: skip
     if SPLIT_FINISH:
         # two finishing programs side by side: the last to arrive collapses (post, x), the one
         # before it waits for the last's arrival, then runs the Sinkhorn (comb) and resets the
         # counter. Hazard: a wait on a later program's arrival. It cannot deadlock: one program
-        # a token waits (at most BOUNDARY_MAX_TOKENS a grid) and every other runs to its end
-        # without waiting, so the last one always gets an SM, whatever the dispatch order; never
+        # a token block waits (at most 8 a grid) and every other runs to its end without
+        # waiting, so the last one always gets an SM, whatever the dispatch order; but never
         # under the interpreter, which runs programs one by one. The poll is the acquire itself,
         # its value the loop's condition (sm_90a: LDG.STRONG.GPU + CCTL.IVALL in the loop, the
         # partials' loads after it): Triton drops an atomic whose value is unused, and ptxas
@@ -696,8 +721,8 @@ def _mhc_boundary_kernel(
             tl.store(counter_ptr + tb, 0)  # for the next call: nothing else reads it now
             _finish_tokens(
                 part_ptr, NB, 1, NB, new_ptr, base_ptr, scale_ptr, nw_ptr, post2_ptr, comb2_ptr,
-                x_ptr, tb, 1, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, 1, NB_P, BLOCK_F,
-                ".cg", 2,
+                x_ptr, t0, n, iters, eps, norm_eps, rms_eps, HC, P, MP, HD, BLOCK_T, NB_P,
+                BLOCK_F, ".cg", 2,
             )  # fmt: skip
 
 
@@ -717,14 +742,14 @@ def mhc_boundary(
     counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.mhc.mhc_boundary_reference: the expansion of `out` onto the streams, then the next
-    collapse with its RMSNorm. Up to BOUNDARY_MAX_TOKENS tokens in one launch: programs of (token,
-    BOUNDARY_BLOCK_H channels of every stream) write the new streams and their partial logits and
-    sums of squares; the last program of a token to arrive (counter: the call site's int32 buffer,
-    at least T zeros, which the kernel leaves zero) sums them in a fixed order and collapses +
-    normalises, the one before it (BOUNDARY_SPLIT_FINISH; on CUDA) running the Sinkhorn beside it.
-    Hazard: residual, post and comb are read before the PDL wait (kernels/triton/pdl.py): the
-    kernel launched right before must not write them (here it is the sublayer's last, which writes
-    only `out`). Larger batches: mhc_post, then mhc_pre."""
+    collapse with its RMSNorm. Up to BOUNDARY_MAX_TOKENS tokens in one launch: programs of (token
+    block, BOUNDARY_BLOCK_H channels of every stream) write the new streams and their partial logits
+    and sums of squares; the last program of a token block to arrive (counter: the call site's int32
+    buffer, at least cdiv(T, boundary_block_t(T)) zeros, which the kernel leaves zero) sums them in
+    a fixed order and collapses + normalises, the one before it (BOUNDARY_SPLIT_FINISH; on CUDA)
+    running the Sinkhorn beside it. Hazard: up to 8 tokens, residual, post and comb are read before
+    the PDL wait (kernels/triton/pdl.py): the kernel launched right before must not write them (here
+    it is the sublayer's last, which writes only `out`). Larger batches: mhc_post, then mhc_pre."""
     tokens, hc, hidden = residual.shape
     if tokens > BOUNDARY_MAX_TOKENS:
         new = mhc_post(out, residual, post, comb)
@@ -742,13 +767,15 @@ def mhc_boundary(
     x = torch.empty(tokens, hidden, device=dev, dtype=residual.dtype)
     if tokens == 0:
         return new, post2, comb2, x
+    block_t = boundary_block_t(tokens)
+    token_blocks = triton.cdiv(tokens, block_t)
     assert counter is not None and counter.dtype == torch.int32, "the fused boundary's counters"
-    assert counter.numel() >= tokens, (counter.numel(), tokens)
+    assert counter.numel() >= token_blocks, (counter.numel(), token_blocks)
     p = triton.next_power_of_2(hc)
     mp = triton.next_power_of_2(mix)
     blocks = triton.cdiv(hidden, BOUNDARY_BLOCK_H)
     part = torch.empty(tokens, blocks, mp + 1, device=dev, dtype=torch.float32)
-    _mhc_boundary_kernel[(tokens, blocks)](
+    _mhc_boundary_kernel[(token_blocks, blocks)](
         out.contiguous(),
         residual.contiguous(),
         post.contiguous().float(),
@@ -763,6 +790,7 @@ def mhc_boundary(
         post2,
         comb2,
         x,
+        tokens,
         iters,
         eps,
         norm_eps,
@@ -774,6 +802,7 @@ def mhc_boundary(
         HD=hidden,
         NB=blocks,
         NB_P=triton.next_power_of_2(blocks),
+        BLOCK_T=block_t,
         BLOCK_H=BOUNDARY_BLOCK_H,
         BLOCK_F=min(triton.next_power_of_2(hidden), BOUNDARY_BLOCK_F // p),
         SPLIT_FINISH=BOUNDARY_SPLIT_FINISH and blocks >= 2 and not INTERPRETER,

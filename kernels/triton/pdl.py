@@ -31,7 +31,7 @@ still run (that one let it launch only after its own wait, so every kernel befor
 completed), so memory that kernel never writes may be read before the wait too: the KDA
 decode core reads the layer's conv and recurrent state there (no kernel but the core itself,
 one step back, writes them; the kernel before it is the layer's input projection), and the mHC
-boundary the streams, post and comb of the boundary before (the kernel
+boundary at one token a block the streams, post and comb of the boundary before (the kernel
 before it is its sublayer's last, which writes only the sublayer's output). Nothing
 else may: the previous grid may still be writing its outputs. (A TP all-reduce between them is
 an NCCL kernel, launched without PDL: what follows it starts after it ends.)

@@ -79,8 +79,8 @@ class HyperConnection(nn.Module):
         return x, Streams(new, post, comb)
 
     def counter(self, device: torch.device) -> torch.Tensor:
-        """This call site's arrival counters for the fused boundary (one per token; the kernel
-        leaves them zero). Made at the first call on a device, which for a captured
+        """This call site's arrival counters for the fused boundary (one per token block; the
+        kernel leaves them zero). Made at the first call on a device, which for a captured
         decode graph is its warm-up. Hazard: never shared with another call site, since two
         boundaries in flight at once (programmatic dependent launch) would mix their counts."""
         if self._counter is None or self._counter.device != device:
