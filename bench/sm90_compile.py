@@ -181,6 +181,25 @@ def _cases(case: list[str]) -> None:
         True, 2.5, (0, el), experts8, shared, 7.0,
         torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
     )  # fmt: skip
+    # past the small path (decode 8-32 rows, EAGLE's verify): the router's two kernels, align,
+    # gate/up, down, combine; FP8 with the activations' quantization
+    from kernels.triton.moe import experts as moe_experts
+    from kernels.triton.moe import experts_fp8 as moe_experts_fp8
+    from kernels.triton.route import route
+
+    for tokens in (8, 16, 32):
+        case[0] = f"MoE past the small path, {tokens} tokens"
+        x = torch.empty(tokens, hd, dtype=bf)
+        ids = torch.zeros(tokens, r["top_k"], dtype=torch.int64)
+        weights = torch.empty(tokens, r["top_k"])
+        route(x, torch.empty(e, hd, dtype=bf), torch.empty(e), r["top_k"], 1, 1, True, 2.5,
+              (0, el))  # fmt: skip
+        moe_experts(x, experts.w13, experts.w2, weights, ids, 7.0)
+    case[0] = "MoE past the small path, 8 tokens, FP8"
+    moe_experts_fp8(
+        torch.empty(8, hd, dtype=bf), *experts8, torch.empty(8, r["top_k"]),
+        torch.zeros(8, r["top_k"], dtype=torch.int64), 7.0,
+    )  # fmt: skip
     for tokens in (1, 8, 16):
         case[0] = f"mHC boundary, {tokens} tokens"
         mix = 24

@@ -20,8 +20,13 @@ KERNELS = {
     "_kda_decode_layer_kernel",
     "_skinny_kernel",
     "_route_kernel",
-    "_gate_up_kernel",
+    "_gate_up_kernel",  # the small MoE's and, past it, kernels/triton/moe.py's
     "_down_kernel",
+    "_router_logits_kernel",  # past the small MoE: the router, align, combine, FP8's quantization
+    "_router_select_kernel",
+    "_align_kernel",
+    "_combine_kernel",
+    "_quant_kernel",
     "_mhc_boundary_kernel",
     "_swiglu_kernel",
     "_mhc_pre_partial_kernel",  # the prefill's mHC pre (both logit dots) and post

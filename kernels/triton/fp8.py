@@ -4,6 +4,7 @@ quantize_act: one program per token and up to GROUPS groups of 128 channels, qua
 kernels/triton/e4m3.py (IEEE quotients, e4m3 rounding by hand), so the bits equal the torch
 reference's on the GPU and under TRITON_INTERPRET=1 alike. The scales are written token-major
 ([T, KB], for the Triton kernels) or group-major (stride (1, T), what torch._scaled_mm takes).
+Launched with PDL (kernels/triton/pdl.py; it begins with grid_dependency()).
 
 block_fp8_linear runs at most SKINNY_MAX_TOKENS token rows (decode, verify) on the skinny GEMM
 (kernels/triton/skinny_gemm.py: the weight streamed by split-K programs, x quantized inside it),
@@ -38,6 +39,7 @@ import triton.language as tl
 
 from kernels.fp8 import BLOCK, FP8, blocks, quantize_weight
 from kernels.triton.e4m3 import quant_rows
+from kernels.triton.pdl import LAUNCH, grid_dependency
 from kernels.triton.skinny_gemm import skinny_linear
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ def _quant_kernel(
     GROUPS: tl.constexpr,
     GROUP: tl.constexpr,
 ):
+    grid_dependency()
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     c = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -102,6 +105,7 @@ def quantize_act(x: torch.Tensor, group_major: bool = False) -> tuple[torch.Tens
         GROUPS=groups,
         GROUP=BLOCK,
         num_warps=4 if groups > 2 else 1,
+        **LAUNCH,
     )
     return q, s
 

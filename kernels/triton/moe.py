@@ -23,6 +23,10 @@ fp8.py), both GEMMs run e4m3 dots and add dot * a_scale * w_scale per K step of 
 group. The intermediate is stored in x's dtype and quantized by a separate pass (a 128-column
 group spans several gate/up programs).
 
+Each kernel begins with grid_dependency() and is launched with PDL (kernels/triton/pdl.py): a
+decode batch past the small path's (kernels/triton/moe_small.py) runs the router's two kernels
+and these four back to back, so each one's launch overlaps the tail of the one before.
+
 Only the selected experts' weight tiles are read. float32 inputs use IEEE fp32 dots
 (input_precision="ieee"); bf16/fp16 use tensor cores. Tile sizes come from fixed heuristics on
 (T*k / E, shapes), so nothing is autotuned at run time (safe under graph capture).
@@ -38,6 +42,7 @@ import triton.language as tl
 
 from kernels.fp8 import BLOCK as GROUP
 from kernels.triton.fp8 import quantize_act
+from kernels.triton.pdl import LAUNCH, grid_dependency
 
 # Pairs (T * top_k) up to this go through the one-program align kernel; above, torch ops.
 ALIGN_KERNEL_MAX_PAIRS = 2048
@@ -133,6 +138,7 @@ def _align_kernel(
     BLOCK_B: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
+    grid_dependency()
     e_offs = tl.arange(0, BLOCK_E)
     e_mask = e_offs < E
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -237,6 +243,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int):
         BLOCK_B=tile_rows,
         BLOCK_M=block_m,
         num_warps=warps,
+        **LAUNCH,
     )
     return sorted_ids, block_expert, seg_start, counts, row_of_pair
 
@@ -273,6 +280,7 @@ def _gate_up_kernel(
     KB: tl.constexpr,
     NB: tl.constexpr,
 ):
+    grid_dependency()
     # n fastest: the programs of one row block run together and share its x rows in L2
     num_n = tl.cdiv(INTER, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
@@ -354,6 +362,7 @@ def _down_kernel(
     GROUP: tl.constexpr,
     KB: tl.constexpr,
 ):
+    grid_dependency()
     num_n = tl.cdiv(HD, BLOCK_N)
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
@@ -404,6 +413,7 @@ def _combine_kernel(
 ):
     """out[t] = sum_j y[row_of_pair[t*k + j]] in fp32, in a fixed order (deterministic);
     skipped pairs (row -1) add nothing."""
+    grid_dependency()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HD
@@ -502,6 +512,7 @@ def _fused(x, w13, w2, w13_scale, w2_scale, weights, ids, limit) -> torch.Tensor
         NB=nb_inter,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **LAUNCH,
     )
     # FP8: every aligned row is quantized, padding rows (garbage) included; each output row of
     # the down GEMM depends on its own row only, and padding rows are never stored
@@ -532,9 +543,10 @@ def _fused(x, w13, w2, w13_scale, w2_scale, weights, ids, limit) -> torch.Tensor
         KB=nb_inter,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **LAUNCH,
     )
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-        y, row_of_pair, out, HD=hidden, TOPK=top_k, BLOCK=block, num_warps=4
+        y, row_of_pair, out, HD=hidden, TOPK=top_k, BLOCK=block, num_warps=4, **LAUNCH
     )
     return out

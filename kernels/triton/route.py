@@ -9,6 +9,7 @@ gather, renormalisation, scaling, the EP id mapping).
 2. select: one program per token sums the partials in a fixed order, takes sigmoid scores,
    picks top-k of scores + bias by k rounds of max (ties to the lowest id; descending, as
    torch.topk), gathers, renormalises, scales and maps ids to this rank's local ids.
+Both begin with grid_dependency() and are launched with PDL (kernels/triton/pdl.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton.pdl import LAUNCH, grid_dependency
 
 
 @triton.jit
@@ -32,6 +35,7 @@ def _router_logits_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    grid_dependency()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     s = tl.program_id(2)
@@ -74,6 +78,7 @@ def _router_select_kernel(
     KP: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
+    grid_dependency()
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     e_mask = e < E
@@ -150,6 +155,7 @@ def route(
         BLOCK_E=block_e,
         BLOCK_K=block_k,
         num_warps=4,
+        **LAUNCH,
     )
     first, count = local if local is not None else (0, experts)
     _router_select_kernel[(tokens,)](
@@ -169,5 +175,6 @@ def route(
         KP=triton.next_power_of_2(top_k),
         BLOCK_E=triton.next_power_of_2(experts),
         num_warps=4,
+        **LAUNCH,
     )
     return weights, ids
