@@ -223,9 +223,12 @@ def _boundary_close(got, args, dtype):
 @cpu_interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 13, 37])
-def test_mhc_boundary_interpreter(tokens, dtype):
-    # hidden 200: a masked last block of channels (64 per program); 13 tokens: blocks of 2, the
-    # last one partial, each finished by its last program; 37 tokens: post, then pre
+def test_mhc_boundary_interpreter(tokens, dtype, monkeypatch):
+    # hidden 200: a masked last block of channels (64 per program); 13 tokens with the fused
+    # boundary set to 16 tokens: blocks of 2 (the kernel's form past 8), the last one partial,
+    # each finished by its last program; 37 tokens: post, then pre
+    if tokens == 13:
+        monkeypatch.setattr("kernels.triton.mhc.BOUNDARY_MAX_TOKENS", 16)
     _check_boundary(tokens, 4, 200, dtype, "cpu")
 
 
@@ -253,9 +256,11 @@ def test_mhc_boundary_interpreter_post_then_pre(tokens, hidden, dtype, monkeypat
 
 @cpu_interp
 @pytest.mark.parametrize("tokens", [1, 12])
-def test_mhc_interpreter_few_sinkhorn_iterations(tokens):
+def test_mhc_interpreter_few_sinkhorn_iterations(tokens, monkeypatch):
     """3 Sinkhorn iterations, far from convergence, so an iteration too few or many shows: the
-    pre and the fused boundary (1 token: one finishing program a token; 12: blocks of 2)."""
+    pre and the fused boundary (1 token: one finishing program a token; 12, the fused boundary
+    set to 16 tokens: blocks of 2)."""
+    monkeypatch.setattr("kernels.triton.mhc.BOUNDARY_MAX_TOKENS", 16)
     _check_mhc(tokens, 4, 200, torch.float32, "cpu", iters=3)
     _check_boundary(tokens, 4, 200, torch.float32, "cpu", iters=3)
 
@@ -419,10 +424,13 @@ REAL_HD, BENCH_HD = 4096, 2048  # rank 0 of TP8 (and the bench preset's hidden s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 16, 32, 64, 128])
-def test_mhc_boundary_gpu(tokens):
+def test_mhc_boundary_gpu(tokens, monkeypatch):
     """mhc_boundary at decode batches 1/8/16/32 and verify batches (2 and 4 tokens per request at
-    32 requests; 16: EAGLE's verify at 8): the fused kernel up to 16 tokens, mhc_post + mhc_pre
-    past it; bf16 at the real and the bench preset's hidden size, float32 at the real one."""
+    32 requests; 16: EAGLE's verify at 8): the fused kernel up to BOUNDARY_MAX_TOKENS (8), mhc_post
+    + mhc_pre past it, except at 16 tokens: the fused kernel's blocks of 2 (the setting raised to
+    16); bf16 at the real and the bench preset's hidden size, float32 at the real one."""
+    if tokens == 16:
+        monkeypatch.setattr("kernels.triton.mhc.BOUNDARY_MAX_TOKENS", 16)
     _check_boundary(tokens, 4, REAL_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, BENCH_HD, torch.bfloat16, "cuda")
     _check_boundary(tokens, 4, REAL_HD, torch.float32, "cuda")

@@ -561,15 +561,18 @@ def mhc_post(
 
 # The fused boundary: batches of up to this many tokens (decode, EAGLE verify, short chunks);
 # larger ones run mhc_post + mhc_pre (three launches, but each tile of fn serves a block of
-# tokens there, through tf32x3 tensor-core dots): the fused kernel reads fn once per block of at
-# most 8 tokens and multiplies on the CUDA cores, which at prefill sizes is T/8 reads of 1.5 MB.
-# Measured on the H200 (bench.decode_mhc_kda, rank 0 of TP8): 10.3 against post + pre's 16.6 us
-# at 1 token, 13.9 against 17.4 at 8, but 32.6 against 22.5 at 32: so 16, not more.
-# Blocks of 2 at 9-16 tokens although a token a program is faster alone (H100, session 34:
-# 15.9 against 19.5 us at 16): in the decode step (H200, 45-layer rank 0, session 36) the
-# boundary traced PDL off 20.2 us a call against 23.3, and decode at 8 / 16 rows 8.46-8.53 /
-# 12.22-12.39 ms against 8.66-8.73 / 12.44-12.58 with 209fe56's token-a-program kernel.
-BOUNDARY_MAX_TOKENS = 16
+# tokens there, through tf32x3 tensor-core dots): the fused kernel reads fn once per block of
+# tokens and multiplies on the CUDA cores. Measured on the H200 (bench.decode_mhc_kda, rank 0 of
+# TP8): 10.3 against post + pre's 16.6 us at 1 token, 13.9 against 17.4 at 8, 32.6 against 22.5
+# at 32. In the decode step (H100, the 28-layer rank 0, session 37, three processes, `--variant
+# bmax8=...`): at 12 / 16 rows post + pre 7.759-7.772 / 8.523-8.539 ms against the fused
+# boundary's 8.160-8.327 / 8.897-8.927 (blocks of 2 tokens, which session 36's H200 step had put
+# ahead of a token a program); at 1 / 4 / 8 rows the fused boundary 2.411-2.416 / 4.459-4.480 /
+# 5.927-5.968 against post + pre's 2.805-2.809 / 4.832-4.849 / 5.999-6.021. So 8: a token a
+# program (boundary_block_t). The kernel keeps its token blocks for a larger setting; its
+# one-token form stays the measured one (the token loop and T unspecialized: 209fe56's
+# loop-free kernel, the same math, ran decode at 8 rows 2-3% slower on the H200).
+BOUNDARY_MAX_TOKENS = 8
 BOUNDARY_BLOCK_H = 64  # channels per program and stream: Hd 4096 -> 64 programs per token block
 BOUNDARY_BLOCK_F = 16384  # streams x channels the finishing program holds at once
 # the fused boundary's finish in two programs at once (the Sinkhorn beside the collapse, the
