@@ -316,6 +316,18 @@ def test_experts_interpreter_fp8_shared(mode):
 
 
 @cpu_interp
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("shape,mode", [(TINY, "fp8"), (ODD, "fp8_all")], ids=["tiny", "odd"])
+def test_experts_interpreter_fp8_wide_gate_up(shape, mode, block_n, monkeypatch):
+    """FP8 gate/up in wider column tiles (GATE_UP_BLOCK_N_FP8): a 128-group finished by the last
+    of fewer column blocks; ODD's intermediates (136, shared 40) mask partial tiles."""
+    from kernels.triton import moe_small as tms
+
+    monkeypatch.setattr(tms, "GATE_UP_BLOCK_N_FP8", block_n)
+    _check_experts(3, shape, mode, torch.float32, "cpu")
+
+
+@cpu_interp
 def test_experts_interpreter_hand_slots():
     """One expert picked by every token and one by a single token (the others' weights 0), the
     rest unused (E_local); no shared expert; float32 exact."""
@@ -502,6 +514,17 @@ def test_route_gpu(shape, tokens):
 )
 def test_experts_gpu(shape, mode, tokens):
     _check_experts(tokens, shape, mode, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [32, 64])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_experts_gpu_fp8_wide_gate_up(tokens, block_n, monkeypatch):
+    """The FP8 gate/up's wider column tiles (GATE_UP_BLOCK_N_FP8) at the bench shape."""
+    from kernels.triton import moe_small as tms
+
+    monkeypatch.setattr(tms, "GATE_UP_BLOCK_N_FP8", block_n)
+    _check_experts(tokens, BENCH, "fp8_all", torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu

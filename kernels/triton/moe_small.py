@@ -113,6 +113,16 @@ GEMV_MAX_TOKENS = 1
 # K 256 paired 29.0 / 26.5 (so K stays 128).
 GEMV_BLOCK_K = 128
 GEMV_PAIR = True
+# gate/up's columns a program in the tl.dot form when its weights are block FP8 (a multiple of 16
+# dividing GROUP). Each K step quantizes x's tile and loads [GROUP, BLOCK_N] e4m3 tiles: at 16
+# columns 2 KB each, 11 steps a program at rank 0's shape, and the FP8 rank's gate/up at one
+# token ran slower than bf16's (H100, 28-layer rank 0, PDL off, traced: 24.6 against 17.3 us a
+# layer, for half the bytes). Wider tiles trade steps for programs (more K splits): 32 columns
+# (128 registers, 61 KB of shared memory at sm_90a; 64: 167, 110 KB). Not yet decided: the same
+# H100 28-layer FP8 rank's decode at 1 / 8 rows, graphs per variant, ran 2.557 / 4.918 ms at 32
+# against 2.788 / 4.943 at 16 (64: 2.728 / 5.099) in one process, 2.694 / 5.121 against 2.686 /
+# 4.876 in the next: the runs' spread is as large as the effect; a traced A/B decides.
+GATE_UP_BLOCK_N_FP8 = 16
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
@@ -883,8 +893,10 @@ def experts_slots(
     x = x.contiguous()
     dummy = x
 
-    n_blocks, n_blocks_sh = triton.cdiv(inter, BLOCK_N), triton.cdiv(inter_sh, BLOCK_N)
     fp8_gate_up = w_fp8 or sh_fp8
+    block_n = GATE_UP_BLOCK_N_FP8 if fp8_gate_up else BLOCK_N
+    assert GROUP % block_n == 0 and block_n % 16 == 0, block_n
+    n_blocks, n_blocks_sh = triton.cdiv(inter, block_n), triton.cdiv(inter_sh, block_n)
     widest = GEMV_BLOCK_K if gemv else GROUP
     if gemv:
         gate_up_programs, down_programs = GEMV_GATE_UP_PROGRAMS, GEMV_DOWN_PROGRAMS
@@ -939,12 +951,12 @@ def experts_slots(
         SH_FP8=sh_fp8,
         H_SH_FP8=sd_fp8,
         IEEE=ieee,
-        EVEN=even_k and inter % BLOCK_N == 0,
-        EVEN_SH=even_k and inter_sh % BLOCK_N == 0,
+        EVEN=even_k and inter % block_n == 0,
+        EVEN_SH=even_k and inter_sh % block_n == 0,
         GEMV=gemv,
         GEMV_PAIR=GEMV_PAIR,
         BLOCK_T=block_t,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_K=gu.block_k,
         GROUP=GROUP,
         SP=sp,
