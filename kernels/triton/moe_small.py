@@ -32,9 +32,10 @@ signatures and results as kernels/moe_small.py (route_slots, experts_slots, moe_
 BLOCK_T: 16 tokens in the tl.dot form; in the GEMV form next_power_of_2(T), so a token's bits
 depend on T's bucket (1, 2, 4, 8: the CUDA graphs' batch sizes), never on T itself.
 
-Block FP8 (W8A8 as kernels.moe.experts_fp8): x is quantized per token group of 128 in the gate/up
-K loop (each K step is one group; the same code as kernels/triton/e4m3.quant_rows, bit-equal to
-kernels.fp8.quantize_act), e4m3 dots add dot * a_scale * w_scale per K step. The shared expert's
+Block FP8 (W8A8 as kernels.moe.experts_fp8): x is quantized per token group of 128 (the code of
+kernels/triton/e4m3.quant_rows, bit-equal to kernels.fp8.quantize_act) once, by the router's
+launch (moe_small; X_FP8_IN_ROUTE), or, for experts_slots called alone, in the gate/up K loop
+(each K step one group); e4m3 dots add dot * a_scale * w_scale per K step. The shared expert's
 gate/up and down may each be FP8 or in x's dtype (serving/models/fp8_choice.py keeps a shape
 dense where FP8 is not faster); the routed experts are one or the other as a whole.
 
@@ -123,6 +124,13 @@ GEMV_PAIR = True
 # against 2.788 / 4.943 at 16 (64: 2.728 / 5.099) in one process, 2.694 / 5.121 against 2.686 /
 # 4.876 in the next: the runs' spread is as large as the effect; a traced A/B decides.
 GATE_UP_BLOCK_N_FP8 = 16
+# moe_small with FP8 gate/up weights: x quantized once, by the router's launch (its first expert
+# block's programs, after the select's release), instead of in every gate/up program at every
+# K step (quant_rows: an amax reduction, two IEEE divisions and the e4m3 rounding of a 16-row
+# tile, 11 times a program at rank 0's shape). The FP8 down, whose operand the gate/up's finish
+# quantizes once, ran faster than bf16's (8.6 against 9.9 us a layer); its gate/up slower.
+# Same bits either way. GPU-unmeasured.
+X_FP8_IN_ROUTE = True
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
@@ -186,6 +194,8 @@ def _route_kernel(
     counters_ptr,  # [1] int32: programs done
     slot_expert_ptr,  # [SLOTS] int32
     slot_weight_ptr,  # [SLOTS, T] float32
+    xq_ptr,  # QUANT_X: [T, HD] e4m3 out, x quantized per 128-group (the FP8 gate/up's operand)
+    xs_ptr,  # QUANT_X: [T, KB] float32 out, its scales
     T,
     SLOTS,
     first,
@@ -193,10 +203,12 @@ def _route_kernel(
     E: tl.constexpr,
     NEB: tl.constexpr,
     HD: tl.constexpr,
+    KB: tl.constexpr,
     E_LOCAL: tl.constexpr,
     TOPK: tl.constexpr,
     NORMALIZE: tl.constexpr,
     IEEE: tl.constexpr,
+    QUANT_X: tl.constexpr,
     SPLITS: tl.constexpr,
     K_SPLIT: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -204,6 +216,7 @@ def _route_kernel(
     TP: tl.constexpr,
     EP: tl.constexpr,
     SP: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     b = tl.program_id(0) // SPLITS
     s = tl.program_id(0) % SPLITS
@@ -257,6 +270,39 @@ def _route_kernel(
             SP,
         )
         tl.store(counters_ptr, 0)
+    if QUANT_X:
+        # after the release, beside the select: x's 128-groups spread over the grid, program p
+        # quantizing groups p, p + programs, ... (one at most at rank 0's shape: 72 programs, 32
+        # groups). The gate/up kernel reads them after its PDL wait, when this grid has finished
+        _quantize_groups(x_ptr, xq_ptr, xs_ptr, T, tl.program_id(0), NEB * SPLITS, HD, KB,
+                         BLOCK_T, GROUP)  # fmt: skip
+
+
+@triton.jit
+def _quantize_groups(
+    x_ptr,  # [T, HD]
+    xq_ptr,  # [T, HD] e4m3 out
+    xs_ptr,  # [T, KB] float32 out
+    T,
+    first,
+    stride,
+    HD: tl.constexpr,
+    KB: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """x's 128-groups first, first + stride, ... quantized as kernels.fp8.quantize_act (the bits
+    the gate/up kernel's own quant_rows of the same tile gives)."""
+    t = tl.arange(0, BLOCK_T)
+    c = tl.arange(0, GROUP)
+    t_mask = t < T
+    for g in range(first, KB, stride):
+        k = g * GROUP + c
+        mask = t_mask[:, None] & (k < HD)[None, :]
+        a = tl.load(x_ptr + t[:, None] * HD + k[None, :], mask=mask, other=0.0)
+        q, scale = quant_rows(a.to(tl.float32))
+        tl.store(xq_ptr + t[:, None] * HD + k[None, :], q.to(xq_ptr.dtype.element_ty), mask=mask)
+        tl.store(xs_ptr + t * KB + g, scale, mask=t_mask)
 
 
 @triton.jit
@@ -328,8 +374,11 @@ def route_slots(
     scaling: float,
     local: tuple[int, int] | None,
     counters: torch.Tensor,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.moe_small.route_slots in one launch; counters: ROUTE_COUNTERS int32 zeros."""
+    """kernels.moe_small.route_slots in one launch; counters: ROUTE_COUNTERS int32 zeros.
+    x_fp8: ([T, Hd] e4m3, [T, blocks(Hd)] float32) buffers the launch also fills with x
+    quantized as kernels.fp8.quantize_act, for experts_slots' FP8 gate/up."""
     tokens, hidden = x.shape
     experts = gate_weight.shape[0]
     first, num_local = local if local is not None else (0, experts)
@@ -346,6 +395,10 @@ def route_slots(
     splits, k_split = _route_split(hidden, neb, x.element_size())
     part = torch.empty(splits, tokens, neb * BLOCK_E, device=dev, dtype=torch.float32)
     tp = max(2, triton.next_power_of_2(tokens))
+    if x_fp8 is not None:
+        assert x_fp8[0].shape == x.shape and x_fp8[0].dtype == FP8, x_fp8[0].shape
+        assert x_fp8[1].shape == (tokens, blocks(hidden)) and x_fp8[1].dtype == torch.float32
+    xq, xs = x_fp8 if x_fp8 is not None else (x, x)
     _route_kernel[(neb * splits,)](
         x.contiguous(),
         gate_weight.contiguous(),
@@ -354,6 +407,8 @@ def route_slots(
         counters,
         slot_expert,
         slot_weight,
+        xq,
+        xs,
         tokens,
         slots,
         first,
@@ -361,10 +416,12 @@ def route_slots(
         E=experts,
         NEB=neb,
         HD=hidden,
+        KB=blocks(hidden),
         E_LOCAL=num_local,
         TOPK=top_k,
         NORMALIZE=normalize,
         IEEE=x.dtype == torch.float32,
+        QUANT_X=x_fp8 is not None,
         SPLITS=splits,
         K_SPLIT=k_split,
         BLOCK_T=BLOCK_T,
@@ -372,6 +429,7 @@ def route_slots(
         TP=tp,
         EP=triton.next_power_of_2(experts),
         SP=triton.next_power_of_2(num_local),
+        GROUP=GROUP,
         num_warps=8 if tp >= 16 else 4,  # the select's [TP, EP] int64 keys
         **LAUNCH,
     )
@@ -386,6 +444,8 @@ def route_slots(
 @triton.jit
 def _gate_up_acc(
     x_ptr,
+    xq_ptr,  # X_FP8: [T, HD] x in e4m3 (route_slots' x_fp8)
+    xs_ptr,  # X_FP8: [T, KB] its scales
     T,
     wg_ptr,  # [INTER, HD] gate rows of one expert
     wu_ptr,  # [INTER, HD] up rows
@@ -398,6 +458,7 @@ def _gate_up_acc(
     KB: tl.constexpr,
     K_SPLIT: tl.constexpr,
     FP8: tl.constexpr,
+    X_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
     GEMV: tl.constexpr,
@@ -407,7 +468,8 @@ def _gate_up_acc(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    """x @ [gate; up]^T for columns n0 .. n0 + BLOCK_N over K range k_lo .. k_lo + K_SPLIT."""
+    """x @ [gate; up]^T for columns n0 .. n0 + BLOCK_N over K range k_lo .. k_lo + K_SPLIT. FP8
+    weights: x's tile quantized at each K step, or (X_FP8) read quantized from xq / xs."""
     t = tl.arange(0, BLOCK_T)
     n = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -427,6 +489,8 @@ def _gate_up_acc(
     w_offs = n[None, :] * HD + kk[:, None]
     acc_g = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    if FP8 and X_FP8:
+        a_ptrs = xq_ptr + t[:, None] * HD + kk[None, :]
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, HD), BLOCK_K):
         if EVEN:  # whole tiles: the weights unmasked
             a = tl.load(a_ptrs + k0, mask=t_mask[:, None], other=0.0)
@@ -438,9 +502,13 @@ def _gate_up_acc(
             a = tl.load(a_ptrs + k0, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
             wg = tl.load(wg_ptr + k0 + w_offs, mask=w_mask, other=0.0)
             wu = tl.load(wu_ptr + k0 + w_offs, mask=w_mask, other=0.0)
-        if FP8:  # the K step is one whole group: quantize x's tile here (rows past T: zeros)
+        if FP8 and X_FP8:  # the K step is one whole group: x's, quantized once by the router
+            a8 = a
+            a_s = tl.load(xs_ptr + t * KB + k0 // GROUP, mask=t_mask, other=0.0)
+        elif FP8:  # quantize x's tile here (rows past T: zeros)
             qa, a_s = quant_rows(a.to(tl.float32))
             a8 = qa.to(wg_ptr.dtype.element_ty)  # exact: qa is on the e4m3 grid
+        if FP8:
             g_s = tl.load(sg_ptr + (n0 // GROUP) * KB + k0 // GROUP)
             u_s = tl.load(su_ptr + (n0 // GROUP) * KB + k0 // GROUP)
             acc_g += tl.dot(a8, wg) * (a_s[:, None] * g_s)
@@ -516,6 +584,8 @@ def _finish_group(
 @triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, HD]
+    xq_ptr,  # X_FP8: [T, HD] e4m3, x quantized by route_slots
+    xs_ptr,  # X_FP8: [T, KB] float32
     slot_expert_ptr,  # [SLOTS] int32
     w13_ptr,  # [E_LOCAL, 2 * INTER, HD]
     w13_scale_ptr,  # FP8: [E_LOCAL, 2 * NB, KB]
@@ -548,6 +618,7 @@ def _gate_up_kernel(
     W_FP8: tl.constexpr,
     SH_FP8: tl.constexpr,
     H_SH_FP8: tl.constexpr,
+    X_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN: tl.constexpr,
     EVEN_SH: tl.constexpr,
@@ -579,6 +650,8 @@ def _gate_up_kernel(
             sg = w13_scale_ptr + e * (2 * NB * KB)
             acc_g, acc_u = _gate_up_acc(
                 x_ptr,
+                xq_ptr,
+                xs_ptr,
                 T,
                 wg_ptr,
                 wg_ptr + INTER * HD,
@@ -591,6 +664,7 @@ def _gate_up_kernel(
                 KB,
                 K_SPLIT,
                 W_FP8,
+                X_FP8,
                 IEEE,
                 EVEN,
                 GEMV,
@@ -628,6 +702,8 @@ def _gate_up_kernel(
         n0 = (blk - N_BLOCKS) * BLOCK_N
         acc_g, acc_u = _gate_up_acc(
             x_ptr,
+            xq_ptr,
+            xs_ptr,
             T,
             sg_ptr,
             su_ptr,
@@ -640,6 +716,7 @@ def _gate_up_kernel(
             KB,
             K_SPLIT,
             SH_FP8,
+            X_FP8,
             IEEE,
             EVEN_SH,
             GEMV,
@@ -857,9 +934,11 @@ def experts_slots(
     shared: SharedExpert | None,
     limit: float,
     counters: torch.Tensor,
+    x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """kernels.moe_small.experts_slots in two launches; counters: expert_counters(Hd, I, Is)
-    int32 zeros (Is 0 without a shared expert)."""
+    int32 zeros (Is 0 without a shared expert). x_fp8: x quantized (route_slots' x_fp8, filled
+    by the launch before), read by the FP8 gate/up instead of quantizing x's tile each K step."""
     tokens, hidden = x.shape
     out = torch.empty_like(x)
     if tokens == 0:
@@ -916,8 +995,12 @@ def experts_slots(
     else:
         part_sh = h_sh = h_sh_scale = dummy
     even_k = hidden % gu.k_split == 0 and gu.k_split % gu.block_k == 0
+    x_fp8 = x_fp8 if fp8_gate_up and not gemv else None
+    xq, xs = x_fp8 if x_fp8 is not None else (x, x)
     _gate_up_kernel[((n_blocks + n_blocks_sh) * gu.splits,)](
         x,
+        xq,
+        xs,
         slot_expert,
         w13.contiguous(),
         w13_scale.contiguous() if w_fp8 else dummy,
@@ -950,6 +1033,7 @@ def experts_slots(
         W_FP8=w_fp8,
         SH_FP8=sh_fp8,
         H_SH_FP8=sd_fp8,
+        X_FP8=x_fp8 is not None,
         IEEE=ieee,
         EVEN=even_k and inter % block_n == 0,
         EVEN_SH=even_k and inter_sh % block_n == 0,
@@ -1036,10 +1120,18 @@ def moe_small(
     counters: torch.Tensor,
 ) -> torch.Tensor:
     """kernels.moe_small.moe_small in three launches; counters: counters_size(Hd, I, Is)
-    int32 zeros, owned by the call site."""
+    int32 zeros, owned by the call site. With FP8 gate/up weights (routed or shared) and
+    X_FP8_IN_ROUTE, the router's launch also quantizes x for the gate/up."""
+    tokens, hidden = x.shape
+    fp8_gate_up = experts[2] is not None or (shared is not None and shared[3] is not None)
+    x_fp8 = None
+    if X_FP8_IN_ROUTE and fp8_gate_up and tokens:
+        xq = torch.empty(tokens, hidden, device=x.device, dtype=FP8)
+        x_fp8 = (xq, torch.empty(tokens, blocks(hidden), device=x.device, dtype=torch.float32))
     slot_expert, slot_weight = route_slots(
-        x, gate_weight, correction_bias, top_k, normalize, scaling, local, counters[:ROUTE_COUNTERS]
-    )
+        x, gate_weight, correction_bias, top_k, normalize, scaling, local,
+        counters[:ROUTE_COUNTERS], x_fp8,
+    )  # fmt: skip
     return experts_slots(
-        x, slot_expert, slot_weight, experts, shared, limit, counters[ROUTE_COUNTERS:]
+        x, slot_expert, slot_weight, experts, shared, limit, counters[ROUTE_COUNTERS:], x_fp8
     )
