@@ -115,17 +115,18 @@ GEMV_MAX_TOKENS = 1
 GEMV_BLOCK_K = 128
 GEMV_PAIR = True
 # gate/up's columns a program in the tl.dot form when its weights are block FP8 (a multiple of 16
-# dividing GROUP). Each K step quantizes x's tile and loads [GROUP, BLOCK_N] e4m3 tiles: at 16
-# columns 2 KB each, 11 steps a program at rank 0's shape, and the FP8 rank's gate/up at one
-# token ran slower than bf16's (H100, 28-layer rank 0, PDL off, traced: 24.6 against 17.3 us a
-# layer, for half the bytes). Wider tiles trade steps for programs (more K splits): 32 columns
-# (128 registers, 61 KB of shared memory at sm_90a; 64: 167, 110 KB). Not yet decided: the same
-# H100 28-layer FP8 rank's decode at 1 / 8 rows, graphs per variant, ran 2.557 / 4.918 ms at 32
-# against 2.788 / 4.943 at 16 (64: 2.728 / 5.099) in one process, 2.694 / 5.121 against 2.686 /
-# 4.876 in the next: the runs' spread is as large as the effect; a traced A/B decides.
+# dividing GROUP). Each K step loads [GROUP, BLOCK_N] e4m3 tiles: at 16 columns 2 KB each, 11
+# steps a program at rank 0's shape; with x quantized in the K loop (before X_FP8_IN_ROUTE) the
+# FP8 rank's gate/up at one token ran slower than bf16's (H100, 28-layer rank 0, PDL off,
+# traced: 24.6 against 17.3 us a layer, for half the bytes). Wider tiles trade steps for
+# programs (more K splits). With the in-loop quantization (sm_90a: 32 columns 128 registers and
+# 61 KB of shared memory, 64: 167 and 110 KB; no spills) the H100 28-layer FP8 rank's decode at
+# 1 / 8 rows, graphs per variant, ran 2.557 / 4.918 ms at 32 against 2.788 / 4.943 at 16 (64:
+# 2.728 / 5.099) in one process, 2.694 / 5.121 against 2.686 / 4.876 in the next: the runs'
+# spread as large as the effect, undecided (scratch/s38_fp8.sh's bn32 variant).
 GATE_UP_BLOCK_N_FP8 = 16
-# moe_small with FP8 gate/up weights: x quantized once, by the router's launch (its first expert
-# block's programs, after the select's release), instead of in every gate/up program at every
+# moe_small with FP8 gate/up weights: x quantized once, by the router's launch (its programs,
+# a 128-group each, after the select's release), instead of in every gate/up program at every
 # K step (quant_rows: an amax reduction, two IEEE divisions and the e4m3 rounding of a 16-row
 # tile, 11 times a program at rank 0's shape). The FP8 down, whose operand the gate/up's finish
 # quantizes once, ran faster than bf16's (8.6 against 9.9 us a layer); its gate/up slower.
