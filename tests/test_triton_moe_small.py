@@ -404,8 +404,7 @@ def _x_fp8_in_route_is_bitwise(shape, mode, tokens, dtype, device, monkeypatch):
     _check_close(outs[0], ref.moe_small(*args), dtype)
     xq = torch.empty(tokens, shape[0], device=device, dtype=fp8_ref.FP8)
     xs = torch.empty(tokens, fp8_ref.blocks(shape[0]), device=device)
-    route_args = args[:7]
-    tms.route_slots(*route_args, counters[: tms.ROUTE_COUNTERS], (xq, xs))
+    tms.route_slots(*args[:7], counters[: tms.ROUTE_COUNTERS], (xq, xs))
     want_q, want_s = fp8_ref.quantize_act(x)
     assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_s)
 

@@ -996,7 +996,7 @@ def experts_slots(
     else:
         part_sh = h_sh = h_sh_scale = dummy
     even_k = hidden % gu.k_split == 0 and gu.k_split % gu.block_k == 0
-    x_fp8 = x_fp8 if fp8_gate_up and not gemv else None
+    x_fp8 = x_fp8 if fp8_gate_up else None  # FP8 never runs the GEMV form
     xq, xs = x_fp8 if x_fp8 is not None else (x, x)
     _gate_up_kernel[((n_blocks + n_blocks_sh) * gu.splits,)](
         x,
