@@ -14,8 +14,10 @@ a split-K GEMM and its reduction).
 - dtype fp8: us_old the FP8 path before the skinny GEMM (block_fp8_linear's old backends:
   torch._scaled_mm with its activation quantization where the shape's probe passes, else the
   Triton GEMM with the quantization fused), us_new the skinny GEMM (the quantization inside),
-  us_bf16_old the bf16 row's cuBLAS (what the start-up timing kept these shapes on; the DSA
-  layer in FP8 runs "dsa in_proj" and "dsa in_proj rest" against the bf16 layer's one GEMM);
+  us_quantized the skinny GEMM on x quantized first (quantize_act's launch, then skinny_linear's
+  x_fp8: kernels/triton/fp8.py's SKINNY_QUANTIZED_MAX_TOKENS), us_bf16_old the bf16 row's
+  cuBLAS (what the start-up timing kept these shapes on; the DSA layer in FP8 runs "dsa in_proj"
+  and "dsa in_proj rest" against the bf16 layer's one GEMM);
 - floor_us: the weight's bytes (FP8: with its scales) at 4.23 TB/s, the H200's measured copy
   bandwidth; new_over_floor = us_new / floor_us.
 Shapes: the projections as a rank-0 layer runs them (RANK0_LINEARS): stacked input projections
@@ -144,6 +146,8 @@ def rows_for(name: str, gen) -> list[dict]:
         launches_old = (3 if m % tfp8.SCALED_MM_ROWS else 2) if scaled_mm else 1
         row = _row(name, m, "fp8", (n8, k), old, new, floor, launches_old, 1)
         row["old_gemm"] = "scaled_mm" if scaled_mm else "triton"
+        quantized = lambda x, w8, s: skinny_linear(x, w8, s, x_fp8=tfp8.quantize_act(x))  # noqa: E731
+        row["us_quantized"] = round(graph_us(quantized, ops), 2)
         row["us_bf16_old"] = round(cublas, 2)
         row["new_vs_bf16_old"] = round(cublas / new, 2)
         out.append(row)

@@ -151,6 +151,10 @@ def _cases(case: list[str]) -> None:
     for rows in (1, 4):
         case[0] = f"skinny FP8, {rows} rows"
         skinny_linear(torch.empty(rows, hd, dtype=bf), w8, s8)
+    for rows in (8, 32):
+        case[0] = f"skinny FP8 on x quantized first, {rows} rows"
+        x8 = torch.empty(rows, hd, dtype=torch.float8_e4m3fn)
+        skinny_linear(x8.to(bf), w8, s8, x_fp8=(x8, torch.empty(rows, hd // 128)))
     e, el, i, si = r["experts"], r["local"], r["inter"], r["shared_inter"]
     experts = Experts(torch.empty(el, 2 * i, hd, dtype=bf), torch.empty(el, hd, i, dtype=bf))
     shared = SharedExpert(*(torch.empty(si, hd, dtype=bf) for _ in range(2)),

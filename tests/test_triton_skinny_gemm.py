@@ -97,6 +97,9 @@ def _check_fp8(m, n, k, dtype, device, interpreter=False):
         assert _rel_fro(out, ref) <= 1e-2
     assert _rel_fro(out, x.float() @ fp8_ref.dequantize(w8, scale).T) <= 6e-2
     assert torch.equal(skinny_linear(x, w8, scale), out)  # deterministic
+    # x quantized before the launch: the operands the K loop quantizes itself, so the same bits
+    assert torch.equal(skinny_linear(x, w8, scale, x_fp8=tfp8.quantize_act(x)), out)
+    assert torch.equal(skinny_linear(x, w8, scale, x_fp8=tfp8.quantize_act(-x)), -out)  # read
     if m <= tfp8.SKINNY_MAX_TOKENS:  # what the fast path runs
         assert torch.equal(tfp8.block_fp8_linear(x, w8, scale), out)
     assert _counters_zero()
@@ -146,6 +149,29 @@ ODD = [(1, 48, 64), (3, 130, 200), (8, 300, 520), (33, 17, 48), (33, 70, 1100), 
 @pytest.mark.parametrize("m,n,k", ODD)
 def test_skinny_fp8_interpreter(m, n, k, dtype):
     _check_fp8(m, n, k, dtype, "cpu", interpreter=True)
+
+
+@cpu_interp
+def test_block_fp8_linear_runs_the_quantized_skinny_gemm_to_its_rows_interpreter(monkeypatch):
+    """Past SKINNY_MAX_TOKENS and up to SKINNY_QUANTIZED_MAX_TOKENS rows block_fp8_linear runs
+    quantize_act's launch, then the skinny GEMM on its output: two launches and the bits of the
+    skinny GEMM that quantizes in its K loop; a row past it leaves the skinny GEMM."""
+    from kernels.triton import fp8 as tfp8
+    from kernels.triton.skinny_gemm import skinny_linear
+
+    monkeypatch.setattr(tfp8, "SKINNY_QUANTIZED_MAX_TOKENS", 8)
+    n, k = 70, 300
+    w8, scale = _fp8_weight(n, k, "cpu", seed=3)
+    for m in (5, 8):
+        x = _x(m, k, torch.bfloat16, "cpu", seed=m)
+        assert tfp8.linear_gemm(m, n, k, x.dtype, x.device) == "skinny_quantized"
+        launched = count_launches(monkeypatch)
+        out = tfp8.block_fp8_linear(x, w8, scale)
+        assert launched == {"_quant_kernel": 1, "_skinny_kernel": 1}, launched
+        monkeypatch.undo()  # the count's hook and the setting
+        assert torch.equal(out, skinny_linear(x, w8, scale))
+        monkeypatch.setattr(tfp8, "SKINNY_QUANTIZED_MAX_TOKENS", 8)
+    assert tfp8.linear_gemm(9, n, k, torch.bfloat16, "cpu") == "triton"
 
 
 @cpu_interp

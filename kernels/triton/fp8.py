@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 # rank 0 of TP8) it beat quantize + torch._scaled_mm at 1 row for 4 of 6 shapes, lost at 8 rows
 # for most and at 32 for all (0.2-0.5x), so decode at batch 1 and its 2-token verify take it
 SKINNY_MAX_TOKENS = 4
+# token rows past SKINNY_MAX_TOKENS up to which it runs the skinny GEMM on x quantized first
+# (quantize_act, then skinny_linear's x_fp8: one launch more, no quantization inside its K
+# loops); more rows take torch._scaled_mm or the Triton GEMM. 0: none (bench.decode_gemm's
+# us_quantized column times the form at every count)
+SKINNY_QUANTIZED_MAX_TOKENS = 0
 
 # Programs the small-M GEMM heuristic aims at: about two per SM on an H200 (132 SMs).
 TARGET_PROGRAMS = 264
@@ -285,6 +290,8 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
     gemm = linear_gemm(x2.shape[0], n, k, x.dtype, x.device)
     if gemm == "skinny":
         y = skinny_linear(x2, w8, scale)  # takes the row stride; 0 rows too
+    elif gemm == "skinny_quantized":
+        y = skinny_linear(x2, w8, scale, x_fp8=quantize_act(x2))
     elif gemm == "scaled_mm":
         y = block_fp8_linear_scaled_mm(x2.contiguous(), w8, scale)
     else:
@@ -294,9 +301,12 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
 
 def linear_gemm(tokens: int, n: int, k: int, dtype: torch.dtype, device) -> str:
     """The GEMM block_fp8_linear runs for `tokens` rows against an [n, k] weight: "skinny",
-    "scaled_mm" or "triton" (host ints; may probe torch._scaled_mm, see scaled_mm_usable)."""
+    "skinny_quantized", "scaled_mm" or "triton" (host ints; may probe torch._scaled_mm, see
+    scaled_mm_usable)."""
     if tokens <= SKINNY_MAX_TOKENS:
         return "skinny"
+    if tokens <= SKINNY_QUANTIZED_MAX_TOKENS:
+        return "skinny_quantized"
     return "scaled_mm" if scaled_mm_usable(n, k, dtype, device) else "triton"
 
 
