@@ -8,7 +8,8 @@ Launched with PDL (kernels/triton/pdl.py; it begins with grid_dependency()).
 
 block_fp8_linear runs at most SKINNY_MAX_TOKENS token rows (decode, verify) on the skinny GEMM
 (kernels/triton/skinny_gemm.py: the weight streamed by split-K programs, x quantized inside it),
-and more on one of two GEMMs per weight shape:
+up to SKINNY_QUANTIZED_MAX_TOKENS on quantize_act and the skinny GEMM reading its output, and
+more on one of two GEMMs per weight shape:
 - torch._scaled_mm with 1x128 activation and 128x128 weight block scales (cuBLASLt's
   DeepSeek-style scaling: SM90, cuBLASLt >= 12.9, PyTorch >= 2.9; N and K multiples of 16). It
   is probed once per (N, K, dtype, device), at load (linear_backends, which the loader logs) or
