@@ -385,7 +385,7 @@ def skinny_linear(
         x8, x_scale = x_fp8
         assert fp8 and x8.dtype == FP8 and x8.shape == x.shape and x8.is_contiguous(), x8.shape
         assert x_scale.shape == (m, scale.shape[1]) and x_scale.stride() == (scale.shape[1], 1)
-    if x.stride(-1) != 1:
+    if x_fp8 is None and x.stride(-1) != 1:  # with x_fp8, x gives only shape and dtype
         x = x.contiguous()
     w = w.contiguous()
     if add is not None:
