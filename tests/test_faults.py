@@ -354,7 +354,7 @@ def soak(stack, seconds: float, clients: int = 6) -> dict:
 
 def test_short_soak_leaks_neither_memory_nor_descriptors(stack):
     soak(stack, 15)  # warm-up: allocator arenas, connection pools, code paths
-    figures = soak(stack, float(os.environ.get("PDSERVE_SOAK_S", "120")))
+    figures = soak(stack, float(os.environ.get("PDSERVE_SOAK_S", "60")))
     print("soak:", figures)
     counts = figures["counts"]
     assert counts["failed"] == 0 and counts["completed"] > 5, counts
