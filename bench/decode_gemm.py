@@ -13,9 +13,9 @@ a split-K GEMM and its reduction).
   those rows, which GEMV_MAX_ROWS keeps off by default);
 - dtype fp8: us_old the FP8 path before the skinny GEMM (block_fp8_linear's old backends:
   torch._scaled_mm with its activation quantization where the shape's probe passes, else the
-  Triton GEMM with the quantization fused), us_new the skinny GEMM (the quantization inside),
-  us_quantized the skinny GEMM on x quantized first (quantize_act's launch, then skinny_linear's
-  x_fp8: kernels/triton/fp8.py's SKINNY_QUANTIZED_MAX_TOKENS), us_bf16_old the bf16 row's
+  Triton GEMM with the quantization fused), us_new quantize_act then the skinny GEMM (two
+  launches: block_fp8_linear up to kernels/triton/fp8.py's SKINNY_MAX_TOKENS rows), us_bf16_old
+  the bf16 row's
   cuBLAS (what the start-up timing kept these shapes on; the DSA layer in FP8 runs "dsa in_proj"
   and "dsa in_proj rest" against the bf16 layer's one GEMM);
 - floor_us: the weight's bytes (FP8: with its scales) at 4.23 TB/s, the H200's measured copy
@@ -141,13 +141,12 @@ def rows_for(name: str, gen) -> list[dict]:
         xs = _inputs(m, k, len(fp8), gen)
         ops = [(x, *op) for x, op in zip(xs, fp8)]
         old = graph_us(old_fp8, ops)
-        new = graph_us(skinny_linear, ops)
+        skinny = lambda x, w8, s: skinny_linear(x, w8, s, x_fp8=tfp8.quantize_act(x))  # noqa: E731
+        new = graph_us(skinny, ops)
         floor = fp8_bytes / HBM_BYTES_PER_US
         launches_old = (3 if m % tfp8.SCALED_MM_ROWS else 2) if scaled_mm else 1
-        row = _row(name, m, "fp8", (n8, k), old, new, floor, launches_old, 1)
+        row = _row(name, m, "fp8", (n8, k), old, new, floor, launches_old, 2)
         row["old_gemm"] = "scaled_mm" if scaled_mm else "triton"
-        quantized = lambda x, w8, s: skinny_linear(x, w8, s, x_fp8=tfp8.quantize_act(x))  # noqa: E731
-        row["us_quantized"] = round(graph_us(quantized, ops), 2)
         row["us_bf16_old"] = round(cublas, 2)
         row["new_vs_bf16_old"] = round(cublas / new, 2)
         out.append(row)
@@ -176,6 +175,7 @@ def sweep_for(name: str, gen) -> list[dict]:
     for tuning skinny_config; for one bf16 row the GEMV form's GEMV_SWEEP tilings too ("gemv"
     keys, with the K step), for gemv_config."""
     from kernels.fp8 import quantize_weight
+    from kernels.triton.fp8 import quantize_act
     from kernels.triton.skinny_gemm import gemv_config, skinny_config, skinny_linear
 
     n16, n8, k = RANK0_LINEARS[name]
@@ -203,7 +203,10 @@ def sweep_for(name: str, gen) -> list[dict]:
             for key, cfg in configs:
                 if key in times:
                     continue
-                fn = lambda x, *o, cfg=cfg: skinny_linear(x, *o, config=cfg)  # noqa: E731
+                # FP8 with its quantize_act launch, as block_fp8_linear runs it
+                fn = lambda x, *o, cfg=cfg: skinny_linear(  # noqa: E731
+                    x, *o, config=cfg, x_fp8=quantize_act(x) if len(o) == 2 else None
+                )
                 times[key] = round(graph_us(fn, [(x, *o) for x, o in zip(xs, ops)]), 2)
             best = min(times, key=times.get)
             floor = n * k * w_bytes / HBM_BYTES_PER_US

@@ -80,14 +80,22 @@ def _counters_zero():
     return all(int(c.abs().sum()) == 0 for c in skinny_gemm._COUNTERS.values())
 
 
+def _skinny(x, *weights, **kw):
+    """skinny_linear as block_fp8_linear runs it: a block-FP8 weight's x quantized first."""
+    from kernels.triton.fp8 import quantize_act
+    from kernels.triton.skinny_gemm import skinny_linear
+
+    x_fp8 = quantize_act(x) if len(weights) == 2 else None
+    return skinny_linear(x, *weights, x_fp8=x_fp8, **kw)
+
+
 def _check_fp8(m, n, k, dtype, device, interpreter=False):
     from kernels.triton import fp8 as tfp8
-    from kernels.triton.skinny_gemm import skinny_linear
 
     w8, scale = _fp8_weight(n, k, device, seed=n + k)
     x = _x(m, k, dtype, device, seed=m + n)
     _poison(m, n, dtype, device)
-    out = skinny_linear(x, w8, scale)
+    out = _skinny(x, w8, scale)
     assert out.dtype == dtype and out.shape == (m, n) and not out.isnan().any()
     ref = fp8_ref.block_fp8_linear(x, w8, scale)
     if dtype == torch.float32:
@@ -96,11 +104,7 @@ def _check_fp8(m, n, k, dtype, device, interpreter=False):
         assert _rel_max(out, ref) <= (2e-2 if interpreter else 1e-2)
         assert _rel_fro(out, ref) <= 1e-2
     assert _rel_fro(out, x.float() @ fp8_ref.dequantize(w8, scale).T) <= 6e-2
-    assert torch.equal(skinny_linear(x, w8, scale), out)  # deterministic
-    # x quantized before the launch: the operands the K loop quantizes itself, so the same bits
-    assert torch.equal(skinny_linear(x, w8, scale, x_fp8=tfp8.quantize_act(x)), out)
-    negated = skinny_linear(x, w8, scale, x_fp8=tfp8.quantize_act(-x))  # x_fp8 is what it reads
-    assert _rel_max(negated, -out) <= 1e-2  # ignoring x_fp8 would give 2
+    assert torch.equal(_skinny(x, w8, scale), out)  # deterministic
     if m <= tfp8.SKINNY_MAX_TOKENS:  # what the fast path runs
         assert torch.equal(tfp8.block_fp8_linear(x, w8, scale), out)
     assert _counters_zero()
@@ -153,24 +157,29 @@ def test_skinny_fp8_interpreter(m, n, k, dtype):
 
 
 @cpu_interp
-def test_block_fp8_linear_runs_the_quantized_skinny_gemm_to_its_rows_interpreter(monkeypatch):
-    """Past SKINNY_MAX_TOKENS and up to SKINNY_QUANTIZED_MAX_TOKENS rows block_fp8_linear runs
-    quantize_act's launch, then the skinny GEMM on its output: two launches and the bits of the
-    skinny GEMM that quantizes in its K loop; a row past it leaves the skinny GEMM."""
+def test_block_fp8_linear_runs_quantize_act_then_the_skinny_gemm_to_its_rows_interpreter(
+    monkeypatch,
+):
+    """Up to SKINNY_MAX_TOKENS rows block_fp8_linear runs quantize_act's launch, then the skinny
+    GEMM on its output: two launches, none to copy an x that is a column slice (a stacked
+    projection's output), the bits of the contiguous x's; a row past it leaves the skinny GEMM."""
     from kernels.triton import fp8 as tfp8
     from kernels.triton.skinny_gemm import skinny_linear
 
-    monkeypatch.setattr(tfp8, "SKINNY_QUANTIZED_MAX_TOKENS", 8)
-    n, k = 70, 300
+    n, k, rows = 70, 300, tfp8.SKINNY_MAX_TOKENS
     w8, scale = _fp8_weight(n, k, "cpu", seed=3)
-    xs = {m: _x(m, k, torch.bfloat16, "cpu", seed=m) for m in (5, 8)}
-    in_loop = {m: skinny_linear(x, w8, scale) for m, x in xs.items()}
+    wide = {m: _x(m, k + 40, torch.bfloat16, "cpu", seed=m) for m in (1, rows)}
+    xs = {m: x[:, 16 : 16 + k] for m, x in wide.items()}  # row stride k + 40
+    contiguous = {
+        m: skinny_linear(x, w8, scale, x_fp8=tfp8.quantize_act(x.contiguous()))
+        for m, x in xs.items()
+    }
     launched = count_launches(monkeypatch)
     for m, x in xs.items():
-        assert tfp8.linear_gemm(m, n, k, x.dtype, x.device) == "skinny_quantized"
-        assert torch.equal(tfp8.block_fp8_linear(x, w8, scale), in_loop[m])
+        assert tfp8.linear_gemm(m, n, k, x.dtype, x.device) == "skinny"
+        assert torch.equal(tfp8.block_fp8_linear(x, w8, scale), contiguous[m])
     assert launched == {"_quant_kernel": 2, "_skinny_kernel": 2}, launched
-    assert tfp8.linear_gemm(9, n, k, torch.bfloat16, "cpu") == "triton"
+    assert tfp8.linear_gemm(rows + 1, n, k, torch.bfloat16, "cpu") == "triton"
 
 
 @cpu_interp
@@ -243,14 +252,14 @@ def test_dense_linears_run_the_skinny_gemm_up_to_its_rows_interpreter(monkeypatc
 @cpu_interp
 def test_skinny_takes_a_column_slice_interpreter():
     """A stacked projection's output column (a row stride, no copy) gives what a contiguous
-    copy gives, FP8 and bf16."""
+    copy gives, FP8 (its quantize_act too) and bf16."""
     from kernels.triton.skinny_gemm import skinny_linear
 
     wide = _x(5, 700, torch.bfloat16, "cpu", seed=3)
     x = wide[:, 200:456]
     assert not x.is_contiguous()
     w8, scale = _fp8_weight(96, 256, "cpu", seed=1)
-    assert torch.equal(skinny_linear(x, w8, scale), skinny_linear(x.contiguous(), w8, scale))
+    assert torch.equal(_skinny(x, w8, scale), _skinny(x.contiguous(), w8, scale))
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
     assert torch.equal(skinny_linear(x, w), skinny_linear(x.contiguous(), w))
 
@@ -265,7 +274,7 @@ def _rows_alone_equal_rows_together(device, k=520, n=300):
     w8, scale = _fp8_weight(n, k, device, seed=6)
     w = fp8_ref.dequantize(w8, scale).bfloat16()
     for weights in ((w8, scale), (w,)):
-        assert torch.equal(skinny_linear(x[:11], *weights), skinny_linear(x, *weights)[:11])
+        assert torch.equal(_skinny(x[:11], *weights), _skinny(x, *weights)[:11])
     # the GEMV form: within one power-of-two row block (5 rows and the graph's 8)
     w, n = w[:64], 64
     five, eight = (skinny_linear(x[:m], w, config=gemv_config(n, k, rows=m)) for m in (5, 8))
@@ -329,7 +338,6 @@ def test_skinny_cuda_graph(m):
     """Split-K and single-split launches of both formats captured in one CUDA graph, replayed
     with new inputs (outputs poisoned before each replay) and twice on the same ones (equal
     bits: the counters start clean each replay)."""
-    from kernels.triton.skinny_gemm import skinny_linear
 
     cases = []
     for name, fp8 in (("kda in_proj", True), ("dsa o_proj", False), ("kda f_b/g_b", True)):
@@ -344,11 +352,11 @@ def test_skinny_cuda_graph(m):
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for x, w in cases:  # compile and allocate the counters outside the capture
-            skinny_linear(x, *w)
+            _skinny(x, *w)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [skinny_linear(x, *w) for x, w in cases]
+        outs = [_skinny(x, *w) for x, w in cases]
     for seed in (1, 2):
         for x, _ in cases:
             x.copy_(_x(m, x.shape[1], torch.bfloat16, "cuda", seed))

@@ -6,10 +6,9 @@ reference's on the GPU and under TRITON_INTERPRET=1 alike. The scales are writte
 ([T, KB], for the Triton kernels) or group-major (stride (1, T), what torch._scaled_mm takes).
 Launched with PDL (kernels/triton/pdl.py; it begins with grid_dependency()).
 
-block_fp8_linear runs at most SKINNY_MAX_TOKENS token rows (decode, verify) on the skinny GEMM
-(kernels/triton/skinny_gemm.py: the weight streamed by split-K programs, x quantized inside it),
-up to SKINNY_QUANTIZED_MAX_TOKENS on quantize_act and the skinny GEMM reading its output, and
-more on one of two GEMMs per weight shape:
+block_fp8_linear runs at most SKINNY_MAX_TOKENS token rows (decode, verify) on quantize_act and
+the skinny GEMM reading its output (kernels/triton/skinny_gemm.py: the weight streamed by split-K
+programs), and more on one of two GEMMs per weight shape:
 - torch._scaled_mm with 1x128 activation and 128x128 weight block scales (cuBLASLt's
   DeepSeek-style scaling: SM90, cuBLASLt >= 12.9, PyTorch >= 2.9; N and K multiples of 16). It
   is probed once per (N, K, dtype, device), at load (linear_backends, which the loader logs) or
@@ -45,15 +44,12 @@ from kernels.triton.skinny_gemm import skinny_linear
 
 log = logging.getLogger(__name__)
 
-# token rows up to which block_fp8_linear runs the skinny GEMM: on the H200 (bench.decode_gemm,
-# rank 0 of TP8) it beat quantize + torch._scaled_mm at 1 row for 4 of 6 shapes, lost at 8 rows
-# for most and at 32 for all (0.2-0.5x), so decode at batch 1 and its 2-token verify take it
-SKINNY_MAX_TOKENS = 4
-# token rows past SKINNY_MAX_TOKENS up to which it runs the skinny GEMM on x quantized first
-# (quantize_act, then skinny_linear's x_fp8: one launch more, no quantization inside its K
-# loops); more rows take torch._scaled_mm or the Triton GEMM. 0: none (bench.decode_gemm's
-# us_quantized column times the form at every count)
-SKINNY_QUANTIZED_MAX_TOKENS = 0
+# token rows up to which block_fp8_linear runs quantize_act + the skinny GEMM (two launches).
+# H100, bench.decode_gemm at rank 0 of TP8 (2026-12-07, 12 shapes): against quantize_act +
+# torch._scaled_mm it wins every shape at 1 and 2 rows (KDA in_proj 13.5 against 19.1 us), 10 of
+# 12 at 8, 3 of 12 at 32. The skinny GEMM quantizing x's tile in every program's K loop instead
+# (one launch) took 1.1-2x as long at every shape and count (KDA in_proj 26.3 us at 1 row): gone
+SKINNY_MAX_TOKENS = 8
 
 # Programs the small-M GEMM heuristic aims at: about two per SM on an H200 (132 SMs).
 TARGET_PROGRAMS = 264
@@ -64,9 +60,10 @@ SCALED_MM_ROWS = 4  # cuBLASLt's 1x128 activation scales take token counts in mu
 
 @triton.jit
 def _quant_kernel(
-    x_ptr,
+    x_ptr,  # [T, K], row stride stride_xt, unit column stride
     q_ptr,
     s_ptr,
+    stride_xt,
     stride_st,
     stride_sg,
     K: tl.constexpr,
@@ -79,7 +76,7 @@ def _quant_kernel(
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     c = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (g[:, None] < KB) & (c < K)
-    x = tl.load(x_ptr + t * K + c, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t * stride_xt + c, mask=mask, other=0.0).to(tl.float32)
     q, scale = quant_rows(x)
     tl.store(q_ptr + t * K + c, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + t * stride_st + g * stride_sg, scale, mask=g < KB)
@@ -88,10 +85,12 @@ def _quant_kernel(
 def quantize_act(x: torch.Tensor, group_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, per group of 128 channels: (x8 [T, K] float8_e4m3fn, scales [T, ceil(K/128)]
     float32), as kernels.fp8.quantize_act. group_major: the scales' strides are (1, T), the
-    outer-dim-major layout torch._scaled_mm takes for 1x128 scales."""
+    outer-dim-major layout torch._scaled_mm takes for 1x128 scales. x may have a row stride (a
+    column slice of a stacked projection's output): no copy."""
     tokens, k = x.shape
     kb = blocks(k)
-    x = x.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     q = torch.empty(tokens, k, device=x.device, dtype=FP8)
     if group_major:
         s = torch.empty(kb, tokens, device=x.device, dtype=torch.float32).t()
@@ -104,6 +103,7 @@ def quantize_act(x: torch.Tensor, group_major: bool = False) -> tuple[torch.Tens
         x,
         q,
         s,
+        x.stride(0),
         s.stride(0),
         s.stride(1),
         K=k,
@@ -290,9 +290,7 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
     x2 = x.reshape(-1, k)  # x may be a column slice (StackedProjections' outputs)
     gemm = linear_gemm(x2.shape[0], n, k, x.dtype, x.device)
     if gemm == "skinny":
-        y = skinny_linear(x2, w8, scale)  # takes the row stride; 0 rows too
-    elif gemm == "skinny_quantized":
-        y = skinny_linear(x2, w8, scale, x_fp8=quantize_act(x2))
+        y = skinny_linear(x2, w8, scale, x_fp8=quantize_act(x2))  # 0 rows too
     elif gemm == "scaled_mm":
         y = block_fp8_linear_scaled_mm(x2.contiguous(), w8, scale)
     else:
@@ -302,12 +300,9 @@ def block_fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor) -> 
 
 def linear_gemm(tokens: int, n: int, k: int, dtype: torch.dtype, device) -> str:
     """The GEMM block_fp8_linear runs for `tokens` rows against an [n, k] weight: "skinny",
-    "skinny_quantized", "scaled_mm" or "triton" (host ints; may probe torch._scaled_mm, see
-    scaled_mm_usable)."""
+    "scaled_mm" or "triton" (host ints; may probe torch._scaled_mm, see scaled_mm_usable)."""
     if tokens <= SKINNY_MAX_TOKENS:
         return "skinny"
-    if tokens <= SKINNY_QUANTIZED_MAX_TOKENS:
-        return "skinny_quantized"
     return "scaled_mm" if scaled_mm_usable(n, k, dtype, device) else "triton"
 
 

@@ -6,12 +6,11 @@ streams only ~30-60 GB/s). Before it, 1536 x 4096 at 32 tokens took 16.2 us in b
 (torch._scaled_mm, tiled for large M: 10x the FP8 weight's HBM floor) and 8.9 us in bf16
 (cuBLAS: 3x its floor). Two weight formats, one kernel:
 - dense (bf16/fp16; x in the weight's dtype): tl.dot into fp32;
-- block FP8 (e4m3 W with float32 scales per 128 x 128 block; x in bf16, fp16 or float32): the
-  W8A8 of kernels.fp8.block_fp8_linear: each K step is one 128-wide group, x's group quantized
-  in the kernel with kernels/triton/e4m3.py (the bits of quantize_act), the e4m3 dot promoted
-  into the fp32 accumulator as dot * x_scale[m] * w_scale[n // 128]; or x arrives quantized
-  (x_fp8: quantize_act's e4m3 and scales, one launch before), the same operands without the
-  quantization's reductions in every program's K loop.
+- block FP8 (e4m3 W with float32 scales per 128 x 128 block): the W8A8 of
+  kernels.fp8.block_fp8_linear on x quantized by the caller (x_fp8: quantize_act's e4m3 and
+  token-major scales, one launch before; quantizing x's tile in every program's K loop instead
+  took 1.1-2x as long: kernels/triton/fp8.py's SKINNY_MAX_TOKENS): each K step is one 128-wide
+  group, the e4m3 dot promoted into the fp32 accumulator as dot * x_scale[m] * w_scale[n // 128].
 Twins: torch.nn.functional.linear and kernels.fp8.block_fp8_linear (same results up to fp32
 summation order and, for bf16 outputs, one output rounding).
 
@@ -44,7 +43,6 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import BLOCK, FP8
-from kernels.triton.e4m3 import quant_rows
 from kernels.triton.pdl import LAUNCH, grid_dependency
 
 # the most token rows the kernel takes (its tilings are sized for up to this many); which calls
@@ -250,8 +248,8 @@ def gemv_rows(
 # would compile a kernel per shape and token count for nothing: the loads run along K
 @triton.jit(do_not_specialize=["M", "N", "KB", "stride_xm", "splits", "steps"])
 def _skinny_kernel(
-    x_ptr,  # [M, K], row stride stride_xm, unit column stride; X_FP8: e4m3, quantized
-    xs_ptr,  # X_FP8: [M, KB] float32, x's scales (token-major, contiguous); else unused
+    x_ptr,  # [M, K], row stride stride_xm, unit column stride; FP8_W: e4m3, x quantized
+    xs_ptr,  # FP8_W: [M, KB] float32, x's scales (token-major, contiguous); else unused
     w_ptr,  # [N, K]: dense, or e4m3 (FP8)
     ws_ptr,  # [ceil(N/128), KB] float32 block scales (FP8; else unused)
     y_ptr,  # [M, N] in x's dtype
@@ -270,7 +268,6 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # FP8: GROUP, or all of K below it
     FP8_W: tl.constexpr,
-    X_FP8: tl.constexpr,  # x arrives quantized (kernels.fp8.quantize_act's bits), with FP8_W
     GEMV: tl.constexpr,  # a few dense rows, no tl.dot (the module doc)
     HAS_ADD: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -306,14 +303,9 @@ def _skinny_kernel(
                 x = tl.load(x_ptrs + k0, mask=k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs + k0, mask=k_mask[:, None], other=0.0)
             if FP8_W:
-                if X_FP8:  # the same operands as below, quantized before the launch
-                    x_scale = tl.load(xs_ptr + m_safe * KB + k0 // GROUP)
-                    dot = tl.dot(x, w)
-                else:
-                    q, x_scale = quant_rows(x.to(tl.float32))  # one group a row: quantize_act's
-                    dot = tl.dot(q.to(w_ptr.dtype.element_ty), w)  # exact: q is on e4m3's grid
+                x_scale = tl.load(xs_ptr + m_safe * KB + k0 // GROUP)
                 w_scale = tl.load(ws_ptrs + k0 // GROUP)
-                acc += dot * x_scale[:, None] * w_scale[None, :]
+                acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
             else:
                 acc += tl.dot(x, w)
     y_ptrs = y_ptr + m[:, None] * N + n[None, :]
@@ -366,12 +358,12 @@ def skinny_linear(
 ) -> torch.Tensor:
     """y = x W^T (+ add) for x [M, K] (M <= MAX_TOKENS; a row stride is fine, e.g. a column slice
     of a stacked projection's output), W [N, K]: dense in x's dtype (scale None), or e4m3 with
-    block scales [ceil(N/128), ceil(K/128)] float32 (W8A8, as kernels.fp8.block_fp8_linear).
+    block scales [ceil(N/128), ceil(K/128)] float32 (W8A8, as kernels.fp8.block_fp8_linear),
+    then x_fp8 is x quantized, kernels.fp8.quantize_act(x) (e4m3 [M, K], token-major scales
+    [M, ceil(K/128)]), which the kernel reads; x gives only the shape and the output's dtype.
     add: [M, N], summed with the product in float32 before the one rounding (torch.addmm's C).
     Returns [M, N] in x's dtype. config: gemv_config's for up to GEMV_MAX_ROWS dense rows, else
-    skinny_config's (another: bench/decode_gemm.py's --sweep). x_fp8 (block FP8 only): x already
-    quantized, kernels.fp8.quantize_act(x) (e4m3 [M, K], token-major scales [M, ceil(K/128)]):
-    the kernel reads it instead of quantizing x's tiles in its K loop; the same bits."""
+    skinny_config's (another: bench/decode_gemm.py's --sweep)."""
     (m, k), n = x.shape, w.shape[0]
     assert m <= MAX_TOKENS and w.shape[1] == k, (x.shape, w.shape)
     assert max(n, m) * k < 2**31, "skinny GEMM offsets exceed int32"
@@ -381,11 +373,12 @@ def skinny_linear(
         scale = scale.contiguous()
     else:
         assert w.dtype in DENSE_DTYPES and x.dtype == w.dtype, (x.dtype, w.dtype)
-    if x_fp8 is not None:
+    assert (x_fp8 is not None) == fp8, "block FP8 takes x quantized (x_fp8), dense takes none"
+    if fp8:
         x8, x_scale = x_fp8
-        assert fp8 and x8.dtype == FP8 and x8.shape == x.shape and x8.is_contiguous(), x8.shape
+        assert x8.dtype == FP8 and x8.shape == x.shape and x8.is_contiguous(), x8.shape
         assert x_scale.shape == (m, scale.shape[1]) and x_scale.stride() == (scale.shape[1], 1)
-    if x_fp8 is None and x.stride(-1) != 1:  # with x_fp8, x gives only shape and dtype
+    elif x.stride(-1) != 1:
         x = x.contiguous()
     w = w.contiguous()
     if add is not None:
@@ -409,8 +402,8 @@ def skinny_linear(
         partials = counters = y  # unused
     grid = (triton.cdiv(n, cfg.block_n) * cfg.splits,)
     _skinny_kernel[grid](
-        x if x_fp8 is None else x8,
-        w if x_fp8 is None else x_scale,
+        x8 if fp8 else x,
+        x_scale if fp8 else w,
         w,
         scale if fp8 else w,
         y,
@@ -421,7 +414,7 @@ def skinny_linear(
         n,
         k,
         triton.cdiv(k, BLOCK),
-        x.stride(0) if x_fp8 is None else k,
+        k if fp8 else x.stride(0),
         cfg.splits,
         cfg.steps,
         GROUP=BLOCK,
@@ -429,7 +422,6 @@ def skinny_linear(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         FP8_W=fp8,
-        X_FP8=x_fp8 is not None,
         GEMV=gemv,
         HAS_ADD=add is not None,
         SPLIT_K=split_k,

@@ -3,9 +3,10 @@
 The rule (--fp8-linears timed, the default): on CUDA, at load, every distinct weight shape
 [N, K] that FP8 would run (the Linears with a `kind`, minus the kinds in --fp8-keep-bf16) is
 timed once on random data, FP8 against dense: block_fp8_linear (the activation quantization
-and the GEMM it runs at that token count: the skinny split-K GEMM up to 64 rows, else
-torch._scaled_mm or the Triton GEMM) against the dense linear a bf16 weight runs (the skinny
-GEMM up to 64 rows, else cuBLAS), at TOKENS (a decode-sized and a prefill-sized count), as
+and the GEMM it runs at that token count: the skinny split-K GEMM up to
+kernels/triton/fp8.py's SKINNY_MAX_TOKENS rows, else torch._scaled_mm or the Triton GEMM)
+against the dense linear a bf16 weight runs (serving/layers/linear.py: the skinny GEMM up to
+SKINNY_DENSE_MAX_TOKENS rows, else cuBLAS), at TOKENS (a decode-sized and a prefill-sized count), as
 device time under a CUDA graph (kernels/triton/fp8.time_linear). A projection that is a part of
 a StackedProjections is timed at the shape of the stacked GEMM it runs in (linear_shape; the
 KDA stack at TP8 is 3344 x 4096, its parts 1024, 128 and 8 rows), and its whole stack runs FP8
