@@ -177,16 +177,12 @@ def _cases(case: list[str]) -> None:
         torch.empty(el, 2 * i // 128, hd // 128),
         torch.empty(el, hd // 128, i // 128),
     )
-    saved_warps = tms.ROUTE_WARPS
-    for warps in (saved_warps, 1, 2):  # ROUTE_WARPS's A/B values (the router's select)
-        tms.ROUTE_WARPS = warps
-        case[0] = f"small MoE, 1 token, routed FP8, the router on {warps} warps"
-        moe_small(
-            torch.empty(1, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
-            r["top_k"], True, 2.5, (0, el), experts8, shared, 7.0,
-            torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
-        )  # fmt: skip
-    tms.ROUTE_WARPS = saved_warps
+    case[0] = "small MoE, 1 token, routed FP8"
+    moe_small(
+        torch.empty(1, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e), r["top_k"],
+        True, 2.5, (0, el), experts8, shared, 7.0,
+        torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
+    )  # fmt: skip
     # past the small path (decode 8-32 rows, EAGLE's verify): the router's two kernels, align,
     # gate/up, down, combine; FP8 with the activations' quantization
     from kernels.triton.moe import experts as moe_experts

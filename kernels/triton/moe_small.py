@@ -92,12 +92,6 @@ BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns 
 # decode at batch 1 2.992 -> 2.883 ms, medians of three); its down stays 528 (792: 2.961).
 ROUTE_PROGRAMS = 132
 ROUTE_COUNTERS = 1  # the router's: its programs done
-# the router launch's warps at up to 2 tokens (its select's keys [2, EP]; 4 from 3 tokens, 8 from
-# 16). The last program's select is TOPK serial row maxima of int64 keys, each a cross-warp
-# reduction through shared memory with its barriers at 2+ warps, shuffles only at 1: 0.52 us a
-# pick at 288 experts on the H100 (scratch/route_probe.py, session 39: top-8 10.92 us against
-# top-1 7.27). bench.fast_path --variant times 1 and 2 against 4
-ROUTE_WARPS = 4
 ROUTE_TILE_BYTES = 32768  # the router's x tile (BLOCK_T rows) and weight tile (BLOCK_E columns)
 GATE_UP_PROGRAMS = 660
 GATE_UP_PROGRAMS_FP8 = 528
@@ -437,7 +431,7 @@ def route_slots(
         EP=triton.next_power_of_2(experts),
         SP=triton.next_power_of_2(num_local),
         GROUP=GROUP,
-        num_warps=8 if tp >= 16 else (ROUTE_WARPS if tp <= 2 else 4),  # the select's keys
+        num_warps=8 if tp >= 16 else 4,  # the select's [TP, EP] int64 keys
         **LAUNCH,
     )
     return slot_expert, slot_weight
