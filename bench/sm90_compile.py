@@ -183,6 +183,15 @@ def _cases(case: list[str]) -> None:
         True, 2.5, (0, el), experts8, shared, 7.0,
         torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
     )  # fmt: skip
+    tms.SELECT_MERGE = True  # its A/B value: the router's select in one merging reduction
+    for tokens in (1, 8):
+        case[0] = f"small MoE, {tokens} tokens, the router's merge select"
+        moe_small(
+            torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
+            r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
+            torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
+        )  # fmt: skip
+    tms.SELECT_MERGE = False
     # past the small path (decode 8-32 rows, EAGLE's verify): the router's two kernels, align,
     # gate/up, down, combine; FP8 with the activations' quantization
     from kernels.triton.moe import experts as moe_experts

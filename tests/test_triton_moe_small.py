@@ -301,6 +301,35 @@ def test_route_interpreter(tokens, dtype):
     _check_route(tokens, ODD, dtype, "cpu", normalize=False)  # 10 of 10 local, K 200
 
 
+TOP8 = (256, 40, 10, 32, 8, 32)  # 8 picks of 40 experts, 10 local
+
+
+@cpu_interp
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_route_merge_select_interpreter(tokens, monkeypatch):
+    """SELECT_MERGE's select (one reduction merging lists of 8 keys) picks what the reference
+    picks, at 2, 3 and 8 picks; and, with exact ties (duplicated router rows: equal logits),
+    what the row-maxima select picks (the lowest ids among equals), bit for bit."""
+    from kernels.triton import moe_small as tms
+
+    monkeypatch.setattr(tms, "SELECT_MERGE", True)
+    for shape in (TINY, ODD, TOP8):
+        _check_route(tokens, shape, torch.float32, "cpu")
+    _check_route(tokens, TOP8, torch.bfloat16, "cpu", normalize=False)
+    x, gate, bias = _router(tokens, TOP8, torch.float32, "cpu", seed=5)
+    first, local = _local(TOP8)  # experts 30..39
+    gate[first + 1 : first + local] = gate[first]  # 10 equal rows: equal logits
+    bias[first:] = bias[first] + 5.0  # and above every other expert's choice
+    picks = {}
+    for merge in (True, False):
+        monkeypatch.setattr(tms, "SELECT_MERGE", merge)
+        counters = _counters(TOP8, "cpu")
+        picks[merge] = tms.route_slots(x, gate, bias, 8, True, 2.5, (first, local), counters)
+    assert picks[True][0].tolist()[:8] == list(range(8)), picks  # the 8 lowest ids of the 10
+    assert torch.equal(picks[True][0], picks[False][0]), picks
+    assert torch.equal(picks[True][1], picks[False][1]), picks
+
+
 @cpu_interp
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -541,6 +570,16 @@ def test_layer_takes_the_small_path_interpreter(parallel, dtype, fp8, monkeypatc
 def test_route_gpu(shape, tokens):
     _check_route(tokens, shape, torch.bfloat16, "cuda")
     _check_route(tokens, shape, torch.float32, "cuda", normalize=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_route_merge_select_gpu(tokens, monkeypatch):
+    from kernels.triton import moe_small as tms
+
+    monkeypatch.setattr(tms, "SELECT_MERGE", True)
+    _check_route(tokens, REAL, torch.bfloat16, "cuda")
+    _check_route(tokens, BENCH, torch.float32, "cuda", normalize=False)
 
 
 @pytest.mark.gpu
