@@ -157,6 +157,14 @@ def _cases(case: list[str]) -> None:
     experts = Experts(torch.empty(el, 2 * i, hd, dtype=bf), torch.empty(el, hd, i, dtype=bf))
     shared = SharedExpert(*(torch.empty(si, hd, dtype=bf) for _ in range(2)),
                           torch.empty(hd, si, dtype=bf))  # fmt: skip
+
+    def small_moe(tokens, routed):
+        moe_small(
+            torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
+            r["top_k"], True, 2.5, (0, el), routed, shared, 7.0,
+            torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
+        )  # fmt: skip
+
     saved = tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K
     for tokens, gemv_tokens, pair, block_k in (
         (1, 1, saved[1], saved[2]), (4, 1, False, 128), (16, 1, False, 128), (2, 8, False, 128),
@@ -164,11 +172,7 @@ def _cases(case: list[str]) -> None:
     ):  # fmt: skip
         tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K = gemv_tokens, pair, block_k
         case[0] = f"small MoE, {tokens} tokens, GEMV up to {gemv_tokens}, {pair=}, {block_k=}"
-        moe_small(
-            torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
-            r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
-            torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
-        )  # fmt: skip
+        small_moe(tokens, experts)
     tms.GEMV_MAX_TOKENS, tms.GEMV_PAIR, tms.GEMV_BLOCK_K = saved
     e4m3 = torch.float8_e4m3fn
     experts8 = Experts(
@@ -177,20 +181,11 @@ def _cases(case: list[str]) -> None:
         torch.empty(el, 2 * i // 128, hd // 128),
         torch.empty(el, hd // 128, i // 128),
     )
-    case[0] = "small MoE, 1 token, routed FP8"
-    moe_small(
-        torch.empty(1, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e), r["top_k"],
-        True, 2.5, (0, el), experts8, shared, 7.0,
-        torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
-    )  # fmt: skip
-    tms.SELECT_MERGE = True  # its A/B value: the router's select in one merging reduction
-    for tokens in (1, 8):
-        case[0] = f"small MoE, {tokens} tokens, the router's merge select"
-        moe_small(
-            torch.empty(tokens, hd, dtype=bf), torch.empty(e, hd, dtype=bf), torch.empty(e),
-            r["top_k"], True, 2.5, (0, el), experts, shared, 7.0,
-            torch.zeros(counters_size(hd, i, si), dtype=torch.int32),
-        )  # fmt: skip
+    # routed FP8; then SELECT_MERGE's A/B value (the router's select in one merging reduction)
+    for tokens, routed, merge in ((1, experts8, False), (1, experts, True), (8, experts, True)):
+        tms.SELECT_MERGE = merge
+        case[0] = f"small MoE, {tokens} tokens, FP8 {routed is experts8}, merge select {merge}"
+        small_moe(tokens, routed)
     tms.SELECT_MERGE = False
     # past the small path (decode 8-32 rows, EAGLE's verify): the router's two kernels, align,
     # gate/up, down, combine; FP8 with the activations' quantization
