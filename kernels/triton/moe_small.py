@@ -334,7 +334,7 @@ def _top8_merge(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
     )
     c5 = tl.maximum(
         _max4(a5, b5, tl.minimum(a0, b4), tl.minimum(a1, b3)),
-        _max4(tl.minimum(a2, b2), tl.minimum(a3, b1), tl.minimum(a4, b0), tl.minimum(a4, b0)),
+        tl.maximum(tl.maximum(tl.minimum(a2, b2), tl.minimum(a3, b1)), tl.minimum(a4, b0)),
     )
     c6 = tl.maximum(
         _max4(a6, b6, tl.minimum(a0, b5), tl.minimum(a1, b4)),
