@@ -583,6 +583,51 @@ def test_route_merge_select_gpu(tokens, monkeypatch):
 
 
 @pytest.mark.gpu
+@REAL_HBM
+@pytest.mark.parametrize("mode", ["dense", "fp8"])
+def test_moe_small_gpu_l2_prefetch_is_bitwise(mode, monkeypatch):
+    """The weight slices prefetched into L2 first (kernels/triton/l2_prefetch.py; the down
+    launch reads the router's slots before its PDL wait) give the bits of no prefetch, eager at
+    1 / 4 / 8 tokens and in a CUDA graph replayed on new inputs (where the launches overlap)."""
+    from kernels.triton import l2_prefetch
+    from kernels.triton import moe_small as tms
+
+    shape = REAL
+    experts, shared = _weights(shape, mode, torch.bfloat16, "cuda")
+    counters = _counters(shape, "cuda")
+
+    def run(x, gate, bias):
+        return tms.moe_small(
+            x, gate, bias, 8, True, 2.5, _local(shape), experts, shared, 10.0, counters
+        )
+
+    for tokens in (1, 4, 8):
+        args = _router(tokens, shape, torch.bfloat16, "cuda", seed=tokens)
+        monkeypatch.setattr(l2_prefetch, "ENABLED", False)
+        off = run(*args)
+        monkeypatch.setattr(l2_prefetch, "ENABLED", True)
+        assert l2_prefetch.prefetch_on()
+        assert torch.equal(run(*args), off) and not counters.any()
+    x, gate, bias = _router(1, shape, torch.bfloat16, "cuda", seed=1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(x, gate, bias)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(x, gate, bias)
+    for seed in (2, 3, 4):
+        x.copy_(_tie_free(1, gate, bias, 8, seed))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(l2_prefetch, "ENABLED", False)
+        assert torch.equal(out, run(x, gate, bias)) and not counters.any()
+        monkeypatch.setattr(l2_prefetch, "ENABLED", True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("mode", ["dense", "fp8", "fp8_all"])
 @pytest.mark.parametrize(

@@ -47,12 +47,13 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
-def _supported() -> bool:
-    # griddepcontrol is sm_90+ PTX: an older GPU would fail to compile the kernels.
+def sm90() -> bool:
+    # griddepcontrol (and l2_prefetch's bulk prefetch) is sm_90+ PTX: an older GPU would fail
+    # to compile the kernels.
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-ENABLED = os.environ.get("PDSERVE_PDL", "1") != "0" and _supported()
+ENABLED = os.environ.get("PDSERVE_PDL", "1") != "0" and sm90()
 _ON = tl.constexpr(ENABLED)
 # the launch option of every kernel that begins with grid_dependency()
 LAUNCH = {"launch_pdl": True} if ENABLED else {}
