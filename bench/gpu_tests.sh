@@ -15,8 +15,9 @@
 #
 # The suite's time is mostly Triton and fla compiling and autotuning on a cold cache, one kernel
 # at a time per process, on a 16-core host: so the tests run in PDSERVE_GPU_TEST_WORKERS
-# (default 8) pytest-xdist processes sharing the GPU (the image has xdist), each with 2 CPU
-# threads, the heaviest (tests/test_gpu.py, collected first) handed out first. Tests marked
+# (default 8 on a card of 120 GB or more, the H200's 141; 4 on an 80 GB H100, where 8 ran out of
+# memory beside a real-shape MoE test) pytest-xdist processes sharing the GPU (the image has
+# xdist), each with 2 CPU threads, the heaviest (tests/test_gpu.py, collected first) handed out first. Tests marked
 # xdist_group("real_moe") (the real-shape MoE cases, 20-45 GB each) share one process, so at most
 # one of them holds its memory at a time: side by side, three of them ran the GPU out of memory.
 # The two launch checks (xdist_group("launch_checks")) share one too: the second compiles little.
@@ -30,7 +31,9 @@ python3 -c "import pytest_timeout" 2>/dev/null && TIMEOUT=(--timeout "${PDSERVE_
 mapfile -t FILES < <(grep -l "mark\.gpu" tests/test_*.py)
 echo "GPU test files: ${FILES[*]}" | tee "$OUT/gpu_tests.log"
 t0=$SECONDS
-WORKERS=${PDSERVE_GPU_TEST_WORKERS:-8}
+MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+WORKERS=${PDSERVE_GPU_TEST_WORKERS:-$([ "${MIB:-0}" -ge 120000 ] && echo 8 || echo 4)}
+echo "workers: $WORKERS (${MIB:-?} MiB)" | tee -a "$OUT/gpu_tests.log"
 XDIST=()
 [ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS" --dist loadgroup)
 OMP_NUM_THREADS=2 python3 -m pytest -m gpu -v -p no:cacheprovider -p bench.instafail "${XDIST[@]}" \
