@@ -17,9 +17,10 @@
 # at a time per process, on a 16-core host: so the tests run in PDSERVE_GPU_TEST_WORKERS
 # (default 8 on a card of 120 GB or more, the H200's 141; 4 on an 80 GB H100, where 8 ran out of
 # memory beside a real-shape MoE test) pytest-xdist processes sharing the GPU (the image has
-# xdist), each with 2 CPU threads, the heaviest (tests/test_gpu.py, collected first) handed out first. Tests marked
-# xdist_group("real_moe") (the real-shape MoE cases, 20-45 GB each) share one process, so at most
-# one of them holds its memory at a time: side by side, three of them ran the GPU out of memory.
+# xdist), each with 2 CPU threads, the heaviest (tests/test_gpu.py, collected first) handed out
+# first. Tests marked xdist_group("real_moe") (the real-shape MoE cases, 20-45 GB each) share one
+# process, so at most one of them holds its memory at a time: side by side, three of them ran the
+# GPU out of memory.
 # The two launch checks (xdist_group("launch_checks")) share one too: the second compiles little.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
