@@ -53,6 +53,10 @@ Invariants and hazards:
 - counters: one int32 zeros buffer of counters_size(...) per call site (serving/layers/mlp.MoE
   owns one per layer), split here between the three kernels. Two launches that may run at the
   same time (two streams, or programmatic dependent launch) must not share one.
+- PREFETCH (kernels/triton/l2_prefetch.py, off until timed): gate/up's and down's programs ask
+  L2 for their weight slices first; down then reads the slots before its PDL wait. That holds
+  only while the launch before down is gate/up and the slots' writer came before gate/up (the
+  router, or any earlier kernel): down launches once every gate/up program has waited for it.
 - MAX_TOKENS: tokens sit in one 16-row tile; more would need row blocks (use the align path).
 - Offsets inside one expert are int32 (the host checks they fit); expert bases are int64.
 """
