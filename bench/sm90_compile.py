@@ -184,12 +184,8 @@ def _cases(case: list[str]) -> None:
         torch.empty(el, 2 * i // 128, hd // 128),
         torch.empty(el, hd // 128, i // 128),
     )
-    # routed FP8; then SELECT_MERGE's A/B value (the router's select in one merging reduction)
-    for tokens, routed, merge in ((1, experts8, False), (1, experts, True), (8, experts, True)):
-        tms.SELECT_MERGE = merge
-        case[0] = f"small MoE, {tokens} tokens, FP8 {routed is experts8}, merge select {merge}"
-        small_moe(tokens, routed)
-    tms.SELECT_MERGE = False
+    case[0] = "small MoE, 1 token, routed FP8"
+    small_moe(1, experts8)
     # past the small path (decode 8-32 rows, EAGLE's verify): the router's two kernels, align,
     # gate/up, down, combine; FP8 with the activations' quantization
     from kernels.triton.moe import experts as moe_experts

@@ -138,12 +138,6 @@ GATE_UP_BLOCK_N_FP8 = 16
 # Same bits either way. The 28-layer FP8 rank on an H100 (session 39, two processes): decode at
 # 1 row 2.571 / 2.658 ms against 2.781 / 2.900 with x quantized in the K loop, equal at 8.
 X_FP8_IN_ROUTE = True
-# the router's select (up to 8 picks) as one reduction whose combine merges two descending
-# lists of 8 keys (_top8_merge), instead of TOPK serial row maxima, each a cross-warp reduction
-# with its barriers (0.52 us a pick at 288 experts, H100: scratch/route_probe.py). The same
-# picks (keys are unique). Off until timed (bench.fast_path --variant
-# merge=kernels.triton.moe_small.SELECT_MERGE=True).
-SELECT_MERGE = False
 _PICKED = tl.constexpr(-(2**63))  # a picked expert's select key: below every real key
 
 
@@ -230,7 +224,6 @@ def _route_kernel(
     EP: tl.constexpr,
     SP: tl.constexpr,
     GROUP: tl.constexpr,
-    MERGE: tl.constexpr,  # SELECT_MERGE's select (TOPK <= 8)
 ):
     b = tl.program_id(0) // SPLITS
     s = tl.program_id(0) % SPLITS
@@ -282,7 +275,6 @@ def _route_kernel(
             TP,
             EP,
             SP,
-            MERGE,
         )
         tl.store(counters_ptr, 0)
     if QUANT_X:
@@ -321,41 +313,6 @@ def _quantize_groups(
 
 
 @triton.jit
-def _max4(a, b, c, d):
-    return tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-
-
-@triton.jit
-def _top8_merge(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
-    """Two descending lists of 8 keys -> the 8 largest of their 16, descending: the i-th is
-    the largest of a_i, b_i and min(a_j, b_{i-1-j}) for j < i (merge path)."""
-    c0 = tl.maximum(a0, b0)
-    c1 = tl.maximum(tl.maximum(a1, b1), tl.minimum(a0, b0))
-    c2 = _max4(a2, b2, tl.minimum(a0, b1), tl.minimum(a1, b0))
-    c3 = tl.maximum(_max4(a3, b3, tl.minimum(a0, b2), tl.minimum(a1, b1)), tl.minimum(a2, b0))
-    c4 = tl.maximum(
-        _max4(a4, b4, tl.minimum(a0, b3), tl.minimum(a1, b2)),
-        tl.maximum(tl.minimum(a2, b1), tl.minimum(a3, b0)),
-    )
-    c5 = tl.maximum(
-        _max4(a5, b5, tl.minimum(a0, b4), tl.minimum(a1, b3)),
-        tl.maximum(tl.maximum(tl.minimum(a2, b2), tl.minimum(a3, b1)), tl.minimum(a4, b0)),
-    )
-    c6 = tl.maximum(
-        _max4(a6, b6, tl.minimum(a0, b5), tl.minimum(a1, b4)),
-        _max4(tl.minimum(a2, b3), tl.minimum(a3, b2), tl.minimum(a4, b1), tl.minimum(a5, b0)),
-    )
-    c7 = tl.maximum(
-        _max4(a7, b7, tl.minimum(a0, b6), tl.minimum(a1, b5)),
-        tl.maximum(
-            _max4(tl.minimum(a2, b4), tl.minimum(a3, b3), tl.minimum(a4, b2), tl.minimum(a5, b1)),
-            tl.minimum(a6, b0),
-        ),
-    )
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
 def _select(
     logits,  # [TP, EP] float32 (rows from T and columns from E: any value)
     bias_ptr,
@@ -372,7 +329,6 @@ def _select(
     TP: tl.constexpr,
     EP: tl.constexpr,
     SP: tl.constexpr,
-    MERGE: tl.constexpr,  # one _top8_merge reduction (TOPK <= 8), else TOPK row maxima
 ):
     t = tl.arange(0, TP)
     e = tl.arange(0, EP)
@@ -386,15 +342,10 @@ def _select(
     bits = choice.to(tl.int32, bitcast=True)
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
     key = ordered * 4294967296 + (EP - 1 - e)[None, :]
-    if MERGE:  # each row's 8 largest keys, descending; the TOPK-th is the threshold
-        none = tl.full([TP, EP], _PICKED, tl.int64)
-        top = tl.reduce((key, none, none, none, none, none, none, none), 1, _top8_merge)
-        picked = (key >= top[TOPK - 1][:, None]) & t_mask[:, None]
-    else:
-        for _ in tl.static_range(TOPK):
-            best = tl.max(key, axis=1)
-            key = tl.where(key == best[:, None], _PICKED, key)
-        picked = (key == _PICKED) & t_mask[:, None]
+    for _ in tl.static_range(TOPK):
+        best = tl.max(key, axis=1)
+        key = tl.where(key == best[:, None], _PICKED, key)
+    picked = (key == _PICKED) & t_mask[:, None]
     w = tl.where(picked, scores, 0.0)
     if NORMALIZE:
         total = tl.zeros_like(w) + (tl.sum(w, axis=1) + 1e-20)[:, None]
@@ -486,7 +437,6 @@ def route_slots(
         EP=triton.next_power_of_2(experts),
         SP=triton.next_power_of_2(num_local),
         GROUP=GROUP,
-        MERGE=SELECT_MERGE and top_k <= 8,
         num_warps=8 if tp >= 16 else 4,  # the select's [TP, EP] int64 keys
         **LAUNCH,
     )
