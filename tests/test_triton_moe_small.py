@@ -308,14 +308,14 @@ TOP8 = (256, 40, 10, 32, 8, 32)  # 8 picks of 40 experts, 10 local
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_route_eight_picks_and_ties_interpreter(tokens):
     """8 picks of 40 experts against the reference, float32 and bf16; and with exact ties
-    (duplicated router rows: equal logits) on top, the 8 lowest ids among the equal ones."""
+    (zero router rows: equal logits) on top, the 8 lowest ids among the equal ones."""
     from kernels.triton import moe_small as tms
 
     _check_route(tokens, TOP8, torch.float32, "cpu")
     _check_route(tokens, TOP8, torch.bfloat16, "cpu", normalize=False)
     x, gate, bias = _router(tokens, TOP8, torch.float32, "cpu", seed=5)
     first, local = _local(TOP8)  # experts 30..39
-    gate[first + 1 : first + local] = gate[first]  # 10 equal rows: equal logits
+    gate[first : first + local] = 0.0  # 10 zero rows: logits exactly 0 in any summation order
     bias[first:] = bias[first] + 5.0  # and above every other expert's choice
     counters = _counters(TOP8, "cpu")
     slot_expert, slot_weight = tms.route_slots(
