@@ -589,6 +589,14 @@ def _finish_group(
 
 
 @triton.jit
+def _used_slots(slot_expert_ptr, j_offs, SLOTS, E_LOCAL: tl.constexpr):
+    """The slots' local expert ids (E_LOCAL past SLOTS) and how many are used: the used ones
+    are packed first (route_slots' order), the rest hold E_LOCAL."""
+    slot_experts = tl.load(slot_expert_ptr + j_offs, mask=j_offs < SLOTS, other=E_LOCAL)
+    return slot_experts, tl.sum((slot_experts < E_LOCAL).to(tl.int32), axis=0)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, HD]
     xq_ptr,  # X_FP8: [T, HD] e4m3, x quantized by route_slots
@@ -654,8 +662,7 @@ def _gate_up_kernel(
     if blk < N_BLOCKS:
         n0 = blk * BLOCK_N
         j_offs = tl.arange(0, SP)
-        slot_experts = tl.load(slot_expert_ptr + j_offs, mask=j_offs < SLOTS, other=E_LOCAL)
-        used = tl.sum((slot_experts < E_LOCAL).to(tl.int32), axis=0)  # slots are packed first
+        slot_experts, used = _used_slots(slot_expert_ptr, j_offs, SLOTS, E_LOCAL)
         part_stride = SPLITS * T * 2 * INTER
         if PREFETCH:  # every picked expert's slice in flight before the first one's loop
             for j in range(0, used):
@@ -880,8 +887,7 @@ def _down_kernel(
         # the router's, two launches back (this grid launches only once every gate/up program
         # has waited for the router: kernels/triton/pdl.py's widening), and gate/up, the one
         # launch that may still run, never writes them.
-        slot_experts = tl.load(slot_expert_ptr + j_offs, mask=j_offs < SLOTS, other=E_LOCAL)
-        used = tl.sum((slot_experts < E_LOCAL).to(tl.int32), axis=0)
+        slot_experts, used = _used_slots(slot_expert_ptr, j_offs, SLOTS, E_LOCAL)
         k_lo = s * K_SPLIT
         for j in range(0, used):
             e = tl.sum(tl.where(j_offs == j, slot_experts, 0), axis=0).to(tl.int64)
@@ -894,8 +900,7 @@ def _down_kernel(
         grid_dependency()
     else:
         grid_dependency()  # first: kernels/triton/pdl.py
-        slot_experts = tl.load(slot_expert_ptr + j_offs, mask=j_offs < SLOTS, other=E_LOCAL)
-        used = tl.sum((slot_experts < E_LOCAL).to(tl.int32), axis=0)
+        slot_experts, used = _used_slots(slot_expert_ptr, j_offs, SLOTS, E_LOCAL)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for j in range(0, used):  # slot order: a fixed summation order
         e = tl.sum(tl.where(j_offs == j, slot_experts, 0), axis=0).to(tl.int64)
