@@ -11,7 +11,8 @@ def patch_triton_interpreter() -> None:
     runtime loop bounds (numpy >= 2.4 refuses int() of a 1-element array), tensor-valued loop
     variables (fla calls .to() on them), bf16 tl.dot (the interpreter multiplies the raw
     uint16 bits), fp32 -> bf16 casts (it truncates; compiled kernels round to nearest even), and
-    autotuning (it benchmarks through a GPU driver)."""
+    autotuning (it benchmarks through a GPU driver). Also checks every access's bounds
+    (_check_bounds): the interpreter reads and writes host memory wherever a pointer points."""
     import numpy as np
     import triton.language as tl
     import triton.runtime.autotuner as autotuner
@@ -86,8 +87,97 @@ def patch_triton_interpreter() -> None:
         return orig_cast(self, src, dst_type)
 
     interp.InterpreterBuilder.cast_impl = cast_impl
+    _check_bounds(interp, np)
     autotuner.Autotuner.prune_configs = lambda self, kwargs, *a: self.configs[:1]
     autotuner.Autotuner._bench = lambda self, *a, config=None, **k: [1.0, 1.0, 1.0]
+
+
+# Kernels that address memory through a table of pointers held in a tensor (not their arguments'
+# storages): their accesses are not bounds-checked.
+ADDRESS_TABLE_KERNELS = {"_kda_roll_back_kernel"}
+
+
+def _check_bounds(interp, np) -> None:
+    """Every interpreted load, store and atomic must touch only the storages of the launch's
+    tensor arguments, else the launch raises IndexError naming the kernel, the access and the
+    nearest argument. Compiled on a GPU such an access is an illegal address (or silently reads
+    a neighbour's bytes); the interpreter, reading host memory, would pass it unnoticed. Masked-
+    off lanes are not accesses."""
+    # the running launch (one at a time): its kernel, its storages' argument names, starts, ends
+    launches: list[tuple[str, list[str], np.ndarray, np.ndarray]] = []
+    init_args = interp.GridExecutor._init_args_hst
+
+    def spans(name, arg):
+        if isinstance(arg, tuple):
+            for i, a in enumerate(arg):
+                yield from spans(f"{name}[{i}]", a)
+        elif hasattr(arg, "base") and hasattr(arg, "block_shape"):  # a TensorDescriptor
+            yield from spans(name, arg.base)
+        elif hasattr(arg, "untyped_storage"):
+            storage = arg.untyped_storage()
+            if storage.nbytes():
+                yield storage.data_ptr(), storage.data_ptr() + storage.nbytes(), name
+
+    def init_args_hst(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        named = [*zip(self.arg_names, args_hst), *kwargs_hst.items()]
+        found = sorted({s for name, a in named for s in spans(name, a)})
+        starts = np.array([s[0] for s in found], dtype=np.uint64)
+        ends = np.array([s[1] for s in found], dtype=np.uint64)
+        launches[:] = [(self.fn.__name__, [s[2] for s in found], starts, ends)]
+        return args_hst, kwargs_hst
+
+    def check(access, ptrs, mask, itemsize):
+        if not launches or launches[0][0] in ADDRESS_TABLE_KERNELS:
+            return
+        kernel, names, starts, ends = launches[0]
+        addr = np.asarray(ptrs.data).astype(np.uint64)
+        if mask is not None:
+            addr = addr[np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)]
+        if addr.size == 0:
+            return
+        i = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+        inside = (i >= 0) & (addr + np.uint64(itemsize) <= ends[np.maximum(i, 0)])
+        if inside.all():
+            return
+        bad = int(addr[~inside][0])
+        near = int(np.argmin(np.abs(starts.astype(np.float64) - bad))) if len(starts) else None
+        where = (
+            f"{bad - int(starts[near]):+d} bytes from the start of {names[near]}'s storage "
+            f"({int(ends[near] - starts[near])} bytes)"
+            if near is not None
+            else "no tensor argument"
+        )
+        raise IndexError(
+            f"{kernel}: {access} of {int((~inside).sum())} of {addr.size} elements outside "
+            f"every tensor argument's storage; the first {where}"
+        )
+
+    builder = interp.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+    rmw, cas = builder.create_atomic_rmw, builder.create_atomic_cas
+
+    def create_masked_load(self, ptrs, mask, other, *args, **kwargs):
+        check("load", ptrs, mask, interp._get_np_dtype(ptrs.get_element_ty()).itemsize)
+        return load(self, ptrs, mask, other, *args, **kwargs)
+
+    def create_masked_store(self, ptrs, value, mask, *args, **kwargs):
+        check("store", ptrs, mask, value.data.dtype.itemsize)
+        return store(self, ptrs, value, mask, *args, **kwargs)
+
+    def create_atomic_rmw(self, op, ptr, val, mask, *args, **kwargs):
+        check("atomic", ptr, mask, val.data.dtype.itemsize)
+        return rmw(self, op, ptr, val, mask, *args, **kwargs)
+
+    def create_atomic_cas(self, ptr, cmp, val, *args, **kwargs):
+        check("atomic", ptr, None, val.data.dtype.itemsize)
+        return cas(self, ptr, cmp, val, *args, **kwargs)
+
+    interp.GridExecutor._init_args_hst = init_args_hst
+    builder.create_masked_load = create_masked_load
+    builder.create_masked_store = create_masked_store
+    builder.create_atomic_rmw = create_atomic_rmw
+    builder.create_atomic_cas = create_atomic_cas
 
 
 def count_launches(monkeypatch) -> collections.Counter:
