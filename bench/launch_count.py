@@ -19,7 +19,7 @@ fused mHC boundary, DSA's step path. Without TP there are no collectives (the si
 fake backend launches none either).
 
 The H200 trace it stands for: rank 0 of TP8/EP8, batch 1, 502 kernels a replayed decode step
-(docs/BENCHMARKS.md, "decode graph replay traced"). A JSON object: {"batch", "world", "total",
+(docs/BENCHMARKS.md, the real-size launches row). A JSON object: {"batch", "world", "total",
 "by_kind": {kind: {"triton", "torch", "per_layer"}}, "kernels": {kind: {name: count}}}.
 """
 

@@ -7,8 +7,8 @@ after its last accepted position `last[b]`: the recurrent state from the verify 
 [B, C, K-1+L] conv inputs. As torch ops that is eight small kernels per KDA layer (272 a step on
 the real rank's 34 KDA layers); here one grid of (layer, request, block) programs copies them
 all, each layer's four tensors found through a table of addresses. H100, the rank cut to 28
-layers (21 KDA): the EAGLE step 4.08 / 4.11 against 4.62 / 4.74 ms at batch 1 (docs/BENCHMARKS.md,
-rank28).
+layers (21 KDA): the EAGLE step 4.08 / 4.11 against 4.62 / 4.74 ms at batch 1
+(docs/notebook/benchmarks_real_size_archive.md, rank28).
 
 Hazard: the table holds raw addresses, valid while the history and the caches they came from
 live. Each call compares them with the tensors it is given and makes a new table where they

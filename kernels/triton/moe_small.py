@@ -92,7 +92,8 @@ BLOCK_N = 16  # gate/up: intermediate columns per program; down: output columns 
 # The GEMV form (GEMV_MAX_TOKENS) has grids of its own. The tl.dot form in bf16: 660 x 792, was
 # 528 x 528 (one layer at 4 / 8 tokens, H100 sweep: 139.3 / 232.4 -> 123.8 / 194.3 us; rank 0 cut
 # to 28 layers, H100, medians of three interleaved: EAGLE's step at batch 1 (its 2-token verify)
-# 5.125 -> 4.934 ms, decode at batch 2 3.743 -> 3.566, at batch 1 unchanged: docs/BENCHMARKS.md).
+# 5.125 -> 4.934 ms, decode at batch 2 3.743 -> 3.566, at batch 1 unchanged; the A/B's row:
+# docs/notebook/benchmarks_real_size_archive.md, rank28).
 # FP8: gate/up 528, was 396 (one layer at 1 token 68.98 -> 59.06 us; the FP8 28-layer rank's
 # decode at batch 1 2.992 -> 2.883 ms, medians of three); its down stays 528 (792: 2.961).
 ROUTE_PROGRAMS = 132
