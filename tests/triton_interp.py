@@ -103,8 +103,9 @@ def _check_bounds(interp, np) -> None:
     nearest argument. Compiled on a GPU such an access is an illegal address (or silently reads
     a neighbour's bytes); the interpreter, reading host memory, would pass it unnoticed. Masked-
     off lanes are not accesses."""
-    # the running launch (one at a time): its kernel, its storages' argument names, starts, ends
-    launches: list[tuple[str, list[str], np.ndarray, np.ndarray]] = []
+    # the running launch (one at a time): its kernel, its storages' argument names, starts and
+    # ends; None while an exempt kernel runs
+    running: list[tuple[str, list[str], np.ndarray, np.ndarray] | None] = [None]
     init_args = interp.GridExecutor._init_args_hst
 
     def spans(name, arg):
@@ -124,13 +125,14 @@ def _check_bounds(interp, np) -> None:
         found = sorted({s for name, a in named for s in spans(name, a)})
         starts = np.array([s[0] for s in found], dtype=np.uint64)
         ends = np.array([s[1] for s in found], dtype=np.uint64)
-        launches[:] = [(self.fn.__name__, [s[2] for s in found], starts, ends)]
+        exempt = self.fn.__name__ in ADDRESS_TABLE_KERNELS
+        running[0] = None if exempt else (self.fn.__name__, [s[2] for s in found], starts, ends)
         return args_hst, kwargs_hst
 
     def check(access, ptrs, mask, itemsize):
-        if not launches or launches[0][0] in ADDRESS_TABLE_KERNELS:
+        if running[0] is None:
             return
-        kernel, names, starts, ends = launches[0]
+        kernel, names, starts, ends = running[0]
         addr = np.asarray(ptrs.data).astype(np.uint64)
         if mask is not None:
             addr = addr[np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)]
