@@ -12,16 +12,15 @@ read), and the kernel with the launch's specialization is compiled by Triton's o
 backend (ptxas ships with Triton), its cubin's resource usage read by cuobjdump.
 
 One JSON line per compiled variant: {"case", "kernel", "ok", "registers", "local_bytes",
-"shared_bytes", "pdl_waits", "acquire_loads", "volatile_loads", "l2_prefetches", "error"}; the
-cases run twice, the second time with kernels.triton.l2_prefetch on (its kernels compile anew,
-the others are seen). local_bytes > 0 is a register spill. A program that waits on another of its
-grid (the mHC boundary's split finish) polls with acquire loads (`ld.global.gpu.acquire`,
-tl.atomic_add(ptr, 0, sem="acquire") with its value used); a volatile load (`ld.volatile`) orders
-nothing after it: ptxas moved a load above such a loop in session 28's fused router, so it is
-flagged too. Exit status 1 if a variant fails to compile, spills, polls with a volatile load or
-holds more shared memory than an sm_90 program may (SHARED_MAX: it would fail at launch).
-tests/test_sm90_compile.py runs it in a subprocess (it patches torch.cuda's device queries for PDL,
-so it gets a process of its own).
+"shared_bytes", "pdl_waits", "acquire_loads", "volatile_loads", "error"}; local_bytes > 0 is a
+register spill. A program that waits on another of its grid (the mHC boundary's split finish)
+polls with acquire loads (`ld.global.gpu.acquire`, tl.atomic_add(ptr, 0, sem="acquire") with
+its value used); a volatile load (`ld.volatile`) orders nothing after it: ptxas moved a load
+above such a loop in session 28's fused router, so it is flagged too. Exit status 1 if a
+variant fails to compile, spills, polls with a volatile load or holds more shared memory than
+an sm_90 program may (SHARED_MAX: it would fail at launch). tests/test_sm90_compile.py runs it
+in a subprocess (it patches torch.cuda's device queries for PDL, so it gets a process of its
+own).
 """
 
 from __future__ import annotations
@@ -86,7 +85,6 @@ def _intercept(rows: list[dict], case: list[str]) -> None:
             pdl_waits=compiled.asm["ptx"].count("griddepcontrol.wait"),
             acquire_loads=compiled.asm["ptx"].count("ld.global.gpu.acquire"),
             volatile_loads=compiled.asm["ptx"].count("ld.volatile"),
-            l2_prefetches=compiled.asm["ptx"].count("cp.async.bulk.prefetch.L2"),
         )
         rows.append(row)
         return None
@@ -252,11 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     case = ["?"]
     _intercept(rows, case)
     _cases(case)
-    from kernels.triton import l2_prefetch
-
-    l2_prefetch.ENABLED = True  # again, the kernels that take it with it (the others are seen)
-    _cases(case)
-    l2_prefetch.ENABLED = False
     lines = [json.dumps(row) for row in rows]
     print("\n".join(lines), flush=True)
     if args.out:

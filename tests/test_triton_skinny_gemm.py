@@ -433,24 +433,3 @@ def test_fp8_stacks_equal_their_parts_gpu(layer):
         for name, g, a in zip(names, got, alone):
             assert not g.isnan().any(), name
             assert _rel_max(g, a) <= 1e-2 and _rel_fro(g, a) <= 1e-2, (name, m)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 8, 32])  # the GEMV form, the tl.dot form, FP8 and dense
-def test_skinny_gpu_l2_prefetch_is_bitwise(m, monkeypatch):
-    """With the weight slices prefetched into L2 first (kernels/triton/l2_prefetch.py) every
-    rank-0 projection gives the bits it gives without: a prefetch moves bytes, never results."""
-    from kernels.triton import l2_prefetch
-
-    for n16, n8, k in RANK0_LINEARS.values():
-        x = _x(m, k, torch.bfloat16, "cuda", seed=m)
-        gen = torch.Generator(device="cuda").manual_seed(k)
-        w = (torch.randn(n16, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
-        weights = [(w,)] + ([_fp8_weight(n8, k, "cuda", seed=n8)] if n8 is not None else [])
-        for wt in weights:
-            monkeypatch.setattr(l2_prefetch, "ENABLED", False)
-            off = _skinny(x, *wt)
-            monkeypatch.setattr(l2_prefetch, "ENABLED", True)
-            assert l2_prefetch.prefetch_on()
-            assert torch.equal(_skinny(x, *wt), off)
-            assert _counters_zero()

@@ -53,10 +53,6 @@ Invariants and hazards:
 - counters: one int32 zeros buffer of counters_size(...) per call site (serving/layers/mlp.MoE
   owns one per layer), split here between the three kernels. Two launches that may run at the
   same time (two streams, or programmatic dependent launch) must not share one.
-- PREFETCH (kernels/triton/l2_prefetch.py, off until timed): gate/up's and down's programs ask
-  L2 for their weight slices first; down then reads the slots before its PDL wait. That holds
-  only while the launch before down is gate/up and the slots' writer came before gate/up (the
-  router, or any earlier kernel): down launches once every gate/up program has waited for it.
 - MAX_TOKENS: tokens sit in one 16-row tile; more would need row blocks (use the align path).
 - Offsets inside one expert are int32 (the host checks they fit); expert bases are int64.
 """
@@ -73,7 +69,6 @@ from kernels.fp8 import BLOCK as GROUP
 from kernels.fp8 import FP8, blocks
 from kernels.moe_small import Experts, SharedExpert, num_slots
 from kernels.triton.e4m3 import quant_rows
-from kernels.triton.l2_prefetch import prefetch_on, prefetch_tile
 from kernels.triton.pdl import LAUNCH, grid_dependency
 from kernels.triton.skinny_gemm import GEMV_ROWS_LIMIT, gemv_rows
 
@@ -645,19 +640,13 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     SP: tl.constexpr,
-    PREFETCH: tl.constexpr,  # the program's weight slices into L2 first (l2_prefetch.py)
 ):
     # program: (column block, K split), K splits fastest (neighbours stream neighbouring bytes);
     # the routed column blocks first, then the shared expert's
+    grid_dependency()  # first: kernels/triton/pdl.py
     blk = tl.program_id(0) // SPLITS
     s = tl.program_id(0) % SPLITS
     k_lo = s * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, HD)
-    if PREFETCH and HAS_SHARED and blk >= N_BLOCKS:  # a weight: before the PDL wait
-        n0_sh = (blk - N_BLOCKS) * BLOCK_N
-        prefetch_tile(sg_ptr, n0_sh, INTER_SH, HD, k_lo, k_hi, BLOCK_N)
-        prefetch_tile(su_ptr, n0_sh, INTER_SH, HD, k_lo, k_hi, BLOCK_N)
-    grid_dependency()  # before any load of a kernel's output: kernels/triton/pdl.py
     per_group: tl.constexpr = GROUP // BLOCK_N
     tl.static_assert(GROUP % BLOCK_N == 0)
     if blk < N_BLOCKS:
@@ -665,12 +654,6 @@ def _gate_up_kernel(
         j_offs = tl.arange(0, SP)
         slot_experts, used = _used_slots(slot_expert_ptr, j_offs, SLOTS, E_LOCAL)
         part_stride = SPLITS * T * 2 * INTER
-        if PREFETCH:  # every picked expert's slice in flight before the first one's loop
-            for j in range(0, used):
-                e = tl.sum(tl.where(j_offs == j, slot_experts, 0), axis=0).to(tl.int64)
-                wg_ptr = w13_ptr + e * (2 * INTER * HD)
-                prefetch_tile(wg_ptr, n0, INTER, HD, k_lo, k_hi, BLOCK_N)
-                prefetch_tile(wg_ptr + INTER * HD, n0, INTER, HD, k_lo, k_hi, BLOCK_N)
         for j in range(0, used):
             e = tl.sum(tl.where(j_offs == j, slot_experts, 0), axis=0).to(tl.int64)
             wg_ptr = w13_ptr + e * (2 * INTER * HD)
@@ -875,7 +858,6 @@ def _down_kernel(
     BLOCK_K_SH: tl.constexpr,
     GROUP: tl.constexpr,
     SP: tl.constexpr,
-    PREFETCH: tl.constexpr,  # the program's weight slices into L2 first (l2_prefetch.py)
 ):
     blk = tl.program_id(0) // SPLITS
     s = tl.program_id(0) % SPLITS
@@ -883,25 +865,8 @@ def _down_kernel(
     t = tl.arange(0, BLOCK_T)
     t_mask = t < T
     j_offs = tl.arange(0, SP)
-    if PREFETCH:
-        # Before the PDL wait: the weights (no kernel's output) and the slots. The slots are
-        # the router's, two launches back (this grid launches only once every gate/up program
-        # has waited for the router: kernels/triton/pdl.py's widening), and gate/up, the one
-        # launch that may still run, never writes them.
-        slot_experts, used = _used_slots(slot_expert_ptr, j_offs, SLOTS, E_LOCAL)
-        k_lo = s * K_SPLIT
-        for j in range(0, used):
-            e = tl.sum(tl.where(j_offs == j, slot_experts, 0), axis=0).to(tl.int64)
-            prefetch_tile(w2_ptr + e * (HD * INTER), n0, HD, INTER, k_lo,
-                          tl.minimum(k_lo + K_SPLIT, INTER), BLOCK_N)  # fmt: skip
-        if HAS_SHARED:
-            k_lo_sh = s * K_SPLIT_SH
-            prefetch_tile(sd_ptr, n0, HD, INTER_SH, k_lo_sh,
-                          tl.minimum(k_lo_sh + K_SPLIT_SH, INTER_SH), BLOCK_N)  # fmt: skip
-        grid_dependency()
-    else:
-        grid_dependency()  # first: kernels/triton/pdl.py
-        slot_experts, used = _used_slots(slot_expert_ptr, j_offs, SLOTS, E_LOCAL)
+    grid_dependency()  # first: kernels/triton/pdl.py
+    slot_experts, used = _used_slots(slot_expert_ptr, j_offs, SLOTS, E_LOCAL)
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     for j in range(0, used):  # slot order: a fixed summation order
         e = tl.sum(tl.where(j_offs == j, slot_experts, 0), axis=0).to(tl.int64)
@@ -1041,7 +1006,6 @@ def experts_slots(
     even_k = hidden % gu.k_split == 0 and gu.k_split % gu.block_k == 0
     x_fp8 = x_fp8 if fp8_gate_up else None  # FP8 never runs the GEMV form
     xq, xs = x_fp8 if x_fp8 is not None else (x, x)
-    prefetch = prefetch_on()
     _gate_up_kernel[((n_blocks + n_blocks_sh) * gu.splits,)](
         x,
         xq,
@@ -1089,7 +1053,6 @@ def experts_slots(
         BLOCK_K=gu.block_k,
         GROUP=GROUP,
         SP=sp,
-        PREFETCH=prefetch,
         num_warps=4,
         num_stages=3 if ieee else 4,
         **LAUNCH,
@@ -1145,7 +1108,6 @@ def experts_slots(
         BLOCK_K_SH=block_k_sh,
         GROUP=GROUP,
         SP=sp,
-        PREFETCH=prefetch,
         num_warps=4,
         num_stages=3 if ieee else 4,
         **LAUNCH,

@@ -48,8 +48,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def sm90() -> bool:
-    # griddepcontrol (and l2_prefetch's bulk prefetch) is sm_90+ PTX: an older GPU would fail
-    # to compile the kernels.
+    # griddepcontrol is sm_90+ PTX: an older GPU would fail to compile the kernels.
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 

@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import BLOCK, FP8
-from kernels.triton.l2_prefetch import prefetch_on, prefetch_tile
 from kernels.triton.pdl import LAUNCH, grid_dependency
 
 # the most token rows the kernel takes (its tilings are sized for up to this many); which calls
@@ -273,7 +272,6 @@ def _skinny_kernel(
     HAS_ADD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    PREFETCH: tl.constexpr,  # the program's weight slice into L2 first (l2_prefetch.py)
 ):
     pid = tl.program_id(0)
     pid_n = pid // splits
@@ -286,8 +284,6 @@ def _skinny_kernel(
     n_safe = tl.minimum(n, N - 1)
     k_begin = pid_k * steps * BLOCK_K
     k_end = tl.minimum(K, k_begin + steps * BLOCK_K)
-    if PREFETCH:  # a weight: before the PDL wait (kernels/triton/pdl.py)
-        prefetch_tile(w_ptr, pid_n * BLOCK_N, N, K, k_begin, k_end, BLOCK_N)
     if not GEMV:
         grid_dependency()  # before any load of a kernel's output: kernels/triton/pdl.py
     if GEMV:  # BLOCK_M rows, those past M reading row M - 1
@@ -430,7 +426,6 @@ def skinny_linear(
         HAS_ADD=add is not None,
         SPLIT_K=split_k,
         EVEN_K=k % cfg.block_k == 0,
-        PREFETCH=prefetch_on(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **LAUNCH,
