@@ -568,51 +568,6 @@ def test_route_gpu(shape, tokens):
 
 
 @pytest.mark.gpu
-@REAL_HBM
-@pytest.mark.parametrize("mode", ["dense", "fp8"])
-def test_moe_small_gpu_l2_prefetch_is_bitwise(mode, monkeypatch):
-    """The weight slices prefetched into L2 first (kernels/triton/l2_prefetch.py; the down
-    launch reads the router's slots before its PDL wait) give the bits of no prefetch, eager at
-    1 / 4 / 8 tokens and in a CUDA graph replayed on new inputs (where the launches overlap)."""
-    from kernels.triton import l2_prefetch
-    from kernels.triton import moe_small as tms
-
-    shape = REAL
-    experts, shared = _weights(shape, mode, torch.bfloat16, "cuda")
-    counters = _counters(shape, "cuda")
-
-    def run(x, gate, bias):
-        return tms.moe_small(
-            x, gate, bias, 8, True, 2.5, _local(shape), experts, shared, 10.0, counters
-        )
-
-    for tokens in (1, 4, 8):
-        args = _router(tokens, shape, torch.bfloat16, "cuda", seed=tokens)
-        monkeypatch.setattr(l2_prefetch, "ENABLED", False)
-        off = run(*args)
-        monkeypatch.setattr(l2_prefetch, "ENABLED", True)
-        assert l2_prefetch.prefetch_on()
-        assert torch.equal(run(*args), off) and not counters.any()
-    x, gate, bias = _router(1, shape, torch.bfloat16, "cuda", seed=1)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(x, gate, bias)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(x, gate, bias)
-    for seed in (2, 3, 4):
-        x.copy_(_tie_free(1, gate, bias, 8, seed))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        monkeypatch.setattr(l2_prefetch, "ENABLED", False)
-        assert torch.equal(out, run(x, gate, bias)) and not counters.any()
-        monkeypatch.setattr(l2_prefetch, "ENABLED", True)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 @pytest.mark.parametrize("mode", ["dense", "fp8", "fp8_all"])
 @pytest.mark.parametrize(
@@ -637,6 +592,41 @@ def test_moe_small_gpu_real_fp8_x_in_route(tokens, monkeypatch):
     SMALL_MOE_MAX_TOKENS_FP8 = 4 runs. The 45-layer FP8 rank with it at 4 hit an illegal memory
     access in its decode graphs (H200, session 40); this holds the layer's kernels alone."""
     _x_fp8_in_route_is_bitwise(REAL, "fp8", tokens, torch.bfloat16, "cuda", monkeypatch)
+
+
+@pytest.mark.gpu
+@REAL_HBM
+@pytest.mark.parametrize("tokens", [3, 4])
+def test_moe_small_gpu_real_fp8_warmup_rows(tokens, monkeypatch):
+    """What the FP8 rank's decode graphs run first at batch 4 with SMALL_MOE_MAX_TOKENS_FP8 = 4,
+    where its router's launch hit an illegal memory access (H200 and H100; launches blocking at
+    batch 4, none at batch 2): rank 0's local experts, every row the same token (the warm-up's),
+    x quantized by the router; eager, then in a CUDA graph replayed on distinct rows."""
+    from kernels.triton import moe_small as tms
+
+    monkeypatch.setattr(tms, "X_FP8_IN_ROUTE", True)
+    x1, gate, bias = _router(1, REAL, torch.bfloat16, "cuda", seed=13)
+    experts, shared = _weights(REAL, "fp8", torch.bfloat16, "cuda")
+    counters = _counters(REAL, "cuda")
+    x = x1.repeat(tokens, 1)
+    args = (gate, bias, REAL[4], True, 2.5, (0, REAL[2]), experts, shared, 10.0)
+    out = tms.moe_small(x, *args, counters)
+    torch.cuda.synchronize()
+    assert not counters.any()
+    _check_close(out, ref.moe_small(x, *args), torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tms.moe_small(x, *args, counters)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tms.moe_small(x, *args, counters)
+    x.copy_(_tie_free(tokens, gate, bias, REAL[4], 5))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not counters.any()
+    _check_close(out, ref.moe_small(x, *args), torch.bfloat16)
 
 
 @pytest.mark.gpu
