@@ -27,6 +27,9 @@ Tolerances (relative to the reference's largest magnitude, on the same inputs):
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -594,17 +597,11 @@ def test_moe_small_gpu_real_fp8_x_in_route(tokens, monkeypatch):
     _x_fp8_in_route_is_bitwise(REAL, "fp8", tokens, torch.bfloat16, "cuda", monkeypatch)
 
 
-@pytest.mark.gpu
-@REAL_HBM
-@pytest.mark.parametrize("tokens", [3, 4])
-def test_moe_small_gpu_real_fp8_warmup_rows(tokens, monkeypatch):
-    """What the FP8 rank's decode graphs run first at batch 4 with SMALL_MOE_MAX_TOKENS_FP8 = 4,
-    where its router's launch hit an illegal memory access (H200 and H100; launches blocking at
-    batch 4, none at batch 2): rank 0's local experts, every row the same token (the warm-up's),
-    x quantized by the router; eager, then in a CUDA graph replayed on distinct rows."""
+def _warmup_rows_check(tokens: int) -> None:
+    """test_moe_small_gpu_real_fp8_warmup_rows' body, run in a process of its own."""
     from kernels.triton import moe_small as tms
 
-    monkeypatch.setattr(tms, "X_FP8_IN_ROUTE", True)
+    assert tms.X_FP8_IN_ROUTE
     x1, gate, bias = _router(1, REAL, torch.bfloat16, "cuda", seed=13)
     experts, shared = _weights(REAL, "fp8", torch.bfloat16, "cuda")
     counters = _counters(REAL, "cuda")
@@ -627,6 +624,27 @@ def test_moe_small_gpu_real_fp8_warmup_rows(tokens, monkeypatch):
     torch.cuda.synchronize()
     assert not counters.any()
     _check_close(out, ref.moe_small(x, *args), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@REAL_HBM
+@pytest.mark.parametrize("tokens", [3, 4])
+def test_moe_small_gpu_real_fp8_warmup_rows(tokens):
+    """What the FP8 rank's decode graphs run first at batch 4 with SMALL_MOE_MAX_TOKENS_FP8 = 4,
+    where its router's launch reported an illegal memory access (H200 and H100; launches
+    blocking at batch 4, none at batch 2): rank 0's local experts, every row the same token (the
+    warm-up's), x quantized by the router; eager, then in a CUDA graph replayed on distinct rows.
+    In a process of its own: a fault there would poison this worker's CUDA context."""
+    code = f"from tests.test_triton_moe_small import _warmup_rows_check as c; c({tokens})"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu
