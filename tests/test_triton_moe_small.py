@@ -600,6 +600,7 @@ def test_moe_small_gpu_real_fp8_x_in_route(tokens, monkeypatch):
 def _warmup_rows_check(tokens: int) -> None:
     """test_moe_small_gpu_real_fp8_warmup_rows' body, run in a process of its own."""
     from kernels.triton import moe_small as tms
+    from serving.executor.cuda_graph import capture
 
     assert tms.X_FP8_IN_ROUTE
     x1, gate, bias = _router(1, REAL, torch.bfloat16, "cuda", seed=13)
@@ -611,14 +612,8 @@ def _warmup_rows_check(tokens: int) -> None:
     torch.cuda.synchronize()
     assert not counters.any()
     _check_close(out, ref.moe_small(x, *args), torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        tms.moe_small(x, *args, counters)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = tms.moe_small(x, *args, counters)
+    # captured as the decode graphs are (warm-ups on a side stream, then the capture)
+    graph, out = capture(lambda: tms.moe_small(x, *args, counters), torch.cuda.graph_pool_handle())
     x.copy_(_tie_free(tokens, gate, bias, REAL[4], 5))
     graph.replay()
     torch.cuda.synchronize()

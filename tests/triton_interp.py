@@ -121,12 +121,14 @@ def _check_bounds(interp, np) -> None:
 
     def init_args_hst(self, args_dev, kwargs):
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        running[0] = None
+        if self.fn.__name__ in ADDRESS_TABLE_KERNELS:
+            return args_hst, kwargs_hst
         named = [*zip(self.arg_names, args_hst), *kwargs_hst.items()]
         found = sorted({s for name, a in named for s in spans(name, a)})
         starts = np.array([s[0] for s in found], dtype=np.uint64)
         ends = np.array([s[1] for s in found], dtype=np.uint64)
-        exempt = self.fn.__name__ in ADDRESS_TABLE_KERNELS
-        running[0] = None if exempt else (self.fn.__name__, [s[2] for s in found], starts, ends)
+        running[0] = (self.fn.__name__, [s[2] for s in found], starts, ends)
         return args_hst, kwargs_hst
 
     def check(access, ptrs, mask, itemsize):
